@@ -1,0 +1,158 @@
+"""Collectives on flat buffers, with async handles, backend fallbacks and byte accounting.
+
+Every function takes an explicit ``group`` (``None`` means the default world group) and returns a
+:class:`Handle` when ``async_op=True`` so gradient reduction can overlap the backward pass. Where a
+backend lacks ``reduce_scatter_tensor`` / ``all_gather_into_tensor`` (older gloo builds, some
+third-party backends) the same result is produced through ``all_to_all`` (reduce-scatter) or the
+list form of ``all_gather``; both move the same number of bytes, so accounting stays exact.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from lightning_scale.comm.accounting import record
+
+# (backend, op) -> True when the native collective failed once and the fallback is used.
+_NATIVE_BROKEN: Dict[Tuple[str, str], bool] = {}
+
+_reduce_scatter_native = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_native = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class Handle:
+    """An in-flight collective: ``wait()`` blocks until done and runs any post-processing."""
+
+    def __init__(self, work=None, finish: Optional[Callable[[], None]] = None) -> None:
+        self._work = work
+        self._finish = finish
+        self._done = False
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        if self._work is not None:
+            self._work.wait()
+        if self._finish is not None:
+            self._finish()
+        self._done = True
+
+
+_DONE = Handle()
+_DONE._done = True
+
+
+def group_size(group=None) -> int:
+    if not dist.is_available() or not dist.is_initialized():
+        return 1
+    return dist.get_world_size(group)
+
+
+def group_rank(group=None) -> int:
+    if not dist.is_available() or not dist.is_initialized():
+        return 0
+    return dist.get_rank(group)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _backend(group) -> str:
+    try:
+        return str(dist.get_backend(group))
+    except Exception:  # pragma: no cover - exotic groups
+        return "unknown"
+
+
+def _result(work, async_op: bool, finish: Optional[Callable[[], None]] = None) -> Optional[Handle]:
+    handle = Handle(work, finish)
+    if async_op:
+        return handle
+    handle.wait()
+    return None
+
+
+def all_reduce(buf: torch.Tensor, group=None, *, op=dist.ReduceOp.SUM, async_op: bool = False, tag: str = ""):
+    """In-place all-reduce of ``buf`` over ``group``."""
+    n = group_size(group)
+    if n == 1:
+        return _DONE if async_op else None
+    record("all_reduce", _nbytes(buf), n, tag)
+    work = dist.all_reduce(buf, op=op, group=group, async_op=async_op)
+    return _result(work, async_op)
+
+
+def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group=None, *, async_op: bool = False,
+                   tag: str = "", fallback: Optional[bool] = None):
+    """Sum ``inp`` (numel = N * out.numel()) over the group; rank r receives chunk r in ``out``."""
+    n = group_size(group)
+    if inp.numel() != n * out.numel():
+        raise ValueError(f"reduce_scatter: input numel {inp.numel()} != {n} x output numel {out.numel()}")
+    if n == 1:
+        out.copy_(inp.view_as(out))
+        return _DONE if async_op else None
+    record("reduce_scatter", _nbytes(inp), n, tag)
+    key = (_backend(group), "reduce_scatter")
+    use_fallback = _NATIVE_BROKEN.get(key, False) if fallback is None else fallback
+    if not use_fallback:
+        try:
+            work = _reduce_scatter_native(out, inp, group=group, async_op=async_op)
+            return _result(work, async_op)
+        except (RuntimeError, NotImplementedError):
+            _NATIVE_BROKEN[key] = True
+    # Fallback: all_to_all sends chunk j to rank j; each rank then sums the N chunks it received.
+    recv = torch.empty(inp.numel(), dtype=inp.dtype, device=inp.device)
+    work = dist.all_to_all_single(recv, inp.reshape(-1).contiguous(), group=group, async_op=async_op)
+
+    def finish() -> None:
+        torch.sum(recv.view(n, -1), dim=0, out=out.view(-1))
+
+    return _result(work, async_op, finish)
+
+
+def all_gather(out: torch.Tensor, inp: torch.Tensor, group=None, *, async_op: bool = False,
+               tag: str = "", fallback: Optional[bool] = None):
+    """Concatenate every rank's ``inp`` into ``out`` (numel = N * inp.numel()), in rank order."""
+    n = group_size(group)
+    if out.numel() != n * inp.numel():
+        raise ValueError(f"all_gather: output numel {out.numel()} != {n} x input numel {inp.numel()}")
+    if n == 1:
+        out.view(-1).copy_(inp.reshape(-1))
+        return _DONE if async_op else None
+    record("all_gather", _nbytes(out), n, tag)
+    key = (_backend(group), "all_gather")
+    use_fallback = _NATIVE_BROKEN.get(key, False) if fallback is None else fallback
+    if not use_fallback:
+        try:
+            work = _all_gather_native(out, inp, group=group, async_op=async_op)
+            return _result(work, async_op)
+        except (RuntimeError, NotImplementedError):
+            _NATIVE_BROKEN[key] = True
+    chunks = list(out.view(n, -1).unbind(0))
+    work = dist.all_gather(chunks, inp.reshape(-1).contiguous(), group=group, async_op=async_op)
+    return _result(work, async_op)
+
+
+def all_to_all(out: torch.Tensor, inp: torch.Tensor, group=None, *, async_op: bool = False, tag: str = ""):
+    """Chunk j of ``inp`` goes to rank j; chunk i of ``out`` comes from rank i."""
+    n = group_size(group)
+    if n == 1:
+        out.copy_(inp)
+        return _DONE if async_op else None
+    record("all_to_all", _nbytes(inp), n, tag)
+    work = dist.all_to_all_single(out, inp, group=group, async_op=async_op)
+    return _result(work, async_op)
+
+
+def broadcast(buf: torch.Tensor, src: int, group=None, *, async_op: bool = False, tag: str = ""):
+    """Broadcast ``buf`` from global rank ``src``."""
+    n = group_size(group)
+    if n == 1:
+        return _DONE if async_op else None
+    record("broadcast", _nbytes(buf), n, tag)
+    work = dist.broadcast(buf, src=src, group=group, async_op=async_op)
+    return _result(work, async_op)

@@ -1,0 +1,177 @@
+"""The project's GPT: a GPT-2 style decoder used by the example, the tests and the benchmarks.
+
+Module names are stable, because tensor-parallel plans, pipeline partitioners and sparse-attention
+swaps address them: ``wte``, ``wpe``, ``blocks.{i}.{ln1,attn.qkv,attn.proj,attn.core,ln2,mlp.fc,mlp.proj}``,
+``ln_f``, ``lm_head``. ``attn.core`` maps ``q, k, v`` of shape (B, H, T, D) to (B, H, T, D) and is the
+one place an attention implementation is swapped (dense SDPA by default; block-sparse from
+``lightning_scale.nn``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 256
+    seq_len: int = 128
+    n_layer: int = 4
+    n_head: int = 4
+    d_model: int = 256
+    mlp_ratio: int = 4
+    dropout: float = 0.0
+    bias: bool = True
+    tie_weights: bool = False
+
+    def validate(self) -> "GPTConfig":
+        for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "mlp_ratio"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"model.{name}={getattr(self, name)} must be >= 1")
+        if self.d_model % self.n_head:
+            raise ValueError(f"model.n_head={self.n_head} does not divide model.d_model={self.d_model}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"model.dropout={self.dropout} must be in [0, 1)")
+        return self
+
+    def num_params(self) -> int:
+        d, v = self.d_model, self.vocab_size
+        b = 1 if self.bias else 0
+        per_block = (
+            2 * 2 * d  # two LayerNorms
+            + d * 3 * d + b * 3 * d + d * d + b * d  # attention
+            + d * self.mlp_ratio * d + b * self.mlp_ratio * d + self.mlp_ratio * d * d + b * d  # MLP
+        )
+        head = 0 if self.tie_weights else v * d
+        return v * d + self.seq_len * d + self.n_layer * per_block + 2 * d + head
+
+
+class DenseCausalAttention(nn.Module):
+    """softmax(q k^T / sqrt(D) + causal mask) v with torch's fused SDPA."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # (B, H, T, D)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.head_dim = cfg.d_model // cfg.n_head
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias)  # output: [q | k | v], head-major
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.core: nn.Module = DenseCausalAttention()
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        # n_head is read at run time so tensor parallelism can shrink it to the local head count.
+        q, k, v = self.qkv(x).view(B, T, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4)  # 3x (B, H, T, D)
+        y = self.core(q, k, v)  # (B, H, T, D)
+        y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)
+        return self.dropout(self.proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.proj(F.gelu(self.fc(x), approximate="tanh")))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C)
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg.validate()
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_weights:
+            self.lm_head.weight = self.wte.weight
+        if not any(p.is_meta for p in self.parameters()):
+            self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """GPT-2 init; residual projections scaled by 1/sqrt(2 * n_layer). Deterministic given the seed."""
+        std = 0.02
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                scale = 1.0 / math.sqrt(2 * self.cfg.n_layer) if name.endswith(".proj") else 1.0
+                nn.init.normal_(module.weight, 0.0, std * scale)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, 0.0, std)
+            elif isinstance(module, nn.LayerNorm):
+                module.reset_parameters()
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """idx (B, T) int64 -> logits (B, T, vocab)."""
+        B, T = idx.shape
+        if T > self.cfg.seq_len:
+            raise ValueError(f"sequence length {T} exceeds model.seq_len={self.cfg.seq_len}")
+        pos = torch.arange(T, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+    def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return lm_loss(self(idx), targets)
+
+    def layer_modules(self) -> List[nn.Module]:
+        """The repeated units (transformer blocks): ZeRO-3 units and pipeline partitions start here."""
+        return list(self.blocks)
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Mean next-token cross-entropy, computed in fp32 whatever the logits' dtype."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=ignore_index)
+
+
+def gpt_small(**overrides) -> GPTConfig:
+    """The benchmark GPT of ../shared/PEERS.md: 4 layers, d 256, 4 heads, vocab 8192, seq 128 (7.4M)."""
+    base = dict(vocab_size=8192, seq_len=128, n_layer=4, n_head=4, d_model=256)
+    base.update(overrides)
+    return GPTConfig(**base)
+
+
+def gpt_tiny(**overrides) -> GPTConfig:
+    base = dict(vocab_size=64, seq_len=16, n_layer=2, n_head=4, d_model=32)
+    base.update(overrides)
+    return GPTConfig(**base)
+
+
+def make_batch(cfg: GPTConfig, batch_size: int, seed: int, device: Optional[torch.device] = None):
+    """A deterministic random (tokens, targets) batch for tests and benchmarks."""
+    g = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, cfg.vocab_size, (batch_size, cfg.seq_len + 1), generator=g)
+    data = data.to(device) if device is not None else data
+    return data[:, :-1], data[:, 1:]

@@ -1,0 +1,122 @@
+"""Run a function on N local processes joined by gloo, with a timeout that kills hung ranks.
+
+Used by the multi-process tests and by the benchmarks::
+
+    results = run_distributed(my_fn, world_size=4, args=(cfg,), timeout=120)
+
+``my_fn(rank, world_size, *args)`` must be importable by name (a module-level function). Each rank
+initializes ``torch.distributed`` from a ``file://`` store in a fresh temporary folder. The first
+rank that raises makes the call raise with that rank's traceback; ranks still alive are killed
+after a short grace period, so a failure never leaves a rank blocked in a collective.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import os
+import pickle
+import sys
+import tempfile
+import time
+import traceback
+from typing import Any, Callable, List, Optional, Sequence
+
+import multiprocessing as mp
+
+
+class DistributedTestError(RuntimeError):
+    pass
+
+
+def _worker(target: str, rank: int, world_size: int, tmp: str, args: Sequence[Any], sys_path: List[str],
+            backend: str, timeout_s: float, threads: int) -> None:
+    sys.path[:] = sys_path
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    os.environ.setdefault("LIGHTNING_SCALE_SKIP_REGISTER", "1")
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(threads)
+        dist.init_process_group(
+            backend, init_method=f"file://{os.path.join(tmp, 'store')}", rank=rank, world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        module_name, qualname = target.split(":")
+        fn: Any = importlib.import_module(module_name)
+        for part in qualname.split("."):
+            fn = getattr(fn, part)
+        result = fn(rank, world_size, *args)
+        with open(os.path.join(tmp, f"result_{rank}.pkl.tmp"), "wb") as f:
+            pickle.dump(result, f)
+        os.replace(os.path.join(tmp, f"result_{rank}.pkl.tmp"), os.path.join(tmp, f"result_{rank}.pkl"))
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - report everything, then exit non-zero
+        with open(os.path.join(tmp, f"error_{rank}.txt"), "w") as f:
+            f.write(traceback.format_exc())
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def run_distributed(fn: Callable, world_size: int, args: Sequence[Any] = (), *, timeout: float = 180.0,
+                    backend: str = "gloo", threads: int = 1, tmp_dir: Optional[str] = None) -> List[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return each rank's result."""
+    target = f"{fn.__module__}:{fn.__qualname__}"
+    if fn.__module__ == "__main__":
+        main = sys.modules["__main__"]
+        path = getattr(main, "__file__", None)
+        if path is None:
+            raise ValueError("run_distributed needs a function defined in an importable module")
+        sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
+        target = f"{os.path.splitext(os.path.basename(path))[0]}:{fn.__qualname__}"
+    tmp = tmp_dir or tempfile.mkdtemp(prefix="ls_dist_")
+    ctx = mp.get_context("spawn")
+    procs = [
+        ctx.Process(target=_worker, args=(target, r, world_size, tmp, tuple(args), list(sys.path), backend,
+                                          timeout, threads), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    failed_at: Optional[float] = None
+    try:
+        while True:
+            codes = [p.exitcode for p in procs]
+            if all(c is not None for c in codes):
+                break
+            if any(c not in (None, 0) for c in codes) and failed_at is None:
+                failed_at = time.monotonic()
+            if failed_at is not None and time.monotonic() - failed_at > 5.0:
+                break  # a rank failed: do not wait for the others to time out in a collective
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(5)
+    errors = []
+    for r in range(world_size):
+        path = os.path.join(tmp, f"error_{r}.txt")
+        if os.path.exists(path):
+            with open(path) as f:
+                errors.append((r, f.read()))
+    if errors:
+        # The first error written is the root cause; later ones are usually peers losing the connection.
+        errors.sort(key=lambda e: os.path.getmtime(os.path.join(tmp, f"error_{e[0]}.txt")))
+        rank, text = errors[0]
+        raise DistributedTestError(f"rank {rank} of {world_size} failed:\n{text}")
+    codes = [p.exitcode for p in procs]
+    if any(c != 0 for c in codes):
+        raise DistributedTestError(f"ranks did not finish within {timeout}s (exit codes {codes}); killed")
+    results = []
+    for r in range(world_size):
+        with open(os.path.join(tmp, f"result_{r}.pkl"), "rb") as f:
+            results.append(pickle.load(f))
+    return results

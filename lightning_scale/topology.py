@@ -1,0 +1,172 @@
+"""Rank arithmetic for dp x pp x tp layouts, and the process groups of each axis.
+
+Order (documented contract): ``tp`` varies fastest, then ``dp``, then ``pp``::
+
+    rank = (pp_index * dp + dp_index) * tp + tp_index
+
+so tensor-parallel peers are neighbours (same host / NVLink domain) and pipeline stages are the
+outermost split (the axis that crosses slow links). This module is the only place that does rank
+arithmetic and the only caller of ``torch.distributed.new_group``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import torch.distributed as dist
+
+AXES = ("pp", "dp", "tp")  # outermost first
+
+
+@dataclass(frozen=True)
+class Coords:
+    pp: int
+    dp: int
+    tp: int
+
+
+@dataclass
+class Topology:
+    """A dp x pp x tp grid over ``world_size = dp * pp * tp`` ranks.
+
+    The pure methods (``coords``, ``rank_of``, ``axis_ranks``, ``all_axis_ranks``) work without
+    processes. ``build_groups()`` creates one process group per axis instance (every rank must
+    call it, in the same order, once) and keeps the groups this rank belongs to.
+    """
+
+    dp: int = 1
+    pp: int = 1
+    tp: int = 1
+    rank: int = 0
+    _groups: Dict[str, object] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        for name in AXES:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r}: each axis size must be a positive integer")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank={self.rank} is outside world_size={self.world_size} (dp*pp*tp)")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pp * self.tp
+
+    # ----------------------------------------------------------------- pure rank arithmetic
+    def coords(self, rank: Optional[int] = None) -> Coords:
+        rank = self.rank if rank is None else rank
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank={rank} is outside world_size={self.world_size}")
+        tp_index = rank % self.tp
+        dp_index = (rank // self.tp) % self.dp
+        pp_index = rank // (self.tp * self.dp)
+        return Coords(pp=pp_index, dp=dp_index, tp=tp_index)
+
+    def rank_of(self, *, pp: int = 0, dp: int = 0, tp: int = 0) -> int:
+        for name, value in (("pp", pp), ("dp", dp), ("tp", tp)):
+            if not 0 <= value < getattr(self, name):
+                raise ValueError(f"{name} index {value} is outside {name}={getattr(self, name)}")
+        return (pp * self.dp + dp) * self.tp + tp
+
+    def axis_ranks(self, axis: str, rank: Optional[int] = None) -> List[int]:
+        """Ranks that share every coordinate with ``rank`` except ``axis`` (ordered by that axis)."""
+        self._check_axis(axis)
+        c = self.coords(rank)
+        out = []
+        for i in range(getattr(self, axis)):
+            kw = {"pp": c.pp, "dp": c.dp, "tp": c.tp, axis: i}
+            out.append(self.rank_of(**kw))
+        return out
+
+    def all_axis_ranks(self, axis: str) -> List[List[int]]:
+        """Every instance of ``axis``: a partition of all ranks into groups of that axis' size."""
+        self._check_axis(axis)
+        others = [a for a in AXES if a != axis]
+        groups = []
+        for values in itertools.product(*(range(getattr(self, a)) for a in others)):
+            fixed = dict(zip(others, values))
+            groups.append([self.rank_of(**{**fixed, axis: i}) for i in range(getattr(self, axis))])
+        return groups
+
+    def axis_index(self, axis: str, rank: Optional[int] = None) -> int:
+        self._check_axis(axis)
+        return getattr(self.coords(rank), axis)
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coords().dp
+
+    @property
+    def pp_rank(self) -> int:
+        return self.coords().pp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.coords().tp
+
+    @property
+    def dp_ranks(self) -> List[int]:
+        return self.axis_ranks("dp")
+
+    @property
+    def pp_ranks(self) -> List[int]:
+        return self.axis_ranks("pp")
+
+    @property
+    def tp_ranks(self) -> List[int]:
+        return self.axis_ranks("tp")
+
+    @staticmethod
+    def _check_axis(axis: str) -> None:
+        if axis not in AXES:
+            raise ValueError(f"unknown axis {axis!r}; axes are {AXES}")
+
+    # ----------------------------------------------------------------- process groups
+    def build_groups(self, backend: Optional[str] = None) -> "Topology":
+        """Create one process group per axis instance. Collective: all ranks call it.
+
+        Axes of size 1 get no group of their own (``group(axis)`` returns a 1-rank group only
+        when needed); the dp axis of a pure data-parallel layout reuses the world group.
+        """
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("Topology.build_groups() needs torch.distributed to be initialized")
+        if dist.get_world_size() != self.world_size:
+            raise ValueError(
+                f"dp*pp*tp = {self.dp}*{self.pp}*{self.tp} = {self.world_size} does not equal the "
+                f"world size {dist.get_world_size()}"
+            )
+        if dist.get_rank() != self.rank:
+            raise ValueError(f"Topology.rank={self.rank} but this process is rank {dist.get_rank()}")
+        for axis in AXES:
+            size = getattr(self, axis)
+            if size == self.world_size:
+                self._groups[axis] = dist.group.WORLD
+                continue
+            for ranks in self.all_axis_ranks(axis):
+                # new_group is collective over all ranks, even those not in `ranks`.
+                group = dist.new_group(ranks, backend=backend)
+                if self.rank in ranks:
+                    self._groups[axis] = group
+        return self
+
+    def group(self, axis: str):
+        self._check_axis(axis)
+        if axis not in self._groups:
+            if self.world_size == 1 or getattr(self, axis) == 1 and not self._groups:
+                return None
+            raise RuntimeError("call Topology.build_groups() before asking for process groups")
+        return self._groups[axis]
+
+    @property
+    def dp_group(self):
+        return self.group("dp")
+
+    @property
+    def pp_group(self):
+        return self.group("pp")
+
+    @property
+    def tp_group(self):
+        return self.group("tp")
