@@ -16,24 +16,32 @@ import datetime
 import importlib
 import os
 import pickle
+import shutil
+import signal
+import subprocess
 import sys
 import tempfile
 import time
 import traceback
 from typing import Any, Callable, List, Optional, Sequence
 
-import multiprocessing as mp
 
 
 class DistributedTestError(RuntimeError):
     pass
 
 
+def _entry() -> None:
+    """Child process entry: ``python -c 'from lightning_scale.testing import _entry; _entry()' JOB RANK``."""
+    job, rank = sys.argv[1], int(sys.argv[2])
+    with open(job, "rb") as f:
+        spec = pickle.load(f)
+    _worker(rank=rank, **spec)
+
+
 def _worker(target: str, rank: int, world_size: int, tmp: str, args: Sequence[Any], sys_path: List[str],
             backend: str, timeout_s: float, threads: int) -> None:
     sys.path[:] = sys_path
-    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
-    os.environ.setdefault("LIGHTNING_SCALE_SKIP_REGISTER", "1")
     try:
         import torch
         import torch.distributed as dist
@@ -62,30 +70,32 @@ def _worker(target: str, rank: int, world_size: int, tmp: str, args: Sequence[An
 
 
 def run_distributed(fn: Callable, world_size: int, args: Sequence[Any] = (), *, timeout: float = 180.0,
-                    backend: str = "gloo", threads: int = 1, tmp_dir: Optional[str] = None) -> List[Any]:
+                    backend: str = "gloo", threads: int = 1, tmp_dir: Optional[str] = None,
+                    env: Optional[dict] = None) -> List[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return each rank's result."""
     target = f"{fn.__module__}:{fn.__qualname__}"
+    sys_path = list(sys.path)
     if fn.__module__ == "__main__":
-        main = sys.modules["__main__"]
-        path = getattr(main, "__file__", None)
+        path = getattr(sys.modules["__main__"], "__file__", None)
         if path is None:
             raise ValueError("run_distributed needs a function defined in an importable module")
-        sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
+        sys_path.insert(0, os.path.dirname(os.path.abspath(path)))
         target = f"{os.path.splitext(os.path.basename(path))[0]}:{fn.__qualname__}"
     tmp = tmp_dir or tempfile.mkdtemp(prefix="ls_dist_")
-    ctx = mp.get_context("spawn")
-    procs = [
-        ctx.Process(target=_worker, args=(target, r, world_size, tmp, tuple(args), list(sys.path), backend,
-                                          timeout, threads), daemon=True)
-        for r in range(world_size)
-    ]
-    for p in procs:
-        p.start()
+    job = os.path.join(tmp, "job.pkl")
+    with open(job, "wb") as f:
+        pickle.dump(dict(target=target, world_size=world_size, tmp=tmp, args=tuple(args), sys_path=sys_path,
+                         backend=backend, timeout_s=timeout, threads=threads), f)
+    child_env = dict(os.environ, OMP_NUM_THREADS=str(threads), LIGHTNING_SCALE_SKIP_REGISTER="1")
+    child_env.update(env or {})
+    code = "from lightning_scale.testing import _entry; _entry()"
+    procs = [subprocess.Popen([sys.executable, "-c", code, job, str(r)], env=child_env, start_new_session=True)
+             for r in range(world_size)]
     deadline = time.monotonic() + timeout
     failed_at: Optional[float] = None
     try:
         while True:
-            codes = [p.exitcode for p in procs]
+            codes = [p.poll() for p in procs]
             if all(c is not None for c in codes):
                 break
             if any(c not in (None, 0) for c in codes) and failed_at is None:
@@ -97,26 +107,33 @@ def run_distributed(fn: Callable, world_size: int, args: Sequence[Any] = (), *, 
             time.sleep(0.02)
     finally:
         for p in procs:
-            if p.is_alive():
-                p.kill()
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
         for p in procs:
-            p.join(5)
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
     errors = []
     for r in range(world_size):
         path = os.path.join(tmp, f"error_{r}.txt")
         if os.path.exists(path):
             with open(path) as f:
-                errors.append((r, f.read()))
+                errors.append((os.path.getmtime(path), r, f.read()))
     if errors:
         # The first error written is the root cause; later ones are usually peers losing the connection.
-        errors.sort(key=lambda e: os.path.getmtime(os.path.join(tmp, f"error_{e[0]}.txt")))
-        rank, text = errors[0]
+        errors.sort()
+        _, rank, text = errors[0]
         raise DistributedTestError(f"rank {rank} of {world_size} failed:\n{text}")
-    codes = [p.exitcode for p in procs]
+    codes = [p.returncode for p in procs]
     if any(c != 0 for c in codes):
         raise DistributedTestError(f"ranks did not finish within {timeout}s (exit codes {codes}); killed")
     results = []
     for r in range(world_size):
         with open(os.path.join(tmp, f"result_{r}.pkl"), "rb") as f:
             results.append(pickle.load(f))
+    shutil.rmtree(tmp, ignore_errors=True)
     return results

@@ -1,0 +1,3 @@
+from lightning_scale.data.corpus import RandomTokens, TokenWindows, split, stdlib_corpus
+
+__all__ = ["RandomTokens", "TokenWindows", "split", "stdlib_corpus"]

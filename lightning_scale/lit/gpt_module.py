@@ -1,0 +1,97 @@
+"""The GPT as a LightningModule (the example, the strategy tests and the benchmarks use this one)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict
+from typing import Any, Dict, Optional, Union
+
+import lightning.pytorch as pl
+import torch
+
+from lightning_scale.models.gpt import GPT, GPTConfig, lm_loss
+
+
+class GPTLightningModule(pl.LightningModule):
+    """Builds the GPT in ``configure_model`` (deferred: strategies decide device, dtype and sharding).
+
+    AdamW with two parameter groups (weight decay on matrices only), linear warm-up then cosine decay.
+    ``attention`` optionally swaps in block-sparse attention (a lightning_scale.nn sparsity config).
+    """
+
+    def __init__(self, model: Union[GPTConfig, Dict[str, Any]] = GPTConfig(), lr: float = 3e-3,
+                 weight_decay: float = 0.1, betas: tuple = (0.9, 0.95), warmup_steps: int = 20,
+                 max_steps: int = 1000, min_lr_ratio: float = 0.1, attention: Optional[Any] = None,
+                 optimizer: str = "adamw", freeze_step: Optional[int] = None) -> None:
+        super().__init__()
+        self.cfg = model if isinstance(model, GPTConfig) else GPTConfig(**model)
+        self.cfg.validate()
+        if optimizer not in ("adamw", "onebit_adam", "sgd"):
+            raise ValueError(f"optimizer={optimizer!r}: use 'adamw', 'onebit_adam' or 'sgd'")
+        self.save_hyperparameters({"model": asdict(self.cfg), "lr": lr, "weight_decay": weight_decay,
+                                   "betas": tuple(betas), "warmup_steps": warmup_steps, "max_steps": max_steps,
+                                   "min_lr_ratio": min_lr_ratio, "optimizer": optimizer})
+        self.lr, self.weight_decay, self.betas = lr, weight_decay, tuple(betas)
+        self.warmup_steps, self.max_steps, self.min_lr_ratio = warmup_steps, max_steps, min_lr_ratio
+        self.attention = attention
+        self.optimizer_name = optimizer
+        self.freeze_step = freeze_step
+        self.model: Optional[GPT] = None
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        self.model = GPT(self.cfg)
+        if self.attention is not None:
+            from lightning_scale.nn import swap_gpt_attention
+
+            swap_gpt_attention(self.model, self.attention)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(idx)
+
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = lm_loss(self.model(x), y)
+        self.log("train_loss", loss, prog_bar=True, on_step=True, on_epoch=False)
+        return loss
+
+    def validation_step(self, batch, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = lm_loss(self.model(x), y)
+        self.log("val_loss", loss, prog_bar=True, on_epoch=True, sync_dist=True)
+        return loss
+
+    def test_step(self, batch, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = lm_loss(self.model(x), y)
+        self.log("test_loss", loss, on_epoch=True, sync_dist=True)
+        return loss
+
+    def predict_step(self, batch, batch_idx: int) -> torch.Tensor:
+        x = batch[0] if isinstance(batch, (tuple, list)) else batch
+        return self.model(x).argmax(-1)
+
+    def configure_optimizers(self):
+        decay = [p for p in self.model.parameters() if p.requires_grad and p.dim() >= 2]
+        no_decay = [p for p in self.model.parameters() if p.requires_grad and p.dim() < 2]
+        groups = [{"params": decay, "weight_decay": self.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        if self.optimizer_name == "onebit_adam":
+            from lightning_scale.optim import OneBitAdam
+
+            freeze = self.freeze_step if self.freeze_step is not None else max(1, self.max_steps // 5)
+            opt = OneBitAdam(groups, lr=self.lr, betas=self.betas, freeze_step=freeze)
+        elif self.optimizer_name == "sgd":
+            opt = torch.optim.SGD(groups, lr=self.lr, momentum=0.9)
+        else:
+            opt = torch.optim.AdamW(groups, lr=self.lr, betas=self.betas)
+        warmup, total, floor = self.warmup_steps, max(1, self.max_steps), self.min_lr_ratio
+
+        def schedule(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / warmup
+            progress = min(1.0, (step - warmup) / max(1, total - warmup))
+            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

@@ -1,0 +1,273 @@
+"""Tensor-parallel layers: each holds its shard of one dense layer and does the matching communication.
+
+* :class:`ColumnParallelLinear` splits the *output* features (``Y_r = X W_r^T + b_r``); optionally
+  all-gathers the output. Fused projections (``[q | k | v]``) are split per section, i.e. per head.
+* :class:`RowParallelLinear` splits the *input* features; its input is already split (the output of a
+  column-parallel layer), partial sums are all-reduced, then the (replicated) bias is added once.
+* :class:`VocabParallelEmbedding` splits the vocabulary; ids outside the own range produce zeros and
+  one all-reduce sums the rows. A vocabulary tp does not divide is padded at the end.
+
+With ``sequence_parallel=True`` the activations between layers are split along the sequence dim
+(``-2``): a column-parallel layer all-gathers its input, row-parallel and embedding layers
+reduce-scatter their output. Parameter names stay ``weight`` / ``bias`` so state_dict keys do not change.
+``transposed=True`` keeps GPT-2's ``Conv1D`` layout (weight stored ``(in, out)``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from lightning_scale.tensor_parallel.mappings import (
+    copy_to_region,
+    gather_from_region,
+    gather_from_sequence_region,
+    reduce_from_region,
+    reduce_scatter_to_sequence_region,
+    scatter_to_region,
+    tp_rank,
+    tp_size,
+)
+from lightning_scale.tensor_parallel.sharding import ShardSpec, make_spec, mark_partial_grad, mark_sharded, shard_tensor
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """Hugging Face's GPT-2 ``Conv1D``: a linear layer whose weight is stored (in, out)."""
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx")
+
+
+def dense_features(module: nn.Module):
+    """(in_features, out_features, transposed) of an ``nn.Linear`` or ``Conv1D``; ValueError otherwise."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features, False
+    if is_conv1d(module):
+        return module.nx, module.nf, True
+    raise ValueError(f"expected nn.Linear or Conv1D, got {type(module).__name__}")
+
+
+def _init_linear_(full_weight: torch.Tensor, full_bias: Optional[torch.Tensor], fan_in: int) -> None:
+    """nn.Linear's default init on the *full* (out, in) weight, so shards of one rank-consistent tensor."""
+    nn.init.kaiming_uniform_(full_weight, a=math.sqrt(5))
+    if full_bias is not None:
+        bound = 1.0 / math.sqrt(fan_in) if fan_in > 0 else 0.0
+        nn.init.uniform_(full_bias, -bound, bound)
+
+
+class _ParallelLinearBase(nn.Module):
+    """Shared bookkeeping: group, tag, Conv1D layout, full-then-slice init, slicing from a dense layer."""
+
+    weight_spec: ShardSpec
+    bias_spec: Optional[ShardSpec]
+
+    def _setup(self, in_features: int, out_features: int, group, name: str, transposed: bool) -> None:
+        self.in_features, self.out_features = in_features, out_features
+        self.group, self.tp, self.rank = group, tp_size(group), tp_rank(group)
+        self.transposed = transposed
+        self.tp_name = name
+        self.tag = f"tp/{name}" if name else "tp"
+
+    def _weight(self) -> torch.Tensor:
+        return self.weight.t() if self.transposed else self.weight  # (out_local, in_local) view
+
+    def _make_params(self, weight_shape, bias_shape, device, dtype) -> None:
+        self.weight = nn.Parameter(torch.empty(weight_shape, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(bias_shape, device=device, dtype=dtype)) if bias_shape else None
+        if self.bias is None:
+            self.register_parameter("bias", None)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Initialize like the dense layer would, on the full tensor, and keep this rank's slice.
+
+        Every rank draws the same full tensor (same seed), so the shards fit together; costs one full
+        weight transiently. For very large layers build the model on ``meta`` and load a checkpoint.
+        """
+        if self.weight.is_meta:
+            return
+        w = torch.empty(self.out_features, self.in_features, dtype=self.weight.dtype)
+        b = torch.empty(self.out_features, dtype=self.weight.dtype) if self.bias is not None else None
+        _init_linear_(w, b, self.in_features)
+        self.load_full_(w.t() if self.transposed else w, b)
+
+    @torch.no_grad()
+    def load_full_(self, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+        """Copy this rank's slices of a full weight (in the dense layer's own layout) and bias."""
+        self.weight.copy_(shard_tensor(weight, self.weight_spec, self.rank))
+        if self.bias is not None:
+            if self.bias_spec is None:
+                self.bias.copy_(bias)
+            else:
+                self.bias.copy_(shard_tensor(bias, self.bias_spec, self.rank))
+
+    @classmethod
+    def from_dense(cls, module: nn.Module, group, **kwargs) -> "_ParallelLinearBase":
+        """Slice an existing ``nn.Linear`` / ``Conv1D`` (meta stays meta) into this rank's parallel layer."""
+        in_f, out_f, transposed = dense_features(module)
+        w = module.weight
+        layer = cls(in_f, out_f, group=group, bias=module.bias is not None, transposed=transposed,
+                    device=w.device, dtype=w.dtype, init=False, **kwargs)
+        if w.is_meta:
+            return layer
+        layer.load_full_(w.detach(), None if module.bias is None else module.bias.detach())
+        layer.weight.requires_grad_(w.requires_grad)
+        return layer
+
+
+class ColumnParallelLinear(_ParallelLinearBase):
+    """Output features split over the tp group: ``(*, in) -> (*, out / tp)`` (or ``(*, out)`` gathered).
+
+    ``sections`` > 1 splits a fused output ``[a | b | ...]`` part by part (whole heads of q, k and v);
+    ``pad=True`` pads ``out_features`` to a multiple of tp (vocabulary heads; see
+    :func:`~lightning_scale.tensor_parallel.cross_entropy.vocab_parallel_cross_entropy`).
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, group, bias: bool = True,
+                 gather_output: bool = False, sections: int = 1, pad: bool = False,
+                 sequence_parallel: bool = False, transposed: bool = False, name: str = "",
+                 device=None, dtype=None, init: bool = True) -> None:
+        super().__init__()
+        self._setup(in_features, out_features, group, name, transposed)
+        self.gather_output, self.sections, self.sequence_parallel = gather_output, sections, sequence_parallel
+        what = f"{name or 'ColumnParallelLinear'} out_features"
+        self.weight_spec = make_spec(1 if transposed else 0, out_features, self.tp, sections=sections, pad=pad,
+                                     what=what)
+        self.bias_spec = make_spec(0, out_features, self.tp, sections=sections, pad=pad, what=what) if bias else None
+        n = self.weight_spec.local_size
+        self._make_params((in_features, n) if transposed else (n, in_features), (n,) if bias else None, device, dtype)
+        mark_sharded(self.weight, self.weight_spec)
+        if self.bias is not None:
+            mark_sharded(self.bias, self.bias_spec)
+        if init:
+            self.reset_parameters()
+
+    @property
+    def local_out_features(self) -> int:
+        return self.weight_spec.local_size
+
+    @property
+    def vocab_start(self) -> int:
+        """First output feature (e.g. vocabulary id) held by this rank, in the padded layout."""
+        return self.rank * self.weight_spec.local_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (*, T, in) -> (*, T, out/tp)
+        if self.sequence_parallel:
+            x = gather_from_sequence_region(x, self.group, dim=-2, tag=self.tag)  # (*, T/tp, in) -> (*, T, in)
+        else:
+            x = copy_to_region(x, self.group, tag=self.tag)
+        y = F.linear(x, self._weight(), self.bias)
+        if not self.gather_output:
+            return y
+        y = gather_from_region(y, self.group, tag=self.tag)  # (*, tp * out_local), rank-major
+        spec = self.weight_spec
+        if spec.sections > 1:  # [a0|b0|c0|a1|b1|c1] -> [a0|a1|b0|b1|c0|c1]
+            y = y.unflatten(-1, (self.tp, spec.sections, spec.section_local)).transpose(-3, -2).flatten(-3)
+        return y[..., : self.out_features] if spec.padded != spec.size else y
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features} (local {self.local_out_features}), tp={self.tp}, "
+                f"sections={self.sections}, gather_output={self.gather_output}, sp={self.sequence_parallel}")
+
+
+class RowParallelLinear(_ParallelLinearBase):
+    """Input features split over the tp group: ``(*, in / tp) -> (*, out)`` after one all-reduce.
+
+    The bias is replicated and added after the reduction, so it is counted once.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, group, bias: bool = True,
+                 input_is_parallel: bool = True, sections: int = 1, sequence_parallel: bool = False,
+                 transposed: bool = False, name: str = "", device=None, dtype=None, init: bool = True) -> None:
+        super().__init__()
+        self._setup(in_features, out_features, group, name, transposed)
+        self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
+        self.weight_spec = make_spec(0 if transposed else 1, in_features, self.tp, sections=sections,
+                                     what=f"{name or 'RowParallelLinear'} in_features")
+        self.bias_spec = None
+        n = self.weight_spec.local_size
+        self._make_params((n, out_features) if transposed else (out_features, n), (out_features,) if bias else None,
+                          device, dtype)
+        mark_sharded(self.weight, self.weight_spec)
+        if self.bias is not None and sequence_parallel:
+            mark_partial_grad(self.bias)  # added to this rank's tokens only
+        if init:
+            self.reset_parameters()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (*, T, in/tp) -> (*, T, out) or (*, T/tp, out)
+        if not self.input_is_parallel:
+            x = scatter_to_region(x, self.group, tag=self.tag)
+        y = F.linear(x, self._weight())  # partial sums over this rank's input features
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence_region(y, self.group, dim=-2, tag=self.tag)
+        else:
+            y = reduce_from_region(y, self.group, tag=self.tag)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features} (local {self.weight_spec.local_size}), out={self.out_features}, "
+                f"tp={self.tp}, sp={self.sequence_parallel}")
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding rows (the vocabulary) split over the tp group, padded to a multiple of tp."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, group, padding_idx: Optional[int] = None,
+                 sequence_parallel: bool = False, name: str = "", device=None, dtype=None,
+                 init: bool = True) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.group, self.tp, self.rank = group, tp_size(group), tp_rank(group)
+        self.padding_idx, self.sequence_parallel = padding_idx, sequence_parallel
+        self.tp_name, self.tag = name, f"tp/{name}" if name else "tp"
+        self.weight_spec = make_spec(0, num_embeddings, self.tp, pad=True, what=f"{name or 'embedding'} vocab")
+        self.vocab_start, self.vocab_end = self.weight_spec.local_range(self.rank)
+        self.weight = nn.Parameter(torch.empty(self.weight_spec.local_size, embedding_dim, device=device, dtype=dtype))
+        mark_sharded(self.weight, self.weight_spec)
+        if init:
+            self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        if self.weight.is_meta:
+            return
+        full = torch.empty(self.num_embeddings, self.embedding_dim, dtype=self.weight.dtype)
+        nn.init.normal_(full)
+        if self.padding_idx is not None:
+            full[self.padding_idx].zero_()
+        self.load_full_(full)
+
+    @torch.no_grad()
+    def load_full_(self, weight: torch.Tensor) -> None:
+        self.weight.copy_(shard_tensor(weight, self.weight_spec, self.rank))
+
+    @classmethod
+    def from_dense(cls, module: nn.Embedding, group, **kwargs) -> "VocabParallelEmbedding":
+        if not isinstance(module, nn.Embedding):
+            raise ValueError(f"expected nn.Embedding, got {type(module).__name__}")
+        if module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
+            raise ValueError("VocabParallelEmbedding does not support max_norm, scale_grad_by_freq or sparse")
+        w = module.weight
+        layer = cls(module.num_embeddings, module.embedding_dim, group=group, padding_idx=module.padding_idx,
+                    device=w.device, dtype=w.dtype, init=False, **kwargs)
+        if not w.is_meta:
+            layer.load_full_(w.detach())
+        layer.weight.requires_grad_(w.requires_grad)
+        return layer
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, C) or (B, T/tp, C)
+        outside = (idx < self.vocab_start) | (idx >= self.vocab_end)
+        local = (idx - self.vocab_start).masked_fill(outside, 0)
+        pad = self.padding_idx
+        local_pad = pad - self.vocab_start if pad is not None and self.vocab_start <= pad < self.vocab_end else None
+        out = F.embedding(local, self.weight, local_pad)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)  # other ranks own these rows
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_region(out, self.group, dim=-2, tag=self.tag)
+        return reduce_from_region(out, self.group, tag=self.tag)
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim}, rows [{self.vocab_start}, {self.vocab_end}), "
+                f"tp={self.tp}, sp={self.sequence_parallel}")

@@ -1,0 +1,325 @@
+"""Apply a tensor-parallel plan to an existing, unchanged model: ``apply_tensor_parallel(model, plan, group)``.
+
+A plan maps module-name patterns (``*`` = one dotted component, e.g. ``blocks.*.attn.qkv``) to styles
+(:mod:`~lightning_scale.tensor_parallel.styles`). Applying it happens in two phases so a bad plan fails
+before anything changes:
+
+1. :func:`plan_tensor_parallel` (pure, needs only the tp size): match patterns, check module types,
+   that tp divides every split dimension and every head count, that tied weights are split alike.
+2. :func:`apply_tensor_parallel`: replace the matched modules by their parallel versions in place
+   (same names, so state_dict keys do not change), shrink the head counts the attention reads at run
+   time, re-tie shared weights, install sequence-parallel hooks and marks, record the state.
+
+Built-in plans (``plan=None``): the project GPT, a Hugging Face model's own ``tp_plan`` /
+``base_model_tp_plan``, and Hugging Face GPT-2 (fused ``Conv1D`` ``c_attn``, split per head).
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+import torch.nn as nn
+
+from lightning_scale.config import ConfigError
+from lightning_scale.tensor_parallel.hf import default_plan, is_hf_model
+from lightning_scale.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    dense_features,
+    is_conv1d,
+)
+from lightning_scale.tensor_parallel.mappings import scatter_to_sequence_region, tp_rank, tp_size
+from lightning_scale.tensor_parallel.sharding import ShardSpec, make_spec, mark_partial_grad, tp_spec
+from lightning_scale.tensor_parallel.state import TensorParallelState
+from lightning_scale.tensor_parallel.styles import Style, parse_style
+
+HEAD_ATTRS = ("n_head", "num_heads", "num_attention_heads", "num_key_value_heads", "n_kv_head", "n_kv_heads",
+              "num_kv_heads")
+WIDTH_ATTRS = ("split_size", "embed_dim", "hidden_size", "all_head_size", "inner_dim")
+CONFIG_HEAD_ATTRS = ("num_attention_heads", "num_key_value_heads")
+
+
+@dataclass
+class Action:
+    name: str
+    module: nn.Module
+    style: Style  # sections resolved
+    weight_spec: Optional[ShardSpec]
+
+
+@dataclass
+class TensorParallelPlan:
+    """The validated result of :func:`plan_tensor_parallel`: what apply will do, nothing done yet."""
+
+    tp: int
+    sequence_parallel: bool
+    actions: List[Action]
+    parent_fixes: Dict[str, Dict[str, int]]  # attention module name -> {attr: local value}
+    ties: List[List[Tuple[str, str]]]  # groups of (module name, param name) sharing one tensor
+    styles: Dict[str, str] = field(default_factory=dict)
+
+
+def _pattern_regex(pattern: str) -> "re.Pattern":
+    return re.compile("^" + re.escape(pattern).replace(r"\*", r"[^.]+") + "$")
+
+
+def _generic(name: str) -> str:
+    return re.sub(r"(^|\.)\d+(?=\.|$)", r"\1*", name)
+
+
+def _no_match_error(pattern: str, names: List[str], model: nn.Module) -> ConfigError:
+    generic = sorted({_generic(n) for n in names})
+    close = difflib.get_close_matches(pattern, generic + names, n=5, cutoff=0.6)
+    if close:
+        hint = f"did you mean: {', '.join(dict.fromkeys(close))}?"
+    else:
+        hint = f"module names look like: {', '.join(generic[:12])}"
+    return ConfigError(f"tensor.plan: pattern {pattern!r} matches no module of {type(model).__name__}; {hint}")
+
+
+def _match(model: nn.Module, plan: Dict[str, object], strict: bool) -> List[Tuple[str, nn.Module, Style]]:
+    modules = {n: m for n, m in model.named_modules() if n}
+    names = list(modules)
+    owner: Dict[str, str] = {}
+    out = []
+    for pattern, value in plan.items():
+        style = parse_style(value, pattern)
+        rx = _pattern_regex(pattern)
+        hits = [n for n in names if rx.match(n)]
+        if not hits:
+            if strict:
+                raise _no_match_error(pattern, names, model)
+            continue
+        for n in hits:
+            if n in owner:
+                raise ConfigError(f"tensor.plan: module {n!r} is matched by both {owner[n]!r} and {pattern!r}")
+            owner[n] = pattern
+            out.append((n, modules[n], style))
+    return out
+
+
+def _parent_name(name: str) -> str:
+    return name.rsplit(".", 1)[0] if "." in name else ""
+
+
+def _heads(module: nn.Module) -> Dict[str, int]:
+    """Head counts an attention module declares (its own attributes, then its ``config``)."""
+    found = {a: v for a in HEAD_ATTRS if isinstance(v := module.__dict__.get(a), int)}
+    config = module.__dict__.get("config")
+    if not found and config is not None and isinstance(getattr(module, "head_dim", None), int):
+        found = {f"config.{a}": v for a in CONFIG_HEAD_ATTRS if isinstance(v := getattr(config, a, None), int)}
+    return found
+
+
+def _check_module(name: str, module: nn.Module, style: Style) -> None:
+    if style.kind in ("colwise", "rowwise") and not (isinstance(module, nn.Linear) or is_conv1d(module)):
+        raise ConfigError(f"tensor.plan: style {style.name!r} needs nn.Linear or Conv1D; {name!r} is "
+                          f"{type(module).__name__}")
+    if style.kind == "vocab" and not isinstance(module, nn.Embedding):
+        raise ConfigError(f"tensor.plan: style {style.name!r} needs nn.Embedding; {name!r} is {type(module).__name__}")
+    if isinstance(module, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
+        raise ConfigError(f"tensor.plan: {name!r} is already tensor-parallel (plan applied twice?)")
+
+
+def _resolve(name: str, module: nn.Module, style: Style, parent: Optional[nn.Module], tp: int) -> Action:
+    """Fix fused sections and compute the weight's shard spec (ConfigError when tp does not divide)."""
+    try:
+        if style.kind == "vocab":
+            return Action(name, module, style, make_spec(0, module.num_embeddings, tp, pad=True, what=name))
+        if not style.shards_linear:
+            return Action(name, module, style, None)
+        in_f, out_f, transposed = dense_features(module)
+        sections = style.sections
+        if style.kind == "colwise" and not sections:
+            sections = 1
+            heads = _heads(parent) if parent is not None else {}
+            head_dim, q_heads = getattr(parent, "head_dim", None), next(iter(heads.values()), None)
+            if isinstance(head_dim, int) and q_heads and out_f == 3 * q_heads * head_dim:
+                sections = 3  # fused [q | k | v]: split each part by whole heads
+        style = Style(style.kind, sections, style.gather_output, style.pad, style.name)
+        if style.kind == "colwise":
+            spec = make_spec(1 if transposed else 0, out_f, tp, sections=sections, pad=style.pad,
+                             what=f"{name} out_features")
+        else:
+            spec = make_spec(0 if transposed else 1, in_f, tp, sections=sections, what=f"{name} in_features")
+        return Action(name, module, style, spec)
+    except ValueError as err:
+        raise ConfigError(f"tensor.plan: {err}") from None
+
+
+def _parent_fixes(model: nn.Module, actions: List[Action], tp: int) -> Dict[str, Dict[str, int]]:
+    """Local head counts (and widths) for each attention module whose projections are split."""
+    fixes: Dict[str, Dict[str, int]] = {}
+    for act in actions:
+        if not act.style.shards_linear:
+            continue
+        pname = _parent_name(act.name)
+        if pname in fixes:
+            continue
+        parent = model.get_submodule(pname)
+        heads = _heads(parent)
+        if not heads:
+            continue
+        for attr, value in heads.items():
+            if value % tp:
+                where = f"{pname}.{attr}" if pname else attr
+                raise ConfigError(f"tp={tp} does not divide the number of heads {where}={value}")
+        local = {a: v // tp for a, v in heads.items() if not a.startswith("config.")}
+        head_dim = getattr(parent, "head_dim", None)
+        q_heads = next(iter(heads.values()))
+        for attr in WIDTH_ATTRS:
+            value = parent.__dict__.get(attr)
+            if isinstance(value, int) and isinstance(head_dim, int) and value == q_heads * head_dim:
+                local[attr] = value // tp
+        fixes[pname] = local
+    return fixes
+
+
+def _ties(model: nn.Module, actions: List[Action]) -> List[List[Tuple[str, str]]]:
+    """Parameters shared by several modules must be split identically (or not at all)."""
+    owners: Dict[int, List[Tuple[str, str]]] = {}
+    for mname, module in model.named_modules():
+        for pname, p in module._parameters.items():
+            if p is not None:
+                owners.setdefault(id(p), []).append((mname, pname))
+    by_name = {a.name: a for a in actions}
+    groups = []
+    for group in owners.values():
+        if len(group) < 2:
+            continue
+        specs = [(by_name[m].weight_spec if m in by_name and p == "weight" else None) for m, p in group]
+        if any(s != specs[0] for s in specs):
+            listed = ", ".join(f"{m}.{p}" for m, p in group)
+            raise ConfigError(f"tensor.plan: tied parameter {listed} must be split the same way in every module "
+                              f"that shares it (e.g. 'vocab' + 'vocab_colwise')")
+        if specs[0] is not None:
+            groups.append(group)
+    return groups
+
+
+def plan_tensor_parallel(model: nn.Module, plan: Optional[Dict[str, object]], tp: int, *,
+                         sequence_parallel: bool = False) -> TensorParallelPlan:
+    """Validate ``plan`` against ``model`` for a tp group of size ``tp``; changes nothing (pure)."""
+    if getattr(model, "_tp_state", None) is not None:
+        raise ConfigError("tensor.plan: tensor parallelism is already applied to this model (plan applied twice)")
+    if not isinstance(tp, int) or tp < 1:
+        raise ConfigError(f"tp={tp!r} must be a positive integer")
+    strict = plan is not None
+    if plan is None:
+        plan = default_plan(model, sequence_parallel)
+    if sequence_parallel and is_hf_model(model):
+        raise ConfigError("tensor.sequence_parallel=True is supported for the project GPT only: Hugging Face "
+                          "models derive positions and masks from the hidden states' sequence length")
+    actions = []
+    for name, module, style in _match(model, plan, strict):
+        _check_module(name, module, style)
+        parent = model.get_submodule(_parent_name(name)) if "." in name else model
+        actions.append(_resolve(name, module, style, parent, tp))
+    if not any(a.weight_spec is not None for a in actions):
+        raise ConfigError(f"tensor.plan: no module of {type(model).__name__} is split by the plan")
+    if sequence_parallel:
+        _check_sequence_parallel(model, actions)
+    return TensorParallelPlan(tp=tp, sequence_parallel=sequence_parallel, actions=actions,
+                              parent_fixes=_parent_fixes(model, actions, tp), ties=_ties(model, actions),
+                              styles={a.name: a.style.name for a in actions})
+
+
+def _check_sequence_parallel(model: nn.Module, actions: List[Action]) -> None:
+    """Activations enter the sequence-sharded region at the embeddings: both must be planned for it."""
+    from lightning_scale.models.gpt import GPT
+
+    kinds = {a.name: a.style.kind for a in actions}
+    if "vocab" not in kinds.values() and "sequence_split" not in kinds.values():
+        raise ConfigError("tensor.sequence_parallel=True needs the input embedding split ('vocab') or the "
+                          "first sequence-sharded module marked 'sequence_split'")
+    if isinstance(model, GPT) and (kinds.get("wte") != "vocab" or kinds.get("wpe") != "sequence_split"):
+        raise ConfigError("tensor.sequence_parallel=True on the GPT needs 'wte': 'vocab' and "
+                          "'wpe': 'sequence_split' in the plan (the built-in plan has both)")
+
+
+def _build(act: Action, group, sp: bool) -> Optional[nn.Module]:
+    style = act.style
+    if style.kind == "vocab":
+        return VocabParallelEmbedding.from_dense(act.module, group, sequence_parallel=sp, name=act.name)
+    if style.kind == "colwise":
+        return ColumnParallelLinear.from_dense(act.module, group, gather_output=style.gather_output,
+                                               sections=style.sections, pad=style.pad, sequence_parallel=sp,
+                                               name=act.name)
+    if style.kind == "rowwise":
+        return RowParallelLinear.from_dense(act.module, group, sections=style.sections, sequence_parallel=sp,
+                                            name=act.name)
+    return None
+
+
+def _sequence_split_hook(group, tag: str):
+    def hook(module, args, output):  # (*, T, C) -> (*, T/tp, C)
+        return scatter_to_sequence_region(output, group, dim=-2, tag=tag)
+
+    return hook
+
+
+def apply_tensor_parallel(model: nn.Module, plan: Optional[Dict[str, object]] = None, group=None, *,
+                          sequence_parallel: bool = False) -> nn.Module:
+    """Split ``model`` in place over the tp process ``group`` following ``plan`` (None: built-in plan).
+
+    Every rank of ``group`` must call it on an identical model (same seed or same checkpoint); each
+    keeps only its shards. Returns the model. Afterwards: ``model(...)`` runs tensor-parallel, the
+    project GPT's ``model.loss`` uses the vocabulary-parallel cross-entropy, and
+    :func:`~lightning_scale.tensor_parallel.state.tensor_parallel_state` describes what was done.
+    """
+    tp = tp_size(group)
+    p = plan_tensor_parallel(model, plan, tp, sequence_parallel=sequence_parallel)
+    state = TensorParallelState(group=group, tp=tp, rank=tp_rank(group), sequence_parallel=sequence_parallel,
+                                styles=p.styles)
+    split_modules = set()
+    for act in p.actions:
+        new = _build(act, group, sequence_parallel)
+        if new is not None:
+            model.set_submodule(act.name, new)
+            if act.style.kind == "colwise" and act.style.pad and not act.style.gather_output:
+                state.vocab_size = act.weight_spec.size
+        elif act.style.kind == "sequence_split" and sequence_parallel:
+            state.hooks.append(act.module.register_forward_hook(_sequence_split_hook(group, f"tp/{act.name}")))
+            split_modules.add(act.name)
+        elif act.style.kind == "grad_allreduce":
+            for param in act.module.parameters():
+                mark_partial_grad(param)
+    for pname, attrs in p.parent_fixes.items():
+        parent = model.get_submodule(pname)
+        for attr, value in attrs.items():
+            setattr(parent, attr, value)  # the attention reads these at run time (view(B, T, H_local, D))
+    for group_ in p.ties:
+        first = getattr(model.get_submodule(group_[0][0]), group_[0][1])
+        for mname, pname in group_[1:]:
+            setattr(model.get_submodule(mname), pname, first)
+    if sequence_parallel:
+        _mark_sequence_parallel_partials(model, split_modules)
+    model._tp_state = state
+    _patch_gpt_loss(model, state)
+    return model
+
+
+def _mark_sequence_parallel_partials(model: nn.Module, split_modules) -> None:
+    """Replicated params used on sequence-sharded activations (LayerNorms, row biases) get partial grads.
+
+    Modules cut by a ``sequence_split`` hook are excluded: the hook's backward all-gathers their gradient.
+    """
+    skip = {id(p) for n in split_modules for p in model.get_submodule(n).parameters()}
+    for param in model.parameters():
+        if tp_spec(param) is None and id(param) not in skip:
+            mark_partial_grad(param)
+
+
+def _patch_gpt_loss(model: nn.Module, state: TensorParallelState) -> None:
+    """The project GPT's ``loss(idx, targets)`` must not feed vocabulary-split logits to a full cross-entropy."""
+    from lightning_scale.models.gpt import GPT
+
+    if isinstance(model, GPT) and state.vocab_size is not None:
+        def loss(idx, targets):
+            return state.cross_entropy(model(idx), targets)
+
+        model.loss = loss

@@ -1,0 +1,133 @@
+"""How one full tensor maps to its tensor-parallel shards, and back (pure, no communication).
+
+A :class:`ShardSpec` is attached to every parameter a plan slices (``param.tp_spec``). It is the one
+description that slicing (:func:`shard_tensor`), consolidation (:func:`merge_shards`) and the grad-norm
+helpers read, so a checkpoint written at tp=2 consolidates to exactly the original keys and shapes.
+
+Two details make the layout differ from a plain ``torch.chunk``:
+
+* **Fused sections.** A fused projection such as GPT's ``qkv`` stores ``[q | k | v]`` along the output
+  dim. Each of the ``sections`` parts is split separately, so rank r holds ``[q_r | k_r | v_r]``:
+  whole heads of each of q, k and v, and the attention's ``view(B, T, 3, H/tp, D)`` still works.
+* **Padding.** A vocabulary that tp does not divide is padded at the end to a multiple of tp. The
+  padded rows live on the last rank(s), start at zero, are never looked up and are masked out of the
+  loss; :func:`merge_shards` drops them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """``dim`` of a full tensor of length ``size`` is split over ``tp`` ranks (after padding to ``padded``)."""
+
+    dim: int
+    size: int
+    tp: int
+    padded: int
+    sections: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tp < 1 or self.sections < 1:
+            raise ValueError(f"ShardSpec: tp={self.tp} and sections={self.sections} must be >= 1")
+        if self.padded < self.size or self.padded % (self.tp * self.sections):
+            raise ValueError(
+                f"ShardSpec: padded={self.padded} must be >= size={self.size} and a multiple of "
+                f"tp*sections={self.tp * self.sections}"
+            )
+        if self.sections > 1 and self.padded != self.size:
+            raise ValueError("ShardSpec: fused sections cannot be padded")
+
+    @property
+    def local_size(self) -> int:
+        return self.padded // self.tp
+
+    @property
+    def section_local(self) -> int:
+        return self.local_size // self.sections
+
+    def local_range(self, rank: int) -> tuple:
+        """[start, end) of rank's rows in the padded full tensor (sections == 1 only)."""
+        return rank * self.local_size, (rank + 1) * self.local_size
+
+
+def make_spec(dim: int, size: int, tp: int, *, sections: int = 1, pad: bool = False, what: str = "") -> ShardSpec:
+    """Spec for splitting ``size`` over ``tp``; raises a ValueError naming ``what`` when tp does not divide it."""
+    if size % sections:
+        raise ValueError(f"{what}: size {size} is not divisible into {sections} fused sections")
+    if pad:
+        padded = -(-size // tp) * tp
+    else:
+        if (size // sections) % tp:
+            part = f" (each of its {sections} fused parts has {size // sections})" if sections > 1 else ""
+            raise ValueError(f"tp={tp} does not divide {what} = {size}{part}")
+        padded = size
+    return ShardSpec(dim=dim, size=size, tp=tp, padded=padded, sections=sections)
+
+
+def mark_sharded(param: torch.Tensor, spec: ShardSpec) -> None:
+    """Record on a parameter how it is split across the tp group (read by consolidation and grad norms)."""
+    param.tp_spec = spec
+
+
+def mark_partial_grad(param: torch.Tensor) -> None:
+    """Mark a replicated parameter whose gradient on each tp rank is a partial sum (sequence parallel regions).
+
+    :func:`~lightning_scale.tensor_parallel.grads.sync_tp_grads` all-reduces these over the tp group.
+    """
+    param.tp_partial_grad = True
+
+
+def tp_spec(param: torch.Tensor):
+    """The :class:`ShardSpec` of a tp-sharded parameter, ``None`` for a replicated one."""
+    return getattr(param, "tp_spec", None)
+
+
+def tp_replicated(param: torch.Tensor) -> bool:
+    """True when every rank of the tp group holds the same full copy of ``param`` (LayerNorm weights,
+    row-parallel biases, position embeddings...). A global gradient norm counts these once, not tp times."""
+    return tp_spec(param) is None
+
+
+def tp_partial_grad(param: torch.Tensor) -> bool:
+    return bool(getattr(param, "tp_partial_grad", False))
+
+
+def shard_tensor(full: torch.Tensor, spec: ShardSpec, rank: int) -> torch.Tensor:
+    """Rank's shard of ``full`` (a new contiguous tensor; meta tensors stay meta)."""
+    if full.shape[spec.dim] != spec.size:
+        raise ValueError(f"shard_tensor: dim {spec.dim} has {full.shape[spec.dim]} entries, spec says {spec.size}")
+    if not 0 <= rank < spec.tp:
+        raise ValueError(f"shard_tensor: rank {rank} outside tp={spec.tp}")
+    if spec.padded != spec.size:
+        start, end = spec.local_range(rank)
+        pieces = []
+        if start < spec.size:
+            pieces.append(full.narrow(spec.dim, start, min(end, spec.size) - start))
+        missing = end - max(start, spec.size)
+        if missing > 0:
+            shape = list(full.shape)
+            shape[spec.dim] = missing
+            pieces.append(full.new_zeros(shape))
+        return torch.cat(pieces, dim=spec.dim).contiguous()
+    section_full = spec.size // spec.sections
+    n = spec.section_local
+    pieces = [full.narrow(spec.dim, s * section_full + rank * n, n) for s in range(spec.sections)]
+    return torch.cat(pieces, dim=spec.dim).contiguous()
+
+
+def merge_shards(shards: Sequence[torch.Tensor], spec: ShardSpec) -> torch.Tensor:
+    """Inverse of :func:`shard_tensor`: the full tensor (padding dropped) from every rank's shard, in rank order."""
+    if len(shards) != spec.tp:
+        raise ValueError(f"merge_shards: got {len(shards)} shards for tp={spec.tp}")
+    n = spec.section_local
+    parts: List[torch.Tensor] = []
+    for s in range(spec.sections):
+        parts.extend(shard.narrow(spec.dim, s * n, n) for shard in shards)
+    full = torch.cat(parts, dim=spec.dim)
+    return full.narrow(spec.dim, 0, spec.size).contiguous()

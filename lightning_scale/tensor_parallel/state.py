@@ -1,0 +1,108 @@
+"""What a plan did to a model, and checkpoints: consolidate shards into the original state_dict and back.
+
+:func:`consolidate_state_dict` returns a state_dict with the untouched model's keys and shapes
+(vocabulary padding dropped, fused sections re-interleaved), so it loads into the original model
+class. :func:`load_full_state_dict` is its inverse: it slices a full state_dict into this rank's
+shards, which is also how a model built on ``meta`` and then split gets its weights. A *sharded*
+checkpoint is simply each rank's ``model.state_dict()`` (local shapes, same keys).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.nn as nn
+
+from lightning_scale.comm import collectives
+from lightning_scale.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from lightning_scale.tensor_parallel.sharding import merge_shards, shard_tensor, tp_spec
+
+
+@dataclass
+class TensorParallelState:
+    """Recorded on the model as ``model._tp_state`` by ``apply_tensor_parallel``."""
+
+    group: Any
+    tp: int
+    rank: int
+    sequence_parallel: bool
+    styles: Dict[str, str]  # module name -> style as written in the plan
+    vocab_size: Optional[int] = None  # true vocabulary of a 'vocab_colwise' head (padding excluded)
+    hooks: List[Any] = field(default_factory=list)
+
+    def cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+        """Mean cross-entropy of the 'vocab_colwise' head's split logits (full logits never gathered)."""
+        if self.vocab_size is None:
+            raise ValueError("the plan has no 'vocab_colwise' head: compute the loss from the full logits")
+        return vocab_parallel_cross_entropy(logits, targets, self.group, vocab_size=self.vocab_size,
+                                            ignore_index=ignore_index)
+
+
+def tensor_parallel_state(model: nn.Module) -> Optional[TensorParallelState]:
+    """The state ``apply_tensor_parallel`` recorded on ``model``; None when it was not applied."""
+    return getattr(model, "_tp_state", None)
+
+
+def _group_of(model: nn.Module, group):
+    if group is not None:
+        return group
+    state = tensor_parallel_state(model)
+    if state is None:
+        raise ValueError("tensor parallelism was not applied to this model (no _tp_state); pass group=")
+    return state.group
+
+
+@torch.no_grad()
+def consolidate_state_dict(model: nn.Module, group=None) -> Dict[str, torch.Tensor]:
+    """The full, unsharded state_dict (original keys and shapes) on every rank of the tp group.
+
+    Collective: every tp rank must call it. Split tensors are all-gathered (accounted under the tag
+    ``tp/consolidate``); replicated ones are copied.
+    """
+    group = _group_of(model, group)
+    n = collectives.group_size(group)
+    out: Dict[str, torch.Tensor] = {}
+    done: Dict[int, torch.Tensor] = {}  # tied parameters are gathered once
+    for key, value in model.state_dict(keep_vars=True).items():
+        if id(value) in done:
+            out[key] = done[id(value)]
+            continue
+        spec = tp_spec(value)
+        local = value.detach()
+        if spec is None:
+            full = local.clone()
+        else:
+            if spec.tp != n:
+                raise ValueError(f"{key} was split for tp={spec.tp}, the group has {n} ranks")
+            gathered = torch.empty((n,) + tuple(local.shape), dtype=local.dtype, device=local.device)
+            collectives.all_gather(gathered.view(-1), local.reshape(-1), group, tag="tp/consolidate")
+            full = merge_shards(list(gathered.unbind(0)), spec)
+        done[id(value)] = out[key] = full
+    return out
+
+
+@torch.no_grad()
+def shard_state_dict(model: nn.Module, full: Dict[str, torch.Tensor], rank: Optional[int] = None
+                     ) -> Dict[str, torch.Tensor]:
+    """This rank's slices of a full state_dict, keyed like ``model.state_dict()`` (no communication)."""
+    state = tensor_parallel_state(model)
+    rank = (state.rank if state is not None else 0) if rank is None else rank
+    out = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        if key not in full:
+            continue
+        spec = tp_spec(value)
+        out[key] = full[key] if spec is None else shard_tensor(full[key], spec, rank)
+    return out
+
+
+def load_full_state_dict(model: nn.Module, full: Dict[str, torch.Tensor], strict: bool = True):
+    """Load an unsharded state_dict (e.g. from :func:`consolidate_state_dict`) into the split model."""
+    local = shard_state_dict(model, full)
+    if strict:
+        unexpected = sorted(set(full) - set(local))
+        if unexpected:
+            raise KeyError(f"load_full_state_dict: unexpected keys {unexpected[:10]}")
+    return model.load_state_dict(local, strict=strict)

@@ -1,0 +1,219 @@
+"""Gradient reduction for ZeRO stages 0-2, bucket by bucket, overlapped with backward.
+
+Per bucket, once every parameter in it has its gradient (``register_post_accumulate_grad_hook``):
+
+* stage 0: all-reduce the bucket's flat gradient buffer (DDP);
+* stage 1: reduce-scatter the full gradient buffer; the reduced shard lands in this rank's slice;
+* stage 2: copy the gradients into a transient staging buffer, free them, reduce-scatter the staging
+  buffer into a persistent shard-sized gradient, then free the staging buffer - each rank keeps only
+  its gradient shard.
+
+Buckets are launched strictly in index order on every rank (a bucket that is ready early waits for
+the ones before it), so collectives always match across ranks even when ranks see different graphs.
+Inside ``no_sync()`` (gradient accumulation) nothing is communicated: gradients accumulate locally.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from lightning_scale.comm import collectives as C
+from lightning_scale.zero.flat_buffer import Bucket
+
+
+class BucketState:
+    """The tensors and per-cycle bookkeeping of one bucket."""
+
+    def __init__(self, bucket: Bucket, stage: int, rank: int, device: torch.device,
+                 param_dtype: Optional[torch.dtype] = None, master_dtype: Optional[torch.dtype] = None) -> None:
+        self.bucket = bucket
+        self.stage = stage
+        self.rank = rank
+        lo, hi = bucket.shard_range(rank)
+        self.shard = slice(lo, hi)
+        dtype = param_dtype or bucket.dtype
+        master_dtype = master_dtype or dtype
+        # The parameters' current (full-precision) values: the master shard is taken from them before
+        # the parameters are cast, so mixed precision starts from exact fp32 weights.
+        flat = torch.zeros(bucket.padded_numel, dtype=bucket.dtype, device=device)
+        for slot in bucket.slots:
+            flat[slot.offset:slot.offset + slot.numel].copy_(slot.param.detach().reshape(-1))
+        self.param_buffer = flat if flat.dtype == dtype else flat.to(dtype)
+        self.master_aliased = master_dtype == dtype
+        self.master = (self.param_buffer[self.shard] if self.master_aliased
+                       else flat[self.shard].to(master_dtype).clone())
+        del flat
+        self.grad_buffer: Optional[torch.Tensor] = None  # stages 0/1: full gradients, params' .grad are views
+        self.shard_grad: Optional[torch.Tensor] = None  # stage 2: the reduced gradient shard
+        self.staging: Optional[torch.Tensor] = None  # stage 2: transient, only while reducing
+        if stage <= 1:
+            self.grad_buffer = torch.zeros(bucket.padded_numel, dtype=dtype, device=device)
+        else:
+            self.shard_grad = torch.zeros(hi - lo, dtype=dtype, device=device)
+        for slot in bucket.slots:
+            slot.param.data = self.param_buffer[slot.offset:slot.offset + slot.numel].view(slot.shape)
+        self.consumed = [False] * len(bucket.slots)
+        self.handle: Optional[C.Handle] = None
+        self.launched = False
+
+    def grad_view(self, i: int) -> torch.Tensor:
+        slot = self.bucket.slots[i]
+        return self.grad_buffer[slot.offset:slot.offset + slot.numel].view(slot.shape)
+
+    def attach_grad_views(self) -> None:
+        if self.grad_buffer is None:
+            return
+        for i, slot in enumerate(self.bucket.slots):
+            slot.param.grad = self.grad_view(i)
+
+    def reduced_grad(self) -> torch.Tensor:
+        """This rank's reduced gradient (the whole bucket at stage 0, the shard otherwise)."""
+        if self.stage == 0:
+            return self.grad_buffer
+        if self.stage == 1:
+            return self.grad_buffer[self.shard]
+        return self.shard_grad
+
+    def reset(self) -> None:
+        self.consumed = [False] * len(self.bucket.slots)
+        self.handle = None
+        self.launched = False
+        self.staging = None
+
+
+class GradientReducer:
+    def __init__(self, buckets: List[Bucket], stage: int, group, device: torch.device,
+                 overlap_comm: bool = True, param_dtype: Optional[torch.dtype] = None,
+                 master_dtype: Optional[torch.dtype] = None) -> None:
+        self.stage = stage
+        self.group = group
+        self.world = C.group_size(group)
+        self.rank = C.group_rank(group) if stage >= 1 else 0
+        self.overlap_comm = overlap_comm
+        self.states = [BucketState(b, stage, self.rank, device, param_dtype, master_dtype) for b in buckets]
+        self._where: Dict[int, tuple] = {}
+        for bi, st in enumerate(self.states):
+            for si, slot in enumerate(st.bucket.slots):
+                self._where[id(slot.param)] = (bi, si)
+        self._hooks = [
+            slot.param.register_post_accumulate_grad_hook(self._on_grad_ready)
+            for st in self.states for slot in st.bucket.slots
+        ]
+        self.sync_enabled = True  # False inside no_sync()
+        self.reduced = False
+        self._next_launch = 0
+        self._ready = [0] * len(self.states)
+        for st in self.states:
+            st.attach_grad_views()
+
+    # ------------------------------------------------------------------ hooks
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        if not (self.sync_enabled and self.overlap_comm):
+            return  # accumulate locally; reduce() folds these gradients in later
+        bi, si = self._where[id(param)]
+        st = self.states[bi]
+        if st.consumed[si]:
+            raise RuntimeError(
+                "a parameter received a second gradient after its bucket was already reduced in this step; "
+                "wrap all but the last backward in no_sync() or set zero.overlap_comm=False"
+            )
+        self._consume(st, si)
+        self._ready[bi] += 1
+        if self._ready[bi] == len(st.bucket.slots):
+            self._launch_ready_in_order()
+
+    def _consume(self, st: BucketState, si: int) -> None:
+        """Move parameter si's accumulated gradient into the bucket's buffer."""
+        slot = st.bucket.slots[si]
+        grad = slot.param.grad
+        if st.grad_buffer is not None:  # stages 0/1: the gradient should already be the view
+            view = st.grad_view(si)
+            if grad is None:
+                view.zero_()
+            elif grad.data_ptr() != view.data_ptr():
+                view.copy_(grad)
+            slot.param.grad = view
+        else:  # stage 2
+            if st.staging is None:
+                st.staging = torch.zeros_like(st.param_buffer)
+            if grad is not None:
+                st.staging[slot.offset:slot.offset + slot.numel].copy_(grad.reshape(-1))
+            slot.param.grad = None  # free the full gradient: only the shard survives
+        st.consumed[si] = True
+
+    def _launch_ready_in_order(self) -> None:
+        while self._next_launch < len(self.states):
+            bi = self._next_launch
+            st = self.states[bi]
+            if self._ready[bi] < len(st.bucket.slots):
+                return
+            self._launch(st)
+            self._next_launch += 1
+
+    def _launch(self, st: BucketState) -> None:
+        for si, done in enumerate(st.consumed):
+            if not done:
+                self._consume(st, si)
+        finish: Optional[Callable[[], None]] = None
+        if self.stage == 0:
+            st.grad_buffer.div_(self.world)
+            st.handle = C.all_reduce(st.grad_buffer, self.group, async_op=True, tag="grad")
+        elif self.stage == 1:
+            st.grad_buffer.div_(self.world)
+            out = torch.empty_like(st.grad_buffer[st.shard])
+            handle = C.reduce_scatter(out, st.grad_buffer, self.group, async_op=True, tag="grad")
+
+            def finish(st=st, out=out, handle=handle) -> None:
+                handle.wait()
+                st.grad_buffer[st.shard].copy_(out)
+
+            st.handle = C.Handle(None, finish)
+        else:
+            st.staging.div_(self.world)
+            handle = C.reduce_scatter(st.shard_grad, st.staging, self.group, async_op=True, tag="grad")
+
+            def finish(st=st, handle=handle) -> None:
+                handle.wait()
+                st.staging = None  # transient: freed as soon as the shard is reduced
+
+            st.handle = C.Handle(None, finish)
+        st.launched = True
+
+    # ------------------------------------------------------------------ public
+    def reduce(self) -> None:
+        """Launch what is left (in order) and wait for every bucket. Idempotent within a step."""
+        if self.reduced:
+            return
+        while self._next_launch < len(self.states):
+            st = self.states[self._next_launch]
+            self._launch(st)
+            self._next_launch += 1
+        for st in self.states:
+            if st.handle is not None:
+                st.handle.wait()
+        self.reduced = True
+
+    def new_cycle(self) -> None:
+        self.reduced = False
+        self._next_launch = 0
+        self._ready = [0] * len(self.states)
+        for st in self.states:
+            st.reset()
+
+    def zero_grad(self) -> None:
+        for st in self.states:
+            if st.grad_buffer is not None:
+                st.grad_buffer.zero_()
+                st.attach_grad_views()
+            else:
+                for slot in st.bucket.slots:
+                    slot.param.grad = None
+                st.shard_grad.zero_()
+        self.new_cycle()
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
