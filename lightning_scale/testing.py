@@ -31,9 +31,33 @@ class DistributedTestError(RuntimeError):
     pass
 
 
+def _die_with_parent() -> None:
+    """A rank whose launcher died (killed test run, Ctrl-C) must not linger: exit with the parent."""
+    parent = os.getppid()
+    try:  # Linux: the kernel delivers SIGKILL when the parent exits
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
+
+    def watch() -> None:  # portable backstop
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    import threading
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
 def _entry() -> None:
     """Child process entry: ``python -c 'from lightning_scale.testing import _entry; _entry()' JOB RANK``."""
     job, rank = sys.argv[1], int(sys.argv[2])
+    _die_with_parent()
     with open(job, "rb") as f:
         spec = pickle.load(f)
     _worker(rank=rank, **spec)
@@ -73,6 +97,10 @@ def run_distributed(fn: Callable, world_size: int, args: Sequence[Any] = (), *, 
                     backend: str = "gloo", threads: int = 1, tmp_dir: Optional[str] = None,
                     env: Optional[dict] = None) -> List[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return each rank's result."""
+    if os.environ.get("LIGHTNING_SCALE_RANK_WORKER"):
+        # Importing fn's module inside a rank ran module-level code that launches ranks again: a fork bomb.
+        raise RuntimeError("run_distributed was called inside a rank; guard module-level launches with "
+                           "`if __name__ == '__main__':`")
     target = f"{fn.__module__}:{fn.__qualname__}"
     sys_path = list(sys.path)
     if fn.__module__ == "__main__":
@@ -86,7 +114,8 @@ def run_distributed(fn: Callable, world_size: int, args: Sequence[Any] = (), *, 
     with open(job, "wb") as f:
         pickle.dump(dict(target=target, world_size=world_size, tmp=tmp, args=tuple(args), sys_path=sys_path,
                          backend=backend, timeout_s=timeout, threads=threads), f)
-    child_env = dict(os.environ, OMP_NUM_THREADS=str(threads), LIGHTNING_SCALE_SKIP_REGISTER="1")
+    child_env = dict(os.environ, OMP_NUM_THREADS=str(threads), LIGHTNING_SCALE_SKIP_REGISTER="1",
+                     LIGHTNING_SCALE_RANK_WORKER="1")
     child_env.update(env or {})
     code = "from lightning_scale.testing import _entry; _entry()"
     procs = [subprocess.Popen([sys.executable, "-c", code, job, str(r)], env=child_env, start_new_session=True)

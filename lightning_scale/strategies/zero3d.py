@@ -172,7 +172,7 @@ class Zero3DStrategy(ParallelStrategy):
             self._wrap_optimizers(trainer)
         self.model = self.precision_plugin.convert_module(self.model)  # casts what the engines did not own
         self.setup_precision_plugin()
-        if self.is_global_zero:
+        if fitting and self.is_global_zero:
             print(layout_table(self), flush=True)
 
     def model_to_device(self) -> None:

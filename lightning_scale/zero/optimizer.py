@@ -63,8 +63,18 @@ class ZeroOptimizer:
         self._found_inf = False
         self._prepared = False
         if route_user_calls:
-            optimizer.step = self.step  # type: ignore[method-assign]
-            optimizer.zero_grad = self.zero_grad  # type: ignore[method-assign]
+            self._route(optimizer)
+
+    def _route(self, optimizer: torch.optim.Optimizer) -> None:
+        """``optimizer.step()`` / ``zero_grad()`` now act on the shards (lr schedulers keep working)."""
+
+        def step(closure: Optional[Callable[[], Any]] = None) -> Any:
+            optimizer._opt_called = True  # what torch's lr-scheduler step wrapper records
+            return self.step(closure)
+
+        step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]  (no "step overridden" warning)
+        optimizer.step = step  # type: ignore[method-assign]
+        optimizer.zero_grad = self.zero_grad  # type: ignore[method-assign]
 
     # ------------------------------------------------------------------ construction helpers
     @staticmethod

@@ -27,6 +27,12 @@ class LossRecorder(pl.Callback):
         self.losses.append(float(trainer.strategy.reduce(loss, reduce_op="mean")))
 
 
+class MissingParamGPT(GPTLightningModule):
+    def configure_optimizers(self):
+        params = [p for n, p in self.model.named_parameters() if not n.startswith("ln_f")]
+        return torch.optim.AdamW(params, lr=self.lr)
+
+
 class FailingGPT(GPTLightningModule):
     def __init__(self, fail_rank: int, **kw) -> None:
         super().__init__(**kw)
@@ -53,16 +59,26 @@ def main() -> None:
     ap.add_argument("--resume", default=None)
     ap.add_argument("--fail-rank", type=int, default=-1)
     ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--source", default="random")
+    ap.add_argument("--seq-len", type=int, default=16)
+    ap.add_argument("--epoch-batches", type=int, default=None, help="limit_train_batches (micro-batches per epoch)")
+    ap.add_argument("--missing-param", action="store_true")
     ap.add_argument("--option", action="append", default=[], help="strategy option k=v (int/float/str)")
     args = ap.parse_args()
 
     pl.seed_everything(0, verbose=False)
-    cfg = gpt_tiny(n_layer=args.layers)
+    vocab = 256 if args.source == "stdlib" else 64
+    cfg = gpt_tiny(n_layer=args.layers, vocab_size=vocab, seq_len=args.seq_len)
     kw = dict(model=cfg, lr=3e-3, warmup_steps=2, max_steps=args.steps)
-    model = FailingGPT(args.fail_rank, **kw) if args.fail_rank >= 0 else GPTLightningModule(**kw)
+    if args.fail_rank >= 0:
+        model = FailingGPT(args.fail_rank, **kw)
+    elif args.missing_param:
+        model = MissingParamGPT(**kw)
+    else:
+        model = GPTLightningModule(**kw)
     per_rank = args.global_batch // args.devices
-    data = ByteCorpusDataModule(seq_len=cfg.seq_len, batch_size=per_rank, source="random",
-                                vocab_size=cfg.vocab_size, random_length=256, shuffle=False)
+    data = ByteCorpusDataModule(seq_len=cfg.seq_len, batch_size=per_rank, source=args.source,
+                                vocab_size=cfg.vocab_size, random_length=256, shuffle=False, max_bytes=2**20)
     if args.strategy == "single":
         strategy = "auto"
     elif args.option:
@@ -82,14 +98,15 @@ def main() -> None:
     recorder = LossRecorder()
     callbacks = [recorder]
     if args.ckpt_dir:
-        callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=args.ckpt_dir, every_n_train_steps=2, save_top_k=-1))
+        callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=args.ckpt_dir, save_top_k=-1, every_n_epochs=1,
+                                                      save_on_train_epoch_end=True))
     trainer = pl.Trainer(
         accelerator="cpu", devices=args.devices, strategy=strategy, precision=args.precision,
         max_steps=args.steps, accumulate_grad_batches=args.accumulate,
         gradient_clip_val=args.clip or None, gradient_clip_algorithm=args.clip_algorithm,
         logger=False, enable_checkpointing=bool(args.ckpt_dir), enable_progress_bar=False,
         enable_model_summary=False, callbacks=callbacks, limit_val_batches=2, val_check_interval=2,
-        num_sanity_val_steps=0,
+        num_sanity_val_steps=0, limit_train_batches=args.epoch_batches,
     )
     trainer.fit(model, datamodule=data, ckpt_path=args.resume)
     val = trainer.validate(model, datamodule=data, verbose=False)

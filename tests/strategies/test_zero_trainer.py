@@ -1,0 +1,97 @@
+"""Real Trainer(accelerator="cpu", devices=2, strategy=...) runs of the project GPT, launched as scripts."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+import lightning_scale  # noqa: F401
+from lightning_scale import ConfigError, Zero3DStrategy
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "fit_gpt.py")
+COMMON = ["--steps", "4", "--accumulate", "2", "--clip", "0.5"]
+
+
+def fit(tmp_path, name, *args, timeout=240, expect_ok=True):
+    out = tmp_path / f"{name}.json"
+    cmd = [sys.executable, SCRIPT, "--out", str(out), *args]
+    start = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=tmp_path)
+    elapsed = time.monotonic() - start
+    if expect_ok:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+        return json.loads(out.read_text())
+    return proc, elapsed
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    return fit(tmp_path_factory.mktemp("single"), "single", "--strategy", "single", "--devices", "1", *COMMON)
+
+
+@pytest.mark.parametrize("strategy", ["zero0", "zero1", "zero2"])
+def test_trainer_losses_match_single_process(tmp_path, single, strategy):
+    run = fit(tmp_path, strategy, "--strategy", strategy, "--devices", "2", *COMMON)
+    assert run["world"] == 2 and len(run["losses"]) == len(single["losses"]) == 8
+    diff = max(abs(a - b) for a, b in zip(run["losses"], single["losses"]))
+    assert diff < 1e-5, (run["losses"], single["losses"])
+    assert abs(run["val"][0]["val_loss"] - single["val"][0]["val_loss"]) < 1e-5
+
+
+def test_checkpoint_resume_gives_identical_losses(tmp_path):
+    args = ["--strategy", "zero2", "--devices", "2", "--steps", "4", "--accumulate", "2", "--clip", "0.5",
+            "--epoch-batches", "4", "--precision", "bf16-mixed"]
+    ckpt = tmp_path / "ckpt"
+    full = fit(tmp_path, "full", *args, "--ckpt-dir", str(ckpt))
+    first = ckpt / "epoch=0-step=2.ckpt"
+    assert (first / "optim_rank0.pt").exists() and (first / "optim_rank1.pt").exists() and (first / "meta.pt").exists()
+    resumed = fit(tmp_path, "resumed", *args, "--resume", str(first))
+    assert len(resumed["losses"]) == 4  # the micro-batches of steps 3 and 4
+    assert resumed["losses"] == full["losses"][4:]  # bit-identical, fp32 masters and loss state restored
+
+
+def test_bf16_mixed_within_2_percent_of_fp32(tmp_path):
+    args = ["--strategy", "zero2", "--devices", "2", "--steps", "40", "--source", "stdlib", "--seq-len", "32",
+            "--global-batch", "16"]
+    fp32 = fit(tmp_path, "fp32", *args)
+    bf16 = fit(tmp_path, "bf16", *args, "--precision", "bf16-mixed")
+    assert bf16["precision"] == "bf16-mixed"
+    tail = lambda r: sum(r["losses"][-5:]) / 5  # noqa: E731
+    assert fp32["losses"][0] - tail(fp32) > 0.5  # it learned
+    assert abs(tail(bf16) - tail(fp32)) / tail(fp32) < 0.02, (tail(bf16), tail(fp32))
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--option", "stage=1", "--option", "tp=3"], "tp=3 x pp=1 does not divide the world size 2"),
+    (["--strategy", "zero2", "--missing-param"], "are in no optimizer param group"),
+    (["--fail-rank", "1", "--strategy", "zero2"], "boom: injected failure in training_step"),
+])
+def test_errors_reach_every_rank_without_hang(tmp_path, args, message):
+    proc, elapsed = fit(tmp_path, "bad", "--devices", "2", *args, timeout=120, expect_ok=False)
+    assert proc.returncode != 0
+    assert message in proc.stdout + proc.stderr
+    assert elapsed < 90  # includes two interpreter + Lightning start-ups; the failure itself is immediate
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(stgae=1), "unknown option 'stgae'"),
+    (dict(stage=7), "zero.stage=7"),
+    (dict(precision="8-mixed"), "precision='8-mixed'"),
+    (dict(offload="nvme"), "offload='nvme'"),
+])
+def test_bad_strategy_options_fail_at_construction(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        Zero3DStrategy(**kwargs)
+
+
+def test_presets_registered():
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    for name in ("zero3d", "zero0", "zero1", "zero2"):
+        assert name in StrategyRegistry
+    assert StrategyRegistry["zero1"]["init_params"] == {"stage": 1}
