@@ -66,6 +66,8 @@ def _entry() -> None:
 def _worker(target: str, rank: int, world_size: int, tmp: str, args: Sequence[Any], sys_path: List[str],
             backend: str, timeout_s: float, threads: int) -> None:
     sys.path[:] = sys_path
+    # What torchrun would set: libraries that read the environment (DeepSpeed) see a normal launch.
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
     try:
         import torch
         import torch.distributed as dist

@@ -193,6 +193,7 @@ class GradientReducer:
         for st in self.states:
             if st.handle is not None:
                 st.handle.wait()
+                st.handle = None  # drops the temporaries its completion callback held
         self.reduced = True
 
     def new_cycle(self) -> None:

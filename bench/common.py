@@ -1,0 +1,64 @@
+"""Shared helpers for the benchmarks: measurement inside a rank, and ratio tables across interleaved rounds."""
+
+from __future__ import annotations
+
+import gc
+import resource
+import statistics
+from typing import Dict, Iterable, List, Sequence
+
+import torch
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def live_tensor_mb(extra: Iterable[torch.Tensor] = ()) -> float:
+    """MB of distinct storages of every tensor reachable from Python (params, grads, optimizer state...).
+
+    The same measurement for every system, taken right after the optimizer step (activations freed).
+    Buffers held only inside C++ (e.g. DDP's reducer buckets) are invisible to it; gradients that are
+    views of those buckets are counted through ``param.grad``.
+    """
+    gc.collect()  # only what is still referenced counts
+    seen, total = set(), 0
+    tensors: List[torch.Tensor] = list(extra)
+    for obj in gc.get_objects():
+        try:
+            if torch.is_tensor(obj):
+                tensors.append(obj)
+                if obj.grad is not None:
+                    tensors.append(obj.grad)
+        except Exception:  # noqa: BLE001 - some objects raise on inspection
+            continue
+    for t in tensors:
+        try:
+            storage = t.untyped_storage()
+            key = (storage.data_ptr(), storage.nbytes())
+        except Exception:  # noqa: BLE001 - meta / sparse / wrapper (DTensor) tensors
+            continue
+        if key in seen or storage.device.type == "meta":
+            continue
+        seen.add(key)
+        total += storage.nbytes()
+    return total / 2**20
+
+
+def ratio_table(rounds: Sequence[Dict[str, Dict[str, float]]], baseline: str, metric: str = "tokens_per_s",
+                extra: Sequence[str] = ("state_mb", "peak_rss_mb")) -> str:
+    """Median over rounds of each system's metric divided by the baseline's in the same round."""
+    systems = list(rounds[0].keys())
+    lines = [f"| system | {metric} ratio vs {baseline} (median) | {metric} (median) | "
+             + " | ".join(extra) + " |", "|---" * (3 + len(extra)) + "|"]
+    for name in systems:
+        ratios = [r[name][metric] / r[baseline][metric] for r in rounds if name in r and baseline in r]
+        values = [r[name][metric] for r in rounds if name in r]
+        if not values:
+            continue
+        cols = [f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})",
+                f"{statistics.median(values):,.0f}"]
+        cols += [f"{statistics.median(r[name][k] for r in rounds if name in r):,.1f}" for k in extra]
+        lines.append(f"| {name} | " + " | ".join(cols) + " |")
+    return "\n".join(lines)
