@@ -21,7 +21,7 @@ matched in order, so the validator checks that both sides list them in the same 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Sequence, Tuple
 
 from lightning_scale.config import ConfigError
 from lightning_scale.pipeline.zero_bubble import zero_bubble_orders
@@ -111,25 +111,32 @@ def one_f_one_b_orders(p: int, m: int, v: int = 1) -> List[Order]:
 
 
 def interleaved_orders(p: int, m: int, v: int) -> List[Order]:
-    """Megatron's interleaved 1F1B: each rank owns v chunks; micro-batches advance in groups of p.
+    """Megatron's interleaved 1F1B: each rank owns v chunks; micro-batches advance in groups.
 
-    Every rank walks the same forward sequence of (chunk, micro-batch): for each group of p
-    micro-batches, chunk 0 for the group, then chunk 1, ...; the backward sequence visits chunks in
-    reverse. Rank r runs ``2 (p - 1 - r) + (v - 1) p`` warm-up forwards, then alternates. A last
-    group smaller than p keeps the order (and the validator's checks) but adds bubble.
+    Every rank walks the same forward sequence of (chunk, micro-batch): for each group of
+    micro-batches, chunk 0 for the whole group, then chunk 1, ...; the backward sequence visits the
+    chunks in reverse. A group must hold at least p micro-batches, or a rank would wait for its
+    own next chunk's input: groups have p micro-batches, except the first, which also takes the
+    remainder m mod p (Megatron requires m % p == 0; this keeps the ideal bubble
+    (p-1)/(v m + p - 1) for every m >= p). Rank r runs ``2 (p - 1 - r) + (v - 1) g0`` warm-up
+    forwards (g0 = first group size), then alternates one forward and one backward.
     """
     if v == 1:
         return one_f_one_b_orders(p, m)
+    q, rem = divmod(m, p)
+    sizes = [p + rem] + [p] * (q - 1) if q else [m]
     fwd: List[Tuple[int, int]] = []  # (chunk, microbatch)
     bwd: List[Tuple[int, int]] = []
-    for g0 in range(0, m, p):
-        group = range(g0, min(g0 + p, m))
+    start = 0
+    for size in sizes:
+        group = range(start, start + size)
+        start += size
         fwd += [(c, i) for c in range(v) for i in group]
         bwd += [(c, i) for c in reversed(range(v)) for i in group]
     total = m * v
     orders = []
     for r in range(p):
-        warm = min(2 * (p - 1 - r) + (v - 1) * p, total)
+        warm = min(2 * (p - 1 - r) + (v - 1) * sizes[0], total)
         seq: List[Tuple[str, int, int]] = [(F, c, i) for c, i in fwd[:warm]]
         for k in range(total - warm):
             seq += [(F, *fwd[warm + k]), (B, *bwd[k])]

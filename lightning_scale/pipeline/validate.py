@@ -3,7 +3,8 @@
 Three checks, each raising :class:`ScheduleError` with the offending action:
 
 1. ordering on each rank: every (stage, micro-batch) runs one forward and then one backward (``B``,
-   or ``I`` then ``W``); data is received before it is used and sent after it is produced;
+   or ``I`` then ``W``; none at all in a forward-only schedule for evaluation); data is received
+   before it is used and sent after it is produced;
 2. matching: between two ranks, the sends of one kind are received in the same order (the runtime
    relies on in-order delivery, so a mismatch would silently swap tensors);
 3. deadlock freedom: a discrete-event simulation where sends never block and a receive waits for
@@ -122,7 +123,8 @@ def _check_comm_action(sch: Schedule, r: int, a: Action, done: Dict[str, Set[Tup
 
 def _check_complete(sch: Schedule) -> None:
     split = sch.splits_backward
-    need = (F, I, W) if split else (F, B)
+    forward_only = not any(a.kind in (B, I, W) for acts in sch.actions for a in acts)
+    need = (F,) if forward_only else (F, I, W) if split else (F, B)
     have: Dict[str, Set[Tuple[int, int]]] = {k: set() for k in need}
     for acts in sch.actions:
         for a in acts:
@@ -182,7 +184,10 @@ def simulate(sch: Schedule, cost: Mapping[str, float], latency: float = 0.0) -> 
                 elif a.kind in (SEND_F, SEND_B):
                     posted[(a.kind, a.stage, a.microbatch)] = clock[r]
                 else:
-                    key = (SEND_F, a.stage - 1, a.microbatch) if a.kind == RECV_F else (SEND_B, a.stage + 1, a.microbatch)
+                    if a.kind == RECV_F:
+                        key = (SEND_F, a.stage - 1, a.microbatch)
+                    else:
+                        key = (SEND_B, a.stage + 1, a.microbatch)
                     if key not in posted:
                         break  # blocked: the peer has not sent it yet
                     clock[r] = max(clock[r], posted[key] + latency)

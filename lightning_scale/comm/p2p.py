@@ -1,0 +1,159 @@
+"""Point-to-point transfers between pipeline stages: activations forward, gradients backward.
+
+Why a class and not bare ``dist.isend``:
+
+* shapes are exchanged once: the first message on a (peer, kind, key) channel is preceded by a
+  small header (dtype, rank, sizes); later messages reuse the cached shape, so a steady-state step
+  sends exactly one message per tensor. ``key`` is chosen by the caller (the runtime uses the
+  sending stage and the micro-batch input shape) so a new batch shape starts a new exchange;
+* sends are asynchronous (posted, then waited together by :meth:`wait_sends`), receives are
+  posted asynchronously and waited when the data is needed;
+* messages of one kind between two ranks are matched in order, which the schedule validator
+  guarantees; the kind selects the tag, so activations and gradients never cross;
+* every byte is recorded with :func:`lightning_scale.comm.accounting.record`;
+* :meth:`abort` makes peers that are blocked on this rank fail at once instead of hanging.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Dict, Hashable, Iterable, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from lightning_scale.comm.accounting import record
+
+TAGS = {"act": 11, "grad": 12, "tied": 13}
+_ABORT_TAG = 99
+_MAX_DIMS = 8
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+           torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class PendingRecv:
+    """A posted receive; :meth:`wait` returns the filled tensor."""
+
+    def __init__(self, tensor: torch.Tensor, work, timeout: Optional[datetime.timedelta]) -> None:
+        self.tensor, self._work, self._timeout = tensor, work, timeout
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            if self._timeout is None:
+                self._work.wait()
+            else:
+                self._work.wait(self._timeout)
+            self._work = None
+        return self.tensor
+
+
+class P2P:
+    """Asynchronous send/recv over ``group`` (peers named by global rank) with cached shapes."""
+
+    def __init__(self, group, *, timeout: Optional[datetime.timedelta] = None) -> None:
+        self.group = group
+        self.timeout = timeout
+        self._shapes: Dict[Tuple[int, str, Hashable], Tuple[torch.Size, torch.dtype]] = {}
+        self._sent_headers: set = set()
+        self._sends: List[Tuple[object, torch.Tensor]] = []
+
+    # ------------------------------------------------------------------ send / recv
+    def send(self, tensor: torch.Tensor, dst: int, kind: str, key: Hashable = None) -> None:
+        """Post ``tensor`` to global rank ``dst``; the tensor must not be modified until wait_sends()."""
+        tag = TAGS[kind]
+        tensor = tensor.detach().contiguous()
+        channel = (dst, kind, key)
+        if channel not in self._sent_headers:
+            header = self._header(tensor)
+            self._post_send(header, dst, tag, "pp_meta")
+            self._sent_headers.add(channel)
+        self._post_send(tensor, dst, tag, f"pp_{kind}")
+
+    def recv(self, src: int, kind: str, key: Hashable = None, device=None) -> PendingRecv:
+        """Post a receive from global rank ``src``; the first one on a channel blocks for the header."""
+        tag = TAGS[kind]
+        channel = (src, kind, key)
+        if channel not in self._shapes:
+            header = torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=device)
+            record("recv", _nbytes(header), 2, "pp_meta")
+            PendingRecv(header, dist.irecv(header, src=src, group=self.group, tag=tag), self.timeout).wait()
+            code, ndim = int(header[0]), int(header[1])
+            self._shapes[channel] = (torch.Size(header[2:2 + ndim].tolist()), _DTYPES[code])
+        shape, dtype = self._shapes[channel]
+        buf = torch.empty(shape, dtype=dtype, device=device)
+        record("recv", _nbytes(buf), 2, f"pp_{kind}")
+        return PendingRecv(buf, dist.irecv(buf, src=src, group=self.group, tag=tag), self.timeout)
+
+    def has_shape(self, src: int, kind: str, key: Hashable = None) -> bool:
+        """True when a receive on this channel would not block for a header."""
+        return (src, kind, key) in self._shapes
+
+    def exchange(self, tensor: torch.Tensor, peer: int, kind: str = "tied") -> torch.Tensor:
+        """Send ``tensor`` to ``peer`` and return the same-shaped tensor ``peer`` sends back."""
+        out = torch.empty_like(tensor)
+        record("recv", _nbytes(out), 2, f"pp_{kind}")
+        pending = PendingRecv(out, dist.irecv(out, src=peer, group=self.group, tag=TAGS[kind]), self.timeout)
+        self._post_send(tensor.detach().contiguous(), peer, TAGS[kind], f"pp_{kind}")
+        pending.wait()
+        self.wait_sends()
+        return out
+
+    def wait_sends(self) -> None:
+        """Block until every posted send has completed (the peers have received them)."""
+        sends, self._sends = self._sends, []
+        for work, _tensor in sends:  # the tensor reference keeps the buffer alive until here
+            PendingRecv(_tensor, work, self.timeout).wait()
+
+    def reset(self) -> None:
+        """Forget cached shapes (both sides must reset together, e.g. when the batch shape changes)."""
+        self._shapes.clear()
+        self._sent_headers.clear()
+
+    # ------------------------------------------------------------------ failure
+    def abort(self, peers: Iterable[int]) -> None:
+        """Make ranks blocked on this one fail now rather than at their timeout.
+
+        gloo keeps a dead rank's connections open until its process exits, and its
+        ``ProcessGroup.abort()`` does not close them; but a receive that times out closes the
+        connection, and the peer's pending operations then raise "Connection closed by peer".
+        Other backends (NCCL) implement ``abort()``. Best effort: errors here are swallowed, the
+        caller re-raises the original exception.
+        """
+        self._sends.clear()
+        try:
+            backend = str(dist.get_backend(self.group))
+        except Exception:  # noqa: BLE001 - group already gone
+            return
+        if backend != "gloo":
+            try:
+                self.group.abort()
+            except Exception:  # noqa: BLE001
+                pass
+            return
+        for peer in peers:
+            try:
+                work = dist.irecv(torch.empty(1), src=peer, group=self.group, tag=_ABORT_TAG)
+                work.wait(datetime.timedelta(milliseconds=1))
+            except Exception:  # noqa: BLE001 - the timeout is the point
+                pass
+
+    # ------------------------------------------------------------------ helpers
+    def _post_send(self, tensor: torch.Tensor, dst: int, tag: int, acct: str) -> None:
+        record("send", _nbytes(tensor), 2, acct)
+        self._sends.append((dist.isend(tensor, dst=dst, group=self.group, tag=tag), tensor))
+
+    @staticmethod
+    def _header(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.dim() > _MAX_DIMS:
+            raise ValueError(f"pipeline activations may have at most {_MAX_DIMS} dims, got shape {tuple(tensor.shape)}")
+        if tensor.dtype not in _DTYPES:
+            raise ValueError(f"pipeline activations of dtype {tensor.dtype} are not supported")
+        header = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64, device=tensor.device)
+        header[0], header[1] = _DTYPES.index(tensor.dtype), tensor.dim()
+        if tensor.dim():
+            header[2:2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+        return header

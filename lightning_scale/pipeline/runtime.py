@@ -1,0 +1,332 @@
+"""The one place where a pipeline schedule meets point-to-point communication and autograd.
+
+:class:`PipelineRuntime` walks this rank's action list of a :class:`~lightning_scale.pipeline.schedule.Schedule`:
+
+* ``RECV_*`` posts an asynchronous receive (the first on a channel also learns the shape);
+* ``F`` runs a chunk on the micro-batch input (stage 0) or the received activation; on the last
+  stage it applies ``loss_fn(output, target)``;
+* ``B`` backpropagates the received output gradient (on the last stage: ``loss * grad_scale / M``,
+  so accumulated gradients are those of the mean loss over micro-batches); ``I`` / ``W`` split it
+  for zero-bubble schedules (:mod:`lightning_scale.pipeline.backward`);
+* ``SEND_*`` posts an asynchronous send; all sends are waited at the end of the step.
+
+Gradients accumulate in ``.grad`` like a normal backward (nothing is zeroed), so optimizers,
+gradient clipping and accumulation over several ``train_step`` calls work as usual. After the
+schedule, gradients of parameters tied across ranks (embedding / LM head) are summed between their
+holders, and the mean loss is broadcast from the last stage, so every pipeline rank returns it.
+
+If anything raises mid-schedule, the runtime makes its pipeline neighbours fail at once
+(:meth:`P2P.abort`) and re-raises: no rank is left blocked in a receive. A ``timeout`` bounds
+every wait as a second line of defence.
+"""
+
+from __future__ import annotations
+
+import bisect
+import datetime
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from lightning_scale.comm.collectives import broadcast
+from lightning_scale.comm.p2p import P2P, PendingRecv
+from lightning_scale.config import ConfigError
+from lightning_scale.pipeline import schedule as S
+from lightning_scale.pipeline.backward import WeightGradSplitter, backward_input, backward_weight
+from lightning_scale.pipeline.stage import PipelineStage
+from lightning_scale.pipeline.validate import validate_schedule
+
+Key = Tuple[int, int]  # (stage, microbatch)
+
+
+@dataclass
+class _Step:
+    """Everything one step keeps between actions; dropped when the step ends."""
+
+    inputs: List[torch.Tensor]
+    targets: Optional[List[torch.Tensor]]
+    train: bool
+    grad_scale: float
+    batch_key: tuple
+    keep_outputs: bool = False
+    recvs: Dict[Tuple[str, int, int], PendingRecv] = field(default_factory=dict)
+    saved: Dict[Key, tuple] = field(default_factory=dict)  # F -> (input, output or loss, records)
+    outputs: Dict[Key, torch.Tensor] = field(default_factory=dict)  # activations to send / hand over
+    input_grads: Dict[Key, torch.Tensor] = field(default_factory=dict)  # to send / hand over
+    weight_work: Dict[Key, list] = field(default_factory=dict)
+    losses: List[torch.Tensor] = field(default_factory=list)
+    results: Dict[int, torch.Tensor] = field(default_factory=dict)  # eval outputs by micro-batch
+    compute_s: float = 0.0
+
+
+class PipelineRuntime:
+    """Run training / evaluation steps of one pipeline rank.
+
+    Args:
+        stage: this rank's chunks (:func:`~lightning_scale.pipeline.stage.build_stage`).
+        pp_group: the process group of this pipeline (``Topology.pp_group``); None when pp == 1.
+        pp_ranks: global ranks of the pipeline ranks, in stage order (``Topology.axis_ranks("pp")``).
+        loss_fn: ``loss_fn(output, target) -> scalar`` applied per micro-batch on the last stage.
+        microbatches: micro-batches per step; must divide the batch size.
+        schedule: a name from :func:`~lightning_scale.pipeline.schedule.available_schedules` or a Schedule.
+        timeout: bound on every wait for a peer (default: the process group's timeout).
+        prefetch: receives posted ahead of the schedule (once their shape is cached), so data
+            arrives while this rank computes.
+    """
+
+    def __init__(self, stage: PipelineStage, *, pp_group=None, pp_ranks: Optional[Sequence[int]] = None,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], microbatches: int,
+                 schedule: Union[str, S.Schedule] = "1f1b", timeout: Optional[datetime.timedelta] = None,
+                 prefetch: int = 2) -> None:
+        self.stage, self.loss_fn, self.microbatches, self.prefetch = stage, loss_fn, microbatches, prefetch
+        if isinstance(schedule, S.Schedule):
+            self.schedule = schedule
+        else:
+            self.schedule = S.build_schedule(schedule, stage.pp, microbatches, stage.virtual_stages)
+        sch = self.schedule
+        if (sch.num_ranks, sch.virtual_stages, sch.num_microbatches) != (stage.pp, stage.virtual_stages, microbatches):
+            raise ConfigError(f"schedule {sch.name!r} is for pp={sch.num_ranks}, virtual_stages={sch.virtual_stages}, "
+                              f"microbatches={sch.num_microbatches}; the stage has pp={stage.pp}, virtual_stages="
+                              f"{stage.virtual_stages} and microbatches={microbatches}")
+        validate_schedule(sch)  # cheap; a hand-written schedule fails here, not in a hang
+        self._eval_schedule = sch.forward_only()
+        validate_schedule(self._eval_schedule)
+        self.pp_ranks = list(pp_ranks) if pp_ranks is not None else list(range(stage.pp))
+        self._check_group(pp_group)
+        self.pp_group = pp_group
+        self.p2p = P2P(pp_group, timeout=timeout) if stage.pp > 1 else None
+        self.device = next((p.device for p in stage.parameters()), torch.device("cpu"))
+        split = sch.splits_backward
+        self._splitters = {s: WeightGradSplitter(stage.chunk(s)) for s in stage.stage_ids} if split else {}
+        self.last_compute_s = self.last_step_s = 0.0  # this rank's busy time and wall time of the last step
+        self.sync_tied_parameters()
+
+    def _check_group(self, pp_group) -> None:
+        st = self.stage
+        if len(self.pp_ranks) != st.pp:
+            raise ConfigError(f"pp_ranks={self.pp_ranks} must list pp={st.pp} global ranks")
+        if st.pp > 1:
+            if pp_group is None or not dist.is_initialized():
+                raise ConfigError("pp > 1 needs torch.distributed initialized and a pp_group (Topology.pp_group)")
+            if dist.get_world_size(pp_group) != st.pp:
+                raise ConfigError(f"pp_group has {dist.get_world_size(pp_group)} ranks but pp={st.pp}")
+            if dist.get_rank() != self.pp_ranks[st.pp_rank]:
+                raise ConfigError(f"this process is global rank {dist.get_rank()} but pp_ranks[{st.pp_rank}] = "
+                                  f"{self.pp_ranks[st.pp_rank]}")
+
+    # ------------------------------------------------------------------ public steps
+    def train_step(self, inputs: torch.Tensor, targets: Optional[torch.Tensor] = None, *,
+                   grad_scale: float = 1.0) -> torch.Tensor:
+        """Forward + backward of one batch; returns the mean micro-batch loss (float64) on every pp rank.
+
+        Every pipeline rank passes the same ``inputs`` (the first stage computes on them, the others
+        read their shape); ``targets`` are needed on the rank holding the last stage. Gradients of
+        the mean loss times ``grad_scale`` are accumulated into this rank's parameters' ``.grad``.
+        """
+        with self._abort_on_error():
+            step = self._new_step(inputs, targets, train=True, grad_scale=grad_scale)
+            snapshots = [t.param.grad.clone() if t.param.grad is not None else None for t in self.stage.tied]
+            self._run(self.schedule, step)
+            self._sum_tied_grads(snapshots)
+            return self._mean_loss(step)
+
+    @torch.no_grad()
+    def eval_step(self, inputs: torch.Tensor, targets: Optional[torch.Tensor] = None, *,
+                  return_outputs: bool = False):
+        """Forward only. Returns the mean loss on every pp rank (None when the last stage got no
+        targets); with ``return_outputs`` returns ``(loss, outputs)``, the last stage's outputs
+        concatenated over micro-batches (None on other ranks)."""
+        with self._abort_on_error():
+            step = self._new_step(inputs, targets, train=False, grad_scale=1.0)
+            step.keep_outputs = return_outputs
+            self._run(self._eval_schedule, step)
+            loss = self._mean_loss(step)
+        if not return_outputs:
+            return loss
+        outs = torch.cat([step.results[i] for i in range(self.microbatches)]) if self.stage.is_last else None
+        return loss, outs
+
+    # ------------------------------------------------------------------ driver
+    def _new_step(self, inputs, targets, *, train: bool, grad_scale: float) -> _Step:
+        if inputs is None:
+            raise ValueError("train_step/eval_step need the batch inputs on every pipeline rank "
+                             "(only their shape is read off the first stage)")
+        mb_inputs = _split(inputs, self.microbatches, "inputs")
+        mb_targets = None
+        if self.stage.is_last:
+            if targets is None and train:
+                raise ValueError("the rank holding the last pipeline stage needs targets for the loss")
+            mb_targets = _split(targets, self.microbatches, "targets") if targets is not None else None
+        key = (tuple(mb_inputs[0].shape), str(mb_inputs[0].dtype), torch.is_autocast_enabled())
+        return _Step(mb_inputs, mb_targets, train, grad_scale, key)
+
+    @contextmanager
+    def _abort_on_error(self) -> Iterator[None]:
+        """On any error, wake the pipeline peers (they fail instead of waiting for us), then re-raise."""
+        try:
+            yield
+        except BaseException:
+            if self.p2p is not None:
+                self.p2p.abort([r for k, r in enumerate(self.pp_ranks) if k != self.stage.pp_rank])
+            raise
+
+    def _run(self, sch: S.Schedule, step: _Step) -> None:
+        """Execute this rank's actions; receives are posted up to ``prefetch`` ahead once their shape is known."""
+        start = time.perf_counter()
+        acts = sch.actions[self.stage.pp_rank]
+        recv_at = [k for k, a in enumerate(acts) if a.kind in (S.RECV_F, S.RECV_B)]
+        posted = 0  # acts[recv_at[:posted]] are posted, always in list order (channels match in order)
+        for k, action in enumerate(acts):
+            if action.kind in (S.RECV_F, S.RECV_B):
+                if posted < len(recv_at) and recv_at[posted] == k:
+                    self._post_recv(action, step)
+                    posted += 1
+            else:
+                self._dispatch(action, step)
+            reached = bisect.bisect_right(recv_at, k)
+            while posted < min(len(recv_at), reached + self.prefetch):
+                ahead = acts[recv_at[posted]]
+                if not self.p2p.has_shape(*self._recv_channel(ahead, step)):
+                    break  # its header must be received when the schedule gets there, not earlier
+                self._post_recv(ahead, step)
+                posted += 1
+        if self.p2p is not None:
+            self.p2p.wait_sends()
+        self.last_compute_s, self.last_step_s = step.compute_s, time.perf_counter() - start
+
+    def _recv_channel(self, a: S.Action, step: _Step) -> Tuple[int, str, tuple]:
+        if a.kind == S.RECV_F:
+            return self._peer(-1), "act", (a.stage - 1, step.batch_key)
+        return self._peer(+1), "grad", (a.stage + 1, step.batch_key)
+
+    def _post_recv(self, a: S.Action, step: _Step) -> None:
+        src, kind, key = self._recv_channel(a, step)
+        step.recvs[(kind, a.stage, a.microbatch)] = self.p2p.recv(src, kind, key, self.device)
+
+    def _dispatch(self, a: S.Action, step: _Step) -> None:
+        kind = a.kind
+        if kind == S.SEND_F:
+            self.p2p.send(step.outputs.pop((a.stage, a.microbatch)), self._peer(+1), "act", (a.stage, step.batch_key))
+        elif kind == S.SEND_B:
+            self.p2p.send(step.input_grads.pop((a.stage, a.microbatch)), self._peer(-1), "grad",
+                          (a.stage, step.batch_key))
+        else:
+            s, i = a.stage, a.microbatch
+            # wait for the data first, so compute_s measures compute only (the rest is bubble)
+            if kind == S.F:
+                x = self._forward_input(s, i, step)
+            elif kind in (S.B, S.I):
+                grad = self._output_grad(s, i, step)
+            t0 = time.perf_counter()
+            if kind == S.F:
+                self._forward(s, i, x, step)
+            elif kind in (S.B, S.I):
+                self._backward(s, i, grad, step, split=kind == S.I)
+            elif kind == S.W:
+                backward_weight(step.weight_work.pop((s, i)))
+            else:
+                raise S.ScheduleError(f"unknown action {a}")
+            step.compute_s += time.perf_counter() - t0
+
+    def _peer(self, direction: int) -> int:
+        return self.pp_ranks[(self.stage.pp_rank + direction) % self.stage.pp]
+
+    # ------------------------------------------------------------------ compute
+    def _forward_input(self, s: int, i: int, step: _Step) -> torch.Tensor:
+        if s == 0:
+            return step.inputs[i]
+        if (s - 1) in self.stage.stage_ids:  # previous chunk on this rank (pp == 1): hand over locally
+            return step.outputs.pop((s - 1, i))
+        return step.recvs.pop(("act", s, i)).wait()
+
+    def _output_grad(self, s: int, i: int, step: _Step) -> Optional[torch.Tensor]:
+        if s == self.stage.num_stages - 1:
+            return None  # the loss starts the backward
+        if (s + 1) in self.stage.stage_ids:
+            return step.input_grads.pop((s + 1, i))
+        return step.recvs.pop(("grad", s, i)).wait()
+
+    def _forward(self, s: int, i: int, x: torch.Tensor, step: _Step) -> None:
+        last = s == self.stage.num_stages - 1
+        if step.train and x.is_floating_point():
+            x = x.detach().requires_grad_(True)
+        chunk = self.stage.chunk(s)
+        splitter = self._splitters.get(s) if step.train else None
+        if splitter is not None:
+            with splitter.capture() as records:
+                out = chunk(x)
+        else:
+            records, out = [], chunk(x)
+        if last:
+            if step.keep_outputs:
+                step.results[i] = out
+            if step.targets is not None:
+                out = self.loss_fn(out, step.targets[i])
+                step.losses.append(out.detach())
+        else:
+            step.outputs[(s, i)] = out.detach()
+        if step.train:
+            step.saved[(s, i)] = (x, out, records)
+
+    def _backward(self, s: int, i: int, grad: Optional[torch.Tensor], step: _Step, split: bool) -> None:
+        x, out, records = step.saved.pop((s, i))
+        if s == self.stage.num_stages - 1:
+            out = out * (step.grad_scale / self.microbatches)  # mean over micro-batches
+        if split:
+            gx, work = backward_input(out, grad, x, records, self._splitters[s].splittable)
+            step.weight_work[(s, i)] = work
+        else:
+            torch.autograd.backward(out, grad)
+            gx = x.grad if x.requires_grad else None
+        if s > 0:
+            if gx is None:
+                raise RuntimeError(f"stage {s} produced no gradient for its input; every stage output "
+                                   "passed between stages must depend on the stage input")
+            step.input_grads[(s, i)] = gx
+
+    # ------------------------------------------------------------------ after the schedule
+    def _mean_loss(self, step: _Step) -> Optional[torch.Tensor]:
+        """Mean micro-batch loss of the last stage, on every pp rank (None when it had no targets)."""
+        buf = torch.zeros(2, dtype=torch.float64, device=self.device)  # [loss, has loss]
+        if self.stage.is_last and step.losses:
+            buf[0] = torch.stack([loss.to(torch.float64) for loss in step.losses]).mean()
+            buf[1] = 1.0
+        if self.stage.pp > 1:
+            broadcast(buf, src=self.pp_ranks[-1], group=self.pp_group, tag="pp_loss")
+        return buf[0] if buf[1] > 0 else None
+
+    def _sum_tied_grads(self, snapshots: Sequence[Optional[torch.Tensor]]) -> None:
+        """Add the other holder's contribution of this step to each tied parameter's gradient."""
+        me = self.stage.pp_rank
+        for tied, before in zip(self.stage.tied, snapshots):
+            p = tied.param
+            local = torch.zeros_like(p) if p.grad is None else (p.grad - before if before is not None else p.grad)
+            (peer,) = [r for r in tied.ranks if r != me]
+            other = self.p2p.exchange(local, self.pp_ranks[peer], "tied")
+            if p.grad is None:
+                p.grad = other
+            else:
+                p.grad.add_(other)
+
+    @torch.no_grad()
+    def sync_tied_parameters(self) -> None:
+        """Copy each tied parameter from its first holder to the other (they must start equal)."""
+        me = self.stage.pp_rank
+        for tied in self.stage.tied:
+            first, second = tied.ranks
+            data = self.p2p.exchange(tied.param.detach(), self.pp_ranks[second if me == first else first], "tied")
+            if me == second:
+                tied.param.copy_(data)
+
+
+def _split(t: torch.Tensor, m: int, what: str) -> List[torch.Tensor]:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"pipeline {what} must be a tensor with the batch in dim 0, got {type(t).__name__}")
+    if t.dim() == 0 or t.shape[0] % m:
+        size = t.shape[0] if t.dim() else "a scalar"
+        raise ConfigError(f"pipeline.microbatches={m} does not divide the batch size {size} of the {what}")
+    return list(t.split(t.shape[0] // m))
