@@ -1,4 +1,5 @@
 from lightning_scale.comm.accounting import CommCounter, algorithmic_bytes
+from lightning_scale.comm.p2p import P2P, PendingRecv
 from lightning_scale.comm.collectives import (
     Handle,
     all_gather,
@@ -12,6 +13,8 @@ from lightning_scale.comm.collectives import (
 
 __all__ = [
     "CommCounter",
+    "P2P",
+    "PendingRecv",
     "Handle",
     "algorithmic_bytes",
     "all_gather",

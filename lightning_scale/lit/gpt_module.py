@@ -8,6 +8,7 @@ from typing import Any, Dict, Optional, Union
 
 import lightning.pytorch as pl
 import torch
+import torchmetrics
 
 from lightning_scale.models.gpt import GPT, GPTConfig, lm_loss
 
@@ -37,6 +38,7 @@ class GPTLightningModule(pl.LightningModule):
         self.optimizer_name = optimizer
         self.freeze_step = freeze_step
         self.model: Optional[GPT] = None
+        self.val_perplexity = torchmetrics.MeanMetric()  # synced across ranks by torchmetrics itself
 
     def configure_model(self) -> None:
         if self.model is not None:
@@ -50,6 +52,12 @@ class GPTLightningModule(pl.LightningModule):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)
 
+    def pipeline_layers(self):
+        """The layer sequence pipeline parallelism partitions: embedding, each block, head."""
+        from lightning_scale.pipeline import gpt_pipeline_layers
+
+        return gpt_pipeline_layers(self.model)
+
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         x, y = batch
         loss = lm_loss(self.model(x), y)
@@ -60,6 +68,8 @@ class GPTLightningModule(pl.LightningModule):
         x, y = batch
         loss = lm_loss(self.model(x), y)
         self.log("val_loss", loss, prog_bar=True, on_epoch=True, sync_dist=True)
+        self.val_perplexity.update(torch.exp(loss.detach().float()))
+        self.log("val_ppl", self.val_perplexity, on_epoch=True)
         return loss
 
     def test_step(self, batch, batch_idx: int) -> torch.Tensor:

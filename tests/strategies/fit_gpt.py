@@ -110,9 +110,12 @@ def main() -> None:
     )
     trainer.fit(model, datamodule=data, ckpt_path=args.resume)
     val = trainer.validate(model, datamodule=data, verbose=False)
+    test = trainer.test(model, datamodule=data, verbose=False)
+    predictions = trainer.predict(model, datamodule=data)
     if trainer.is_global_zero:
         with open(args.out, "w") as f:
-            json.dump({"losses": recorder.losses, "val": val, "world": trainer.world_size,
+            json.dump({"losses": recorder.losses, "val": val, "test": test, "n_predict": len(predictions),
+                   "world": trainer.world_size,
                        "precision": str(trainer.precision)}, f)
 
 

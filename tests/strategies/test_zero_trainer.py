@@ -95,3 +95,19 @@ def test_presets_registered():
     for name in ("zero3d", "zero0", "zero1", "zero2"):
         assert name in StrategyRegistry
     assert StrategyRegistry["zero1"]["init_params"] == {"stage": 1}
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2"])
+def test_gan_two_optimizers_manual_optimization(tmp_path, strategy):
+    import torch
+
+    gan = os.path.join(os.path.dirname(__file__), "fit_gan.py")
+    outs = {}
+    for name, devices in (("single", "1"), (strategy, "2")):
+        out = tmp_path / f"{name}.pt"
+        proc = subprocess.run([sys.executable, gan, "--strategy", name, "--devices", devices, "--out", str(out)],
+                              capture_output=True, text=True, timeout=240, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        outs[name] = torch.load(out)
+    for key, ref in outs["single"].items():
+        assert torch.allclose(outs[strategy][key], ref, rtol=1e-4, atol=1e-5), key
