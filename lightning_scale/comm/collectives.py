@@ -99,8 +99,8 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group=None, *, async_op
     key = (_backend(group), "reduce_scatter")
     use_fallback = _NATIVE_BROKEN.get(key, False) if fallback is None else fallback
     if not use_fallback:
-        try:
-            work = _reduce_scatter_native(out, inp, group=group, async_op=async_op)
+        try:  # flat views: gloo logs a fatal-looking check and slows down on multi-dimensional tensors
+            work = _reduce_scatter_native(out.view(-1), inp.view(-1), group=group, async_op=async_op)
             return _result(work, async_op)
         except (RuntimeError, NotImplementedError):
             _NATIVE_BROKEN[key] = True
@@ -128,7 +128,7 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group=None, *, async_op: bo
     use_fallback = _NATIVE_BROKEN.get(key, False) if fallback is None else fallback
     if not use_fallback:
         try:
-            work = _all_gather_native(out, inp, group=group, async_op=async_op)
+            work = _all_gather_native(out.view(-1), inp.reshape(-1), group=group, async_op=async_op)
             return _result(work, async_op)
         except (RuntimeError, NotImplementedError):
             _NATIVE_BROKEN[key] = True

@@ -152,8 +152,9 @@ class GPT(nn.Module):
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-    """Mean next-token cross-entropy, computed in fp32 whatever the logits' dtype."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=ignore_index)
+    """Mean next-token cross-entropy, computed in at least fp32 (fp64 logits stay fp64)."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=ignore_index)
 
 
 def gpt_small(**overrides) -> GPTConfig:

@@ -15,7 +15,7 @@ See docs/tensor_parallel.md.
 
 from lightning_scale.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from lightning_scale.tensor_parallel.grads import clip_grad_norm_, grad_norm, sync_tp_grads
-from lightning_scale.tensor_parallel.hf import GPT2_BASE_PLAN, GPT_PLAN, default_plan
+from lightning_scale.tensor_parallel.hf import GPT2_BASE_PLAN, GPT_PLAN, default_plan, find_plannable_module
 from lightning_scale.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from lightning_scale.tensor_parallel.mappings import (
     copy_to_region,
@@ -27,7 +27,14 @@ from lightning_scale.tensor_parallel.mappings import (
     scatter_to_sequence_region,
 )
 from lightning_scale.tensor_parallel.plan import TensorParallelPlan, apply_tensor_parallel, plan_tensor_parallel
-from lightning_scale.tensor_parallel.sharding import ShardSpec, merge_shards, shard_tensor, tp_replicated, tp_spec
+from lightning_scale.tensor_parallel.sharding import (
+    ShardSpec,
+    merge_shards,
+    shard_tensor,
+    tp_partial_grad,
+    tp_replicated,
+    tp_spec,
+)
 from lightning_scale.tensor_parallel.state import (
     TensorParallelState,
     consolidate_state_dict,
@@ -53,6 +60,7 @@ __all__ = [
     "consolidate_state_dict",
     "copy_to_region",
     "default_plan",
+    "find_plannable_module",
     "gather_from_region",
     "gather_from_sequence_region",
     "grad_norm",
@@ -67,6 +75,7 @@ __all__ = [
     "shard_tensor",
     "sync_tp_grads",
     "tensor_parallel_state",
+    "tp_partial_grad",
     "tp_replicated",
     "tp_spec",
     "vocab_parallel_cross_entropy",

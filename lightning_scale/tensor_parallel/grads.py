@@ -46,7 +46,9 @@ def sync_tp_grads(params: Params, group=None) -> int:
     of elements reduced (0: nothing to do, e.g. no sequence parallelism).
     """
     group = _tp_group(params, group)
-    todo = [p for p in _params(params) if tp_partial_grad(p) and p.grad is not None]
+    state = tensor_parallel_state(params) if isinstance(params, nn.Module) else None
+    candidates = state.partial_grad_params(params) if state is not None else _params(params)
+    todo = [p for p in candidates if tp_partial_grad(p) and p.grad is not None]
     total = 0
     for dtype in sorted({p.grad.dtype for p in todo}, key=str):
         grads = [p.grad for p in todo if p.grad.dtype == dtype]

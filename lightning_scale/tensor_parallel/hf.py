@@ -14,7 +14,7 @@ and ``base_model_prefix`` (duck typing), so the package works without it install
 
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, Tuple
 
 import torch.nn as nn
 
@@ -78,8 +78,25 @@ def default_plan(model: nn.Module, sequence_parallel: bool = False) -> Dict[str,
         plan = dict(GPT_PLAN)
         if sequence_parallel:
             plan["wpe"] = "sequence_split"  # position rows for this rank's sequence chunk only
+            plan["blocks.*.attn"] = "sequence_gather"  # the attention reads T from its input
+            plan["blocks.*.mlp"] = "sequence_gather"
         return plan
     if is_hf_model(model):
         return hf_plan(model)
     raise ConfigError(f"tensor.plan: no built-in tensor-parallel plan for {type(model).__name__}; pass "
                       f"plan={{'blocks.*.attn.qkv': 'colwise', ...}}")
+
+
+def find_plannable_module(root: nn.Module) -> Tuple[str, nn.Module]:
+    """The outermost submodule of ``root`` with a built-in plan (the project GPT or a Hugging Face model).
+
+    A Lightning strategy uses it to split the model a LightningModule holds (``self.model = GPT(...)``)
+    when the user gave no plan: ``name, model = find_plannable_module(lightning_module)``.
+    """
+    from lightning_scale.models.gpt import GPT
+
+    for name, module in root.named_modules():  # pre-order: outermost first
+        if isinstance(module, GPT) or is_hf_model(module):
+            return name, module
+    raise ConfigError(f"tensor.plan: {type(root).__name__} contains no module with a built-in tensor-parallel "
+                      f"plan (the project GPT or a Hugging Face model); pass tensor.plan={{pattern: style}}")

@@ -10,7 +10,9 @@
 With ``sequence_parallel=True`` the activations between layers are split along the sequence dim
 (``-2``): a column-parallel layer all-gathers its input, row-parallel and embedding layers
 reduce-scatter their output. Parameter names stay ``weight`` / ``bias`` so state_dict keys do not change.
-``transposed=True`` keeps GPT-2's ``Conv1D`` layout (weight stored ``(in, out)``).
+``transposed=True`` keeps GPT-2's ``Conv1D`` layout (weight stored ``(in, out)``). A module whose own
+code reads the sequence length from its input (the GPT attention) gathers on entry instead (plan
+style ``sequence_gather``) and its column-parallel layers get ``input_gathered=True``.
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lightning_scale.tensor_parallel.mappings import (
-    copy_to_region,
+    _gather,
+    _reduce_async,
+    _reduce_scatter_async,
     gather_from_region,
-    gather_from_sequence_region,
     reduce_from_region,
     reduce_scatter_to_sequence_region,
     scatter_to_region,
@@ -33,6 +36,47 @@ from lightning_scale.tensor_parallel.mappings import (
     tp_size,
 )
 from lightning_scale.tensor_parallel.sharding import ShardSpec, make_spec, mark_partial_grad, mark_sharded, shard_tensor
+
+
+class _ColumnLinearFn(torch.autograd.Function):
+    """Column-parallel ``linear`` with its input communication inside, so the backward overlaps them.
+
+    Forward: (sequence parallel: all-gather the sequence, then) ``x W^T + b``. Backward: the input
+    gradient is a partial sum on each rank; its all-reduce (reduce-scatter) is started asynchronously
+    and runs while the weight gradient is computed (Megatron-LM's asynchronous tensor-parallel
+    all-reduce). Same bytes as ``copy_to_region`` / ``gather_from_sequence_region`` + ``F.linear``.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, tag, sequence_parallel, transposed):
+        x_full = _gather(x, x.dim() - 2, group, tag) if sequence_parallel else x  # (*, T, in)
+        ctx.save_for_backward(x_full, weight)
+        ctx.group, ctx.tag, ctx.sequence_parallel, ctx.transposed = group, tag, sequence_parallel, transposed
+        ctx.has_bias = bias is not None
+        return F.linear(x_full, weight.t() if transposed else weight, bias)  # (*, T, out_local)
+
+    @staticmethod
+    def backward(ctx, grad):  # grad (*, T, out_local)
+        x_full, weight = ctx.saved_tensors
+        w = (weight.t() if ctx.transposed else weight).to(grad.dtype)  # (out_local, in)
+        grad_x = handle = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad.matmul(w)  # (*, T, in): this rank's partial sum
+            if ctx.sequence_parallel:
+                grad_x, handle = _reduce_scatter_async(grad_x, grad_x.dim() - 2, ctx.group, ctx.tag)
+            else:
+                handle = _reduce_async(grad_x, ctx.group, ctx.tag)
+        g2 = grad.reshape(-1, grad.shape[-1])  # (N, out_local)
+        grad_w = grad_b = None
+        if ctx.needs_input_grad[1]:
+            x2 = x_full.reshape(-1, x_full.shape[-1]).to(grad.dtype)  # (N, in)
+            grad_w = (x2.t().mm(g2) if ctx.transposed else g2.t().mm(x2)).to(weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = g2.sum(0).to(weight.dtype)
+        if handle is not None:
+            handle.wait()
+            grad_x = grad_x.to(x_full.dtype)
+        return grad_x, grad_w, grad_b, None, None, None, None
 
 
 def is_conv1d(module: nn.Module) -> bool:
@@ -70,13 +114,28 @@ class _ParallelLinearBase(nn.Module):
         self.tp_name = name
         self.tag = f"tp/{name}" if name else "tp"
 
+    def _mark_params(self) -> None:
+        mark_sharded(self.weight, self.weight_spec)
+        if self.bias is not None:
+            if self.bias_spec is not None:
+                mark_sharded(self.bias, self.bias_spec)
+            elif getattr(self, "sequence_parallel", False):
+                mark_partial_grad(self.bias)  # a row-parallel bias added to this rank's tokens only
+
+    def _apply(self, fn, recurse=True):
+        # .to() / .to_empty() / .double() may swap in new Parameter objects: mark those again.
+        out = super()._apply(fn, recurse)
+        self._mark_params()
+        return out
+
     def _weight(self) -> torch.Tensor:
         return self.weight.t() if self.transposed else self.weight  # (out_local, in_local) view
 
     def _make_params(self, weight_shape, bias_shape, device, dtype) -> None:
         self.weight = nn.Parameter(torch.empty(weight_shape, device=device, dtype=dtype))
-        self.bias = nn.Parameter(torch.empty(bias_shape, device=device, dtype=dtype)) if bias_shape else None
-        if self.bias is None:
+        if bias_shape:
+            self.bias = nn.Parameter(torch.empty(bias_shape, device=device, dtype=dtype))
+        else:
             self.register_parameter("bias", None)
 
     @torch.no_grad()
@@ -127,20 +186,20 @@ class ColumnParallelLinear(_ParallelLinearBase):
 
     def __init__(self, in_features: int, out_features: int, *, group, bias: bool = True,
                  gather_output: bool = False, sections: int = 1, pad: bool = False,
-                 sequence_parallel: bool = False, transposed: bool = False, name: str = "",
-                 device=None, dtype=None, init: bool = True) -> None:
+                 sequence_parallel: bool = False, input_gathered: bool = False, transposed: bool = False,
+                 name: str = "", device=None, dtype=None, init: bool = True) -> None:
         super().__init__()
         self._setup(in_features, out_features, group, name, transposed)
         self.gather_output, self.sections, self.sequence_parallel = gather_output, sections, sequence_parallel
+        # True when an enclosing module already all-gathered the sequence (its backward reduce-scatters)
+        self.input_gathered = input_gathered
         what = f"{name or 'ColumnParallelLinear'} out_features"
         self.weight_spec = make_spec(1 if transposed else 0, out_features, self.tp, sections=sections, pad=pad,
                                      what=what)
         self.bias_spec = make_spec(0, out_features, self.tp, sections=sections, pad=pad, what=what) if bias else None
         n = self.weight_spec.local_size
         self._make_params((in_features, n) if transposed else (n, in_features), (n,) if bias else None, device, dtype)
-        mark_sharded(self.weight, self.weight_spec)
-        if self.bias is not None:
-            mark_sharded(self.bias, self.bias_spec)
+        self._mark_params()
         if init:
             self.reset_parameters()
 
@@ -153,12 +212,12 @@ class ColumnParallelLinear(_ParallelLinearBase):
         """First output feature (e.g. vocabulary id) held by this rank, in the padded layout."""
         return self.rank * self.weight_spec.local_size
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (*, T, in) -> (*, T, out/tp)
-        if self.sequence_parallel:
-            x = gather_from_sequence_region(x, self.group, dim=-2, tag=self.tag)  # (*, T/tp, in) -> (*, T, in)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (*, T, in) or (*, T/tp, in) -> (*, T, out/tp)
+        if self.input_gathered or self.tp == 1:  # 'sequence_gather' module hook did the communication
+            y = F.linear(x, self._weight(), self.bias)
         else:
-            x = copy_to_region(x, self.group, tag=self.tag)
-        y = F.linear(x, self._weight(), self.bias)
+            y = _ColumnLinearFn.apply(x, self.weight, self.bias, self.group, self.tag, self.sequence_parallel,
+                                      self.transposed)
         if not self.gather_output:
             return y
         y = gather_from_region(y, self.group, tag=self.tag)  # (*, tp * out_local), rank-major
@@ -190,9 +249,7 @@ class RowParallelLinear(_ParallelLinearBase):
         n = self.weight_spec.local_size
         self._make_params((n, out_features) if transposed else (out_features, n), (out_features,) if bias else None,
                           device, dtype)
-        mark_sharded(self.weight, self.weight_spec)
-        if self.bias is not None and sequence_parallel:
-            mark_partial_grad(self.bias)  # added to this rank's tokens only
+        self._mark_params()
         if init:
             self.reset_parameters()
 
@@ -228,6 +285,11 @@ class VocabParallelEmbedding(nn.Module):
         mark_sharded(self.weight, self.weight_spec)
         if init:
             self.reset_parameters()
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        mark_sharded(self.weight, self.weight_spec)  # the Parameter may have been replaced
+        return out
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

@@ -65,20 +65,29 @@ def _gather(x: torch.Tensor, dim: int, group, tag: str) -> torch.Tensor:
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group, tag: str) -> torch.Tensor:
     """Sum ``x`` over the group and keep this rank's chunk along ``dim``."""
+    out, handle = _reduce_scatter_async(x, dim, group, tag)
+    handle.wait()
+    return out
+
+
+def _reduce_async(x: torch.Tensor, group, tag: str) -> collectives.Handle:
+    """Start an in-place all-reduce of ``x`` (which the caller owns); ``wait()`` the handle before use."""
+    return collectives.all_reduce(x, group, tag=tag, async_op=True)
+
+
+def _reduce_scatter_async(x: torch.Tensor, dim: int, group, tag: str):
+    """Start a reduce-scatter along ``dim``; returns (output, handle). ``wait()`` before reading the output."""
     n = collectives.group_size(group)
     if x.shape[dim] % n:
         raise ValueError(
             f"sequence parallel reduce-scatter: dim {dim} of shape {tuple(x.shape)} is not divisible by tp={n}"
         )
-    if dim == 0:
-        inp = x.contiguous()
-    else:
-        inp = torch.stack(x.chunk(n, dim=dim))  # (N, *chunk) so each rank's chunk is one flat block
+    inp = x.contiguous() if dim == 0 else torch.stack(x.chunk(n, dim=dim))  # (N, *chunk): one block per rank
     chunk_shape = list(x.shape)
     chunk_shape[dim] //= n
     out = torch.empty(chunk_shape, dtype=x.dtype, device=x.device)
-    collectives.reduce_scatter(out.view(-1), inp.reshape(-1), group, tag=tag)
-    return out
+    handle = collectives.reduce_scatter(out.view(-1), inp.reshape(-1), group, tag=tag, async_op=True)
+    return out, handle
 
 
 def _norm_dim(x: torch.Tensor, dim: int) -> int:

@@ -21,6 +21,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
+import torch
 import torch.nn as nn
 
 from lightning_scale.config import ConfigError
@@ -32,8 +33,13 @@ from lightning_scale.tensor_parallel.layers import (
     dense_features,
     is_conv1d,
 )
-from lightning_scale.tensor_parallel.mappings import scatter_to_sequence_region, tp_rank, tp_size
-from lightning_scale.tensor_parallel.sharding import ShardSpec, make_spec, mark_partial_grad, tp_spec
+from lightning_scale.tensor_parallel.mappings import (
+    gather_from_sequence_region,
+    scatter_to_sequence_region,
+    tp_rank,
+    tp_size,
+)
+from lightning_scale.tensor_parallel.sharding import ShardSpec, make_spec, mark_partial_grad, tp_partial_grad, tp_spec
 from lightning_scale.tensor_parallel.state import TensorParallelState
 from lightning_scale.tensor_parallel.styles import Style, parse_style
 
@@ -236,19 +242,21 @@ def _check_sequence_parallel(model: nn.Module, actions: List[Action]) -> None:
     if "vocab" not in kinds.values() and "sequence_split" not in kinds.values():
         raise ConfigError("tensor.sequence_parallel=True needs the input embedding split ('vocab') or the "
                           "first sequence-sharded module marked 'sequence_split'")
-    if isinstance(model, GPT) and (kinds.get("wte") != "vocab" or kinds.get("wpe") != "sequence_split"):
-        raise ConfigError("tensor.sequence_parallel=True on the GPT needs 'wte': 'vocab' and "
-                          "'wpe': 'sequence_split' in the plan (the built-in plan has both)")
+    gpt_ok = kinds.get("wte") == "vocab" and kinds.get("wpe") == "sequence_split" and all(
+        kinds.get(f"blocks.{i}.attn") == "sequence_gather" for i in range(len(getattr(model, "blocks", ()))))
+    if isinstance(model, GPT) and not gpt_ok:
+        raise ConfigError("tensor.sequence_parallel=True on the GPT needs 'wte': 'vocab', 'wpe': "
+                          "'sequence_split' and 'blocks.*.attn': 'sequence_gather' (the built-in plan has them)")
 
 
-def _build(act: Action, group, sp: bool) -> Optional[nn.Module]:
+def _build(act: Action, group, sp: bool, gathered: bool) -> Optional[nn.Module]:
     style = act.style
     if style.kind == "vocab":
         return VocabParallelEmbedding.from_dense(act.module, group, sequence_parallel=sp, name=act.name)
     if style.kind == "colwise":
         return ColumnParallelLinear.from_dense(act.module, group, gather_output=style.gather_output,
                                                sections=style.sections, pad=style.pad, sequence_parallel=sp,
-                                               name=act.name)
+                                               input_gathered=gathered, name=act.name)
     if style.kind == "rowwise":
         return RowParallelLinear.from_dense(act.module, group, sections=style.sections, sequence_parallel=sp,
                                             name=act.name)
@@ -258,6 +266,16 @@ def _build(act: Action, group, sp: bool) -> Optional[nn.Module]:
 def _sequence_split_hook(group, tag: str):
     def hook(module, args, output):  # (*, T, C) -> (*, T/tp, C)
         return scatter_to_sequence_region(output, group, dim=-2, tag=tag)
+
+    return hook
+
+
+def _sequence_gather_hook(group, tag: str, name: str):
+    def hook(module, args):  # first input (*, T/tp, C) -> (*, T, C); backward reduce-scatters
+        if not args or not isinstance(args[0], torch.Tensor):
+            raise ValueError(f"'sequence_gather' module {name!r} must get its activations as first positional "
+                             f"argument")
+        return (gather_from_sequence_region(args[0], group, dim=-2, tag=tag),) + tuple(args[1:])
 
     return hook
 
@@ -276,8 +294,9 @@ def apply_tensor_parallel(model: nn.Module, plan: Optional[Dict[str, object]] = 
     state = TensorParallelState(group=group, tp=tp, rank=tp_rank(group), sequence_parallel=sequence_parallel,
                                 styles=p.styles)
     split_modules = set()
+    gathering = [a.name + "." for a in p.actions if a.style.kind == "sequence_gather"] if sequence_parallel else []
     for act in p.actions:
-        new = _build(act, group, sequence_parallel)
+        new = _build(act, group, sequence_parallel, any(act.name.startswith(g) for g in gathering))
         if new is not None:
             model.set_submodule(act.name, new)
             if act.style.kind == "colwise" and act.style.pad and not act.style.gather_output:
@@ -285,6 +304,9 @@ def apply_tensor_parallel(model: nn.Module, plan: Optional[Dict[str, object]] = 
         elif act.style.kind == "sequence_split" and sequence_parallel:
             state.hooks.append(act.module.register_forward_hook(_sequence_split_hook(group, f"tp/{act.name}")))
             split_modules.add(act.name)
+        elif act.style.kind == "sequence_gather" and sequence_parallel:
+            hook = _sequence_gather_hook(group, f"tp/{act.name}", act.name)
+            state.hooks.append(act.module.register_forward_pre_hook(hook))
         elif act.style.kind == "grad_allreduce":
             for param in act.module.parameters():
                 mark_partial_grad(param)
@@ -298,6 +320,7 @@ def apply_tensor_parallel(model: nn.Module, plan: Optional[Dict[str, object]] = 
             setattr(model.get_submodule(mname), pname, first)
     if sequence_parallel:
         _mark_sequence_parallel_partials(model, split_modules)
+    state.partial_grad_names = [n for n, prm in model.named_parameters() if tp_partial_grad(prm)]
     model._tp_state = state
     _patch_gpt_loss(model, state)
     return model

@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from lightning_scale.comm import collectives
 from lightning_scale.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from lightning_scale.tensor_parallel.sharding import merge_shards, shard_tensor, tp_spec
+from lightning_scale.tensor_parallel.sharding import mark_partial_grad, merge_shards, shard_tensor, tp_spec
 
 
 @dataclass
@@ -31,6 +31,14 @@ class TensorParallelState:
     styles: Dict[str, str]  # module name -> style as written in the plan
     vocab_size: Optional[int] = None  # true vocabulary of a 'vocab_colwise' head (padding excluded)
     hooks: List[Any] = field(default_factory=list)
+    # replicated parameters whose gradient is a per-rank partial sum (by name: .to() may swap the objects)
+    partial_grad_names: List[str] = field(default_factory=list)
+
+    def partial_grad_params(self, model: nn.Module) -> List[torch.nn.Parameter]:
+        params = [model.get_parameter(n) for n in self.partial_grad_names]
+        for p in params:
+            mark_partial_grad(p)
+        return params
 
     def cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
         """Mean cross-entropy of the 'vocab_colwise' head's split logits (full logits never gathered)."""

@@ -16,6 +16,9 @@ style                           effect
                                 go to ``vocab_parallel_cross_entropy``
 ``sequence_split``              (sequence parallel only) a replicated module whose output is cut to
                                 this rank's sequence chunk, e.g. position embeddings
+``sequence_gather``             (sequence parallel only) a module (attention, MLP) whose first input is
+                                all-gathered along the sequence on entry, so it sees the full sequence;
+                                the ``colwise`` layers inside it then skip their own input gather
 ``replicate``                   nothing (documents that the module stays whole)
 ``replicated_with_grad_allreduce``  stays whole; its gradients are summed over tp by ``sync_tp_grads``
 ==============================  ======================================================================
@@ -34,7 +37,7 @@ from lightning_scale.config import ConfigError
 
 @dataclass(frozen=True)
 class Style:
-    kind: str  # "colwise" | "rowwise" | "vocab" | "sequence_split" | "replicate" | "grad_allreduce"
+    kind: str  # colwise | rowwise | vocab | sequence_split | sequence_gather | replicate | grad_allreduce
     sections: int = 0  # 0: detect (colwise on an attention's fused qkv), else fixed
     gather_output: bool = False
     pad: bool = False  # pad out_features to a multiple of tp (vocabulary heads)
@@ -55,6 +58,7 @@ _STYLES = {
     "vocab": Style("vocab"),
     "vocab_colwise": Style("colwise", sections=1, pad=True),
     "sequence_split": Style("sequence_split"),
+    "sequence_gather": Style("sequence_gather"),
     "replicate": Style("replicate"),
     "replicated_with_grad_allreduce": Style("grad_allreduce"),
 }

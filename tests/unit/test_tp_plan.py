@@ -1,0 +1,204 @@
+"""Tensor-parallel plans, shard specs and bad input, without processes (planning is pure; tp=1 runs locally)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from lightning_scale.config import ConfigError, ParallelConfig
+from lightning_scale.models import GPT, gpt_tiny
+from lightning_scale.tensor_parallel import (
+    ShardSpec,
+    apply_tensor_parallel,
+    consolidate_state_dict,
+    merge_shards,
+    plan_tensor_parallel,
+    shard_tensor,
+    tensor_parallel_state,
+    vocab_parallel_cross_entropy,
+)
+from lightning_scale.tensor_parallel.sharding import make_spec
+
+
+# ----------------------------------------------------------------------------- shard specs
+@pytest.mark.parametrize("size,tp,sections,pad,dim", [(12, 2, 3, False, 0), (10, 4, 1, True, 0), (5, 4, 1, True, 1),
+                                                      (8, 4, 1, False, 1), (24, 4, 3, False, 1)])
+def test_shard_then_merge_is_identity(size, tp, sections, pad, dim):
+    spec = make_spec(dim, size, tp, sections=sections, pad=pad)
+    full = torch.randn(size, 3) if dim == 0 else torch.randn(3, size)
+    shards = [shard_tensor(full, spec, r) for r in range(tp)]
+    assert all(s.shape[dim] == spec.local_size for s in shards)
+    assert torch.equal(merge_shards(shards, spec), full)
+    if pad:  # padding rows are zeros and sit at the end
+        assert torch.count_nonzero(torch.cat(shards, dim).narrow(dim, size, spec.padded - size)) == 0
+
+
+def test_fused_sections_are_split_per_part():
+    spec = make_spec(0, 12, 2, sections=3)  # [q(4) | k(4) | v(4)], 2 heads of 2 per part
+    full = torch.arange(12.0)
+    assert shard_tensor(full, spec, 0).tolist() == [0, 1, 4, 5, 8, 9]  # q head 0, k head 0, v head 0
+    assert shard_tensor(full, spec, 1).tolist() == [2, 3, 6, 7, 10, 11]
+
+
+def test_spec_rejects_indivisible_size():
+    with pytest.raises(ValueError, match="tp=2 does not divide fc out_features = 7"):
+        make_spec(0, 7, 2, what="fc out_features")
+    with pytest.raises(ValueError):
+        ShardSpec(dim=0, size=12, tp=2, padded=14, sections=3)
+
+
+# ----------------------------------------------------------------------------- planning (pure)
+def _gpt(**kw):
+    torch.manual_seed(0)
+    return GPT(gpt_tiny(**kw))
+
+
+def test_gpt_builtin_plan_splits_qkv_per_head_and_shrinks_heads():
+    p = plan_tensor_parallel(_gpt(), None, 2)
+    styles = {a.name: (a.style.kind, a.style.sections) for a in p.actions}
+    assert styles["blocks.0.attn.qkv"] == ("colwise", 3)
+    assert styles["blocks.1.mlp.fc"] == ("colwise", 1)
+    assert styles["blocks.0.attn.proj"] == ("rowwise", 1)
+    assert styles["wte"][0] == "vocab" and styles["lm_head"] == ("colwise", 1)
+    assert p.parent_fixes == {"blocks.0.attn": {"n_head": 2}, "blocks.1.attn": {"n_head": 2}}
+    assert len(p.actions) == 2 + 4 * 2
+
+
+def test_example_plan_of_the_issue_is_accepted():
+    plan = {"blocks.*.attn.qkv": "colwise", "blocks.*.attn.proj": "rowwise", "blocks.*.mlp.fc": "colwise",
+            "blocks.*.mlp.proj": "rowwise", "wte": "vocab", "lm_head": "vocab_colwise"}
+    p = plan_tensor_parallel(_gpt(), plan, 4)
+    assert {a.name for a in p.actions} == {a.name for a in plan_tensor_parallel(_gpt(), None, 4).actions}
+
+
+def test_pattern_matching_nothing_lists_near_misses():
+    with pytest.raises(ConfigError, match=r"'blocks\.\*\.attn\.qvk' matches no module.*blocks\.\*\.attn\.qkv"):
+        plan_tensor_parallel(_gpt(), {"blocks.*.attn.qvk": "colwise"}, 2)
+    with pytest.raises(ConfigError, match="module names look like"):
+        plan_tensor_parallel(_gpt(), {"zzzz": "colwise"}, 2)
+
+
+def test_unknown_style_lists_known_styles():
+    with pytest.raises(ConfigError, match=r"unknown style 'columnwise'.*colwise.*rowwise"):
+        plan_tensor_parallel(_gpt(), {"blocks.*.attn.qkv": "columnwise"}, 2)
+
+
+def test_tp_not_dividing_heads_or_hidden_size():
+    with pytest.raises(ConfigError, match=r"tp=2 does not divide the number of heads blocks\.0\.attn\.n_head=3"):
+        plan_tensor_parallel(_gpt(n_head=3, d_model=24), None, 2)
+    model = nn.Sequential(nn.Linear(8, 7), nn.GELU(), nn.Linear(7, 8))
+    with pytest.raises(ConfigError, match="tp=2 does not divide 0 out_features = 7"):
+        plan_tensor_parallel(model, {"0": "colwise", "2": "rowwise"}, 2)
+    # a vocabulary is padded instead
+    assert plan_tensor_parallel(_gpt(vocab_size=61), None, 4).actions[0].weight_spec.padded == 64
+
+
+def test_wrong_module_type_and_double_match():
+    with pytest.raises(ConfigError, match="needs nn.Linear or Conv1D; 'blocks.0.ln1' is LayerNorm"):
+        plan_tensor_parallel(_gpt(), {"blocks.*.ln1": "colwise"}, 2)
+    with pytest.raises(ConfigError, match="matched by both"):
+        plan_tensor_parallel(_gpt(), {"blocks.*.mlp.fc": "colwise", "blocks.0.mlp.fc": "colwise"}, 2)
+
+
+def test_tied_weights_must_be_split_alike():
+    tied = _gpt(tie_weights=True)
+    assert plan_tensor_parallel(tied, None, 2).ties == [[("wte", "weight"), ("lm_head", "weight")]]
+    with pytest.raises(ConfigError, match="tied parameter wte.weight, lm_head.weight"):
+        plan_tensor_parallel(tied, {"lm_head": "vocab_colwise"}, 2)
+
+
+def test_sequence_parallel_needs_embedding_plan():
+    with pytest.raises(ConfigError, match="'wpe': 'sequence_split'"):
+        plan_tensor_parallel(_gpt(), {"wte": "vocab", "blocks.*.mlp.fc": "colwise"}, 2, sequence_parallel=True)
+    p = plan_tensor_parallel(_gpt(), None, 2, sequence_parallel=True)
+    assert {"wpe", "blocks.0.attn", "blocks.1.mlp"} <= {a.name for a in p.actions}
+
+
+def test_tp_not_dividing_world_size_is_a_config_error():
+    with pytest.raises(ConfigError, match="tp=3 x pp=1 does not divide the world size 4"):
+        ParallelConfig(tp=3).validate(world_size=4)
+
+
+# ----------------------------------------------------------------------------- Hugging Face plans
+def test_hf_llama_plan_comes_from_the_model():
+    import transformers  # a test dependency (pip install transformers); no download: built from a config
+
+    cfg = transformers.LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    model = transformers.LlamaForCausalLM(cfg)
+    p = plan_tensor_parallel(model, None, 2)
+    styles = {a.name: a.style.name for a in p.actions}
+    assert styles["model.layers.1.self_attn.k_proj"] == "colwise"
+    assert styles["lm_head"] == "colwise_gather_output" and styles["model.embed_tokens"] == "embedding_rowwise"
+    with pytest.raises(ConfigError, match="config.num_key_value_heads=2"):
+        plan_tensor_parallel(model, None, 4)
+    with pytest.raises(ConfigError, match="project GPT only"):
+        plan_tensor_parallel(model, None, 2, sequence_parallel=True)
+
+
+def test_hf_gpt2_conv1d_qkv_is_split_per_head():
+    import transformers
+
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=61, n_embd=32, n_layer=2, n_head=4,
+                                                                 bos_token_id=0, eos_token_id=0))
+    p = plan_tensor_parallel(model, None, 2)
+    qkv = next(a for a in p.actions if a.name == "transformer.h.0.attn.c_attn")
+    assert qkv.style.sections == 3 and qkv.weight_spec.dim == 1  # Conv1D weight is (in, out)
+    assert p.parent_fixes["transformer.h.0.attn"] == {"num_heads": 2, "split_size": 16, "embed_dim": 16}
+    assert p.ties == [[("transformer.wte", "weight"), ("lm_head", "weight")]]
+
+
+# ----------------------------------------------------------------------------- apply at tp=1 (no processes)
+def test_apply_at_tp1_keeps_outputs_keys_and_refuses_a_second_time():
+    model = _gpt(vocab_size=61).double()
+    ref = _gpt(vocab_size=61).double()
+    idx = torch.randint(0, 61, (2, 16))
+    apply_tensor_parallel(model, None, None)
+    assert torch.allclose(model(idx), ref(idx), atol=1e-12)
+    assert abs(model.loss(idx, idx).item() - F.cross_entropy(ref(idx).flatten(0, 1), idx.flatten()).item()) < 1e-12
+    full = consolidate_state_dict(model)
+    assert {k: v.shape for k, v in full.items()} == {k: v.shape for k, v in ref.state_dict().items()}
+    assert tensor_parallel_state(model).vocab_size == 61
+    with pytest.raises(ConfigError, match="already applied"):
+        apply_tensor_parallel(model, None, None)
+
+
+def test_vocab_parallel_cross_entropy_at_tp1_is_cross_entropy():
+    logits = torch.randn(4, 7, 11, dtype=torch.float64)
+    targets = torch.randint(0, 11, (4, 7))
+    targets[0, 0] = -100
+    got = vocab_parallel_cross_entropy(logits, targets, None)
+    assert abs(got.item() - F.cross_entropy(logits.flatten(0, 1), targets.flatten()).item()) < 1e-12
+
+
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+def test_clip_grad_norm_at_tp1_matches_torch(norm_type):
+    from lightning_scale.tensor_parallel import clip_grad_norm_, tp_replicated
+
+    model, ref = _gpt().double(), _gpt().double()
+    apply_tensor_parallel(model, None, None)
+    idx = torch.randint(0, 64, (2, 16))
+    model.loss(idx, idx).backward()
+    F.cross_entropy(ref(idx).flatten(0, 1), idx.flatten()).backward()
+    total = clip_grad_norm_(model, 0.1, norm_type=norm_type)
+    expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1, norm_type=norm_type)
+    assert abs(total.item() - expected.item()) < 1e-12 and total.item() > 0.1
+    assert all(torch.allclose(a.grad, b.grad, atol=1e-14) for a, b in zip(model.parameters(), ref.parameters()))
+    assert not tp_replicated(model.blocks[0].attn.qkv.weight) and tp_replicated(model.blocks[0].ln1.weight)
+
+
+def test_find_plannable_module_inside_a_wrapper():
+    from lightning_scale.tensor_parallel import find_plannable_module
+
+    class Wrapper(nn.Module):  # like a LightningModule holding self.model
+        def __init__(self):
+            super().__init__()
+            self.head = nn.Linear(2, 2)
+            self.model = _gpt()
+
+    wrapper = Wrapper()
+    assert find_plannable_module(wrapper) == ("model", wrapper.model)
+    with pytest.raises(ConfigError, match="no module with a built-in tensor-parallel plan"):
+        find_plannable_module(nn.Sequential(nn.Linear(2, 2)))
