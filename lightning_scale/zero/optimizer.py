@@ -142,6 +142,16 @@ class ZeroOptimizer:
         self._prepared = True
         return self._found_inf
 
+    def mark_overflow(self) -> None:
+        """Another axis (tp / pp peers) saw an overflow: skip this step and back off the loss scale."""
+        self.reduce_gradients()
+        self._found_inf = True
+
+    def local_grad_sq_norm(self) -> torch.Tensor:
+        """Sum of squares of this rank's reduced master gradients (float64), before any all-reduce."""
+        self.reduce_gradients()
+        return self._local_sq_norm()
+
     def _local_sq_norm(self) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float64, device=self.masters[0].device)
         for m in self.masters:
