@@ -86,7 +86,11 @@ def _worker(target: str, rank: int, world_size: int, tmp: str, args: Sequence[An
             pickle.dump(result, f)
         os.replace(os.path.join(tmp, f"result_{rank}.pkl.tmp"), os.path.join(tmp, f"result_{rank}.pkl"))
         dist.barrier()
-        dist.destroy_process_group()
+        # Skip interpreter teardown: gloo's background threads can abort the process at exit
+        # ("terminate called without an active exception") after a correct result.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     except BaseException:  # noqa: BLE001 - report everything, then exit non-zero
         with open(os.path.join(tmp, f"error_{rank}.txt"), "w") as f:
             f.write(traceback.format_exc())
@@ -161,7 +165,8 @@ def run_distributed(fn: Callable, world_size: int, args: Sequence[Any] = (), *, 
         raise DistributedTestError(f"rank {rank} of {world_size} failed:\n{text}")
     codes = [p.returncode for p in procs]
     if any(c != 0 for c in codes):
-        raise DistributedTestError(f"ranks did not finish within {timeout}s (exit codes {codes}); killed")
+        raise DistributedTestError(f"ranks failed without a Python error or did not finish within {timeout}s "
+                                   f"(exit codes {codes}; negative = killed by that signal)")
     results = []
     for r in range(world_size):
         with open(os.path.join(tmp, f"result_{r}.pkl"), "rb") as f:

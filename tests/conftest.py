@@ -1,6 +1,13 @@
 import os
 import sys
 
+import torch
+
+# Triton kernels run in the interpreter on machines without CUDA; it must be set before triton is
+# imported, and `import lightning_scale` imports triton through Lightning.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # Tests import helpers that sit next to them (tests/dist/zero_workers.py ...); spawned ranks inherit sys.path.
 HERE = os.path.dirname(os.path.abspath(__file__))
 for sub in ("dist", "strategies", "unit", "kernels"):

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -52,13 +52,11 @@ class CompressionLayout:
         self.numel, self.world, self.segments = numel, world, segments
         self.chunk = -(-numel // world)  # S
         self.padded = self.chunk * world  # L
-        self.packed_chunk = packed_length(self.chunk)
-        self.num_segments = len(segments)  # P; run id P means "zero padding, scale 0"
+        self.num_segments = len(segments)  # P
         starts = [0]
         for length in segments:
             starts.append(starts[-1] + length)
         self.segment_bounds = [(a, b) for a, b in zip(starts[:-1], starts[1:])]
-        self.worker_runs = list(segments) + [self.padded - numel]
         # Pieces of each chunk: (segment, start, end) in chunk coordinates, real elements only.
         self.pieces: List[List[Tuple[int, int, int]]] = []
         for r in range(world):
@@ -66,29 +64,7 @@ class CompressionLayout:
             self.pieces.append([(p, max(a, lo) - lo, min(b, hi) - lo)
                                 for p, (a, b) in enumerate(self.segment_bounds) if max(a, lo) < min(b, hi)])
         self.max_pieces = max(len(p) for p in self.pieces)  # M (>= 1: chunk 0 always holds data)
-        # Runs of one chunk: its pieces, then the padding run (possibly empty).
-        self.piece_runs = [[e - s for _, s, e in pcs] + [self.chunk - sum(e - s for _, s, e in pcs)]
-                           for pcs in self.pieces]
-        # Server scales of all chunks, gathered as (N, M + 1) with column M = 0, read run by run.
-        self.gather_index = [r * (self.max_pieces + 1) + k
-                             for r, pcs in enumerate(self.pieces)
-                             for k in list(range(len(pcs))) + [self.max_pieces]]
-        self._device_cache: Dict[torch.device, dict] = {}
-
-    def tensors(self, device: torch.device) -> dict:
-        """Small index tensors (run lengths and ids) on ``device``, built once."""
-        if device not in self._device_cache:
-            def t(values):
-                return torch.tensor(values, dtype=torch.long, device=device)
-
-            self._device_cache[device] = {
-                "worker_runs": t(self.worker_runs),
-                "piece_runs": [t(runs) for runs in self.piece_runs],
-                "piece_ids": [t([p for p, _, _ in pcs] + [self.num_segments]) for pcs in self.pieces],
-                "gather_index": t(self.gather_index),
-                "gather_runs": t([n for runs in self.piece_runs for n in runs]),
-            }
-        return self._device_cache[device]
+        self.chunk_real = [sum(e - s for _, s, e in pcs) for pcs in self.pieces]  # real elements per chunk
 
 
 @functools.lru_cache(maxsize=128)
@@ -131,45 +107,48 @@ def _scales(x: torch.Tensor, bounds: Sequence[Tuple[int, int]], mode: str) -> to
     return torch.stack(norms) / torch.tensor(denom, dtype=x.dtype, device=x.device)
 
 
-def _decode(bits: torch.Tensor, scale_cols: torch.Tensor) -> torch.Tensor:
-    return torch.where(bits, scale_cols, -scale_cols)
-
-
-def _with_zero(scales: torch.Tensor) -> torch.Tensor:
-    """Append a zero column (the padding run's scale)."""
-    return torch.cat([scales, scales.new_zeros(*scales.shape[:-1], 1)], dim=-1)
+def _signs(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Bits -> +1 / -1 of ``dtype``."""
+    one = torch.ones((), dtype=dtype, device=bits.device)
+    return torch.where(bits, one, -one)
 
 
 def worker_compress(x: torch.Tensor, worker_error: torch.Tensor, layout: CompressionLayout,
                     mode: str) -> Tuple[torch.Tensor, torch.Tensor]:
     """Worker side: returns sign bits (N, S) bool and segment scales (P,); updates ``worker_error``."""
-    n, L = layout.numel, layout.padded
-    corrected = x.new_zeros(L)  # (L,) zero-padded
+    n = layout.numel
+    corrected = x.new_empty(layout.padded)  # (L,)
     torch.add(x.reshape(-1), worker_error.view(-1), out=corrected[:n])
+    corrected[n:].zero_()
     scales = _scales(corrected, layout.segment_bounds, mode)  # (P,)
     bits = corrected >= 0
-    cols = torch.repeat_interleave(_with_zero(scales), layout.tensors(x.device)["worker_runs"], output_size=L)
-    torch.sub(corrected[:n], _decode(bits[:n], cols[:n]), out=worker_error.view(-1))
+    signs = _signs(bits[:n], x.dtype)  # (n,)
+    error = worker_error.view(-1)
+    # Segment by segment (a few dozen ops): e <- c - s_p * sign(c), without an (L,) scale vector.
+    for (a, b), scale in zip(layout.segment_bounds, scales.unbind()):
+        torch.addcmul(corrected[a:b], signs[a:b], scale, value=-1, out=error[a:b])
     return bits.view(layout.world, layout.chunk), scales
 
 
 def server_average(bits: torch.Tensor, scales: torch.Tensor, layout: CompressionLayout, r: int) -> torch.Tensor:
     """Mean over workers of their decoded chunk r: bits (N, S) bool, scales (N, P) -> (S,)."""
-    t = layout.tensors(bits.device)
-    per_run = _with_zero(scales)[:, t["piece_ids"][r]]  # (N, runs of chunk r)
-    cols = torch.repeat_interleave(per_run, t["piece_runs"][r], dim=1, output_size=layout.chunk)  # (N, S)
-    return _decode(bits, cols).sum(dim=0) / layout.world
+    signs = _signs(bits, scales.dtype)  # (N, S)
+    avg = signs.new_zeros(layout.chunk)
+    for p, s, e in layout.pieces[r]:
+        torch.mv(signs[:, s:e].t(), scales[:, p], out=avg[s:e])  # (len, N) @ (N,): sum_i s_ip sign_i
+    return avg.div_(layout.world)
 
 
 def server_compress(avg: torch.Tensor, server_error: torch.Tensor, layout: CompressionLayout, r: int,
                     mode: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Server side: returns bits (S,), piece scales (M,) zero-padded, decoded chunk (S,); updates ``server_error``."""
-    corrected = avg + server_error.view(-1)  # (S,)
+    corrected = avg + server_error.view(-1)  # (S,); 0 past the real elements
     pieces = _scales(corrected, [(s, e) for _, s, e in layout.pieces[r]], mode)  # (P_r,)
     bits = corrected >= 0
-    cols = torch.repeat_interleave(_with_zero(pieces), layout.tensors(avg.device)["piece_runs"][r],
-                                   output_size=layout.chunk)
-    decoded = _decode(bits, cols)
+    signs = _signs(bits, avg.dtype)
+    decoded = torch.zeros_like(corrected)
+    for (_, s, e), scale in zip(layout.pieces[r], pieces.unbind()):
+        torch.mul(signs[s:e], scale, out=decoded[s:e])
     torch.sub(corrected, decoded, out=server_error.view(-1))
     padded = torch.cat([pieces, pieces.new_zeros(layout.max_pieces - pieces.numel())])
     return bits, padded, decoded
@@ -177,10 +156,13 @@ def server_compress(avg: torch.Tensor, server_error: torch.Tensor, layout: Compr
 
 def decode_gathered(bits: torch.Tensor, piece_scales: torch.Tensor, layout: CompressionLayout) -> torch.Tensor:
     """Every server's output: bits (N, S) bool, piece scales (N, M) -> (n,)."""
-    t = layout.tensors(bits.device)
-    per_run = _with_zero(piece_scales).reshape(-1)[t["gather_index"]]
-    cols = torch.repeat_interleave(per_run, t["gather_runs"], output_size=layout.padded)  # (L,)
-    return _decode(bits.reshape(-1), cols)[: layout.numel]
+    signs = _signs(bits, piece_scales.dtype)  # (N, S)
+    out = signs.new_empty(layout.numel)
+    for r, pieces in enumerate(layout.pieces):
+        base = r * layout.chunk
+        for (_, s, e), scale in zip(pieces, piece_scales[r].unbind()):
+            torch.mul(signs[r, s:e], scale, out=out[base + s:base + e])
+    return out
 
 
 # ----------------------------------------------------------------------------- wire format
@@ -204,7 +186,8 @@ def _validate(tensor: torch.Tensor, worker_error: torch.Tensor, server_error: Op
     if mode not in SCALE_MODES:
         raise ValueError(f"scale={mode!r}; choose one of {SCALE_MODES}")
     if tensor.is_sparse or not tensor.is_floating_point():
-        raise ValueError(f"compressed collectives take a dense floating-point tensor, got {tensor.layout}/{tensor.dtype}")
+        raise ValueError("compressed collectives take a dense floating-point tensor, "
+                         f"got {tensor.layout}/{tensor.dtype}")
     named = [("worker_error", worker_error, layout.numel)]
     if server_error is not None:
         named.append(("server_error", server_error, layout.chunk))

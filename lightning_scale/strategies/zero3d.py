@@ -199,6 +199,9 @@ class Zero3DStrategy(ParallelStrategy):
         self.engines = []
         for opt in self.optimizers:
             if getattr(opt, "handles_gradient_reduction", False):
+                # It reduces its own gradients (1-bit Adam): no ZeRO wrapping, no double communication.
+                if hasattr(opt, "check_zero_stage"):
+                    opt.check_zero_stage(self.config.zero.stage)
                 opt.bind_process_group(self.topology.dp_group)
                 continue
             engine = ZeroOptimizer(
