@@ -7,6 +7,10 @@ in chunks whose working set stays under ``chunk_bytes``, and the backward recomp
 the saved log-sum-exp (flash-attention style), so memory is O(L * window) plus one chunk — training
 long sequences on a CPU works.
 
+Parallelism: chunks run on a small pool of threads (see :mod:`._workers`); the forward hands out
+chunks dynamically, the backward gives each thread whole (batch, head) pairs so dK/dV rows are never
+shared: no atomics, no per-thread copies, deterministic results.
+
 Shapes: q, k, v arrive as (B, H, L, D) and are viewed as ``B * H * NB`` blocks of (block, D); a
 "row" is one query block ``(b, h, i)`` and its key list holds the flat ids ``(b * H + h) * NB + j``.
 """
@@ -19,18 +23,18 @@ from typing import List, Optional, Tuple
 import torch
 
 from lightning_scale.kernels.block_sparse_attention.index import causal_layout
-
-DEFAULT_CHUNK_BYTES = 24 << 20
+from lightning_scale.nn._workers import run_tasks, static_shares
 
 
 @dataclass(frozen=True)
-class RowGroup:
-    """Query block rows that attend to the same number of key blocks, split into chunks."""
+class Chunk:
+    """Query block rows that attend to the same number of key blocks, processed together."""
 
     count: int  # key blocks per row
     diagonal_last: bool  # causal rows whose last listed block is their own diagonal block
-    rows: Tuple[torch.Tensor, ...]  # per chunk: (R,) flat query block ids
-    cols: Tuple[torch.Tensor, ...]  # per chunk: (R * count,) flat key block ids, row-major
+    rows: torch.Tensor  # (R,) flat query block ids
+    cols: torch.Tensor  # (R * count,) flat key block ids, row-major
+    start: int  # first row id when the rows are consecutive (a slice replaces a gather), else -1
 
 
 @dataclass(frozen=True)
@@ -40,41 +44,68 @@ class GatherPlan:
     num_blocks: int
     block: int
     causal: bool
-    groups: Tuple[RowGroup, ...]
+    # Per worker. Each (batch, head) pair belongs to one worker, so workers write disjoint dK/dV rows.
+    shares: Tuple[Tuple[Chunk, ...], ...]
 
     @property
     def num_rows(self) -> int:
         return self.batch * self.num_heads * self.num_blocks
 
+    @property
+    def chunks(self) -> List[Chunk]:
+        return [c for share in self.shares for c in share]
+
+
+def auto_chunk_bytes(batch: int, heads: int, seq_len: int, head_dim: int, element_size: int, workers: int) -> int:
+    """Working set per worker: the size of one (B, H, L, D) tensor split over the workers, clamped to
+    [2, 24] MiB — large enough for efficient matmuls, small enough that the chunks stay a fraction
+    of the O(L) tensors (so peak memory stays close to dense flash attention's)."""
+    unit = batch * heads * seq_len * head_dim * element_size
+    return int(min(max(unit // workers, 2 << 20), 24 << 20))
+
 
 def build_gather_plan(layout: torch.Tensor, block: int, batch: int, head_dim: int, causal: bool,
-                      chunk_bytes: int = DEFAULT_CHUNK_BYTES, element_size: int = 4) -> GatherPlan:
-    """Group the rows of ``layout`` (H, NB, NB) by their block count; chunk each group by ``chunk_bytes``."""
+                      chunk_bytes: Optional[int] = None, element_size: int = 4, workers: int = 1,
+                      device: Optional[torch.device] = None) -> GatherPlan:
+    """Split the rows of ``layout`` (H, NB, NB) over ``workers`` by (batch, head), group each share's
+    rows by block count, and chunk each group so one chunk's working set stays under ``chunk_bytes``.
+    Index tensors live on ``device`` (that of the inputs; the CPU by default)."""
     fine = causal_layout(layout, causal).cpu()  # (H, NB, NB)
     heads, nb, _ = fine.shape
+    workers = max(1, min(workers, batch * heads))
+    chunk_bytes = chunk_bytes or auto_chunk_bytes(batch, heads, nb * block, head_dim, element_size, workers)
     counts = fine.sum(-1)  # (H, NB)
     on_diag = fine.diagonal(dim1=1, dim2=2) & causal  # (H, NB)
-    head_base = (torch.arange(batch)[:, None] * heads + torch.arange(heads)[None, :]) * nb  # (B, H)
-    groups: List[RowGroup] = []
-    for count in sorted(set(counts.flatten().tolist()) - {0}):
-        for diag in (False, True):
-            sel = (counts == count) & (on_diag == diag)  # (H, NB)
-            if not bool(sel.any()):
-                continue
-            h, r = sel.nonzero(as_tuple=True)  # (G,)
-            cols = fine[h, r].nonzero(as_tuple=True)[1].view(-1, count)  # (G, count), ascending
-            rows_all = (head_base[:, h] + r).reshape(-1)  # (B * G,)
-            cols_all = (head_base[:, h, None] + cols[None]).reshape(-1, count)  # (B * G, count)
-            # Per row: gathered K and V, scores, and in backward dP plus dK/dV partials.
-            per_row = element_size * count * block * (2 * block + 4 * head_dim)
-            step = max(1, chunk_bytes // per_row)
-            chunks = range(0, rows_all.numel(), step)
-            groups.append(RowGroup(
-                count=count, diagonal_last=diag,
-                rows=tuple(rows_all[i : i + step].contiguous() for i in chunks),
-                cols=tuple(cols_all[i : i + step].reshape(-1).contiguous() for i in chunks),
-            ))
-    return GatherPlan(batch=batch, num_heads=heads, num_blocks=nb, block=block, causal=causal, groups=tuple(groups))
+    pair_cost = counts.sum(-1).repeat(batch).tolist()  # per (b, h), b-major
+    shares = []
+    for pairs in static_shares(pair_cost, workers):
+        pairs = torch.tensor(pairs, dtype=torch.long)
+        h = pairs % heads  # (P,) head of each (b, h) pair (pairs are b * H + h)
+        base = pairs * nb  # flat id of block 0 of each pair
+        chunks: List[Chunk] = []
+        for count in sorted(set(counts[h].flatten().tolist()) - {0}):
+            for diag in (False, True):
+                p, r = ((counts[h] == count) & (on_diag[h] == diag)).nonzero(as_tuple=True)  # (G,)
+                if p.numel() == 0:
+                    continue
+                rows = base[p] + r  # (G,)
+                cols = fine[h[p], r].nonzero(as_tuple=True)[1].view(-1, count) + base[p, None]  # (G, count)
+                # Per row in backward: K^T, V^T, K gathered, scores and dP, dK/dV partials.
+                per_row = element_size * count * block * (2 * block + 5 * head_dim)
+                step = max(1, chunk_bytes // per_row)
+                for i in range(0, rows.numel(), step):
+                    chunk_rows = rows[i : i + step].contiguous()
+                    chunks.append(Chunk(count=count, diagonal_last=diag, rows=chunk_rows.to(device),
+                                        cols=cols[i : i + step].reshape(-1).contiguous().to(device),
+                                        start=_run_start(chunk_rows)))
+        shares.append(tuple(chunks))
+    return GatherPlan(batch=batch, num_heads=heads, num_blocks=nb, block=block, causal=causal, shares=tuple(shares))
+
+
+def _run_start(rows: torch.Tensor) -> int:
+    """First id if ``rows`` are consecutive (then a slice replaces a gather), else -1."""
+    first = int(rows[0])
+    return first if bool((rows == torch.arange(first, first + rows.numel())).all()) else -1
 
 
 class _Masks:
@@ -98,10 +129,11 @@ class _Masks:
     def can_empty_rows(self) -> bool:
         return self.kpm is not None or self.bias is not None
 
-    def apply(self, scores: torch.Tensor, group: RowGroup, rows: torch.Tensor, cols: torch.Tensor) -> None:
+    def apply(self, scores: torch.Tensor, chunk: Chunk) -> None:
         """Add the masks to ``scores`` (R, bs, count * bs) in place."""
-        R, bs, count = rows.numel(), self.block, group.count
-        if group.diagonal_last:
+        rows, cols = chunk.rows, chunk.cols
+        R, bs, count = rows.numel(), self.block, chunk.count
+        if chunk.diagonal_last:
             scores[:, :, (count - 1) * bs :] += self.triangle
         if self.kpm is not None:
             scores += self.kpm.index_select(0, cols).view(R, 1, count * bs)
@@ -113,50 +145,97 @@ class _Masks:
             scores += tiles.permute(0, 2, 1, 3).reshape(R, bs, count * bs)
 
 
-def _gather(blocks: torch.Tensor, ids: torch.Tensor, rows: int) -> torch.Tensor:
-    """(N, bs, D) blocks, (R * count,) ids -> (R, count * bs, D)."""
-    return blocks.index_select(0, ids).view(rows, -1, blocks.shape[-1])
+class _Blocks:
+    """q, k, v as (N, bs, D) blocks, plus per-block transposes of k (and v) so that the score matmuls
+    read a contiguous (D, count * bs) right operand: about 1.5x faster than a transposed one."""
+
+    def __init__(self, qb, kb, vb, scale: float, transpose_v: bool) -> None:
+        N, bs, D = kb.shape
+        self.qb, self.kb, self.vb, self.scale, self.block, self.dim = qb, kb, vb, scale, bs, D
+        self.kt = kb.transpose(1, 2).contiguous().view(N * D, bs)  # row (j * D + d) = k[j, :, d]
+        self.vt = vb.transpose(1, 2).contiguous().view(N * D, bs) if transpose_v else None
+        self.dims = torch.arange(D, device=kb.device).view(1, D, 1)
+
+    @staticmethod
+    def rows(t: torch.Tensor, chunk: Chunk) -> torch.Tensor:
+        return t[chunk.start : chunk.start + chunk.rows.numel()] if chunk.start >= 0 else t.index_select(0, chunk.rows)
+
+    def scaled_q(self, chunk: Chunk) -> torch.Tensor:
+        """(R, bs, D) query rows times the softmax scale (scaling q beats scaling every score)."""
+        return self.rows(self.qb, chunk) * self.scale
+
+    def gather(self, t: torch.Tensor, chunk: Chunk) -> torch.Tensor:
+        """(N, bs, D) -> (R, count * bs, D) for the listed key blocks of the chunk's rows."""
+        return t.index_select(0, chunk.cols).view(chunk.rows.numel(), -1, self.dim)
+
+    def gather_t(self, t: torch.Tensor, chunk: Chunk) -> torch.Tensor:
+        """Transposed blocks (N * D, bs) -> (R, D, count * bs)."""
+        R = chunk.rows.numel()
+        ids = (chunk.cols.view(R, 1, -1) * self.dim + self.dims).reshape(-1)  # (R, D, count)
+        return t.index_select(0, ids).view(R, self.dim, -1)
 
 
-def _forward(qb, kb, vb, plan: GatherPlan, masks: _Masks, need_lse: bool):
-    """qb (pre-scaled), kb, vb: (N, bs, D) -> out (N, bs, D), lse (N, bs) or None."""
+def _write(dst: torch.Tensor, chunk: Chunk, src: torch.Tensor) -> None:
+    if chunk.start >= 0:
+        dst[chunk.start : chunk.start + chunk.rows.numel()] = src
+    else:
+        dst.index_copy_(0, chunk.rows, src)
+
+
+def _forward_chunk(blocks: _Blocks, masks: _Masks, out, lse, chunk: Chunk) -> None:
+    scores = torch.bmm(blocks.scaled_q(chunk), blocks.gather_t(blocks.kt, chunk))  # (R, bs, c * bs)
+    masks.apply(scores, chunk)
+    if masks.can_empty_rows:  # rows may be fully masked: softmax would give NaN
+        row_lse = torch.logsumexp(scores, dim=-1)  # (R, bs); -inf for fully masked rows
+        row_lse.masked_fill_(row_lse == float("-inf"), float("inf"))  # -> probabilities 0
+        probs = scores.sub_(row_lse.unsqueeze(-1)).exp_()
+    else:
+        # Fused softmax; the log-sum-exp follows from the row max m and the largest
+        # probability 1 / sum(exp(s - m)): lse = m - log(max p). Two cheap reads, no exp pass.
+        row_max = scores.amax(dim=-1) if lse is not None else None
+        probs = torch.softmax(scores, dim=-1)
+        row_lse = row_max - probs.amax(dim=-1).log_() if lse is not None else None
+    if lse is not None:
+        _write(lse, chunk, row_lse)
+    _write(out, chunk, torch.bmm(probs, blocks.gather(blocks.vb, chunk)))
+
+
+def _forward(blocks: _Blocks, plan: GatherPlan, masks: _Masks, need_lse: bool):
+    """-> out (N, bs, D), lse (N, bs) or None. Chunks write disjoint rows, so workers take any
+    chunk as they come free (robust to a descheduled thread)."""
+    qb = blocks.qb
     out = torch.zeros_like(qb)
     lse = torch.full(qb.shape[:2], float("inf"), dtype=qb.dtype, device=qb.device) if need_lse else None
-    for group in plan.groups:
-        for rows, cols in zip(group.rows, group.cols):
-            R = rows.numel()
-            k, v = _gather(kb, cols, R), _gather(vb, cols, R)  # (R, c * bs, D)
-            scores = torch.bmm(qb.index_select(0, rows), k.transpose(1, 2))  # (R, bs, c * bs)
-            masks.apply(scores, group, rows, cols)
-            if need_lse or masks.can_empty_rows:
-                row_lse = torch.logsumexp(scores, dim=-1)  # (R, bs); -inf for fully masked rows
-                row_lse.masked_fill_(row_lse == float("-inf"), float("inf"))  # -> probabilities 0
-                probs = scores.sub_(row_lse.unsqueeze(-1)).exp_()
-                if lse is not None:
-                    lse.index_copy_(0, rows, row_lse)
-            else:
-                probs = torch.softmax(scores, dim=-1)
-            out.index_copy_(0, rows, torch.bmm(probs, v))
+    chunks = plan.chunks
+    run_tasks(lambda i: _forward_chunk(blocks, masks, out, lse, chunks[i]), len(chunks), qb.device)
     return out, lse
 
 
-def _backward(qb, kb, vb, out, lse, dout, plan: GatherPlan, masks: _Masks):
-    """Recompute probabilities per chunk; dQ rows are written once, dK/dV accumulate by index_add."""
+def _backward_chunk(blocks: _Blocks, masks: _Masks, lse, delta, dout, dq, dk, dv, chunk: Chunk) -> None:
+    bs, D = blocks.block, blocks.dim
+    q, do = blocks.scaled_q(chunk), blocks.rows(dout, chunk)  # (R, bs, D)
+    scores = torch.bmm(q, blocks.gather_t(blocks.kt, chunk))  # (R, bs, c * bs)
+    masks.apply(scores, chunk)
+    probs = scores.sub_(blocks.rows(lse, chunk).unsqueeze(-1)).exp_()
+    dv.index_add_(0, chunk.cols, torch.bmm(probs.transpose(1, 2), do).view(-1, bs, D))
+    dscores = torch.bmm(do, blocks.gather_t(blocks.vt, chunk))  # dP (R, bs, c * bs)
+    dscores.sub_(blocks.rows(delta, chunk).unsqueeze(-1)).mul_(probs)  # dS = P * (dP - delta)
+    _write(dq, chunk, torch.bmm(dscores, blocks.gather(blocks.kb, chunk)).mul_(blocks.scale))
+    dk.index_add_(0, chunk.cols, torch.bmm(dscores.transpose(1, 2), q).view(-1, bs, D))
+
+
+def _backward(blocks: _Blocks, out, lse, dout, plan: GatherPlan, masks: _Masks):
+    """Recompute probabilities per chunk. dQ rows are written once; dK/dV accumulate by index_add,
+    and since every (batch, head) belongs to one worker's share, workers never add to the same row
+    (no locks, no per-worker copies, a fixed order: deterministic)."""
     delta = (dout * out).sum(-1)  # (N, bs): rowsum(dO * O)
-    dq, dk, dv = torch.zeros_like(qb), torch.zeros_like(kb), torch.zeros_like(vb)
-    for group in plan.groups:
-        for rows, cols in zip(group.rows, group.cols):
-            R, bs, D = rows.numel(), plan.block, qb.shape[-1]
-            q, do = qb.index_select(0, rows), dout.index_select(0, rows)  # (R, bs, D)
-            k, v = _gather(kb, cols, R), _gather(vb, cols, R)  # (R, c * bs, D)
-            scores = torch.bmm(q, k.transpose(1, 2))  # (R, bs, c * bs)
-            masks.apply(scores, group, rows, cols)
-            probs = scores.sub_(lse.index_select(0, rows).unsqueeze(-1)).exp_()
-            dv.index_add_(0, cols, torch.bmm(probs.transpose(1, 2), do).view(-1, bs, D))
-            dscores = torch.bmm(do, v.transpose(1, 2))  # dP (R, bs, c * bs)
-            dscores.sub_(delta.index_select(0, rows).unsqueeze(-1)).mul_(probs)  # dS = P * (dP - delta)
-            dq.index_copy_(0, rows, torch.bmm(dscores, k))
-            dk.index_add_(0, cols, torch.bmm(dscores.transpose(1, 2), q).view(-1, bs, D))
+    dq, dk, dv = torch.zeros_like(blocks.qb), torch.zeros_like(blocks.kb), torch.zeros_like(blocks.vb)
+
+    def share(i: int) -> None:
+        for chunk in plan.shares[i]:
+            _backward_chunk(blocks, masks, lse, delta, dout, dq, dk, dv, chunk)
+
+    run_tasks(share, len(plan.shares), dout.device)
     return dq, dk, dv
 
 
@@ -167,14 +246,11 @@ class BlockGatherAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, plan: GatherPlan, key_padding_mask, bias, scale: float):
         B, H, L, D = q.shape
         shape = (plan.num_rows, plan.block, D)
-        qb = (q * scale).reshape(shape)  # scaling q once is cheaper than scaling every score tile
-        kb, vb = k.contiguous().view(shape), v.contiguous().view(shape)
+        qb, kb, vb = (t.contiguous().view(shape) for t in (q, k, v))
         masks = _Masks(plan, key_padding_mask, bias, q.dtype, q.device)
-        need_grad = any(ctx.needs_input_grad[:3])
-        out, lse = _forward(qb, kb, vb, plan, masks, need_lse=need_grad)
-        if need_grad:
-            ctx.save_for_backward(qb, kb, vb, out, lse, key_padding_mask, bias)
-            ctx.plan, ctx.scale, ctx.shape = plan, scale, (B, H, L, D)
+        out, lse = _forward(_Blocks(qb, kb, vb, scale, transpose_v=False), plan, masks, need_lse=True)
+        ctx.save_for_backward(qb, kb, vb, out, lse, key_padding_mask, bias)
+        ctx.plan, ctx.scale, ctx.shape = plan, scale, (B, H, L, D)
         return out.view(B, H, L, D)
 
     @staticmethod
@@ -182,8 +258,7 @@ class BlockGatherAttention(torch.autograd.Function):
         qb, kb, vb, out, lse, key_padding_mask, bias = ctx.saved_tensors
         masks = _Masks(ctx.plan, key_padding_mask, bias, qb.dtype, qb.device)
         dout = grad_out.contiguous().view(qb.shape)
-        dq, dk, dv = _backward(qb, kb, vb, out, lse, dout, ctx.plan, masks)
-        dq.mul_(ctx.scale)
+        dq, dk, dv = _backward(_Blocks(qb, kb, vb, ctx.scale, transpose_v=True), out, lse, dout, ctx.plan, masks)
         return dq.view(ctx.shape), dk.view(ctx.shape), dv.view(ctx.shape), None, None, None, None
 
 
@@ -192,4 +267,12 @@ def block_gather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pl
                            scale: float) -> torch.Tensor:
     """q, k, v (B, H, L, D) -> (B, H, L, D). Masks are additive: key_padding_mask (B, L), bias
     broadcastable to (B, H, L, L)."""
-    return BlockGatherAttention.apply(q, k, v, plan, key_padding_mask, bias, scale)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        return BlockGatherAttention.apply(q, k, v, plan, key_padding_mask, bias, scale)
+    # Inference: no log-sum-exp to keep, nothing saved.
+    B, H, L, D = q.shape
+    shape = (plan.num_rows, plan.block, D)
+    masks = _Masks(plan, key_padding_mask, bias, q.dtype, q.device)
+    blocks = _Blocks(q.reshape(shape), k.reshape(shape), v.reshape(shape), scale, transpose_v=False)
+    out, _ = _forward(blocks, plan, masks, need_lse=False)
+    return out.view(B, H, L, D)

@@ -17,7 +17,7 @@ Differences from DeepSpeed, all deliberate:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
 import torch
@@ -235,7 +235,8 @@ class VariableSparsityConfig(SparsityConfig):
     def _validate(self) -> None:
         _check_positive("num_random_blocks", self.num_random_blocks, minimum=0)
         if not self.local_window_blocks or any(int(w) < 1 for w in self.local_window_blocks):
-            raise ConfigError(f"sparsity_config.local_window_blocks={list(self.local_window_blocks)}: sizes must be >= 1")
+            raise ConfigError(
+                f"sparsity_config.local_window_blocks={list(self.local_window_blocks)}: sizes must be >= 1")
         _check_global_ranges(self.global_block_indices, self.global_block_end_indices)
         _check_attention(self.attention)
         if self.attention != "bidirectional" and self.horizontal_global_attention:

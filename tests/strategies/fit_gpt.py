@@ -63,6 +63,7 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=16)
     ap.add_argument("--epoch-batches", type=int, default=None, help="limit_train_batches (micro-batches per epoch)")
     ap.add_argument("--missing-param", action="store_true")
+    ap.add_argument("--sparse", action="store_true", help="block-sparse (BSLongformer) attention")
     ap.add_argument("--option", action="append", default=[], help="strategy option k=v (int/float/str)")
     args = ap.parse_args()
 
@@ -70,6 +71,11 @@ def main() -> None:
     vocab = 256 if args.source == "stdlib" else 64
     cfg = gpt_tiny(n_layer=args.layers, vocab_size=vocab, seq_len=args.seq_len)
     kw = dict(model=cfg, lr=3e-3, warmup_steps=2, max_steps=args.steps)
+    if args.sparse:
+        from lightning_scale.nn import BSLongformerSparsityConfig
+
+        kw["attention"] = BSLongformerSparsityConfig(num_heads=cfg.n_head, block=16, num_sliding_window_blocks=3,
+                                                     attention="unidirectional")
     if args.fail_rank >= 0:
         model = FailingGPT(args.fail_rank, **kw)
     elif args.missing_param:
