@@ -122,6 +122,7 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump({"losses": recorder.losses, "val": val, "test": test, "n_predict": len(predictions),
                    "world": trainer.world_size,
+                   "cores": sorted({type(b.attn.core).__name__ for b in model.model.blocks}),
                        "precision": str(trainer.precision)}, f)
 
 

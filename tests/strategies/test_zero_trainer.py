@@ -116,6 +116,7 @@ def test_gan_two_optimizers_manual_optimization(tmp_path, strategy):
 def test_gpt_with_block_sparse_attention_trains_under_zero2(tmp_path):
     run = fit(tmp_path, "sparse", "--strategy", "zero2", "--devices", "2", "--steps", "20", "--source", "stdlib",
               "--seq-len", "64", "--global-batch", "8", "--sparse")
+    assert run["cores"] == ["SparseSelfAttention"]  # the attention really was swapped
     losses = run["losses"]
     assert len(losses) == 20
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.3  # it learns
