@@ -15,6 +15,12 @@ in interleaved rounds (CUDA events, median). Columns: milliseconds, ratio ours/f
 ratio ours/sdpa against the target (1.25 * density + 0.02), and effective TFLOP/s (useful flops:
 4 * pairs * D forward, 10 * pairs * D backward, pairs = attended (query, key) pairs). A first check
 compares ours with FlexAttention numerically. Never asserts on time.
+
+``--device cpu`` runs the same code on tiny shapes with the kernels in Triton's interpreter (a smoke
+test of the script, not a measurement)::
+
+    python bench/gpu_sparse_attention.py --device cpu --lengths 256 --head-dims 64 --densities 0.5 \
+        --heads 2 --block 64 --rounds 1 --iters 1
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import argparse
 import os
 import statistics
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("LIGHTNING_SCALE_SKIP_REGISTER", "1")
@@ -66,8 +73,8 @@ class Methods:
 
         self.causal = args.causal
         tile = max(64, args.block)
-        self.index = index_to(build_block_index(layout, args.block, L, tile, args.causal), "cuda")
-        self.block_mask = layout_to_block_mask(layout, args.block, causal=args.causal, device="cuda")
+        self.index = index_to(build_block_index(layout, args.block, L, tile, args.causal), args.device)
+        self.block_mask = layout_to_block_mask(layout, args.block, causal=args.causal, device=args.device)
         self.flex = torch.compile(flex_attention, dynamic=False)
         self.ours_fn = triton_block_sparse_attention
         self.options = args.kernel_options
@@ -84,8 +91,14 @@ class Methods:
 
 
 def cuda_time(fn, iters: int) -> float:
-    """Median milliseconds of ``fn`` over ``iters`` calls (CUDA events)."""
+    """Median milliseconds of ``fn`` over ``iters`` calls (CUDA events; a wall clock on the CPU)."""
     times = []
+    if not torch.cuda.is_available():
+        for _ in range(iters):
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(times)
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -98,12 +111,12 @@ def cuda_time(fn, iters: int) -> float:
 
 def check(args) -> None:
     """Numbers first: ours vs FlexAttention (fp32 reference of the same mask) at a small length."""
-    L, heads = 2048, args.heads
+    L, heads = min(2048, max(args.lengths)), args.heads
     for D in args.head_dims:
         layout = make_layout(L, heads, args.block, 0.25, args.causal)
         methods = Methods(args, layout, L, D)
-        g = torch.Generator(device="cuda").manual_seed(0)
-        q, k, v = (torch.randn(args.batch, heads, L, D, device="cuda", generator=g) for _ in range(3))
+        g = torch.Generator(device=args.device).manual_seed(0)
+        q, k, v = (torch.randn(args.batch, heads, L, D, device=args.device, generator=g) for _ in range(3))
         ref = methods.run("flex", q, k, v)
         qb, kb, vb = (t.to(torch.bfloat16).requires_grad_() for t in (q, k, v))
         out = methods.run("ours", qb, kb, vb)
@@ -116,8 +129,8 @@ def check(args) -> None:
 def bench_case(args, L: int, D: int, density: float) -> dict:
     layout = make_layout(L, args.heads, args.block, density, args.causal)
     methods = Methods(args, layout, L, D)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    qkv = [torch.randn(args.batch, args.heads, L, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    g = torch.Generator(device=args.device).manual_seed(0)
+    qkv = [torch.randn(args.batch, args.heads, L, D, device=args.device, generator=g).to(torch.bfloat16)
            for _ in range(3)]
     grads = [t.detach().clone().requires_grad_() for t in qkv]
     dout = torch.randn_like(qkv[0])
@@ -129,7 +142,8 @@ def bench_case(args, L: int, D: int, density: float) -> dict:
     def fwd_bwd(name):
         methods.run(name, *grads).backward(dout)
 
-    keys = [(name, p) for name in ("ours", "flex", "sdpa") for p in ("fwd", "fwd+bwd")]
+    keys = [(name, p) for name in ("ours", "flex", "sdpa") for p in ("fwd", "fwd+bwd")
+            if not (name == "flex" and p == "fwd+bwd" and args.device == "cpu")]  # no CPU flex backward
     calls = {(n, "fwd"): (lambda n=n: fwd(n)) for n in ("ours", "flex", "sdpa")}
     calls.update({(n, "fwd+bwd"): (lambda n=n: fwd_bwd(n)) for n in ("ours", "flex", "sdpa")})
     for key in keys:  # warm-up: compile, autotune, allocator
@@ -144,7 +158,8 @@ def bench_case(args, L: int, D: int, density: float) -> dict:
     real_density = pairs / dense_pairs
     result = {"L": L, "D": D, "density": real_density}
     for p, flops_per_pair in (("fwd", 4 * D), ("fwd+bwd", 14 * D)):
-        ms = {n: statistics.median(times[(n, p)]) for n in ("ours", "flex", "sdpa")}
+        ms = {n: statistics.median(times[(n, p)]) if (n, p) in times else float("nan")
+              for n in ("ours", "flex", "sdpa")}
         result[p] = ms
         result[p + "_tflops"] = {n: (dense_pairs if n == "sdpa" else pairs) * flops_per_pair / (ms[n] * 1e9)
                                  for n in ms}
@@ -164,12 +179,16 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--warps", type=int, default=None, help="override num_warps of our kernels")
     p.add_argument("--stages", type=int, default=None, help="override num_stages of our kernels")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: interpreter smoke test")
     args = p.parse_args()
-    if not torch.cuda.is_available():
-        print("bench/gpu_sparse_attention.py needs a CUDA GPU; nothing to do here.")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("bench/gpu_sparse_attention.py needs a CUDA GPU (or --device cpu for a smoke test); nothing to do.")
         return
+    if args.device == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"  # before the kernel module is imported (lazily, in Methods)
     args.kernel_options = {k: v for k, v in (("num_warps", args.warps), ("num_stages", args.stages)) if v}
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, B={args.batch}, H={args.heads}, "
+    name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU (Triton interpreter smoke test)"
+    print(f"{name}, torch {torch.__version__}, bf16, B={args.batch}, H={args.heads}, "
           f"block={args.block}, {'causal' if args.causal else 'bidirectional'}, rounds={args.rounds}x{args.iters}")
     check(args)
     print("\n| D | L | density | pass | ours ms | flex ms | sdpa ms | ours/flex (<=1) | ours/sdpa | target "
@@ -179,7 +198,8 @@ def main() -> None:
         for L in args.lengths:
             for density in args.densities:
                 r = bench_case(args, L, D, density)
-                torch.cuda.empty_cache()
+                if args.device == "cuda":
+                    torch.cuda.empty_cache()
                 target = 1.25 * r["density"] + 0.02
                 for pas in ("fwd", "fwd+bwd"):
                     ms, tf = r[pas], r[pas + "_tflops"]
