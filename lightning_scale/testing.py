@@ -99,6 +99,33 @@ def _worker(target: str, rank: int, world_size: int, tmp: str, args: Sequence[An
         os._exit(1)
 
 
+def wait_for_ranks(procs: List[subprocess.Popen], timeout: float) -> None:
+    """Wait for every rank; after the first failure give the others 5 s, then kill what is left."""
+    deadline, failed_at = time.monotonic() + timeout, None
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            if all(c is not None for c in codes):
+                return
+            if failed_at is None and any(c not in (None, 0) for c in codes):
+                failed_at = time.monotonic()  # do not wait for the others to time out in a collective
+            if (failed_at is not None and time.monotonic() - failed_at > 5.0) or time.monotonic() > deadline:
+                return
+            time.sleep(0.02)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for p in procs:
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+
+
 def run_distributed(fn: Callable, world_size: int, args: Sequence[Any] = (), *, timeout: float = 180.0,
                     backend: str = "gloo", threads: int = 1, tmp_dir: Optional[str] = None,
                     env: Optional[dict] = None) -> List[Any]:
@@ -126,32 +153,7 @@ def run_distributed(fn: Callable, world_size: int, args: Sequence[Any] = (), *, 
     code = "from lightning_scale.testing import _entry; _entry()"
     procs = [subprocess.Popen([sys.executable, "-c", code, job, str(r)], env=child_env, start_new_session=True)
              for r in range(world_size)]
-    deadline = time.monotonic() + timeout
-    failed_at: Optional[float] = None
-    try:
-        while True:
-            codes = [p.poll() for p in procs]
-            if all(c is not None for c in codes):
-                break
-            if any(c not in (None, 0) for c in codes) and failed_at is None:
-                failed_at = time.monotonic()
-            if failed_at is not None and time.monotonic() - failed_at > 5.0:
-                break  # a rank failed: do not wait for the others to time out in a collective
-            if time.monotonic() > deadline:
-                break
-            time.sleep(0.02)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        for p in procs:
-            try:
-                p.wait(5)
-            except subprocess.TimeoutExpired:
-                pass
+    wait_for_ranks(procs, timeout)
     errors = []
     for r in range(world_size):
         path = os.path.join(tmp, f"error_{r}.txt")

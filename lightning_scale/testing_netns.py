@@ -37,9 +37,10 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 import traceback
 from typing import Any, Callable, List, Optional, Sequence
+
+from lightning_scale.testing import wait_for_ranks
 
 IFNAME = "lsnet0"  # the host-side interface; the same name in every host namespace
 PREFIX = "lsnet-"  # every namespace this module creates: lsnet-<pid>-<n>-{sw,h<i>}
@@ -286,31 +287,7 @@ def _target(fn: Callable):
     return target, sys_path
 
 
-def _wait(procs: List[subprocess.Popen], timeout: float) -> None:
-    """Wait for every rank; after the first failure give the others 5 s, then kill what is left."""
-    deadline, failed_at = time.monotonic() + timeout, None
-    try:
-        while True:
-            codes = [p.poll() for p in procs]
-            if all(c is not None for c in codes):
-                return
-            if failed_at is None and any(c not in (None, 0) for c in codes):
-                failed_at = time.monotonic()
-            if (failed_at is not None and time.monotonic() - failed_at > 5.0) or time.monotonic() > deadline:
-                return
-            time.sleep(0.02)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        for p in procs:
-            try:
-                p.wait(5)
-            except subprocess.TimeoutExpired:
-                pass
+_wait = wait_for_ranks  # the same policy as run_distributed
 
 
 def _entry() -> None:
