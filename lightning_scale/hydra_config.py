@@ -11,7 +11,7 @@ from typing import Any, List, Optional
 
 import torch
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 
 @dataclass

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 from datetime import timedelta
 from typing import Any, Dict, Generator, List, Literal, Mapping, Optional, Union
 
