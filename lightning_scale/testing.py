@@ -126,6 +126,32 @@ def wait_for_ranks(procs: List[subprocess.Popen], timeout: float) -> None:
                 pass
 
 
+def collect_results(tmp: str, procs: List[subprocess.Popen], timeout: float,
+                    describe: Optional[Callable[[int], str]] = None) -> List[Any]:
+    """Each rank's pickled result, or the root-cause rank's traceback raised as DistributedTestError."""
+    world = len(procs)
+    describe = describe or (lambda r: f"rank {r} of {world}")
+    errors = []
+    for r in range(world):
+        path = os.path.join(tmp, f"error_{r}.txt")
+        if os.path.exists(path):
+            with open(path) as f:
+                errors.append((os.path.getmtime(path), r, f.read()))
+    if errors:
+        # The first error written is the root cause; later ones are usually peers losing the connection.
+        _, rank, text = sorted(errors)[0]
+        raise DistributedTestError(f"{describe(rank)} failed:\n{text}")
+    codes = [p.returncode for p in procs]
+    if any(c != 0 for c in codes):
+        raise DistributedTestError(f"ranks failed without a Python error or did not finish within {timeout}s "
+                                   f"(exit codes {codes}; negative = killed by that signal)")
+    results = []
+    for r in range(world):
+        with open(os.path.join(tmp, f"result_{r}.pkl"), "rb") as f:
+            results.append(pickle.load(f))
+    return results
+
+
 def run_distributed(fn: Callable, world_size: int, args: Sequence[Any] = (), *, timeout: float = 180.0,
                     backend: str = "gloo", threads: int = 1, tmp_dir: Optional[str] = None,
                     env: Optional[dict] = None) -> List[Any]:
@@ -154,24 +180,6 @@ def run_distributed(fn: Callable, world_size: int, args: Sequence[Any] = (), *, 
     procs = [subprocess.Popen([sys.executable, "-c", code, job, str(r)], env=child_env, start_new_session=True)
              for r in range(world_size)]
     wait_for_ranks(procs, timeout)
-    errors = []
-    for r in range(world_size):
-        path = os.path.join(tmp, f"error_{r}.txt")
-        if os.path.exists(path):
-            with open(path) as f:
-                errors.append((os.path.getmtime(path), r, f.read()))
-    if errors:
-        # The first error written is the root cause; later ones are usually peers losing the connection.
-        errors.sort()
-        _, rank, text = errors[0]
-        raise DistributedTestError(f"rank {rank} of {world_size} failed:\n{text}")
-    codes = [p.returncode for p in procs]
-    if any(c != 0 for c in codes):
-        raise DistributedTestError(f"ranks failed without a Python error or did not finish within {timeout}s "
-                                   f"(exit codes {codes}; negative = killed by that signal)")
-    results = []
-    for r in range(world_size):
-        with open(os.path.join(tmp, f"result_{r}.pkl"), "rb") as f:
-            results.append(pickle.load(f))
+    results = collect_results(tmp, procs, timeout)
     shutil.rmtree(tmp, ignore_errors=True)
     return results

@@ -40,7 +40,7 @@ import tempfile
 import traceback
 from typing import Any, Callable, List, Optional, Sequence
 
-from lightning_scale.testing import wait_for_ranks
+from lightning_scale.testing import collect_results, wait_for_ranks
 
 IFNAME = "lsnet0"  # the host-side interface; the same name in every host namespace
 PREFIX = "lsnet-"  # every namespace this module creates: lsnet-<pid>-<n>-{sw,h<i>}
@@ -253,26 +253,8 @@ def run_on_hosts(fn: Callable, net: SlowNetwork, *, ranks_per_host: int = 1, arg
 
 
 def _collect(tmp: str, procs: List[subprocess.Popen], ranks_per_host: int, timeout: float) -> List[Any]:
-    from lightning_scale.testing import DistributedTestError
-
     world = len(procs)
-    errors = []
-    for r in range(world):
-        path = os.path.join(tmp, f"error_{r}.txt")
-        if os.path.exists(path):
-            with open(path) as f:
-                errors.append((os.path.getmtime(path), r, f.read()))
-    if errors:
-        _, rank, text = sorted(errors)[0]  # the first error written is the root cause
-        raise DistributedTestError(f"rank {rank} of {world} (host {rank // ranks_per_host}) failed:\n{text}")
-    codes = [p.returncode for p in procs]
-    if any(c != 0 for c in codes):
-        raise DistributedTestError(f"ranks did not finish within {timeout}s (exit codes {codes}); killed")
-    results = []
-    for r in range(world):
-        with open(os.path.join(tmp, f"result_{r}.pkl"), "rb") as f:
-            results.append(pickle.load(f))
-    return results
+    return collect_results(tmp, procs, timeout, lambda r: f"rank {r} of {world} (host {r // ranks_per_host})")
 
 
 def _target(fn: Callable):
