@@ -150,14 +150,25 @@ class Zero3DStrategy(ParallelStrategy):
                 raise ConfigError(f"precision={plugin.precision!r}: this GPU does not support bfloat16")
 
     def _check_supported(self) -> None:
+        self._check_supported_zero()
+        self._check_supported_model_parallel()
+
+    def _check_supported_zero(self) -> None:
         cfg = self.config
         if cfg.zero.stage == 3:
             raise ConfigError("zero.stage=3 is not available in this build yet; use stage 0, 1 or 2")
+        if cfg.offload.enabled:
+            raise ConfigError("offload is not available in this build yet; use offload='none'")
+
+    # ------------------------------------------------------------------ tensor / pipeline parallel (issues 4, 5)
+    def _check_supported_model_parallel(self) -> None:
+        cfg = self.config
         if cfg.tp > 1 or cfg.pp > 1:
             raise ConfigError(f"tp={cfg.tp}, pp={cfg.pp}: tensor/pipeline parallelism is not wired into "
                               "Zero3DStrategy in this build yet; use tp=1, pp=1")
-        if cfg.offload.enabled:
-            raise ConfigError("offload is not available in this build yet; use offload='none'")
+
+    def _apply_model_parallel(self, trainer) -> None:
+        """Slice (tp plan) / partition (pp stage) the model after every rank holds rank 0's full weights."""
 
     # ------------------------------------------------------------------ setup
     def setup(self, trainer) -> None:
@@ -165,6 +176,7 @@ class Zero3DStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         self.model_to_device()
         self._broadcast_module_states(self.model)
+        self._apply_model_parallel(trainer)  # no-op at tp == pp == 1
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             self.setup_optimizers(trainer)
