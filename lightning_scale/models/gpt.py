@@ -10,6 +10,7 @@ one place an attention implementation is swapped (dense SDPA by default; block-s
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -106,6 +107,10 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.cfg = cfg.validate()
+        # One seed drawn from the global RNG before any submodule exists. Every parameter's initial value is a
+        # function of (seed, module name) only, so a model built on `meta` and materialized one ZeRO-3 unit at a
+        # time gets exactly the weights a plain single-process build gets.
+        self.init_seed = int(torch.randint(0, 2**62, (), device="cpu"))
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
@@ -120,16 +125,35 @@ class GPT(nn.Module):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """GPT-2 init; residual projections scaled by 1/sqrt(2 * n_layer). Deterministic given the seed."""
-        std = 0.02
         for name, module in self.named_modules():
-            if isinstance(module, nn.Linear):
-                scale = 1.0 / math.sqrt(2 * self.cfg.n_layer) if name.endswith(".proj") else 1.0
-                nn.init.normal_(module.weight, 0.0, std * scale)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, 0.0, std)
-            elif isinstance(module, nn.LayerNorm):
+            self.init_module(name, module)
+
+    @torch.no_grad()
+    def init_module(self, name: str, module: nn.Module) -> None:
+        """Initialize the parameters ``module`` (called ``name`` inside this GPT) owns directly.
+
+        The ZeRO-3 materializer calls this one module at a time; the values depend only on the seed and the name.
+        """
+        gen = torch.Generator(device="cpu").manual_seed((self.init_seed + zlib.crc32(name.encode())) % 2**62)
+
+        def normal_(t: torch.Tensor, std: float) -> None:
+            t.copy_(torch.empty(t.shape, dtype=torch.float32).normal_(0.0, std, generator=gen))
+
+        std = 0.02
+        if isinstance(module, nn.Linear):
+            if self.cfg.tie_weights and module is self.lm_head:
+                return  # the tied head is the embedding, initialized as wte
+            scale = 1.0 / math.sqrt(2 * self.cfg.n_layer) if name.endswith(".proj") else 1.0
+            normal_(module.weight, std * scale)
+            if module.bias is not None:
+                module.bias.zero_()
+        elif isinstance(module, nn.Embedding):
+            normal_(module.weight, std)
+        elif isinstance(module, nn.LayerNorm):
+            module.reset_parameters()
+        elif any(True for _ in module.parameters(recurse=False)) and hasattr(module, "reset_parameters"):
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(int(torch.randint(0, 2**62, (), generator=gen)))
                 module.reset_parameters()
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:

@@ -29,10 +29,16 @@ from lightning_scale.zero.precision import NoLossScaler, PrecisionPolicy
 from lightning_scale.zero.reducer import GradientReducer
 
 
+# Group keys that choose a kernel rather than a hyperparameter: the inner optimizer keeps its own
+# (offload picks the fastest CPU implementation).
+_IMPLEMENTATION_KEYS = frozenset({"params", "fused", "foreach", "capturable", "differentiable"})
+
+
 class ZeroOptimizer:
     def __init__(self, optimizer: torch.optim.Optimizer, *, stage: int = 2, group=None,
                  precision: Optional[PrecisionPolicy] = None, loss_scaler=None, bucket_mb: float = 25.0,
-                 overlap_comm: bool = True, route_user_calls: bool = True) -> None:
+                 overlap_comm: bool = True, route_user_calls: bool = True, offload_optimizer: bool = False,
+                 pin_memory: bool = True) -> None:
         if stage not in (0, 1, 2):
             raise ValueError(f"zero.stage={stage}: ZeroOptimizer handles stages 0, 1 and 2")
         self.optimizer = optimizer
@@ -52,14 +58,19 @@ class ZeroOptimizer:
         bucket_numel = max(1, int(bucket_mb * 2**20 / torch.empty((), dtype=param_dtype).element_size()))
         shard_world = self.world if stage >= 1 else 1
         self.buckets = build_buckets(groups, bucket_numel, shard_world)
+        if offload_optimizer and stage == 0:
+            raise ValueError("offload.optimizer='cpu' needs zero.stage >= 1")
+        self.offload_optimizer = offload_optimizer
+        master_device = torch.device("cpu") if offload_optimizer else device
         self.reducer = GradientReducer(self.buckets, stage, group, device, overlap_comm=overlap_comm,
-                                       param_dtype=param_dtype, master_dtype=master_dtype)
+                                       param_dtype=param_dtype, master_dtype=master_dtype,
+                                       master_device=master_device, pin_memory=pin_memory)
         self.masters: List[torch.Tensor] = [st.master for st in self.reducer.states]
         self._aliased: List[bool] = [st.master_aliased for st in self.reducer.states]
         inner_groups = [dict(g, params=[]) for g in optimizer.param_groups]
         for st in self.reducer.states:
             inner_groups[st.bucket.group_index]["params"].append(st.master)
-        self.inner = self._make_inner(optimizer, inner_groups)
+        self.inner = self._make_inner(optimizer, inner_groups, offload=offload_optimizer)
         self._found_inf = False
         self._prepared = False
         if route_user_calls:
@@ -95,8 +106,13 @@ class ZeroOptimizer:
         return groups
 
     @staticmethod
-    def _make_inner(optimizer: torch.optim.Optimizer, groups: List[Dict[str, Any]]) -> torch.optim.Optimizer:
+    def _make_inner(optimizer: torch.optim.Optimizer, groups: List[Dict[str, Any]],
+                    offload: bool = False) -> torch.optim.Optimizer:
         groups = [g for g in groups if g["params"]] or groups
+        if offload:  # the step runs on the CPU: the fastest measured CPU implementation of the user's class
+            from lightning_scale.optim.cpu_adam import make_offload_optimizer
+
+            return make_offload_optimizer(type(optimizer), groups, optimizer.defaults)
         # Some defaults are derived, not constructor arguments (AdamW's decoupled_weight_decay): pass only
         # what __init__ accepts; each group dict carries every hyperparameter anyway.
         accepted = inspect.signature(type(optimizer).__init__).parameters
@@ -130,7 +146,7 @@ class ZeroOptimizer:
         local_inf = torch.zeros((), dtype=torch.float32, device=self.masters[0].device)
         for st, master, aliased in zip(self.reducer.states, self.masters, self._aliased):
             grad = st.reduced_grad()
-            master.grad = grad if aliased else grad.to(master.dtype)
+            master.grad = grad if aliased else grad.to(device=master.device, dtype=master.dtype)
             if inv_scale != 1.0:
                 master.grad.mul_(inv_scale)
             if isinstance(self.loss_scaler, NoLossScaler):
@@ -208,7 +224,7 @@ class ZeroOptimizer:
                 continue
             ig = next(inner_groups)
             for key, value in user_group.items():
-                if key != "params":
+                if key not in _IMPLEMENTATION_KEYS:
                     ig[key] = value
 
     def _write_back_and_gather(self) -> None:
@@ -216,7 +232,7 @@ class ZeroOptimizer:
         for st, master, aliased in zip(self.reducer.states, self.masters, self._aliased):
             shard = st.param_buffer[st.shard]
             if not aliased:
-                shard.copy_(master)
+                shard.copy_(master, non_blocking=master.is_pinned())
             if self.stage >= 1:
                 handles.append(C.all_gather(st.param_buffer, shard.clone(), self.group, async_op=True,
                                             tag="param"))
@@ -262,7 +278,7 @@ class ZeroOptimizer:
         for master, saved, st, aliased in zip(self.masters, state["masters"], self.reducer.states, self._aliased):
             if saved is not None and not aliased:
                 master.copy_(saved)
-                st.param_buffer[st.shard].copy_(master)
+                st.write_master(master)
         self.loss_scaler.load_state_dict(state["loss_scaler"])
         for user_group, saved in zip(self.optimizer.param_groups, state.get("user_param_groups", [])):
             user_group.update(saved)
@@ -282,8 +298,10 @@ class ZeroOptimizer:
             for v in s.values():
                 if torch.is_tensor(v) and v.dim() > 0:
                     state += v.numel() * v.element_size()
+        host = masters + state if self.offload_optimizer else 0
+        total = params + grads + masters + state
         return {"params": params, "grads": grads, "master": masters, "optimizer_state": state,
-                "total": params + grads + masters + state}
+                "total": total, "device": total - host, "host": host}
 
     @property
     def param_groups(self):

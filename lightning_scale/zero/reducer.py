@@ -27,7 +27,8 @@ class BucketState:
     """The tensors and per-cycle bookkeeping of one bucket."""
 
     def __init__(self, bucket: Bucket, stage: int, rank: int, device: torch.device,
-                 param_dtype: Optional[torch.dtype] = None, master_dtype: Optional[torch.dtype] = None) -> None:
+                 param_dtype: Optional[torch.dtype] = None, master_dtype: Optional[torch.dtype] = None,
+                 master_device: Optional[torch.device] = None, pin_memory: bool = True) -> None:
         self.bucket = bucket
         self.stage = stage
         self.rank = rank
@@ -41,9 +42,16 @@ class BucketState:
         for slot in bucket.slots:
             flat[slot.offset:slot.offset + slot.numel].copy_(slot.param.detach().reshape(-1))
         self.param_buffer = flat if flat.dtype == dtype else flat.to(dtype)
-        self.master_aliased = master_dtype == dtype
-        self.master = (self.param_buffer[self.shard] if self.master_aliased
-                       else flat[self.shard].to(master_dtype).clone())
+        master_device = torch.device(master_device) if master_device is not None else torch.device(device)
+        # Optimizer offload puts the master shard (and so the optimizer state) on the host; pinned when the
+        # parameters live on an accelerator, so the copies back can be asynchronous.
+        self.master_aliased = master_dtype == dtype and master_device == torch.device(device)
+        if self.master_aliased:
+            self.master = self.param_buffer[self.shard]
+        else:
+            self.master = flat[self.shard].to(device=master_device, dtype=master_dtype).clone()
+            if pin_memory and master_device.type == "cpu" and torch.device(device).type == "cuda":
+                self.master = self.master.pin_memory()
         del flat
         self.grad_buffer: Optional[torch.Tensor] = None  # stages 0/1: full gradients, params' .grad are views
         self.shard_grad: Optional[torch.Tensor] = None  # stage 2: the reduced gradient shard
@@ -57,6 +65,10 @@ class BucketState:
         self.consumed = [False] * len(bucket.slots)
         self.handle: Optional[C.Handle] = None
         self.launched = False
+
+    def write_master(self, master: torch.Tensor) -> None:
+        """Put an (updated or loaded) master shard back into this rank's slice of the parameters."""
+        self.param_buffer[self.shard].copy_(master)
 
     def grad_view(self, i: int) -> torch.Tensor:
         slot = self.bucket.slots[i]
@@ -86,13 +98,15 @@ class BucketState:
 class GradientReducer:
     def __init__(self, buckets: List[Bucket], stage: int, group, device: torch.device,
                  overlap_comm: bool = True, param_dtype: Optional[torch.dtype] = None,
-                 master_dtype: Optional[torch.dtype] = None) -> None:
+                 master_dtype: Optional[torch.dtype] = None, master_device: Optional[torch.device] = None,
+                 pin_memory: bool = True) -> None:
         self.stage = stage
         self.group = group
         self.world = C.group_size(group)
         self.rank = C.group_rank(group) if stage >= 1 else 0
         self.overlap_comm = overlap_comm
-        self.states = [BucketState(b, stage, self.rank, device, param_dtype, master_dtype) for b in buckets]
+        self.states = [BucketState(b, stage, self.rank, device, param_dtype, master_dtype, master_device, pin_memory)
+                       for b in buckets]
         self._where: Dict[int, tuple] = {}
         for bi, st in enumerate(self.states):
             for si, slot in enumerate(st.bucket.slots):

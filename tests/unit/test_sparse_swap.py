@@ -65,7 +65,7 @@ def test_gpt_swap_matches_masked_reference_and_trains():
     x, y = make_batch(model.cfg, 4, seed=1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
-    for _ in range(8):
+    for _ in range(12):
         loss = model.loss(x, y)
         opt.zero_grad()
         loss.backward()

@@ -1,0 +1,762 @@
+"""ZeRO stage 3: parameters live as 1/N shards in per-unit flat buffers and are gathered just in time.
+
+A *unit* is a module (by default each repeated block, e.g. a transformer block; or the modules the user
+names by class or by name pattern). Each unit's trainable parameters are flattened per (optimizer param
+group, dtype) into :class:`~lightning_scale.zero.flat_buffer.Bucket` s with the same per-bucket shard
+layout as stages 1/2: rank r owns slice r. Parameters outside every unit form the *root unit*; small
+parameters (``numel < persistent_threshold``) and parameters the LightningModule owns directly form the
+*persistent unit*, which stays gathered (they are still sharded for gradients and the optimizer).
+
+Life of a unit in one training step::
+
+    forward pre-hook   all-gather its buckets (or wait for the prefetch), prefetch the next units
+    forward hook       free the gathered buffers; hook the outputs so backward can re-gather
+    output grad hook   all-gather again before the unit's backward; prefetch the previous units
+    grads accumulated  copy the gradients into a staging buffer, reduce-scatter it into the
+                       persistent gradient shard, free the gradients and the gathered buffers
+    end of backward    units that got no gradient (skipped branches) reduce zeros, in unit order,
+                       so every rank issues the same collectives; all reductions are waited for
+
+A gathered buffer is freed by resizing its storage to zero bytes; the parameters stay views into it
+(same tensor objects, same shapes), so autograd's saved tensors see the re-gathered values and the
+optimizer keeps the parameters the user gave it. Gradient accumulation reduce-scatters every
+micro-batch into the shard (the full gradient never outlives one unit's backward).
+
+Deferred initialization: when the model was built on the ``meta`` device (``configure_model`` under the
+strategy), each unit is materialized on the device, initialized and cut to its shard one unit at a time,
+so no rank ever holds the whole model. Initialization calls, per module, the nearest ancestor's
+``init_module(name, module)`` when a model defines one (the project's GPT does: its values depend only
+on a seed and the module name, so they equal a single-process init), else the module's own
+``reset_parameters()``. A model built for real is sharded unit by unit from rank 0's values.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_flatten
+
+from lightning_scale.comm import collectives as C
+from lightning_scale.config import ConfigError
+from lightning_scale.zero.flat_buffer import Bucket, build_buckets
+
+_HUGE = 1 << 62
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+# ---------------------------------------------------------------------------------------------- units
+def resolve_units(root: nn.Module, spec: Optional[Sequence[str]] = None) -> List[Tuple[str, nn.Module]]:
+    """The modules that become ZeRO-3 units, outermost matches only, in registration order.
+
+    ``spec`` entries are module class names (``"Block"``) or fnmatch patterns on qualified module
+    names (``"model.blocks.*"``). ``None``: the model's ``layer_modules()`` when some submodule defines
+    it, else the children of every ``nn.ModuleList`` whose children share one class.
+    """
+    named = list(root.named_modules())
+    if spec:
+        picked = []
+        for entry in spec:
+            hits = [(n, m) for n, m in named if n and (type(m).__name__ == entry or fnmatch.fnmatchcase(n, entry))]
+            if not hits:
+                classes = sorted({type(m).__name__ for _, m in named})
+                names = [n for n, _ in named if n][:30]
+                raise ConfigError(
+                    f"zero.unit_modules entry {entry!r} matches no module class or name; classes: "
+                    f"{', '.join(classes)}; names (first 30): {', '.join(names)}"
+                )
+            picked.extend(hits)
+    else:
+        picked = []
+        for n, m in named:
+            layers = getattr(m, "layer_modules", None)
+            if callable(layers) and not isinstance(m, nn.ModuleList):
+                ids = {id(x) for x in layers()}
+                picked.extend((cn, cm) for cn, cm in named if id(cm) in ids)
+        if not picked:
+            for n, m in named:
+                if isinstance(m, nn.ModuleList) and len(m) > 1 and len({type(c) for c in m}) == 1:
+                    prefix = f"{n}." if n else ""
+                    picked.extend((f"{prefix}{i}", c) for i, c in enumerate(m))
+    chosen = {id(m): n for n, m in picked}
+    # Outermost only: drop a match nested inside another match.
+    result = []
+    for n, m in named:
+        if id(m) not in chosen:
+            continue
+        if any(n.startswith(f"{o}.") for o, _ in result):
+            continue
+        result.append((n, m))
+    return result
+
+
+@dataclass
+class ShardedBucket:
+    """One flat buffer of a unit: the persistent shard and the transient gathered buffer."""
+
+    bucket: Bucket
+    unit: "Unit"
+    group_id: int
+    shard: torch.Tensor  # (S,) param dtype, on the param device (host under param offload)
+    full: torch.Tensor  # (padded,) param dtype, on the compute device; storage empty unless gathered
+    rank: int
+    grad_shard: Optional[torch.Tensor] = None  # (S,) param dtype: reduced gradients, summed over micro-batches
+    master: Optional[torch.Tensor] = None  # set by the optimizer engine
+    master_aliased: bool = True
+    init_master: Optional[torch.Tensor] = None  # exact source values of the shard when params are cast
+
+    @property
+    def nbytes_full(self) -> int:
+        return self.full.numel() * self.full.element_size()
+
+    # The interface ZeroOptimizer uses on bucket states -------------------------------------------
+    def reduced_grad(self) -> torch.Tensor:
+        if self.grad_shard is None:
+            self.grad_shard = torch.zeros_like(self.shard, device=self.full.device)
+        return self.grad_shard
+
+    def write_master(self, master: torch.Tensor) -> None:
+        self.shard.copy_(master)
+
+
+@dataclass
+class Unit:
+    index: int
+    name: str
+    module: Optional[nn.Module]
+    kind: str  # "unit" | "root" | "persistent"
+    buckets: List[ShardedBucket] = field(default_factory=list)
+    params: List[nn.Parameter] = field(default_factory=list)  # trainable, in bucket order
+    gathered: bool = False
+    pending: List[C.Handle] = field(default_factory=list)
+    grads_ready: int = 0
+    reduced: bool = False  # reduced in the current backward
+    backward_started: bool = False
+
+    @property
+    def numel(self) -> int:
+        return sum(b.bucket.padded_numel for b in self.buckets)
+
+    @property
+    def nbytes_full(self) -> int:
+        return sum(b.nbytes_full for b in self.buckets)
+
+
+class ShardedParameters:
+    """The module side of ZeRO-3: owns units, buckets, hooks, gathers and gradient reduce-scatters."""
+
+    def __init__(self, root: nn.Module, param_groups: Sequence[Sequence[nn.Parameter]], *, group=None,
+                 device: Optional[torch.device] = None, param_dtype: Optional[torch.dtype] = None,
+                 unit_modules: Optional[Sequence[str]] = None, prefetch_depth: int = 1,
+                 persistent_threshold: int = 0, param_device: Optional[torch.device] = None,
+                 pin_memory: bool = False) -> None:
+        if prefetch_depth < 0:
+            raise ConfigError(f"zero.prefetch_depth={prefetch_depth} must be >= 0")
+        if persistent_threshold < 0:
+            raise ConfigError(f"zero.persistent_threshold={persistent_threshold} must be >= 0")
+        self.root = root
+        self.group = group
+        self.world = C.group_size(group)
+        self.rank = C.group_rank(group)
+        self.prefetch_depth = prefetch_depth
+        self.persistent_threshold = persistent_threshold
+        first = next(iter(root.parameters()), None)
+        self.device = torch.device(device) if device is not None else (
+            first.device if first is not None and not first.is_meta else torch.device("cpu"))
+        self.param_device = torch.device(param_device) if param_device is not None else self.device
+        self.params_offloaded = param_device is not None  # parameter offload: shards rest on the host
+        self.pin_memory = pin_memory and self.param_device.type == "cpu" and self.device.type == "cuda"
+        self.param_dtype = param_dtype
+        self.names: Dict[int, str] = {}
+        for n, p in root.named_parameters(remove_duplicate=False):
+            self.names.setdefault(id(p), n)
+        self._check_aliasing()
+        self.unit_specs = resolve_units(root, unit_modules)
+        self.units: List[Unit] = []
+        self._build(param_groups)
+        self._where: Dict[int, Unit] = {id(p): u for u in self.units for p in u.params}
+        self.forward_order: List[int] = []  # unit indices in the order the last forward used them
+        self._order_now: List[int] = []
+        self._callback_queued = False
+        self._hooks: List[Any] = []
+        self.peak_gathered_bytes = 0
+        self._reductions: List[C.Handle] = []
+        self._dirty = False  # a backward touched the units since the last finish_backward
+        # Hooks are registered by shard_model(): materializing swaps tensor contents, hooks included.
+
+    # ------------------------------------------------------------------ construction
+    def _check_aliasing(self) -> None:
+        """Distinct parameters sharing memory (one a view of another) cannot be flattened into shards."""
+        spans: Dict[int, List[Tuple[int, int, str]]] = {}
+        for p in {id(p): p for p in self.root.parameters()}.values():
+            if p.is_meta or p.numel() == 0:
+                continue
+            st = p.untyped_storage()
+            lo = p.storage_offset() * p.element_size()
+            spans.setdefault(st.data_ptr(), []).append((lo, lo + p.numel() * p.element_size(), self.names[id(p)]))
+        for items in spans.values():
+            items.sort()
+            for (a0, a1, an), (b0, b1, bn) in zip(items, items[1:]):
+                if b0 < a1:
+                    raise ConfigError(
+                        f"zero.stage=3: parameters {an!r} and {bn!r} share memory (one is a view of the other); "
+                        "ZeRO-3 cannot shard aliased parameters. Tie them as the same nn.Parameter object instead"
+                    )
+
+    def _owner_unit(self) -> Dict[int, int]:
+        """param id -> index in unit_specs, or -1 (root) when outside units or shared between units."""
+        owner: Dict[int, int] = {}
+        for ui, (_, m) in enumerate(self.unit_specs):
+            for p in m.parameters():
+                owner[id(p)] = -1 if id(p) in owner and owner[id(p)] != ui else ui
+        return owner
+
+    def _build(self, param_groups: Sequence[Sequence[nn.Parameter]]) -> None:
+        owner = self._owner_unit()
+        direct = {id(p) for p in self.root.parameters(recurse=False)}
+        group_of: Dict[int, int] = {}
+        for gi, params in enumerate(param_groups):
+            for p in params:
+                if p.requires_grad:
+                    group_of[id(p)] = gi
+        n_specs = len(self.unit_specs)
+        # Unit slots: the declared units, then root, then persistent.
+        per_unit: List[List[List[nn.Parameter]]] = [[[] for _ in param_groups] for _ in range(n_specs + 2)]
+        self.frozen: List[nn.Parameter] = []
+        seen = set()
+        for p in self.root.parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            if id(p) not in group_of:
+                self.frozen.append(p)
+                continue
+            u = owner.get(id(p), -1)
+            slot = n_specs if u < 0 else u
+            if p.numel() < self.persistent_threshold or id(p) in direct:
+                slot = n_specs + 1
+            per_unit[slot][group_of[id(p)]].append(p)
+        # Keep registration order inside a bucket (build_buckets reverses; undo that).
+        for slot, groups in enumerate(per_unit):
+            if not any(groups):
+                continue
+            if slot < n_specs:
+                name, module, kind = self.unit_specs[slot][0], self.unit_specs[slot][1], "unit"
+            elif slot == n_specs:
+                name, module, kind = "<root>", None, "root"
+            else:
+                name, module, kind = "<persistent>", None, "persistent"
+            unit = Unit(index=len(self.units), name=name, module=module, kind=kind)
+            buckets = build_buckets([list(reversed(g)) for g in groups], _HUGE, self.world)
+            for b in buckets:
+                unit.buckets.append(self._make_bucket(b, unit))
+                unit.params.extend(b.params)
+            self.units.append(unit)
+
+    def _make_bucket(self, b: Bucket, unit: Unit) -> ShardedBucket:
+        dtype = self.param_dtype or b.dtype
+        if not dtype.is_floating_point:
+            raise ConfigError(f"zero.stage=3 shards floating-point parameters only; "
+                              f"{self.names[id(b.params[0])]!r} is {dtype}")
+        shard = torch.zeros(b.shard_numel, dtype=dtype, device=self.param_device)
+        if self.pin_memory:
+            shard = shard.pin_memory()
+        full = torch.empty(b.padded_numel, dtype=dtype, device=self.device)
+        full.untyped_storage().resize_(0)
+        return ShardedBucket(bucket=b, unit=unit, group_id=b.group_index, shard=shard, full=full, rank=self.rank)
+
+    # ------------------------------------------------------------------ materialize + shard
+    @torch.no_grad()
+    def shard_model(self) -> None:
+        """Fill every shard from the model (materializing ``meta`` units one at a time) and free full copies.
+
+        Each unit's values are broadcast from rank 0 (one bucket at a time), so ranks agree even when
+        their random states differ; rank 0's values are what a single-process run with the same seed builds.
+        """
+        init_owners = self._init_owners()
+        by_module = self._modules_by_unit()
+        for unit in self.units:
+            self._materialize(by_module.get(unit.index, []), init_owners)
+            for b in unit.buckets:
+                src_dtype = b.bucket.slots[0].param.dtype
+                tmp = torch.zeros(b.bucket.padded_numel, dtype=src_dtype, device=self.device)
+                for slot in b.bucket.slots:
+                    tmp[slot.offset:slot.offset + slot.numel].copy_(slot.param.detach().reshape(-1))
+                C.broadcast(tmp, src=self._group_src(), group=self.group, tag="init")
+                lo, hi = b.bucket.shard_range(self.rank)
+                b.shard.copy_(tmp[lo:hi])
+                # Mixed precision: the fp32 master shard starts from the exact values, not the cast ones.
+                b.init_master = tmp[lo:hi].clone() if src_dtype != b.shard.dtype else None
+                self._alloc(b)  # views can only be cut from allocated storage; freed again below
+                if unit.kind == "persistent":
+                    b.full.copy_(tmp)
+                del tmp
+                for slot in b.bucket.slots:
+                    slot.param.data = b.full[slot.offset:slot.offset + slot.numel].view(slot.shape)
+            unit.gathered = True
+            if unit.kind != "persistent":
+                self._free(unit)
+        # Modules holding only frozen parameters or buffers; then frozen params and buffers: full, identical.
+        self._materialize(by_module.get(-1, []), init_owners)
+        for name, buf in self.root.named_buffers():
+            if buf.is_meta:
+                raise ConfigError(f"zero.stage=3: buffer {name!r} is still on the meta device after materialization; "
+                                  "create buffers on a real device in configure_model or compute them in "
+                                  "reset_parameters()")
+        for t in list(self.frozen) + list(self.root.buffers()):
+            if t.device != self.device:
+                t.data = t.data.to(self.device)
+            C.broadcast(t.data, src=self._group_src(), group=self.group, tag="init")
+        self._register_hooks()
+
+    def _group_src(self) -> int:
+        import torch.distributed as dist
+
+        if self.world == 1:
+            return 0
+        return dist.get_global_rank(self.group, 0) if self.group is not None else 0
+
+    @staticmethod
+    def _has_meta(module: nn.Module) -> bool:
+        return any(t.is_meta for t in module.parameters(recurse=False)) or any(
+            t.is_meta for t in module.buffers(recurse=False))
+
+    def _modules_by_unit(self) -> Dict[int, List[Tuple[str, nn.Module]]]:
+        """Each module with direct parameters/buffers, assigned to the unit that owns its first parameter."""
+        out: Dict[int, List[Tuple[str, nn.Module]]] = {}
+        for name, m in self.root.named_modules():
+            own = list(m.parameters(recurse=False))
+            if not own and not list(m.buffers(recurse=False)):
+                continue
+            units = [self._where[id(p)] for p in own if id(p) in self._where]
+            if units:
+                out.setdefault(units[0].index, []).append((name, m))
+            else:
+                out.setdefault(-1, []).append((name, m))
+        return out
+
+    def _init_owners(self) -> List[Tuple[str, nn.Module]]:
+        owners = [(n, m) for n, m in self.root.named_modules() if callable(getattr(m, "init_module", None))]
+        owners.sort(key=lambda x: -len(x[0]))  # deepest first
+        return owners
+
+    def _init_one(self, name: str, module: nn.Module, owners: List[Tuple[str, nn.Module]]) -> None:
+        for oname, owner in owners:
+            if oname == "" or name == oname or name.startswith(f"{oname}."):
+                rel = name[len(oname) + 1:] if oname and name != oname else ("" if name == oname else name)
+                owner.init_module(rel, module)
+                return
+        if callable(getattr(module, "reset_parameters", None)):
+            module.reset_parameters()
+
+    def _materialize(self, modules: List[Tuple[str, nn.Module]], owners) -> None:
+        for name, m in modules:
+            if self._has_meta(m):
+                # Swap contents instead of Module.to_empty (which makes new Parameter objects): the optimizer
+                # and the buckets keep the parameters they were given.
+                for p in m.parameters(recurse=False):
+                    if p.is_meta:
+                        torch.utils.swap_tensors(p, nn.Parameter(torch.empty_like(p, device=self.device),
+                                                                 requires_grad=p.requires_grad))
+                for key, buf in list(m._buffers.items()):
+                    if buf is not None and buf.is_meta:
+                        m._buffers[key] = torch.empty_like(buf, device=self.device)
+                self._init_one(name, m, owners)
+            else:
+                for t in list(m.parameters(recurse=False)):
+                    if t.device != self.device:
+                        t.data = t.data.to(self.device)
+
+    # ------------------------------------------------------------------ gather / free
+    def _alloc(self, b: ShardedBucket) -> None:
+        st = b.full.untyped_storage()
+        if st.nbytes() == 0:
+            st.resize_(b.nbytes_full)
+
+    def _gather(self, unit: Unit, async_op: bool = False) -> None:
+        """All-gather a unit's buckets into their full buffers (idempotent)."""
+        if unit.gathered:
+            if not async_op:
+                self._wait(unit)
+            return
+        for b in unit.buckets:
+            self._alloc(b)
+            shard = b.shard
+            if shard.device != self.device:
+                shard = shard.to(self.device, non_blocking=True)
+            # Writing into the buffer must not bump the version counter autograd saved with the params.
+            with torch.autograd._unsafe_preserve_version_counter(b.full):
+                h = C.all_gather(b.full, shard, self.group, async_op=True, tag="param")
+            unit.pending.append(h)
+        unit.gathered = True
+        self._note_peak()
+        if not async_op:
+            self._wait(unit)
+
+    @staticmethod
+    def _wait(unit: Unit) -> None:
+        for h in unit.pending:
+            h.wait()
+        unit.pending = []
+
+    def _free(self, unit: Unit) -> None:
+        if not unit.gathered or unit.kind == "persistent":
+            return
+        self._wait(unit)
+        for b in unit.buckets:
+            b.full.untyped_storage().resize_(0)
+        unit.gathered = False
+
+    def gathered_bytes(self) -> int:
+        return sum(u.nbytes_full for u in self.units if u.gathered)
+
+    def _note_peak(self) -> None:
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes())
+
+    def free_all(self) -> None:
+        for u in self.units:
+            self._free(u)
+
+    # ------------------------------------------------------------------ hooks
+    def _register_hooks(self) -> None:
+        for u in self.units:
+            if u.kind == "unit":
+                self._hooks.append(u.module.register_forward_pre_hook(
+                    lambda m, args, u=u: self._pre_forward(u)))
+                self._hooks.append(u.module.register_forward_hook(
+                    lambda m, args, out, u=u: self._post_forward(u, out)))
+            for p in u.params:
+                self._hooks.append(p.register_post_accumulate_grad_hook(lambda p, u=u: self._on_grad(u)))
+        root_units = [u for u in self.units if u.kind == "root"]
+        if root_units:
+            ru = root_units[0]
+            owned = {id(p) for p in ru.params}
+            for name, m in self.root.named_modules():
+                if any(id(p) in owned for p in m.parameters(recurse=False)):
+                    self._hooks.append(m.register_forward_pre_hook(lambda m, args, u=ru: self._pre_forward(u)))
+
+    def _pre_forward(self, unit: Unit) -> None:
+        if _in_backward():  # activation-checkpoint recompute: the unit was gathered for its backward
+            self._gather(unit)
+            return
+        if unit.index not in self._order_now:
+            self._order_now.append(unit.index)
+        self._gather(unit)
+        if self.prefetch_depth and unit.kind == "unit" and self.forward_order:
+            self._prefetch(self.forward_order, unit.index)
+
+    def _prefetch(self, order: List[int], current: int) -> None:
+        if current not in order:
+            return
+        pos = order.index(current)
+        for ui in order[pos + 1:pos + 1 + self.prefetch_depth]:
+            u = self.units[ui]
+            if u.kind == "unit":
+                self._gather(u, async_op=True)
+
+    def _post_forward(self, unit: Unit, output: Any) -> Any:
+        if _in_backward():
+            return output
+        if torch.is_grad_enabled():
+            tensors = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
+            for t in tensors:
+                t.register_hook(lambda grad, u=unit: self._pre_backward(u))
+        self._free(unit)
+        return output
+
+    def _queue_final_callback(self) -> None:
+        self._dirty = True
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._post_backward_final)
+            self._callback_queued = True
+
+    def _pre_backward(self, unit: Unit) -> None:
+        self._queue_final_callback()
+        if unit.backward_started:
+            return
+        unit.backward_started = True
+        if self._order_now:  # first backward after a forward: the forward order is now known
+            self.forward_order, self._order_now = self._order_now, []
+        self._gather(unit)
+        if self.prefetch_depth:
+            self._prefetch(list(reversed(self.forward_order)), unit.index)
+
+    def _on_grad(self, unit: Unit) -> None:
+        self._queue_final_callback()
+        unit.grads_ready += 1
+        if unit.grads_ready == len(unit.params) and not unit.reduced:
+            self._reduce(unit)
+
+    def _reduce(self, unit: Unit) -> None:
+        """Reduce-scatter the unit's gradients (zeros where a parameter got none) into the shards."""
+        for b in unit.buckets:
+            staging = torch.zeros(b.bucket.padded_numel, dtype=b.full.dtype, device=self.device)
+            for slot in b.bucket.slots:
+                g = slot.param.grad
+                if g is not None:
+                    staging[slot.offset:slot.offset + slot.numel].copy_(g.reshape(-1))
+                    slot.param.grad = None
+            staging.div_(self.world)
+            out = torch.empty(b.bucket.shard_numel, dtype=b.full.dtype, device=self.device)
+            h = C.reduce_scatter(out, staging, self.group, async_op=True, tag="grad")
+
+            def finish(b=b, out=out, h=h, staging=staging) -> None:
+                h.wait()
+                if b.grad_shard is None:
+                    b.grad_shard = out
+                else:
+                    b.grad_shard.add_(out)
+
+            self._reductions.append(C.Handle(None, finish))
+        unit.reduced = True
+        if unit.kind == "unit" or unit.kind == "root":
+            self._free(unit)
+
+    def _post_backward_final(self) -> None:
+        self._callback_queued = False
+        self.finish_backward()
+
+    def finish_backward(self) -> None:
+        """Reduce every unit not reduced yet (in unit order: the same collectives on every rank), wait."""
+        if not self._dirty:
+            return
+        self._dirty = False
+        for u in self.units:
+            if u.params and not u.reduced:
+                self._reduce(u)
+        self.wait_reductions()
+        for u in self.units:
+            u.grads_ready = 0
+            u.reduced = False
+            u.backward_started = False
+            if u.kind == "unit":
+                self._free(u)  # prefetched but never used
+
+    def wait_reductions(self) -> None:
+        for h in self._reductions:
+            h.wait()
+        self._reductions = []
+
+    def flush(self) -> None:
+        """Before the optimizer step: make sure every unit's gradient shard exists on every rank."""
+        self.finish_backward()
+        for u in self.units:
+            for b in u.buckets:
+                b.reduced_grad()
+
+    # ------------------------------------------------------------------ after the optimizer step
+    def after_step(self, group_ids: Optional[Iterable[int]] = None) -> None:
+        """Shards changed: refresh the persistent unit, drop stale gathered copies."""
+        ids = None if group_ids is None else set(group_ids)
+        for u in self.units:
+            if u.kind == "persistent":
+                for b in u.buckets:
+                    if ids is not None and b.group_id not in ids:
+                        continue
+                    shard = b.shard.to(self.device) if b.shard.device != self.device else b.shard
+                    with torch.autograd._unsafe_preserve_version_counter(b.full):
+                        C.all_gather(b.full, shard, self.group, tag="param")
+            else:
+                self._free(u)
+
+    def zero_grad(self, group_ids: Optional[Iterable[int]] = None) -> None:
+        ids = None if group_ids is None else set(group_ids)
+        for u in self.units:
+            for b in u.buckets:
+                if ids is None or b.group_id in ids:
+                    b.grad_shard = None
+            for p in u.params:
+                p.grad = None
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    # ------------------------------------------------------------------ state
+    def buckets(self) -> List[ShardedBucket]:
+        return [b for u in self.units for b in u.buckets]
+
+    def layout(self) -> Dict[str, Any]:
+        return {"world_size": self.world, "units": [
+            {"name": u.name, "kind": u.kind, "buckets": [
+                {"group": b.group_id, "padded_numel": b.bucket.padded_numel, "numel": b.bucket.numel,
+                 "dtype": str(b.full.dtype),
+                 "slots": [(self.names[id(s.param)], s.offset, s.numel, tuple(s.shape)) for s in b.bucket.slots]}
+                for b in u.buckets]} for u in self.units]}
+
+    def shard_state_dict(self) -> Dict[str, Any]:
+        """This rank's parameter shards (+ fp32 masters when separate) and the layout to consolidate them."""
+        return {"rank": self.rank, "layout": self.layout(),
+                "shards": [b.shard.detach().cpu().clone() for b in self.buckets()],
+                "masters": [None if (b.master is None or b.master_aliased) else b.master.detach().cpu().clone()
+                            for b in self.buckets()]}
+
+    @torch.no_grad()
+    def load_shard_state_dict(self, state: Dict[str, Any]) -> None:
+        mine, theirs = self.layout(), state["layout"]
+        if mine != theirs:
+            raise ValueError("zero.stage=3 checkpoint layout does not match this run (different model, units, "
+                             "param groups or data-parallel size); resume with the same configuration")
+        for b, shard, master in zip(self.buckets(), state["shards"], state["masters"]):
+            b.shard.copy_(shard)
+            if master is not None and b.master is not None and not b.master_aliased:
+                b.master.copy_(master)
+        for u in self.units:
+            if u.kind == "persistent":
+                u.gathered = False
+                for b in u.buckets:
+                    self._alloc(b)
+                self._gather(u)
+            else:
+                self._free(u)
+
+    @torch.no_grad()
+    def full_state_dict(self, dtype: Optional[torch.dtype] = torch.float32, rank0_only: bool = False
+                        ) -> Dict[str, torch.Tensor]:
+        """All parameters (fp32 masters where they exist) and buffers, unsharded; a collective."""
+        out: Dict[str, torch.Tensor] = {}
+        for b in self.buckets():
+            src = b.master if (b.master is not None and not b.master_aliased) else b.shard
+            src = src.to(self.device, dtype=dtype or src.dtype)
+            full = torch.empty(b.bucket.padded_numel, dtype=src.dtype, device=self.device)
+            C.all_gather(full, src, self.group, tag="consolidate")
+            if rank0_only and self.rank != 0:
+                continue
+            for s in b.bucket.slots:
+                out[self.names[id(s.param)]] = full[s.offset:s.offset + s.numel].view(s.shape).cpu().clone()
+        if rank0_only and self.rank != 0:
+            return {}
+        for p in self.frozen:
+            out[self.names[id(p)]] = p.detach().cpu().clone()
+        for n, buf in self.root.named_buffers():
+            out[n] = buf.detach().cpu().clone()
+        return out
+
+    # ------------------------------------------------------------------ accounting
+    def memory_bytes(self) -> Dict[str, int]:
+        shard = sum(b.shard.numel() * b.shard.element_size() for b in self.buckets())
+        grads = sum(b.grad_shard.numel() * b.grad_shard.element_size() for b in self.buckets()
+                    if b.grad_shard is not None)
+        return {"param_shards": shard, "grad_shards": grads, "gathered": self.gathered_bytes(),
+                "peak_gathered": self.peak_gathered_bytes,
+                "persistent": sum(u.nbytes_full for u in self.units if u.kind == "persistent"),
+                "largest_unit": max((u.nbytes_full for u in self.units if u.kind == "unit"), default=0)}
+
+
+# ---------------------------------------------------------------------------------------------- optimizer
+class _Stage3Reducer:
+    """The reducer interface ZeroOptimizer drives, backed by the module-level ShardedParameters."""
+
+    def __init__(self, sharded: ShardedParameters, states: List[ShardedBucket], group_ids: Sequence[int]) -> None:
+        self.sharded, self.states, self.group_ids = sharded, states, list(group_ids)
+        self.sync_enabled = True
+
+    def reduce(self) -> None:
+        self.sharded.flush()
+
+    def new_cycle(self) -> None:
+        pass
+
+    def zero_grad(self) -> None:
+        self.sharded.zero_grad(self.group_ids)
+
+    def remove_hooks(self) -> None:
+        pass  # the ShardedParameters owns the hooks
+
+
+from lightning_scale.zero.optimizer import ZeroOptimizer  # noqa: E402  (after the classes it builds on)
+
+
+class Stage3Optimizer(ZeroOptimizer):
+    """ZeRO stage 3 around the user's optimizer: the same step as stages 1/2 over the unit buckets' shards.
+
+    ``group_offset``: where this optimizer's param groups start in the group list the ShardedParameters was
+    built from (several optimizers share one sharded model). ``offload_optimizer``: fp32 masters and the
+    optimizer state live on the host and the step runs there (the fastest CPU kernel for Adam/AdamW).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, sharded: ShardedParameters, *, group_offset: int = 0,
+                 precision=None, loss_scaler=None, offload_optimizer: bool = False, pin_memory: bool = True,
+                 route_user_calls: bool = True) -> None:
+        from lightning_scale.zero.precision import NoLossScaler, PrecisionPolicy
+
+        self.optimizer = optimizer
+        self.stage = 3
+        self.sharded = sharded
+        self.group = sharded.group
+        self.world = sharded.world
+        self.rank = sharded.rank
+        self.precision = precision or PrecisionPolicy()
+        self.loss_scaler = loss_scaler or NoLossScaler()
+        self.offload_optimizer = offload_optimizer
+        ids = list(range(group_offset, group_offset + len(optimizer.param_groups)))
+        self._group_ids = ids
+        states = [b for b in sharded.buckets() if b.group_id in ids]
+        if not states:
+            raise ValueError("the optimizer holds no trainable parameter")
+        master_device = torch.device("cpu") if offload_optimizer else sharded.param_device
+        for b in states:
+            master_dtype = self.precision.master_dtype_for(b.shard.dtype)
+            aliased = b.shard.dtype == master_dtype and b.shard.device == master_device
+            if aliased:
+                b.master = b.shard
+            else:
+                src = b.init_master if b.init_master is not None else b.shard
+                b.master = src.to(device=master_device, dtype=master_dtype).clone()
+                if pin_memory and master_device.type == "cpu" and sharded.device.type == "cuda":
+                    b.master = b.master.pin_memory()
+            b.master_aliased = aliased
+            b.init_master = None
+        self.reducer = _Stage3Reducer(sharded, states, ids)
+        self.buckets = [b.bucket for b in states]
+        self.masters = [b.master for b in states]
+        self._aliased = [b.master_aliased for b in states]
+        inner_groups = [dict(g, params=[]) for g in optimizer.param_groups]
+        for b in states:
+            inner_groups[b.group_id - group_offset]["params"].append(b.master)
+        self.inner = self._make_inner(optimizer, inner_groups, offload=offload_optimizer)
+        self._found_inf = False
+        self._prepared = False
+        if route_user_calls:
+            self._route(optimizer)
+
+    def no_sync(self):
+        """Stage 3 reduce-scatters every micro-batch into the gradient shard: nothing to skip."""
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def _write_back_and_gather(self) -> None:
+        for st, master, aliased in zip(self.reducer.states, self.masters, self._aliased):
+            if not aliased:
+                st.write_master(master)
+        self.sharded.after_step(self._group_ids)
+
+    def layout(self) -> Dict[str, Any]:
+        return {"stage": 3, "world_size": self.world, "rank": self.rank,
+                "buckets": [(b.numel, b.padded_numel, str(b.dtype)) for b in self.buckets]}
+
+    def memory_bytes(self) -> Dict[str, int]:
+        """Bytes this rank holds for this optimizer's buckets, and which side (device / host) holds them."""
+        params = sum(st.shard.numel() * st.shard.element_size() for st in self.reducer.states)
+        grads = sum(st.grad_shard.numel() * st.grad_shard.element_size() for st in self.reducer.states
+                    if st.grad_shard is not None)
+        masters = sum(m.numel() * m.element_size() for m, a in zip(self.masters, self._aliased) if not a)
+        state = 0
+        for s in self.inner.state.values():
+            for v in s.values():
+                if torch.is_tensor(v) and v.dim() > 0:
+                    state += v.numel() * v.element_size()
+        host = (masters + state if self.offload_optimizer else 0)
+        if self.sharded.params_offloaded:
+            host += params
+        total = params + grads + masters + state
+        return {"params": params, "grads": grads, "master": masters, "optimizer_state": state, "total": total,
+                "device": total - host, "host": host}

@@ -1,0 +1,70 @@
+"""ZeRO stage 3 and offload across processes: parity with one process, bytes moved, memory, hard models."""
+
+import pytest
+import torch
+
+from lightning_scale.testing import run_distributed
+
+import zero3_workers as W3
+
+STEPS, ACCUM, BATCH, CLIP = 3, 2, 8, 0.5
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return W3.reference_gpt(STEPS, ACCUM, BATCH, CLIP)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_parity_float64_stage3_and_offload(world, reference):
+    results = run_distributed(W3.parity_suite, world, (STEPS, ACCUM, BATCH, CLIP), timeout=280)
+    for rank, per_variant in enumerate(results):
+        assert set(per_variant) == {"stage3", "stage3_meta", "stage3_all_units_prefetch2", "stage3_offload_all",
+                                    "stage3_no_prefetch", "stage1_offload", "stage2_offload"}
+        for variant, params in per_variant.items():
+            assert set(params) == set(reference), variant
+            err = max((params[n] - reference[n]).abs().max().item() for n in reference)
+            assert err < 1e-10, f"{variant} rank {rank}: max error {err}"
+
+
+@pytest.mark.parametrize("units", [None, W3.ALL_UNITS])
+def test_tied_embeddings(units):
+    ref = W3.reference_gpt(STEPS, ACCUM, BATCH, CLIP, tie=True)
+    for params in run_distributed(W3.tied, 2, (STEPS, ACCUM, BATCH, CLIP, units), timeout=120):
+        assert set(params) == set(ref)
+        err = max((params[n] - ref[n]).abs().max().item() for n in ref)
+        assert err < 1e-10, err
+
+
+def test_parameter_used_twice_and_skipped_unit():
+    errs = run_distributed(W3.shared_model, 2, (4,), timeout=120)
+    assert max(errs) < 1e-10, errs
+
+
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_comm_bytes_and_gathered_peak(prefetch):
+    world = 4
+    results = run_distributed(W3.comm_and_memory, world, (W3.ALL_UNITS, prefetch), timeout=120)
+    ref = W3.reference_gpt(1, 1, 8, 0.0)
+    psi = sum(p.numel() for p in ref.values())
+    for comm, mem in results:
+        # forward all-gather + backward all-gather + gradient reduce-scatter of every unit, float64, per step
+        per_step = (comm["all_gather"] + comm["reduce_scatter"]) / 2
+        expected = 3 * psi * (world - 1) / world * 8
+        assert abs(per_step - expected) / expected < 0.02, (per_step, expected, comm)
+        assert comm["reduce_scatter"] * 2 == pytest.approx(comm["all_gather"], rel=0.02)
+        bound = (1 + prefetch) * mem["largest_unit"] + mem["persistent"]
+        assert 0 < mem["peak_gathered"] <= bound, (mem, bound)
+
+
+def test_model_state_bytes_bf16_mixed_is_16_psi_over_n():
+    world = 4
+    for psi, measured, reported, shard_mem in run_distributed(W3.bf16_memory, world, timeout=120):
+        formula = 16 * psi / world  # bf16 params 2 + bf16 grads 2 + fp32 master 4 + Adam 8, all over N
+        assert abs(measured - formula) / formula < 0.05, (measured, formula)
+        assert abs(reported["total"] - measured) / measured < 0.01, (reported, measured)
+
+
+def test_aliased_parameters_are_rejected():
+    msg = run_distributed(W3.bad_aliasing, 1, timeout=60)[0]
+    assert msg is not None and "share memory" in msg and "zero.stage=3" in msg
