@@ -1,6 +1,6 @@
-"""AdamW (torch DDP) vs OneBitAdam on the project GPT, data parallel over gloo on CPU.
+"""AdamW (torch DDP) vs OneBitAdam (stage 0 and ZeRO-2) on the project GPT, data parallel over gloo on CPU.
 
-For dp = 2 and dp = 4, both systems train the same GPT (``gpt_small`` widths: 4 layers, d 256,
+For dp = 2 and dp = 4, all systems train the same GPT (``gpt_small`` widths: 4 layers, d 256,
 4 heads, seq 128; byte vocabulary 256) on the Python stdlib byte corpus, same seed, same batches,
 same learning-rate schedule (linear warm-up, cosine):
 
@@ -8,15 +8,21 @@ same learning-rate schedule (linear warm-up, cosine):
               the accounting layer, 2 (N-1)/N * 4n per step, since DDP's reducer is not ours)
   OneBitAdam  lightning_scale.optim.OneBitAdam, freeze_step = 20% of the steps (bytes measured by
               the accounting layer)
+  OneBitAdam ZeRO-2
+              the same optimizer under lightning_scale.zero.onebit.OneBitZeroOptimizer (stage 2):
+              sharded m / v, 1-bit reduce-scatter onto the shards, fp32 parameter all-gather
 
 Reported per dp: bytes per rank (whole run, and per compression-stage step) with the ratio,
 tokens/s (median step time; median over rounds, systems interleaved with the order rotated every
 round) and its ratio to DDP, final train and validation loss, and tokens/s projected over slower
-links: measured step time + bytes / bandwidth (a model, labelled as such: no rate-limited link
-harness exists in the project yet). Loss curves go to a PNG (matplotlib). Never asserts on time.
+links: measured step time + bytes / bandwidth (a model, labelled as such). With ``--link RATE`` and
+the rate-limited link harness (lightning_scale.testing_netns: 2 hosts in network namespaces, one
+rank each, link capped by tc tbf; needs root), every system also runs ``--link-steps`` steps over
+that link and tokens/s are measured there. Loss curves go to a PNG (matplotlib). Never asserts on time.
 
 Full run (quiet machine, ~30 min):  python bench/onebit_adam.py --results bench/RESULTS.md
 Smoke run:                         python bench/onebit_adam.py --smoke
+Modest run + 100 Mbit/s link:      python bench/onebit_adam.py --worlds 2 --steps 60 --rounds 1 --link 100mbit
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ import torch  # noqa: E402
 from lightning_scale.comm import CommCounter, algorithmic_bytes  # noqa: E402
 from lightning_scale.testing import run_distributed  # noqa: E402
 
-SYSTEMS = ("AdamW (DDP)", "OneBitAdam")
+SYSTEMS = ("AdamW (DDP)", "OneBitAdam", "OneBitAdam ZeRO-2")
 LINKS_GBIT = (0.1, 1.0, 10.0)
 
 
@@ -55,14 +61,17 @@ def _train(rank: int, world: int, system: str, opts: dict) -> dict:
     from lightning_scale.data import split, stdlib_corpus
     from lightning_scale.models.gpt import GPT, gpt_small, lm_loss
     from lightning_scale.optim import OneBitAdam
+    from lightning_scale.zero.onebit import OneBitZeroOptimizer
 
     train, val = split(stdlib_corpus(opts["corpus_bytes"]), val_fraction=0.05)
     torch.manual_seed(0)
     model = GPT(gpt_small(vocab_size=256))
     n = sum(p.numel() for p in model.parameters())
     kw = dict(lr=opts["lr"], betas=(0.9, 0.999), weight_decay=0.01)
-    if system == "OneBitAdam":
+    if system.startswith("OneBitAdam"):
         net, opt = model, OneBitAdam(model.parameters(), freeze_step=opts["freeze"], **kw)
+        if system == "OneBitAdam ZeRO-2":
+            OneBitZeroOptimizer(opt, stage=2, group=None)  # routes opt.step() / opt.zero_grad() to the engine
     else:
         net, opt = DistributedDataParallel(model), torch.optim.AdamW(model.parameters(), **kw)
     steps, batch, seq = opts["steps"], opts["batch"], model.cfg.seq_len
@@ -78,7 +87,7 @@ def _train(rank: int, world: int, system: str, opts: dict) -> dict:
             loss.backward()
             opt.step()
         times.append(time.perf_counter() - start)
-        step_bytes.append(counter.total if system == "OneBitAdam" else algorithmic_bytes("all_reduce", 4 * n, world))
+        step_bytes.append(counter.total if system != "AdamW (DDP)" else algorithmic_bytes("all_reduce", 4 * n, world))
         mean_loss = loss.detach().clone()
         dist.all_reduce(mean_loss)  # logging only, outside the counter
         losses.append(mean_loss.item() / world)
@@ -96,6 +105,40 @@ def _run(world: int, opts: dict) -> dict:
             out = run_distributed(_train, world, args=(system, opts), timeout=opts["timeout"])
             results[system].append(out[0])
     return results
+
+
+def _run_link(opts: dict, rate: str) -> dict:
+    """Every system once over 2 hosts (one rank each) joined by a link capped at ``rate``; None if unavailable."""
+    from lightning_scale import testing_netns as N
+
+    reason = N.unavailable_reason()
+    if reason is not None:
+        print(f"rate-limited link skipped: {reason}")
+        return None
+    results = {}
+    with N.SlowNetwork(hosts=2, rate=rate) as net:
+        for system in SYSTEMS:
+            results[system] = N.run_on_hosts(_train, net, ranks_per_host=1, args=(system, opts),
+                                             timeout=opts["timeout"])[0]
+    return results
+
+
+def _link_table(results: dict, opts: dict, rate: str) -> str:
+    tokens = 2 * opts["batch"] * 128
+    lines = [f"| system (dp=2, 2 hosts, {rate} link) | tok/s, whole run | vs DDP | tok/s, 1-bit steps (median) | "
+             "vs DDP | MB/rank per 1-bit step |", "|---|---|---|---|---|---|"]
+    base = None
+    for system in SYSTEMS:
+        run = results[system]
+        skip = min(2, opts["freeze"])
+        whole = tokens * (len(run["times"]) - skip) / sum(run["times"][skip:])
+        late = [t for i, t in enumerate(run["times"]) if i >= opts["freeze"]] or run["times"]
+        onebit = tokens / statistics.median(late)
+        per_step = statistics.median([b for i, b in enumerate(run["bytes"]) if i >= opts["freeze"]] or run["bytes"])
+        base = base or (whole, onebit)
+        lines.append(f"| {system} | {whole:.0f} | {whole / base[0]:.2f} | {onebit:.0f} | {onebit / base[1]:.2f} | "
+                     f"{per_step / 1e6:.2f} |")
+    return "\n".join(lines)
 
 
 def _summary(world: int, results: dict, opts: dict) -> list:
@@ -173,6 +216,8 @@ def main() -> None:
     parser.add_argument("--plot", default=os.path.join(root, "docs", "onebit_adam_loss.png"))
     parser.add_argument("--results", default=None, help="append the dated table to this markdown file")
     parser.add_argument("--smoke", action="store_true", help="dp=2, 12 steps, 1 round, plot to /tmp")
+    parser.add_argument("--link", default=None, help="also run dp=2 over the rate-limited link harness, e.g. 100mbit")
+    parser.add_argument("--link-steps", type=int, default=20, help="steps per system over the link")
     args = parser.parse_args()
     if args.smoke:
         args.worlds, args.steps, args.rounds, args.plot = "2", 12, 1, "/tmp/onebit_adam_smoke.png"
@@ -190,11 +235,20 @@ def main() -> None:
     print(table)
     print("\nprojected tok/s: measured step time + bytes per step / link bandwidth (a model, not a measurement)")
     _plot(all_results, opts, args.plot)
+    link_table = ""
+    if args.link:
+        link_opts = dict(opts, steps=args.link_steps, freeze=max(1, args.link_steps // 5))
+        link = _run_link(link_opts, args.link)
+        if link is not None:
+            link_table = (f"\nOver the rate-limited link ({args.link}, lightning_scale.testing_netns), "
+                          f"{link_opts['steps']} steps, freeze_step {link_opts['freeze']}; whole run excludes the "
+                          f"first {min(2, link_opts['freeze'])} steps:\n\n" + _link_table(link, link_opts, args.link))
+            print(link_table)
     if args.results:
         with open(args.results, "a") as f:
             f.write(f"\n## OneBitAdam vs AdamW (DDP), {datetime.date.today().isoformat()}\n\n"
                     f"`python bench/onebit_adam.py` ({opts['steps']} steps, freeze_step {opts['freeze']}, "
-                    f"{opts['rounds']} rounds). Plot: docs/onebit_adam_loss.png\n\n{table}\n")
+                    f"{opts['rounds']} rounds). Plot: docs/onebit_adam_loss.png\n\n{table}\n{link_table}\n")
 
 
 if __name__ == "__main__":

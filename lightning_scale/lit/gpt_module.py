@@ -11,6 +11,7 @@ import torch
 import torchmetrics
 
 from lightning_scale.models.gpt import GPT, GPTConfig, lm_loss
+from lightning_scale.tensor_parallel import gather_from_region, tensor_parallel_state
 
 
 class GPTLightningModule(pl.LightningModule):
@@ -58,29 +59,64 @@ class GPTLightningModule(pl.LightningModule):
 
         return gpt_pipeline_layers(self.model)
 
+    def pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy. Under tensor parallelism the head's logits are split over the
+        vocabulary: the vocab-parallel cross-entropy gives the same loss on every tp rank without gathering
+        them. Also the per-micro-batch loss of the pipeline contract."""
+        state = tensor_parallel_state(self.model)
+        if state is not None and state.vocab_size is not None:
+            return state.cross_entropy(logits, targets)
+        return lm_loss(logits, targets)
+
+    def full_logits(self, idx: torch.Tensor) -> torch.Tensor:
+        """(B, T, vocab) logits; vocabulary-split logits (tensor parallel) are gathered, padding dropped."""
+        return self._gather_vocab(self.model(idx))
+
+    def pipeline_predict_end(self, logits: torch.Tensor, batch, batch_idx: int) -> torch.Tensor:
+        """Pipeline contract: the last stage's logits -> token predictions, like ``predict_step``."""
+        return self._gather_vocab(logits).argmax(-1)
+
+    def _gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        state = tensor_parallel_state(self.model)
+        if state is not None and state.vocab_size is not None:
+            logits = gather_from_region(logits, state.group)[..., :state.vocab_size]
+        return logits
+
+    def pipeline_step_end(self, stage: str, loss: torch.Tensor, batch, batch_idx: int) -> None:
+        """Pipeline contract: the strategy ran the schedule; log its mean loss like the *_step methods do."""
+        self._log_loss(stage, loss)
+
+    def _log_loss(self, stage: str, loss: torch.Tensor) -> None:
+        if stage == "train":
+            self.log("train_loss", loss, prog_bar=True, on_step=True, on_epoch=False)
+        elif stage == "val":
+            self.log("val_loss", loss, prog_bar=True, on_epoch=True, sync_dist=True)
+            self.val_perplexity.update(torch.exp(loss.detach().float()))
+            self.log("val_ppl", self.val_perplexity, on_epoch=True)
+        else:
+            self.log(f"{stage}_loss", loss, on_epoch=True, sync_dist=True)
+
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         x, y = batch
-        loss = lm_loss(self.model(x), y)
-        self.log("train_loss", loss, prog_bar=True, on_step=True, on_epoch=False)
+        loss = self.pipeline_loss(self.model(x), y)
+        self._log_loss("train", loss)
         return loss
 
     def validation_step(self, batch, batch_idx: int) -> torch.Tensor:
         x, y = batch
-        loss = lm_loss(self.model(x), y)
-        self.log("val_loss", loss, prog_bar=True, on_epoch=True, sync_dist=True)
-        self.val_perplexity.update(torch.exp(loss.detach().float()))
-        self.log("val_ppl", self.val_perplexity, on_epoch=True)
+        loss = self.pipeline_loss(self.model(x), y)
+        self._log_loss("val", loss)
         return loss
 
     def test_step(self, batch, batch_idx: int) -> torch.Tensor:
         x, y = batch
-        loss = lm_loss(self.model(x), y)
-        self.log("test_loss", loss, on_epoch=True, sync_dist=True)
+        loss = self.pipeline_loss(self.model(x), y)
+        self._log_loss("test", loss)
         return loss
 
     def predict_step(self, batch, batch_idx: int) -> torch.Tensor:
         x = batch[0] if isinstance(batch, (tuple, list)) else batch
-        return self.model(x).argmax(-1)
+        return self.full_logits(x).argmax(-1)
 
     def configure_optimizers(self):
         decay = [p for p in self.model.parameters() if p.requires_grad and p.dim() >= 2]

@@ -3,7 +3,8 @@
 Layout of ``<path>/`` (``<path>`` is what Lightning calls the checkpoint file, e.g. ``epoch=0-step=8.ckpt``)::
 
     checkpoint.pt          rank 0: everything Lightning saves except the optimizer states
-    optim_rank{r}.pt       rank r: its optimizer shards (state, fp32 masters, loss scaler, layout)
+    optim_rank{r}.pt       rank r: its optimizer shards (state, fp32 masters, loss scaler, layout) and, at
+                           ZeRO stage 3, its parameter shards (``zero3_model_shard``)
     meta.pt                world size and format version, written last (its presence marks completion)
 
 Each file is written to a temporary name and renamed, so a crash never leaves a half-written file
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Dict, Sequence
 
 import torch
 
@@ -28,11 +29,13 @@ def _atomic_save(obj: Any, path: str) -> None:
 
 
 def save_sharded(checkpoint: Dict[str, Any], path: str, rank: int, world_size: int,
-                 barrier: Callable[[], None]) -> None:
+                 barrier: Callable[[], None], per_rank_keys: Sequence[str] = ("optimizer_states",)) -> None:
     os.makedirs(path, exist_ok=True)
-    _atomic_save({"optimizer_states": checkpoint.get("optimizer_states", [])}, os.path.join(path, f"optim_rank{rank}.pt"))
+    mine = {k: checkpoint[k] for k in per_rank_keys if k in checkpoint}
+    mine.setdefault("optimizer_states", [])
+    _atomic_save(mine, os.path.join(path, f"optim_rank{rank}.pt"))
     if rank == 0:
-        rest = {k: v for k, v in checkpoint.items() if k != "optimizer_states"}
+        rest = {k: v for k, v in checkpoint.items() if k not in per_rank_keys}
         _atomic_save(rest, os.path.join(path, "checkpoint.pt"))
     barrier()
     if rank == 0:
@@ -52,7 +55,7 @@ def load_sharded(path: str, rank: int, world_size: int) -> Dict[str, Any]:
         )
     checkpoint = torch.load(os.path.join(path, "checkpoint.pt"), map_location="cpu", weights_only=False)
     shard = torch.load(os.path.join(path, f"optim_rank{rank}.pt"), map_location="cpu", weights_only=False)
-    checkpoint["optimizer_states"] = shard["optimizer_states"]
+    checkpoint.update(shard)  # optimizer_states (+ zero3_model_shard at stage 3)
     return checkpoint
 
 

@@ -32,8 +32,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from lightning_scale.config import ConfigError, ParallelConfig, from_flat_kwargs
 from lightning_scale.strategies.checkpoint import load_sharded, remove_sharded, save_sharded
+from lightning_scale.strategies.model_parallel import ModelParallel
 from lightning_scale.strategies.precision import ZeroPrecision
 from lightning_scale.strategies.report import layout_table
+from lightning_scale.strategies import stage3 as _stage3
 from lightning_scale.topology import Topology
 from lightning_scale.zero import ZeroOptimizer
 
@@ -62,6 +64,8 @@ class Zero3DStrategy(ParallelStrategy):
         self._start_method = start_method
         self.topology: Optional[Topology] = None
         self.engines: List[ZeroOptimizer] = []
+        self.sharded = None  # ShardedParameters at zero.stage=3
+        self._model_parallel: Optional[ModelParallel] = None  # tp / pp glue (issues 4, 5); None at tp == pp == 1
 
     # ------------------------------------------------------------------ Lightning plumbing
     @property
@@ -155,25 +159,56 @@ class Zero3DStrategy(ParallelStrategy):
 
     def _check_supported_zero(self) -> None:
         cfg = self.config
-        if cfg.zero.stage == 3:
-            raise ConfigError("zero.stage=3 is not available in this build yet; use stage 0, 1 or 2")
-        if cfg.offload.enabled:
-            raise ConfigError("offload is not available in this build yet; use offload='none'")
+        if cfg.zero.stage == 3 and (cfg.tp > 1 or cfg.pp > 1):
+            raise ConfigError(f"zero.stage=3 with tp={cfg.tp}, pp={cfg.pp} is not supported yet; use zero.stage 1 "
+                              "or 2 with tensor/pipeline parallelism")
+        _stage3.check_offload(self)
+
+    # ------------------------------------------------------------------ ZeRO-3 (lightning_scale/strategies/stage3.py)
+    @contextlib.contextmanager
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """At zero.stage=3 ``configure_model`` builds on the meta device; setup materializes unit by unit."""
+        if self.config.zero.stage != 3:
+            yield
+            return
+        with _stage3.meta_init_context(self.root_device):
+            yield
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        """ZeRO-3 restores parameter shards into the engine that setup builds."""
+        return self.config.zero.stage == 3
+
+    def full_state_dict(self, rank0_only: bool = False) -> Dict[str, Any]:
+        """The whole model's parameters (fp32 masters where they exist) and buffers, unsharded. A collective."""
+        if self.sharded is None:
+            return {k: v.detach().cpu() for k, v in self.lightning_module.state_dict().items()}
+        return self.sharded.full_state_dict(rank0_only=rank0_only)
 
     # ------------------------------------------------------------------ tensor / pipeline parallel (issues 4, 5)
     def _check_supported_model_parallel(self) -> None:
         cfg = self.config
         if cfg.tp > 1 or cfg.pp > 1:
-            raise ConfigError(f"tp={cfg.tp}, pp={cfg.pp}: tensor/pipeline parallelism is not wired into "
-                              "Zero3DStrategy in this build yet; use tp=1, pp=1")
+            ModelParallel.check_config(cfg)
+            if self._model_parallel is None:
+                self._model_parallel = ModelParallel(cfg, self.topology)
 
     def _apply_model_parallel(self, trainer) -> None:
         """Slice (tp plan) / partition (pp stage) the model after every rank holds rank 0's full weights."""
+        if self._model_parallel is not None:
+            self._model_parallel.apply(self.lightning_module, timeout=self._timeout)
 
     # ------------------------------------------------------------------ setup
     def setup(self, trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
+        if self.config.zero.stage == 3:
+            fitting = trainer.state.fn == TrainerFn.FITTING
+            _stage3.setup_stage3(self, trainer, fitting)
+            self.setup_precision_plugin()
+            if fitting and self.is_global_zero:
+                print(layout_table(self), flush=True)
+            return
         self.model_to_device()
         self._broadcast_module_states(self.model)
         self._apply_model_parallel(trainer)  # no-op at tp == pp == 1
@@ -188,11 +223,15 @@ class Zero3DStrategy(ParallelStrategy):
 
     def model_to_device(self) -> None:
         assert self.model is not None
+        if self.config.zero.stage == 3:
+            return  # the ZeRO-3 engine places shards and gathered buffers itself
         self.model.to(self.root_device)
 
     @torch.no_grad()
     def _broadcast_module_states(self, module: torch.nn.Module) -> None:
         """Every rank starts from rank 0's parameters and buffers (seeds can differ per rank)."""
+        if self._model_parallel is not None and self._model_parallel.applied_to(self.lightning_module):
+            return  # validate/test after fit: already split, rank 0 holds only its own tp slices / stage
         for t in list(module.parameters()) + list(module.buffers()):
             dist.broadcast(t.data, src=0)
 
@@ -208,19 +247,39 @@ class Zero3DStrategy(ParallelStrategy):
         plugin = self.precision_plugin
         automatic = module.automatic_optimization
         self.engines = []
+        # tp / pp (issues 4, 5): an engine whose norm, clipping and overflow span the tp and pp groups too
+        engine_cls, mp_kwargs = self._model_parallel.engine_factory() if self._model_parallel else (ZeroOptimizer, {})
         for opt in self.optimizers:
+            if self._model_parallel is not None:
+                self._model_parallel.check_optimizer(opt)
             if getattr(opt, "handles_gradient_reduction", False):
                 # It reduces its own gradients (1-bit Adam): no ZeRO wrapping, no double communication.
                 if hasattr(opt, "check_zero_stage"):
                     opt.check_zero_stage(self.config.zero.stage)
                 opt.bind_process_group(self.topology.dp_group)
+                # issue 6: OneBitAdam at ZeRO 1/2 gets its own engine (sharded state, 1-bit reduce-scatter
+                # onto the shards); at stage 0 the optimizer communicates by itself, as above.
+                from lightning_scale.optim import OneBitAdam
+                from lightning_scale.zero.onebit import OneBitZeroOptimizer
+
+                if isinstance(opt, OneBitAdam) and self.config.zero.stage in (1, 2):
+                    engine = OneBitZeroOptimizer(
+                        opt, stage=self.config.zero.stage, group=self.topology.dp_group, precision=plugin.policy,
+                        loss_scaler=plugin.loss_scaler if isinstance(plugin, ZeroPrecision) else None,
+                        bucket_mb=self.config.zero.bucket_mb)
+                    self.engines.append(engine)
+                    plugin.register_engine(opt, engine)
                 continue
-            engine = ZeroOptimizer(
+            engine = engine_cls(
                 opt, stage=self.config.zero.stage, group=self.topology.dp_group, precision=plugin.policy,
                 loss_scaler=plugin.loss_scaler if isinstance(plugin, ZeroPrecision) else None,
                 bucket_mb=self.config.zero.bucket_mb,
+                **({"offload_optimizer": True, "pin_memory": self.config.offload.pin_memory}
+                   if self.config.offload.optimizer != "none" else {}),
                 # Manual optimization may run several backwards per step: reduce at step() instead.
-                overlap_comm=self.config.zero.overlap_comm and automatic and len(self.optimizers) == 1,
+                overlap_comm=self.config.zero.overlap_comm and automatic and len(self.optimizers) == 1
+                and not self.config.tensor.sequence_parallel,  # partial grads are summed over tp first
+                **mp_kwargs,
             )
             self.engines.append(engine)
             plugin.register_engine(opt, engine)
@@ -237,6 +296,48 @@ class Zero3DStrategy(ParallelStrategy):
     def _engine(self, optimizer: Any) -> Optional[ZeroOptimizer]:
         plugin = self.precision_plugin
         return plugin.engine_for(optimizer) if isinstance(plugin, ZeroPrecision) else None
+
+    # ------------------------------------------------------------------ pipeline parallel steps (issue 5)
+    # At pp > 1 the strategy runs the schedule instead of the LightningModule's *_step (contract: README,
+    # lightning_scale/strategies/pipeline_glue.py); at pp == 1 these are Lightning's own.
+    @property
+    def _pipeline(self):
+        return self._model_parallel.pipeline if self._model_parallel is not None else None
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is None:
+            return super().training_step(*args, **kwargs)
+        args, kwargs = self.precision_plugin.convert_input((args, kwargs))
+        with self.precision_plugin.train_step_context():
+            return self._pipeline.train_step(self, args[0], args[1])
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is None:
+            return super().validation_step(*args, **kwargs)
+        with self.precision_plugin.val_step_context():
+            return self._pipeline.eval_step(self, "val", args[0], args[1])
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is None:
+            return super().test_step(*args, **kwargs)
+        with self.precision_plugin.test_step_context():
+            return self._pipeline.eval_step(self, "test", args[0], args[1])
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is None:
+            return super().predict_step(*args, **kwargs)
+        with self.precision_plugin.predict_step_context():
+            return self._pipeline.predict_step(self, args[0], args[1])
+
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self._pipeline is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        return self._pipeline.backward(self, closure_loss)  # the schedule already ran it
+
+    def process_dataloader(self, dataloader: Any) -> Any:
+        if self._pipeline is not None:
+            self._pipeline.check_dataloader(dataloader)
+        return super().process_dataloader(dataloader)
 
     # ------------------------------------------------------------------ collectives for Lightning
     def barrier(self, name: Optional[str] = None) -> None:
@@ -275,7 +376,10 @@ class Zero3DStrategy(ParallelStrategy):
             if self.is_global_zero:
                 self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
             return
-        save_sharded(checkpoint, str(filepath), self.global_rank, self.world_size, self.barrier)
+        if self.sharded is not None:
+            checkpoint[_stage3.SHARD_KEY] = self.sharded.shard_state_dict()
+        save_sharded(checkpoint, str(filepath), self.global_rank, self.world_size, self.barrier,
+                     per_rank_keys=("optimizer_states", _stage3.SHARD_KEY))
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> Dict[str, Any]:
         path = str(checkpoint_path)
@@ -290,9 +394,33 @@ class Zero3DStrategy(ParallelStrategy):
             else:
                 self.checkpoint_io.remove_checkpoint(filepath)
 
+    def lightning_module_state_dict(self) -> Dict[str, Any]:
+        if self.sharded is not None:  # ZeRO-3: shards go to each rank's file (save_checkpoint); this is the rest
+            return _stage3.small_state_dict(self)
+        # tp / pp (issues 4, 5): gathered to the original model's keys and shapes; collective, every rank calls it
+        if self._model_parallel is not None and self._model_parallel.module is not None:
+            return self._model_parallel.full_state_dict()
+        return super().lightning_module_state_dict()
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if self.sharded is not None:
+            _stage3.load_stage3(self, dict(checkpoint), strict=strict)
+            return
+        super().load_model_state_dict(checkpoint, strict=strict)
+
     def teardown(self) -> None:
         for engine in self.engines:
             engine.reducer.remove_hooks()
+        if self.sharded is not None:
+            # ZeRO-3 keeps its hooks (validate/test/predict after fit gather through them) and does not move the
+            # module to the CPU: its parameters are views of freed buffers; the shards stay where they are.
+            assert self.cluster_environment is not None
+            self.cluster_environment.teardown()
+            self.precision_plugin.teardown()
+            assert self.accelerator is not None
+            self.accelerator.teardown()
+            self.checkpoint_io.teardown()
+            return
         super().teardown()
 
     @classmethod
@@ -302,6 +430,11 @@ class Zero3DStrategy(ParallelStrategy):
             "zero0": ({"stage": 0}, "ZeRO stage 0: bucketed all-reduce overlapped with backward (DDP)"),
             "zero1": ({"stage": 1}, "ZeRO stage 1: optimizer state and fp32 master weights sharded"),
             "zero2": ({"stage": 2}, "ZeRO stage 2: stage 1 + gradients reduce-scattered during backward"),
+            "zero3": ({"stage": 3}, "ZeRO stage 3: stage 2 + parameters sharded, gathered per unit just in time"),
+            "zero2_offload": ({"stage": 2, "offload": "optimizer"},
+                              "ZeRO-Offload: stage 2 with fp32 masters, optimizer state and step on the CPU"),
+            "zero3_offload": ({"stage": 3, "offload": "all"},
+                              "ZeRO-Offload stage 3: optimizer on the CPU and parameter shards resting on the CPU"),
         }
         for name, (kwargs, description) in presets.items():
             if name in strategy_registry:

@@ -110,6 +110,8 @@ class ShardedBucket:
     master: Optional[torch.Tensor] = None  # set by the optimizer engine
     master_aliased: bool = True
     init_master: Optional[torch.Tensor] = None  # exact source values of the shard when params are cast
+    grad_device: Optional[torch.device] = None  # optimizer offload: reduced gradient shards go to the host
+    grad_dtype: Optional[torch.dtype] = None
 
     @property
     def nbytes_full(self) -> int:
@@ -118,7 +120,8 @@ class ShardedBucket:
     # The interface ZeroOptimizer uses on bucket states -------------------------------------------
     def reduced_grad(self) -> torch.Tensor:
         if self.grad_shard is None:
-            self.grad_shard = torch.zeros_like(self.shard, device=self.full.device)
+            self.grad_shard = torch.zeros(self.shard.numel(), dtype=self.grad_dtype or self.full.dtype,
+                                          device=self.grad_device or self.full.device)
         return self.grad_shard
 
     def write_master(self, master: torch.Tensor) -> None:
@@ -282,7 +285,7 @@ class ShardedParameters:
         init_owners = self._init_owners()
         by_module = self._modules_by_unit()
         for unit in self.units:
-            self._materialize(by_module.get(unit.index, []), init_owners)
+            self._materialize(by_module.get(unit.index, []), init_owners, init=self.rank == 0)
             for b in unit.buckets:
                 src_dtype = b.bucket.slots[0].param.dtype
                 tmp = torch.zeros(b.bucket.padded_numel, dtype=src_dtype, device=self.device)
@@ -303,7 +306,7 @@ class ShardedParameters:
             if unit.kind != "persistent":
                 self._free(unit)
         # Modules holding only frozen parameters or buffers; then frozen params and buffers: full, identical.
-        self._materialize(by_module.get(-1, []), init_owners)
+        self._materialize(by_module.get(-1, []), init_owners, init=self.rank == 0)
         for name, buf in self.root.named_buffers():
             if buf.is_meta:
                 raise ConfigError(f"zero.stage=3: buffer {name!r} is still on the meta device after materialization; "
@@ -355,7 +358,9 @@ class ShardedParameters:
         if callable(getattr(module, "reset_parameters", None)):
             module.reset_parameters()
 
-    def _materialize(self, modules: List[Tuple[str, nn.Module]], owners) -> None:
+    def _materialize(self, modules: List[Tuple[str, nn.Module]], owners, init: bool = True) -> None:
+        """Allocate meta tensors on the device; ``init``: run the initializer (rank 0; the others receive
+        rank 0's values by broadcast, so their random state never matters and the work is done once)."""
         for name, m in modules:
             if self._has_meta(m):
                 # Swap contents instead of Module.to_empty (which makes new Parameter objects): the optimizer
@@ -367,7 +372,8 @@ class ShardedParameters:
                 for key, buf in list(m._buffers.items()):
                     if buf is not None and buf.is_meta:
                         m._buffers[key] = torch.empty_like(buf, device=self.device)
-                self._init_one(name, m, owners)
+                if init:
+                    self._init_one(name, m, owners)
             else:
                 for t in list(m.parameters(recurse=False)):
                     if t.device != self.device:
@@ -508,6 +514,8 @@ class ShardedParameters:
 
             def finish(b=b, out=out, h=h, staging=staging) -> None:
                 h.wait()
+                if b.grad_device is not None:  # offload: the shard moves to the host as soon as it is reduced
+                    out = out.to(device=b.grad_device, dtype=b.grad_dtype)
                 if b.grad_shard is None:
                     b.grad_shard = out
                 else:
@@ -714,6 +722,8 @@ class Stage3Optimizer(ZeroOptimizer):
                     b.master = b.master.pin_memory()
             b.master_aliased = aliased
             b.init_master = None
+            if offload_optimizer:  # gradient shards are streamed to the host in the master dtype
+                b.grad_device, b.grad_dtype = master_device, master_dtype
         self.reducer = _Stage3Reducer(sharded, states, ids)
         self.buckets = [b.bucket for b in states]
         self.masters = [b.master for b in states]

@@ -23,6 +23,9 @@ from lightning_scale.comm import collectives as C
 from lightning_scale.zero.flat_buffer import Bucket
 
 
+_MAX_INFLIGHT = 2  # stage 2: reduce-scatters (and their staging buffers) in flight during backward
+
+
 class BucketState:
     """The tensors and per-cycle bookkeeping of one bucket."""
 
@@ -119,6 +122,7 @@ class GradientReducer:
         self.reduced = False
         self._next_launch = 0
         self._ready = [0] * len(self.states)
+        self._inflight: List[BucketState] = []
         for st in self.states:
             st.attach_grad_views()
 
@@ -193,6 +197,12 @@ class GradientReducer:
                 st.staging = None  # transient: freed as soon as the shard is reduced
 
             st.handle = C.Handle(None, finish)
+            # Bound the full-size staging buffers alive during backward: at most _MAX_INFLIGHT buckets in flight.
+            self._inflight.append(st)
+            while len(self._inflight) > _MAX_INFLIGHT:
+                oldest = self._inflight.pop(0)
+                if oldest.handle is not None:
+                    oldest.handle.wait()
         st.launched = True
 
     # ------------------------------------------------------------------ public
@@ -211,6 +221,7 @@ class GradientReducer:
         self.reduced = True
 
     def new_cycle(self) -> None:
+        self._inflight = []
         self.reduced = False
         self._next_launch = 0
         self._ready = [0] * len(self.states)

@@ -6,6 +6,7 @@ Writes the all-rank mean training loss of every micro-batch (and a few facts) as
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 
@@ -19,18 +20,34 @@ from lightning_scale.models.gpt import gpt_tiny
 
 
 class LossRecorder(pl.Callback):
-    def __init__(self) -> None:
+    def __init__(self, record_batches: bool = False) -> None:
         self.losses = []
+        self.record_batches = record_batches
+        self.batch_sums = []  # per micro-batch: every rank's sum of its input tokens (which batch it read)
+        self.logged = []  # per micro-batch: every rank's logged train_loss
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         loss = outputs["loss"].detach().float().clone() if isinstance(outputs, dict) else outputs.detach().float()
         self.losses.append(float(trainer.strategy.reduce(loss, reduce_op="mean")))
+        if self.record_batches and trainer.world_size > 1:
+            mine = batch[0].double().sum().reshape(1)
+            every = [torch.zeros_like(mine) for _ in range(trainer.world_size)]
+            torch.distributed.all_gather(every, mine)
+            self.batch_sums.append([float(t) for t in every])
+            logged = trainer.callback_metrics["train_loss"].detach().double().reshape(1)  # what self.log saw here
+            every = [torch.zeros_like(logged) for _ in range(trainer.world_size)]
+            torch.distributed.all_gather(every, logged)
+            self.logged.append([float(t) for t in every])
 
 
 class MissingParamGPT(GPTLightningModule):
     def configure_optimizers(self):
         params = [p for n, p in self.model.named_parameters() if not n.startswith("ln_f")]
         return torch.optim.AdamW(params, lr=self.lr)
+
+
+class NoLayersGPT(GPTLightningModule):
+    pipeline_layers = None  # exposes no layer sequence for pipeline parallelism
 
 
 class FailingGPT(GPTLightningModule):
@@ -64,13 +81,24 @@ def main() -> None:
     ap.add_argument("--epoch-batches", type=int, default=None, help="limit_train_batches (micro-batches per epoch)")
     ap.add_argument("--missing-param", action="store_true")
     ap.add_argument("--sparse", action="store_true", help="block-sparse (BSLongformer) attention")
+    ap.add_argument("--probe", action="store_true",
+                    help="after fit, every rank computes the loss of a fixed batch; rank 0 reports it")
     ap.add_argument("--option", action="append", default=[], help="strategy option k=v (int/float/str)")
+    ap.add_argument("--state-dict-out", default=None, help="save the consolidated model state_dict here (rank 0)")
+    ap.add_argument("--no-predict", action="store_true")
+    ap.add_argument("--no-layers", action="store_true", help="a module without pipeline_layers()")
+    ap.add_argument("--tie", action="store_true", help="tie the embedding and the LM head")
+    ap.add_argument("--record-batches", action="store_true", help="record which batch each rank read")
+    ap.add_argument("--optimizer", default="adamw", help="GPTLightningModule optimizer: adamw, onebit_adam, sgd")
+    ap.add_argument("--freeze-step", type=int, default=None, help="OneBitAdam warm-up steps")
     args = ap.parse_args()
 
     pl.seed_everything(0, verbose=False)
     vocab = 256 if args.source == "stdlib" else 64
-    cfg = gpt_tiny(n_layer=args.layers, vocab_size=vocab, seq_len=args.seq_len)
+    cfg = gpt_tiny(n_layer=args.layers, vocab_size=vocab, seq_len=args.seq_len, tie_weights=args.tie)
     kw = dict(model=cfg, lr=3e-3, warmup_steps=2, max_steps=args.steps)
+    if args.optimizer != "adamw":
+        kw.update(optimizer=args.optimizer, freeze_step=args.freeze_step)
     if args.sparse:
         from lightning_scale.nn import BSLongformerSparsityConfig
 
@@ -80,28 +108,32 @@ def main() -> None:
         model = FailingGPT(args.fail_rank, **kw)
     elif args.missing_param:
         model = MissingParamGPT(**kw)
+    elif args.no_layers:
+        model = NoLayersGPT(**kw)
     else:
         model = GPTLightningModule(**kw)
-    per_rank = args.global_batch // args.devices
+    opts = {}
+    for item in args.option:
+        k, v = item.split("=", 1)
+        for cast in (int, float, ast.literal_eval):  # literal_eval: dicts such as plan={...}
+            try:
+                v = cast(v)
+                break
+            except (ValueError, SyntaxError):
+                pass
+        opts[k] = v
+    model_parallel = opts.get("tp", 1) * opts.get("pp", 1)
+    # tp / pp peers read the same batch: the global batch splits over the data-parallel ranks only
+    per_rank = args.global_batch // max(1, args.devices // model_parallel)
     data = ByteCorpusDataModule(seq_len=cfg.seq_len, batch_size=per_rank, source=args.source,
                                 vocab_size=cfg.vocab_size, random_length=256, shuffle=False, max_bytes=2**20)
     if args.strategy == "single":
         strategy = "auto"
     elif args.option:
-        opts = {}
-        for item in args.option:
-            k, v = item.split("=", 1)
-            for cast in (int, float):
-                try:
-                    v = cast(v)
-                    break
-                except ValueError:
-                    pass
-            opts[k] = v
         strategy = Zero3DStrategy(**opts)
     else:
         strategy = args.strategy
-    recorder = LossRecorder()
+    recorder = LossRecorder(record_batches=args.record_batches)
     callbacks = [recorder]
     if args.ckpt_dir:
         callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=args.ckpt_dir, save_top_k=-1, every_n_epochs=1,
@@ -115,15 +147,32 @@ def main() -> None:
         num_sanity_val_steps=0, limit_train_batches=args.epoch_batches,
     )
     trainer.fit(model, datamodule=data, ckpt_path=args.resume)
+    probe = None
+    if args.probe:  # the trained (possibly sharded) model on a fixed batch; a collective under ZeRO-3 / tp / pp
+        from lightning_scale.models.gpt import make_batch
+
+        x, y = make_batch(cfg, 2, seed=123)
+        with torch.no_grad():
+            probe = float(model.model.loss(x, y))
     val = trainer.validate(model, datamodule=data, verbose=False)
     test = trainer.test(model, datamodule=data, verbose=False)
-    predictions = trainer.predict(model, datamodule=data)
+    predictions = [] if args.no_predict else trainer.predict(model, datamodule=data)
+    if args.state_dict_out:
+        if getattr(trainer.strategy, "sharded", None) is not None:  # ZeRO-3: gather the shards (collective)
+            state = trainer.strategy.full_state_dict()
+        else:
+            state = trainer.strategy.lightning_module_state_dict()  # collective under tp / pp
+        if trainer.is_global_zero:
+            torch.save({k: v.detach().cpu() for k, v in state.items()}, args.state_dict_out)
     if trainer.is_global_zero:
         with open(args.out, "w") as f:
             json.dump({"losses": recorder.losses, "val": val, "test": test, "n_predict": len(predictions),
+                       "pred0": predictions[0][0].tolist() if predictions else None,
+                       "batch_sums": recorder.batch_sums, "logged": recorder.logged, "probe": probe,
                    "world": trainer.world_size,
                    "cores": sorted({type(b.attn.core).__name__ for b in model.model.blocks}),
-                       "precision": str(trainer.precision)}, f)
+                       "precision": str(trainer.precision),
+                       "engines": [type(e).__name__ for e in getattr(trainer.strategy, "engines", [])]}, f)
 
 
 if __name__ == "__main__":

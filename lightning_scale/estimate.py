@@ -1,0 +1,422 @@
+"""Memory estimator: per-rank device and host bytes of model states for every ZeRO stage / offload choice.
+
+Like DeepSpeed's ``estimate_zero2_model_states_mem_needs`` / ``estimate_zero3_...`` helpers, but for this
+project's engine (``zero/optimizer.py``, ``zero/reducer.py``, ``zero/precision.py``) and for all stages in
+one table::
+
+    python -m lightning_scale.estimate --params 13e9 --dp 8 --stage 3 --offload optimizer
+    python -m lightning_scale.estimate --model gpt_small --dp 2
+    python -m lightning_scale.estimate --model gpt_small:n_layer=48,d_model=1600 --dp 8
+
+Notation: ``P`` trainable parameters, ``N = dp`` ranks, ``U`` parameters of the largest unit (one
+transformer block), ``Q`` persistent (never sharded) parameters at stage 3, ``d`` prefetch depth.
+Bytes per element by precision (``b_p`` params, ``b_g`` grads, ``b_m`` fp32 master, ``b_s`` optimizer
+state per element, ``k`` state elements per master element: Adam/AdamW 2 (m, v), SGD 1, ...):
+
+============  ===  ===  ==================  =====================  =====================
+precision     b_p  b_g  b_m                 b_s                    K = b_m + k*b_s (Adam)
+============  ===  ===  ==================  =====================  =====================
+bf16-mixed    2    2    4                   4 (fp32)               12
+16-mixed      2    2    4                   4 (fp32)               12
+32-true       4    4    0 (master = param)  4                      8
+64-true       8    8    0                   8                      16
+bf16-true     2    2    0                   2                      4
+============  ===  ===  ==================  =====================  =====================
+
+Device bytes per rank (no offload); ``M = b_m + k*b_s`` (master + optimizer state per parameter):
+
+=====  ========  ==========  ===========  ======================  ==================================
+stage  params    grads       master+state gathered units          transient (largest of)
+=====  ========  ==========  ===========  ======================  ==================================
+0      P*b_p     P*b_g       P*M          -                       fp32 grad copy P*b_m (mixed only)
+1      P*b_p     P*b_g       P*M/N        -                       fp32 grad copy P*b_m/N
+2      P*b_p     P*b_g/N     P*M/N        -                       one staging bucket (bucket_mb MiB of
+                                                                  grads, stage 2 reduce-scatter input;
+                                                                  a parameter larger than that is a
+                                                                  bucket of its own),
+                                                                  or the fp32 grad copy P*b_m/N
+3      P*b_p/N   P*b_g/N     P*M/N        (1+d)*U*b_p + Q*b_p     the full grads of one unit U*b_g,
+                                                                  or the fp32 grad copy P*b_m/N
+=====  ========  ==========  ===========  ======================  ==================================
+
+Stage 1 keeps the *full* gradient buffer (this engine reduce-scatters into a slice of it; the params'
+``.grad`` are views), so only the master weights and optimizer state are divided by N. With mixed
+precision the engine makes an fp32 copy of the reduced gradient shard for the step (``master.grad``):
+that is the "fp32 grad copy" transient. The total column adds the gathered peak and the larger
+transient, an upper bound (they do not all peak at the same moment).
+
+Offload (``offload=``, the names of ``Zero3DStrategy(offload=...)``):
+
+* ``"optimizer"`` (stages 1-3): the fp32 master shard, the optimizer state and the fp32 gradient copy
+  used by the CPU step live on the host: host ``P*(b_m' + k*b_s + b_m')/N`` where ``b_m'`` is the
+  master dtype size (4 under mixed precision *and* under 32-true: the host needs its own fp32 copy of
+  the param shard, no longer aliased). The device keeps the params and grads as in the table above
+  (so 2P + 2P/N bytes for stage 2 bf16-mixed); no fp32 grad copy on the device. With
+  ``offload_grads=True`` (stages 2-3) the gradient shards stream to the host as they are reduced and the
+  device keeps none (only the transient bucket / unit): DeepSpeed's ZeRO-Offload does this, and it is
+  what fits 13B parameters (2P = 26 GB of bf16 params) on one 32 GB device at stage 2. Stage 1 always
+  keeps its full gradient buffer on the device.
+* ``"params"`` (stage 3 only): the parameter shards ``P*b_p/N`` rest on the host and move to the
+  device only when their unit is gathered; the master / optimizer state stay on the device (without
+  mixed precision the device step needs a working copy of the shard, ``P*b_p/N``, counted as master).
+* ``"all"`` (stage 3): both. The host param shard is the master when the precision has no separate
+  master (32-true), so it is not counted twice.
+
+Host bytes here are model states only (not the process, data loaders or pinned staging buffers).
+Padding of flat buckets to multiples of N elements is ignored (< N elements per bucket).
+Stage 2 transient: the table counts ONE staging bucket (the design: a bucket's staging buffer is freed
+when its reduce-scatter completes). As of 2026-11-30 ``GradientReducer`` frees staging buffers only in
+``reduce()`` after backward, so at the end of backward every bucket's staging buffer is alive (checked on
+GPT small, bucket_mb=2: 11 of 11 buckets, 28.2 MiB = the whole fp32 gradient): until that changes the
+real stage-2 backward peak adds up to ``P*b_g`` rather than one bucket.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+from lightning_scale.config import ConfigError
+
+STAGES = (0, 1, 2, 3)
+OFFLOADS = ("none", "optimizer", "params", "all")
+# (b_p, b_g, b_m, b_s): bytes of a param, a grad, a separate master element (0: the param is the
+# master), an optimizer-state element.
+_PRECISION_BYTES: Dict[str, Tuple[int, int, int, int]] = {
+    "bf16-mixed": (2, 2, 4, 4),
+    "16-mixed": (2, 2, 4, 4),
+    "32-true": (4, 4, 0, 4),
+    "64-true": (8, 8, 0, 8),
+    "bf16-true": (2, 2, 0, 2),
+    "16-true": (2, 2, 0, 2),
+}
+_PRECISION_ALIASES = {"32": "32-true", "64": "64-true", "bf16": "bf16-mixed", "16": "16-mixed",
+                      "fp32": "32-true", "fp16": "16-mixed", "bf16_true": "bf16-true"}
+# Optimizer state elements per master element (Adam: exp_avg + exp_avg_sq).
+STATE_PER_ELEMENT = {"adam": 2, "adamw": 2, "adamax": 2, "nadam": 2, "radam": 2, "onebitadam": 2,
+                     "adagrad": 1, "rmsprop": 1, "adadelta": 2, "sgd": 1}
+# The rows of the table: every valid (stage, offload) pair.
+CHOICES: Tuple[Tuple[int, str], ...] = ((0, "none"), (1, "none"), (1, "optimizer"), (2, "none"),
+                                        (2, "optimizer"), (3, "none"), (3, "optimizer"), (3, "params"),
+                                        (3, "all"))
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """Bytes of one memory space (device or host) for one rank."""
+
+    params: float = 0.0
+    grads: float = 0.0
+    master: float = 0.0
+    optimizer_state: float = 0.0
+    gathered: float = 0.0  # stage 3: peak of gathered units (+ persistent params)
+    transient: float = 0.0  # stage-2 staging bucket / one unit's full grads / fp32 grad copy
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.master + self.optimizer_state + self.gathered + self.transient
+
+    def as_dict(self) -> Dict[str, float]:
+        return {"params": self.params, "grads": self.grads, "master": self.master,
+                "optimizer_state": self.optimizer_state, "gathered": self.gathered,
+                "transient": self.transient, "total": self.total}
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    params: int
+    dp: int
+    stage: int
+    offload: str
+    precision: str
+    optimizer: str
+    device: Breakdown
+    host: Breakdown
+    notes: Tuple[str, ...] = field(default=())
+
+
+def _precision_key(precision: str) -> str:
+    key = _PRECISION_ALIASES.get(str(precision), str(precision))
+    if key not in _PRECISION_BYTES:
+        raise ConfigError(f"precision={precision!r}: must be one of {', '.join(_PRECISION_BYTES)}")
+    return key
+
+
+def _state_elements(optimizer) -> int:
+    if isinstance(optimizer, int) and not isinstance(optimizer, bool):
+        if optimizer < 0:
+            raise ConfigError(f"optimizer={optimizer}: state elements per parameter must be >= 0")
+        return optimizer
+    key = str(optimizer).lower().replace("_", "").replace("-", "")
+    if key not in STATE_PER_ELEMENT:
+        raise ConfigError(f"optimizer={optimizer!r}: must be one of {', '.join(STATE_PER_ELEMENT)} "
+                          f"or an int (state elements per parameter)")
+    return STATE_PER_ELEMENT[key]
+
+
+def _check_count(name: str, value, minimum: float) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < minimum:
+        raise ConfigError(f"{name}={value!r} must be a number >= {minimum:g}")
+
+
+def validate(params, *, dp, stage, offload, precision="bf16-mixed", largest_unit_params=0,
+             persistent_params=0, prefetch_depth=1, bucket_mb=25.0) -> None:
+    """Raise ConfigError naming the setting for impossible inputs (same rules as ``OffloadConfig``)."""
+    _check_count("params", params, 1)
+    if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1:
+        raise ConfigError(f"dp={dp!r} must be a positive integer")
+    if stage not in STAGES:
+        raise ConfigError(f"zero.stage={stage!r}: must be one of 0, 1, 2, 3")
+    if offload not in OFFLOADS:
+        raise ConfigError(f"offload={offload!r}: must be one of {', '.join(OFFLOADS)}")
+    if offload == "optimizer" and stage == 0:
+        raise ConfigError("offload='optimizer' needs zero.stage >= 1 (stage 0 keeps no optimizer shard)")
+    if offload in ("params", "all") and stage != 3:
+        raise ConfigError(f"offload={offload!r} (parameter offload) needs zero.stage=3 (got stage {stage})")
+    _precision_key(precision)
+    if not isinstance(prefetch_depth, int) or isinstance(prefetch_depth, bool) or prefetch_depth < 0:
+        raise ConfigError(f"zero.prefetch_depth={prefetch_depth!r} must be an integer >= 0")
+    _check_count("largest_unit_params", largest_unit_params, 0)
+    _check_count("persistent_params", persistent_params, 0)
+    _check_count("zero.bucket_mb", bucket_mb, 0)
+    if bucket_mb <= 0:
+        raise ConfigError(f"zero.bucket_mb={bucket_mb} must be > 0")
+    if largest_unit_params > params:
+        raise ConfigError(f"largest_unit_params={largest_unit_params:g} exceeds params={params:g}")
+    if persistent_params > params:
+        raise ConfigError(f"persistent_params={persistent_params:g} exceeds params={params:g}")
+
+
+def estimate(params, *, dp: int, stage: int, offload: str = "none", precision: str = "bf16-mixed",
+             largest_unit_params=0, persistent_params=0, prefetch_depth: int = 1, optimizer="adam",
+             bucket_mb: float = 25.0, offload_grads: bool = False) -> MemoryEstimate:
+    """Per-rank device and host bytes of model states; see the module docstring for the formulas."""
+    validate(params, dp=dp, stage=stage, offload=offload, precision=precision,
+             largest_unit_params=largest_unit_params, persistent_params=persistent_params,
+             prefetch_depth=prefetch_depth, bucket_mb=bucket_mb)
+    key = _precision_key(precision)
+    k = _state_elements(optimizer)
+    b_p, b_g, b_m, b_s = _PRECISION_BYTES[key]
+    P, N, U, Q = float(params), dp, float(largest_unit_params), float(persistent_params)
+    opt_off = offload in ("optimizer", "all")
+    par_off = offload in ("params", "all")
+    grads_full = stage <= 1
+    shard = P / N if stage >= 1 else P  # elements of master / state this rank owns
+    # Mixed precision keeps a separate fp32 master; otherwise the param shard is the master unless it
+    # moved to the other memory space (then that space needs its own copy).
+    b_master_dtype = b_m or b_p
+    notes: List[str] = []
+
+    dev = dict(params=P * b_p / N if stage == 3 else P * b_p, grads=P * b_g if grads_full else P * b_g / N,
+               master=0.0, optimizer_state=0.0, gathered=0.0, transient=0.0)
+    host = dict(params=0.0, grads=0.0, master=0.0, optimizer_state=0.0, gathered=0.0, transient=0.0)
+    if par_off:
+        host["params"], dev["params"] = dev["params"], 0.0
+    if opt_off and offload_grads and stage >= 2:
+        dev["grads"] = 0.0  # streamed to the host copy as they are reduced
+    if opt_off:
+        host["optimizer_state"] = shard * k * b_s
+        host["grads"] = shard * b_master_dtype  # the gradient copy the CPU step reads
+        host_has_params = par_off and b_m == 0  # the host param shard is the master itself
+        host["master"] = 0.0 if host_has_params else shard * b_master_dtype
+    else:
+        dev["optimizer_state"] = shard * k * b_s
+        dev["master"] = shard * b_master_dtype if (b_m or par_off) else 0.0
+    if stage == 3:
+        dev["gathered"] = (1 + prefetch_depth) * U * b_p + Q * b_p
+        if U == 0:
+            notes.append("largest unit unknown (0): the gathered-unit peak is not counted")
+    backward = 0.0
+    if stage == 2:
+        bucket_numel = min(P, bucket_mb * 2**20 / b_p)
+        backward = bucket_numel * b_g
+    elif stage == 3:
+        backward = U * b_g
+    step = shard * b_m if (b_m and not opt_off) else 0.0
+    dev["transient"] = max(backward, step)
+    return MemoryEstimate(params=int(P), dp=N, stage=stage, offload=offload, precision=key,
+                          optimizer=str(optimizer), device=Breakdown(**dev), host=Breakdown(**host),
+                          notes=tuple(notes))
+
+
+def estimate_all(params, *, dp: int, precision: str = "bf16-mixed", choices: Sequence[Tuple[int, str]] = CHOICES,
+                 **kwargs) -> List[MemoryEstimate]:
+    """One estimate per (stage, offload) choice, in table order."""
+    return [estimate(params, dp=dp, stage=s, offload=o, precision=precision, **kwargs) for s, o in choices]
+
+
+# ---------------------------------------------------------------------------------------- models
+def _unique_trainable(params: Iterable) -> List:
+    seen, out = set(), []
+    for p in params:
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
+def _units(module) -> List:
+    """The repeated units: ``layer_modules()`` of the module or of its first submodule that has it,
+    else the module's children."""
+    for m in module.modules():
+        if callable(getattr(m, "layer_modules", None)):
+            return list(m.layer_modules())
+    return list(module.children())
+
+
+def model_counts(module, persistent_threshold: int = 0) -> Dict[str, int]:
+    """Trainable parameters (tied ones once), the largest unit's, and those below the persistence threshold."""
+    params = _unique_trainable(module.parameters())
+    units = _units(module)
+    largest = max((sum(p.numel() for p in _unique_trainable(u.parameters())) for u in units), default=0)
+    persistent = sum(p.numel() for p in params if p.numel() < persistent_threshold)
+    return {"params": sum(p.numel() for p in params), "largest_unit_params": largest,
+            "persistent_params": persistent}
+
+
+def estimate_for_model(module, *, dp: int, stage: int, offload: str = "none", precision: str = "bf16-mixed",
+                       prefetch_depth: int = 1, persistent_threshold: int = 0, optimizer="adam",
+                       bucket_mb: float = 25.0, offload_grads: bool = False) -> MemoryEstimate:
+    """:func:`estimate` with the counts taken from an ``nn.Module`` (works on ``meta`` modules)."""
+    counts = model_counts(module, persistent_threshold)
+    return estimate(counts["params"], dp=dp, stage=stage, offload=offload, precision=precision,
+                    largest_unit_params=counts["largest_unit_params"], persistent_params=counts["persistent_params"],
+                    prefetch_depth=prefetch_depth, optimizer=optimizer, bucket_mb=bucket_mb,
+                    offload_grads=offload_grads)
+
+
+# ---------------------------------------------------------------------------------------- table
+def _fmt(nbytes: float, unit: float) -> str:
+    value = nbytes / unit
+    return "-" if nbytes == 0 else (f"{value:,.2f}" if value < 100 else f"{value:,.0f}")
+
+
+_COLUMNS = ("params", "grads", "master", "optimizer_state", "gathered", "transient")
+_HEADERS = ("params", "grads", "master", "optim", "gathered", "transient")
+
+
+def format_table(estimates: Sequence[MemoryEstimate], *, selected: Optional[Tuple[int, str]] = None,
+                 ranks_per_host: int = 1, unit: str = "GiB") -> str:
+    """A markdown-style table: one row per estimate, device breakdown + totals, host per rank and per host."""
+    if not estimates:
+        raise ValueError("format_table needs at least one estimate")
+    if ranks_per_host < 1:
+        raise ConfigError(f"ranks_per_host={ranks_per_host!r} must be >= 1")
+    scale = {"GiB": GiB, "MiB": 2**20}.get(unit)
+    if scale is None:
+        raise ValueError(f"unit={unit!r}: use 'GiB' or 'MiB'")
+    head = ["", "stage", "offload"] + [f"dev {h}" for h in _HEADERS] + [f"device/rank {unit}", f"host/rank {unit}"]
+    per_node = ranks_per_host > 1
+    if per_node:
+        head.append(f"host/node {unit} (x{ranks_per_host})")
+    rows = [head]
+    for e in estimates:
+        mark = "*" if selected == (e.stage, e.offload) else ""
+        rows.append([mark, str(e.stage), e.offload] + [_fmt(getattr(e.device, c), scale) for c in _COLUMNS]
+                    + [_fmt(e.device.total, scale), _fmt(e.host.total, scale)]
+                    + ([_fmt(e.host.total * ranks_per_host, scale)] if per_node else []))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(rows[0], widths)) + " |",
+             "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    lines += ["| " + " | ".join(c.rjust(w) if i > 2 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) + " |"
+              for r in rows[1:]]
+    return "\n".join(lines)
+
+
+def describe(e: MemoryEstimate, largest_unit_params: float = 0, prefetch_depth: int = 1) -> str:
+    return (f"{e.params / 1e9:,.3f}B trainable params, dp={e.dp}, {e.precision}, optimizer={e.optimizer} "
+            f"({_state_elements(e.optimizer)} state elements/param), largest unit {largest_unit_params / 1e6:,.1f}M "
+            f"params, prefetch_depth={prefetch_depth}")
+
+
+# ---------------------------------------------------------------------------------------- CLI
+def _model_from_spec(spec: str):
+    """``gpt_small`` or ``gpt_small:n_layer=48,d_model=1600`` -> a GPT on the meta device."""
+    import torch
+
+    from lightning_scale.models import gpt
+
+    name, _, args = spec.partition(":")
+    factories = {"gpt_tiny": gpt.gpt_tiny, "gpt_small": gpt.gpt_small}
+    if name not in factories:
+        raise ConfigError(f"--model={name!r}: must be one of {', '.join(factories)} (optionally name:key=value,...)")
+    overrides = {}
+    for item in filter(None, args.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ConfigError(f"--model override {item!r}: use key=value")
+        overrides[key.strip()] = int(value) if value.strip().lstrip("-").isdigit() else value.strip()
+    try:
+        cfg = factories[name](**overrides)
+    except TypeError as err:
+        raise ConfigError(f"--model={spec!r}: {err}") from err
+    with torch.device("meta"):
+        return gpt.GPT(cfg)
+
+
+def _count(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number (e.g. 13e9)") from None
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m lightning_scale.estimate", description=__doc__.split("\n\n")[0])
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--params", type=_count, help="trainable parameters, e.g. 13e9")
+    src.add_argument("--model", help="gpt_tiny | gpt_small[:key=value,...] (counted on the meta device)")
+    ap.add_argument("--dp", type=int, default=1, help="data-parallel ranks N")
+    ap.add_argument("--stage", type=int, default=3, help="the ZeRO stage you plan to use (marked with *)")
+    ap.add_argument("--offload", default="none", help=f"the offload you plan to use: {', '.join(OFFLOADS)}")
+    ap.add_argument("--precision", default="bf16-mixed", help=", ".join(_PRECISION_BYTES))
+    ap.add_argument("--optimizer", default="adam", help=", ".join(STATE_PER_ELEMENT))
+    ap.add_argument("--largest-unit", type=_count, default=None,
+                    help="params of the largest unit (one block); default: from --model, else 0")
+    ap.add_argument("--persistent", type=_count, default=0, help="stage-3 persistent params")
+    ap.add_argument("--persistent-threshold", type=int, default=0, help="with --model: params below this stay whole")
+    ap.add_argument("--prefetch-depth", type=int, default=1)
+    ap.add_argument("--bucket-mb", type=float, default=25.0)
+    ap.add_argument("--offload-grads", action="store_true",
+                    help="under optimizer offload (stages 2-3) the device keeps no gradient shard")
+    ap.add_argument("--ranks-per-host", type=int, default=1, help="ranks sharing one host's memory")
+    ap.add_argument("--unit", default="GiB", choices=("GiB", "MiB"))
+    args = ap.parse_args(argv)
+    try:
+        if args.model:
+            counts = model_counts(_model_from_spec(args.model), args.persistent_threshold)
+            params = counts["params"]
+            unit = counts["largest_unit_params"] if args.largest_unit is None else args.largest_unit
+            persistent = counts["persistent_params"] or args.persistent
+        else:
+            params, unit, persistent = args.params, args.largest_unit or 0, args.persistent
+        common = dict(largest_unit_params=unit, persistent_params=persistent, prefetch_depth=args.prefetch_depth,
+                      optimizer=args.optimizer, bucket_mb=args.bucket_mb, offload_grads=args.offload_grads)
+        mine = estimate(params, dp=args.dp, stage=args.stage, offload=args.offload, precision=args.precision,
+                        **common)
+        rows = estimate_all(params, dp=args.dp, precision=args.precision, **common)
+        table = format_table(rows, selected=(args.stage, args.offload), ranks_per_host=args.ranks_per_host,
+                             unit=args.unit)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print("lightning_scale memory estimate (model states per rank): "
+          + describe(mine, unit, args.prefetch_depth))
+    print(table)
+    scale = GiB if args.unit == "GiB" else 2**20
+    print(f"* = --stage {args.stage} --offload {args.offload}: "
+          f"{mine.device.total / scale:,.2f} {args.unit} per device, "
+          f"{mine.host.total / scale:,.2f} {args.unit} host per rank. Activations, buffers and the framework "
+          f"are not included.")
+    for note in mine.notes:
+        print(f"note: {note}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""Tensor / pipeline parallelism for Zero3DStrategy: what the strategy's small hooks delegate to.
+
+Order, on every rank (``Zero3DStrategy.setup``): ``configure_model`` built the whole model -> rank 0's
+weights are broadcast -> :meth:`ModelParallel.apply`: the tp plan splits it (each rank keeps its
+slices), then the pipeline stage is cut from the split layers -> ``configure_optimizers`` -> each
+optimizer is wrapped in a :class:`~lightning_scale.strategies.mp_engine.ModelParallelZeroOptimizer`
+(ZeRO over dp of this rank's local, trainable parameters; norm and overflow over dp x pp x tp).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from lightning_scale.config import ConfigError
+from lightning_scale.strategies import tp_glue
+from lightning_scale.strategies.mp_engine import ModelParallelZeroOptimizer
+from lightning_scale.strategies.pipeline_glue import PipelineGlue
+
+
+class ModelParallel:
+    def __init__(self, config, topology) -> None:
+        self.config, self.topology = config, topology
+        self.module: Optional[nn.Module] = None  # the LightningModule it was applied to
+        self.tp_name, self.tp_model = "", None
+        self.pipeline: Optional[PipelineGlue] = None
+
+    @staticmethod
+    def check_config(config) -> None:
+        """What the strategy cannot run yet, rejected on every rank before any model is touched."""
+        if (config.tp > 1 or config.pp > 1) and config.zero.stage == 3:
+            raise ConfigError(f"zero.stage=3 with tp={config.tp}, pp={config.pp}: ZeRO-3 does not compose with "
+                              "tensor / pipeline parallelism in this build; use zero.stage 0, 1 or 2")
+
+    def applied_to(self, module: nn.Module) -> bool:
+        return self.module is module
+
+    def apply(self, module: nn.Module, timeout=None) -> None:
+        if self.applied_to(module):
+            return  # validate / test / predict after fit: already split
+        if self.module is not None:
+            raise ConfigError("Zero3DStrategy(tp>1 or pp>1) was already applied to another LightningModule; "
+                              "use a new strategy object per model")
+        cfg, topo = self.config, self.topology
+        if cfg.tp > 1:
+            self.tp_name, self.tp_model = tp_glue.apply_plan(module, cfg, topo.tp_group)
+        if cfg.pp > 1:
+            self.pipeline = PipelineGlue(module, cfg, topo, timeout=timeout)
+        self.module = module
+
+    # ------------------------------------------------------------------ optimizers
+    def engine_factory(self) -> Tuple[type, Dict[str, Any]]:
+        """The engine class and the extra keyword arguments ``_wrap_optimizers`` passes it."""
+        topo = self.topology
+        return ModelParallelZeroOptimizer, {
+            "tp_group": topo.tp_group, "pp_group": topo.pp_group, "model": self.tp_model,
+            "norm_exclude": self.pipeline.norm_exclude if self.pipeline is not None else (),
+        }
+
+    def check_optimizer(self, optimizer: Any) -> None:
+        if getattr(optimizer, "handles_gradient_reduction", False):
+            raise ConfigError(f"{type(optimizer).__name__} reduces its own gradients over dp only; with "
+                              f"tp={self.config.tp}, pp={self.config.pp} use an optimizer the ZeRO engine wraps "
+                              "(e.g. AdamW)")
+
+    # ------------------------------------------------------------------ checkpoints
+    @torch.no_grad()
+    def full_state_dict(self) -> Dict[str, torch.Tensor]:
+        """The LightningModule's state_dict with the original model's keys and shapes (collective)."""
+        module = self.module
+        if self.pipeline is not None:
+            self.pipeline.sync_from_owners(module)
+        if self.tp_model is not None:
+            return tp_glue.full_state_dict(module, self.tp_name, self.tp_model)
+        return module.state_dict()

@@ -1,0 +1,80 @@
+"""Consolidate a sharded lightning_scale checkpoint folder into one plain ``state_dict``.
+
+``consolidate_checkpoint(path)`` reads the folder a Zero3DStrategy run wrote (``checkpoint.pt``,
+``optim_rank{r}.pt``, ``meta.pt``) and returns ``{name: tensor}`` with every parameter whole, in fp32
+(the fp32 master copies where mixed precision kept them), plus buffers. The result is a plain dict
+of tensors: ``torch.save`` it and load it later with only ``torch.load`` + ``model.load_state_dict``.
+``strip_prefix="model."`` turns LightningModule keys (``model.wte.weight``) into the inner model's keys.
+
+Command line::
+
+    python -m lightning_scale.zero.state_dict CKPT_DIR OUT.pt [--strip-prefix model.] [--dtype float32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Dict, Optional
+
+import torch
+
+SHARD_KEY = "zero3_model_shard"
+
+
+def _load(path: str):
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+@torch.no_grad()
+def consolidate_checkpoint(path: str, *, strip_prefix: str = "", dtype: Optional[torch.dtype] = torch.float32,
+                           out: Optional[str] = None) -> Dict[str, torch.Tensor]:
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{path} is not a sharded checkpoint folder")
+    meta_path = os.path.join(path, "meta.pt")
+    if not os.path.exists(meta_path):
+        raise FileNotFoundError(f"{path} is not a complete lightning_scale sharded checkpoint (no meta.pt)")
+    world = int(_load(meta_path)["world_size"])
+    base = _load(os.path.join(path, "checkpoint.pt"))
+    state: Dict[str, torch.Tensor] = {k: v for k, v in base.get("state_dict", {}).items()}
+    first = _load(os.path.join(path, "optim_rank0.pt"))
+    if SHARD_KEY in first:
+        layout = first[SHARD_KEY]["layout"]
+        dp = int(layout["world_size"])
+        ranks = [first] + [_load(os.path.join(path, f"optim_rank{r}.pt")) for r in range(1, min(dp, world))]
+        index = 0
+        for unit in layout["units"]:
+            for bucket in unit["buckets"]:
+                pieces = []
+                for r in range(dp):
+                    shard = ranks[r][SHARD_KEY]
+                    master = shard["masters"][index]
+                    pieces.append(master if master is not None else shard["shards"][index])
+                full = torch.cat([p.reshape(-1) for p in pieces])
+                for name, offset, numel, shape in bucket["slots"]:
+                    state[name] = full[offset:offset + numel].view(tuple(shape)).clone()
+                index += 1
+    if dtype is not None:
+        state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in state.items()}
+    if strip_prefix:
+        state = {k[len(strip_prefix):]: v for k, v in state.items() if k.startswith(strip_prefix)}
+    if out:
+        torch.save(state, out)
+    return state
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("checkpoint")
+    ap.add_argument("out")
+    ap.add_argument("--strip-prefix", default="")
+    ap.add_argument("--dtype", default="float32", help="float32, bfloat16, float16 or 'keep'")
+    args = ap.parse_args(argv)
+    dtype = None if args.dtype == "keep" else getattr(torch, args.dtype)
+    state = consolidate_checkpoint(args.checkpoint, strip_prefix=args.strip_prefix, dtype=dtype, out=args.out)
+    n = sum(v.numel() for v in state.values())
+    print(f"wrote {args.out}: {len(state)} tensors, {n:,} elements")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,273 @@
+"""The memory estimator: formulas against hand-computed bytes, the model counter, the CLI, bad input."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lightning_scale.config import ConfigError
+from lightning_scale.estimate import (
+    CHOICES,
+    GiB,
+    estimate,
+    estimate_all,
+    estimate_for_model,
+    format_table,
+    main,
+    model_counts,
+)
+from lightning_scale.models.gpt import GPT, gpt_small, gpt_tiny
+
+P = 1_000_000_000  # 1B params
+N = 8
+
+
+def dev(stage, offload="none", precision="bf16-mixed", **kw):
+    return estimate(P, dp=N, stage=stage, offload=offload, precision=precision, **kw)
+
+
+# ------------------------------------------------------------------ formulas, bf16-mixed Adam (K = 12)
+def test_stage0_mixed_everything_full():
+    e = dev(0)
+    assert (e.device.params, e.device.grads, e.device.master, e.device.optimizer_state) == (2 * P, 2 * P, 4 * P, 8 * P)
+    assert e.device.transient == 4 * P  # the fp32 copy of the reduced gradient for the step
+    assert e.device.gathered == 0 and e.host.total == 0
+
+
+def test_stage1_keeps_full_gradient_buffer():
+    e = dev(1)
+    assert (e.device.params, e.device.grads) == (2 * P, 2 * P)
+    assert (e.device.master, e.device.optimizer_state) == (4 * P / N, 8 * P / N)
+    assert e.device.total - e.device.transient == 4 * P + 12 * P / N
+
+
+def test_stage2_shards_grads_and_one_bucket_transient():
+    e = dev(2, bucket_mb=25.0)
+    assert (e.device.params, e.device.grads) == (2 * P, 2 * P / N)
+    assert e.device.master + e.device.optimizer_state == 12 * P / N
+    bucket = 25 * 2**20  # 25 MiB of bf16 gradients
+    assert e.device.transient == max(bucket, 4 * P / N)
+
+
+def test_stage3_is_16_psi_over_n_plus_gathered_units():
+    U, Q = 50_000_000, 1_000_000
+    e = dev(3, largest_unit_params=U, persistent_params=Q, prefetch_depth=2)
+    assert e.device.params + e.device.grads + e.device.master + e.device.optimizer_state == 16 * P / N
+    assert e.device.gathered == (1 + 2) * U * 2 + Q * 2
+    assert e.device.transient == max(U * 2, 4 * P / N)
+
+
+def test_stage3_without_unit_notes_it():
+    assert any("largest unit" in n for n in dev(3).notes)
+
+
+# ------------------------------------------------------------------ fp32
+def test_fp32_master_aliased_to_params():
+    e = estimate(P, dp=N, stage=2, precision="32-true", bucket_mb=1)
+    d = e.device
+    assert (d.params, d.grads, d.master, d.optimizer_state) == (4 * P, 4 * P / N, 0, 8 * P / N)
+    assert e.device.transient == 2**20  # no fp32 grad copy: the reduced grad is the master's grad
+
+
+def test_fp32_stage0_is_16_bytes_per_param():
+    e = estimate(P, dp=N, stage=0, precision="32-true")
+    assert e.device.total == 16 * P
+
+
+def test_matches_measured_gpt_small_state_from_bench():
+    # bench/RESULTS.md, 2 ranks, fp32 AdamW, GPT small (7.4M): 112.7 / 84.5 / 70.5 MB measured.
+    model = GPT(gpt_small())
+    for stage, measured_mb in ((0, 112.7), (1, 84.5), (2, 70.5)):
+        e = estimate_for_model(model, dp=2, stage=stage, precision="32-true")
+        steady = e.device.total - e.device.transient
+        assert abs(steady / 2**20 - measured_mb) < 0.1
+
+
+# ------------------------------------------------------------------ offload
+def test_optimizer_offload_mixed():
+    e = dev(2, "optimizer")
+    assert (e.device.params, e.device.grads, e.device.master, e.device.optimizer_state) == (2 * P, 2 * P / N, 0, 0)
+    assert (e.host.master, e.host.optimizer_state, e.host.grads) == (4 * P / N, 8 * P / N, 4 * P / N)
+    assert e.host.total == 16 * P / N
+
+
+def test_optimizer_offload_stage1_keeps_full_grads_on_device():
+    e = dev(1, "optimizer")
+    assert (e.device.params, e.device.grads) == (2 * P, 2 * P)
+    assert e.device.transient == 0
+
+
+def test_optimizer_offload_fp32_needs_host_master_copy():
+    e = estimate(P, dp=N, stage=3, offload="optimizer", precision="32-true")
+    assert e.device.params == 4 * P / N
+    assert (e.host.master, e.host.optimizer_state, e.host.grads) == (4 * P / N, 8 * P / N, 4 * P / N)
+
+
+def test_param_offload_stage3():
+    e = dev(3, "params", largest_unit_params=10)
+    assert e.device.params == 0 and e.host.params == 2 * P / N
+    assert e.device.master + e.device.optimizer_state == 12 * P / N
+
+
+def test_all_offload_stage3_device_keeps_grads_and_units():
+    U = 50_000_000
+    e = dev(3, "all", largest_unit_params=U)
+    assert e.device.params == e.device.master == e.device.optimizer_state == 0
+    assert e.device.grads == 2 * P / N and e.device.gathered == 2 * U * 2
+    assert e.host.total == (2 + 4 + 8 + 4) * P / N
+    fp32 = estimate(P, dp=N, stage=3, offload="all", precision="32-true")
+    assert fp32.host.master == 0 and fp32.host.params == 4 * P / N  # host shard is the master
+
+
+def test_thirteen_billion_on_one_device_fits_with_offload():
+    # The ZeRO-Offload headline: 13B with stage 2 + optimizer offload on one 32 GB device.
+    # It needs the gradient shards streamed to the host (offload_grads): 2P of bf16 params + one bucket.
+    e = estimate(13e9, dp=1, stage=2, offload="optimizer", offload_grads=True)
+    assert e.device.grads == 0 and e.device.total == 2 * 13e9 + 25 * 2**20 < 32e9
+    assert estimate(13e9, dp=1, stage=2, offload="optimizer").device.total == 4 * 13e9 + 25 * 2**20
+    ddp = estimate(13e9, dp=1, stage=0).device.total  # 16 B/param + fp32 grad copy
+    assert ddp / e.device.total > 7
+    e3 = estimate(13e9, dp=1, stage=3, offload="all", offload_grads=True, largest_unit_params=2e8)
+    assert e3.device.total == 2 * 2e8 * 2 + 2e8 * 2  # two gathered units + one unit's full grads
+
+
+def test_other_optimizer_state_sizes():
+    assert dev(1, optimizer="sgd").device.optimizer_state == 4 * P / N
+    assert dev(1, optimizer=0).device.optimizer_state == 0
+
+
+def test_estimate_all_rows():
+    rows = estimate_all(P, dp=N, largest_unit_params=10)
+    assert [(e.stage, e.offload) for e in rows] == list(CHOICES)
+
+
+# ------------------------------------------------------------------ models
+def test_model_counts_gpt_units_and_ties():
+    cfg = gpt_tiny(tie_weights=True)
+    model = GPT(cfg)
+    c = model_counts(model)
+    assert c["params"] == cfg.num_params()  # the tied head counted once
+    assert c["largest_unit_params"] == sum(p.numel() for p in model.blocks[0].parameters())
+    small = sum(p.numel() for p in model.parameters() if p.numel() < 100)
+    assert model_counts(model, persistent_threshold=100)["persistent_params"] == small > 0
+
+
+def test_model_counts_meta_and_fallback_children():
+    with torch.device("meta"):
+        model = GPT(gpt_small())
+    assert model_counts(model)["params"] == gpt_small().num_params()
+    plain = torch.nn.Sequential(torch.nn.Linear(10, 10), torch.nn.Linear(10, 30))
+    plain[0].weight.requires_grad_(False)
+    c = model_counts(plain)
+    assert c["params"] == 10 + 330 and c["largest_unit_params"] == 330
+
+
+def test_estimate_for_model_uses_counts():
+    model = GPT(gpt_tiny())
+    c = model_counts(model)
+    e = estimate_for_model(model, dp=2, stage=3, prefetch_depth=0)
+    assert e.params == c["params"] and e.device.gathered == c["largest_unit_params"] * 2
+
+
+# ------------------------------------------------------------------ table
+def test_format_table_marks_selection_and_has_every_row():
+    rows = estimate_all(13e9, dp=8, largest_unit_params=2e8)
+    text = format_table(rows, selected=(3, "optimizer"), ranks_per_host=8)
+    lines = text.splitlines()
+    assert len(lines) == 2 + len(CHOICES)
+    marked = [line for line in lines if line.startswith("| *")]
+    assert len(marked) == 1 and "| 3 " in marked[0] and "optimizer" in marked[0]
+    assert "host/node GiB (x8)" in lines[0]
+
+
+# ------------------------------------------------------------------ bad input
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(stage=5), "zero.stage=5"),
+    (dict(dp=0), "dp=0"),
+    (dict(stage=2, offload="params"), "offload='params'"),
+    (dict(stage=0, offload="optimizer"), "offload='optimizer'"),
+    (dict(offload="disk"), "offload='disk'"),
+    (dict(precision="8-bit"), "precision='8-bit'"),
+    (dict(prefetch_depth=-1), "zero.prefetch_depth=-1"),
+    (dict(largest_unit_params=2 * P), "largest_unit_params"),
+    (dict(optimizer="lion"), "optimizer='lion'"),
+])
+def test_bad_input_names_the_setting(kwargs, name):
+    args = dict(dp=N, stage=3)
+    args.update(kwargs)
+    with pytest.raises(ConfigError, match=name.replace("(", r"\(").replace("*", r"\*")):
+        estimate(P, **args)
+
+
+def test_bad_params():
+    with pytest.raises(ConfigError, match="params=0"):
+        estimate(0, dp=1, stage=0)
+
+
+# ------------------------------------------------------------------ CLI
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "lightning_scale.estimate", *args], capture_output=True,
+                          text=True, timeout=120, env=dict(os.environ))
+
+
+def test_cli_prints_all_rows_in_one_table():
+    r = _cli("--params", "13e9", "--dp", "8", "--stage", "3", "--offload", "optimizer", "--largest-unit", "2e8")
+    assert r.returncode == 0, r.stderr
+    rows = [line for line in r.stdout.splitlines() if line.startswith("|")]
+    assert len(rows) == 2 + len(CHOICES)
+    selected = [line for line in rows if line.startswith("| *")]
+    assert len(selected) == 1 and "| 3 " in selected[0] and "optimizer" in selected[0]
+    e = estimate(13e9, dp=8, stage=3, offload="optimizer", largest_unit_params=2e8)
+    assert f"{e.device.total / GiB:,.2f} GiB per device" in r.stdout
+    assert "found in sys.modules" not in r.stderr  # the package import must not import the CLI module
+
+
+def test_cli_bad_input_exits_2_naming_the_setting():
+    r = _cli("--params", "1e9", "--stage", "5")
+    assert r.returncode == 2 and "zero.stage=5" in r.stderr and not r.stdout
+
+
+def test_main_model_and_bad_input(capsys):
+    # In-process (each subprocess pays the lightning import): same code path as the CLI.
+    assert main(["--model", "gpt_tiny:n_layer=3", "--dp", "2", "--unit", "MiB"]) == 0
+    out = capsys.readouterr().out
+    assert "largest unit" in out and sum(line.startswith("|") for line in out.splitlines()) == 2 + len(CHOICES)
+    for args, name in ((("--dp", "0"), "dp=0"), (("--stage", "2", "--offload", "params"), "offload='params'"),
+                       (("--stage", "0", "--offload", "optimizer"), "offload='optimizer'")):
+        assert main(["--params", "1e9", *args]) == 2
+        assert name in capsys.readouterr().err
+    assert main(["--model", "gpt_huge"]) == 2
+    assert "--model='gpt_huge'" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ startup table
+def test_startup_table_shows_estimate_for_the_real_model():
+    from types import SimpleNamespace
+
+    from lightning_scale.config import ParallelConfig, ZeroConfig
+    from lightning_scale.strategies.report import estimate_section, layout_table
+    from lightning_scale.zero.optimizer import ZeroOptimizer
+
+    model = GPT(gpt_tiny())
+    engine = ZeroOptimizer(torch.optim.AdamW(model.parameters()), stage=2, route_user_calls=False)
+    strategy = SimpleNamespace(
+        lightning_module=model, engines=[engine], topology=SimpleNamespace(dp=1, pp=1, tp=1, world_size=1),
+        config=ParallelConfig(zero=ZeroConfig(stage=2)), precision_plugin=SimpleNamespace(precision="32-true"))
+    text = estimate_section(strategy)
+    assert f"{gpt_tiny().num_params():,} params, dp=1" in text
+    selected = [line for line in text.splitlines() if line.lstrip().startswith("| *")]
+    assert len(selected) == 1 and "| 2 " in selected[0] and "none" in selected[0]
+    # The stage-2 row's steady state equals what the engine holds (params + grad shard + Adam state).
+    e = estimate_for_model(model, dp=1, stage=2, precision="32-true")
+    mem = engine.memory_bytes()
+    assert e.device.params == mem["params"] and e.device.grads == mem["grads"]
+    assert "memory estimate per rank" in layout_table(strategy)
+
+
+def test_report_state_table_matches_estimator():
+    from lightning_scale.estimate import STATE_PER_ELEMENT
+    from lightning_scale.strategies.report import _STATE_PER_ELEMENT
+
+    assert _STATE_PER_ELEMENT == STATE_PER_ELEMENT
