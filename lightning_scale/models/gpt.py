@@ -136,8 +136,11 @@ class GPT(nn.Module):
         """
         gen = torch.Generator(device="cpu").manual_seed((self.init_seed + zlib.crc32(name.encode())) % 2**62)
 
-        def normal_(t: torch.Tensor, std: float) -> None:
-            t.copy_(torch.empty(t.shape, dtype=torch.float32).normal_(0.0, std, generator=gen))
+        def normal_(t: torch.Tensor, std: float) -> None:  # drawn in fp32 on the CPU whatever t's dtype/device
+            if t.device.type == "cpu" and t.dtype == torch.float32:
+                t.normal_(0.0, std, generator=gen)  # in place: no temporary as large as the weight
+            else:
+                t.copy_(torch.empty(t.shape, dtype=torch.float32).normal_(0.0, std, generator=gen))
 
         std = 0.02
         if isinstance(module, nn.Linear):

@@ -285,23 +285,43 @@ class ShardedParameters:
         init_owners = self._init_owners()
         by_module = self._modules_by_unit()
         for unit in self.units:
-            self._materialize(by_module.get(unit.index, []), init_owners, init=self.rank == 0)
+            modules = by_module.get(unit.index, [])
+            was_meta = {id(m) for _, m in modules if self._has_meta(m)}
+            tmps = []
             for b in unit.buckets:
+                # The unit's flat buffer in the parameters' own dtype: meta parameters are materialized straight
+                # into it as views (initialized in place), real ones are copied in. No other full copy exists.
                 src_dtype = b.bucket.slots[0].param.dtype
-                tmp = torch.zeros(b.bucket.padded_numel, dtype=src_dtype, device=self.device)
+                if src_dtype == b.full.dtype:
+                    self._alloc(b)
+                    tmp = b.full
+                else:
+                    tmp = torch.empty(b.bucket.padded_numel, dtype=src_dtype, device=self.device)
+                tmp[b.bucket.numel:].zero_()
                 for slot in b.bucket.slots:
-                    tmp[slot.offset:slot.offset + slot.numel].copy_(slot.param.detach().reshape(-1))
+                    view = tmp[slot.offset:slot.offset + slot.numel].view(slot.shape)
+                    p = slot.param
+                    if p.is_meta:
+                        torch.utils.swap_tensors(p, nn.Parameter(view, requires_grad=p.requires_grad))
+                    else:
+                        view.copy_(p.detach())
+                        p.data = view
+                tmps.append(tmp)
+            # Buffers / frozen parameters of the unit's modules, then the initializer (rank 0 only).
+            self._materialize(modules, init_owners, init=self.rank == 0, was_meta=was_meta)
+            for b, tmp in zip(unit.buckets, tmps):
                 C.broadcast(tmp, src=self._group_src(), group=self.group, tag="init")
                 lo, hi = b.bucket.shard_range(self.rank)
                 b.shard.copy_(tmp[lo:hi])
                 # Mixed precision: the fp32 master shard starts from the exact values, not the cast ones.
-                b.init_master = tmp[lo:hi].clone() if src_dtype != b.shard.dtype else None
-                self._alloc(b)  # views can only be cut from allocated storage; freed again below
-                if unit.kind == "persistent":
-                    b.full.copy_(tmp)
-                del tmp
-                for slot in b.bucket.slots:
-                    slot.param.data = b.full[slot.offset:slot.offset + slot.numel].view(slot.shape)
+                b.init_master = tmp[lo:hi].clone() if tmp.dtype != b.shard.dtype else None
+                if tmp is not b.full:
+                    self._alloc(b)  # views can only be cut from allocated storage; freed again below
+                    if unit.kind == "persistent":
+                        b.full.copy_(tmp)
+                    for slot in b.bucket.slots:
+                        slot.param.data = b.full[slot.offset:slot.offset + slot.numel].view(slot.shape)
+            del tmps, tmp
             unit.gathered = True
             if unit.kind != "persistent":
                 self._free(unit)
@@ -358,11 +378,13 @@ class ShardedParameters:
         if callable(getattr(module, "reset_parameters", None)):
             module.reset_parameters()
 
-    def _materialize(self, modules: List[Tuple[str, nn.Module]], owners, init: bool = True) -> None:
+    def _materialize(self, modules: List[Tuple[str, nn.Module]], owners, init: bool = True,
+                     was_meta: Optional[set] = None) -> None:
         """Allocate meta tensors on the device; ``init``: run the initializer (rank 0; the others receive
-        rank 0's values by broadcast, so their random state never matters and the work is done once)."""
+        rank 0's values by broadcast, so their random state never matters and the work is done once).
+        ``was_meta``: modules that were on meta before their bucketed parameters were materialized."""
         for name, m in modules:
-            if self._has_meta(m):
+            if self._has_meta(m) or (was_meta is not None and id(m) in was_meta):
                 # Swap contents instead of Module.to_empty (which makes new Parameter objects): the optimizer
                 # and the buckets keep the parameters they were given.
                 for p in m.parameters(recurse=False):

@@ -68,3 +68,13 @@ def test_model_state_bytes_bf16_mixed_is_16_psi_over_n():
 def test_aliased_parameters_are_rejected():
     msg = run_distributed(W3.bad_aliasing, 1, timeout=60)[0]
     assert msg is not None and "share memory" in msg and "zero.stage=3" in msg
+
+
+def test_configure_model_2gb_on_4_ranks_never_holds_the_whole_model():
+    # 40 blocks of d=1024: 504M parameters, 2.0 GB in fp32, built on meta and materialized unit by unit.
+    results = run_distributed(W3.big_meta_init, 4, (40, 1024), timeout=280)
+    print("peak RSS growth per rank (fraction of the full fp32 model):", [round(r[0], 3) for r in results])
+    for growth, shard_fraction, finite, std in results:
+        assert abs(shard_fraction - 0.25) < 0.01
+        assert growth < 0.40, f"peak RSS growth {growth:.2%} of the full model size"
+        assert finite and std > 0
