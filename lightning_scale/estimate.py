@@ -64,11 +64,12 @@ Offload (``offload=``, the names of ``Zero3DStrategy(offload=...)``):
 
 Host bytes here are model states only (not the process, data loaders or pinned staging buffers).
 Padding of flat buckets to multiples of N elements is ignored (< N elements per bucket).
-Stage 2 transient: the table counts ONE staging bucket (the design: a bucket's staging buffer is freed
-when its reduce-scatter completes). As of 2026-11-30 ``GradientReducer`` frees staging buffers only in
-``reduce()`` after backward, so at the end of backward every bucket's staging buffer is alive (checked on
-GPT small, bucket_mb=2: 11 of 11 buckets, 28.2 MiB = the whole fp32 gradient): until that changes the
-real stage-2 backward peak adds up to ``P*b_g`` rather than one bucket.
+Stage 2 transient: ``GradientReducer`` keeps at most two buckets' reduce-scatters (and their staging
+buffers) in flight during backward, so the table counts two staging buckets.
+
+What this engine does with gradients under optimizer offload (the default of ``offload_grads``): stage 3
+streams each reduced gradient shard to the host (fp32) as soon as its reduce-scatter finishes; stages 1
+and 2 keep their gradient buffers / shards on the device and copy the shard to the host at the step.
 """
 
 from __future__ import annotations
@@ -194,8 +195,12 @@ def validate(params, *, dp, stage, offload, precision="bf16-mixed", largest_unit
 
 def estimate(params, *, dp: int, stage: int, offload: str = "none", precision: str = "bf16-mixed",
              largest_unit_params=0, persistent_params=0, prefetch_depth: int = 1, optimizer="adam",
-             bucket_mb: float = 25.0, offload_grads: bool = False) -> MemoryEstimate:
-    """Per-rank device and host bytes of model states; see the module docstring for the formulas."""
+             bucket_mb: float = 25.0, offload_grads: Optional[bool] = None) -> MemoryEstimate:
+    """Per-rank device and host bytes of model states; see the module docstring for the formulas.
+
+    ``offload_grads=None``: what this engine does (stream gradient shards to the host at stage 3 only)."""
+    if offload_grads is None:
+        offload_grads = stage == 3
     validate(params, dp=dp, stage=stage, offload=offload, precision=precision,
              largest_unit_params=largest_unit_params, persistent_params=persistent_params,
              prefetch_depth=prefetch_depth, bucket_mb=bucket_mb)
@@ -234,7 +239,7 @@ def estimate(params, *, dp: int, stage: int, offload: str = "none", precision: s
     backward = 0.0
     if stage == 2:
         bucket_numel = min(P, bucket_mb * 2**20 / b_p)
-        backward = bucket_numel * b_g
+        backward = min(P, 2 * bucket_numel) * b_g  # at most two staging buckets in flight
     elif stage == 3:
         backward = U * b_g
     step = shard * b_m if (b_m and not opt_off) else 0.0
@@ -281,7 +286,7 @@ def model_counts(module, persistent_threshold: int = 0) -> Dict[str, int]:
 
 def estimate_for_model(module, *, dp: int, stage: int, offload: str = "none", precision: str = "bf16-mixed",
                        prefetch_depth: int = 1, persistent_threshold: int = 0, optimizer="adam",
-                       bucket_mb: float = 25.0, offload_grads: bool = False) -> MemoryEstimate:
+                       bucket_mb: float = 25.0, offload_grads: Optional[bool] = None) -> MemoryEstimate:
     """:func:`estimate` with the counts taken from an ``nn.Module`` (works on ``meta`` modules)."""
     counts = model_counts(module, persistent_threshold)
     return estimate(counts["params"], dp=dp, stage=stage, offload=offload, precision=precision,
@@ -382,8 +387,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--persistent-threshold", type=int, default=0, help="with --model: params below this stay whole")
     ap.add_argument("--prefetch-depth", type=int, default=1)
     ap.add_argument("--bucket-mb", type=float, default=25.0)
-    ap.add_argument("--offload-grads", action="store_true",
-                    help="under optimizer offload (stages 2-3) the device keeps no gradient shard")
+    ap.add_argument("--offload-grads", action="store_true", default=None,
+                    help="under optimizer offload the stage-2 rows also keep no gradient shard on the device "
+                         "(stage 3 streams gradient shards to the host by default, as the engine does)")
     ap.add_argument("--ranks-per-host", type=int, default=1, help="ranks sharing one host's memory")
     ap.add_argument("--unit", default="GiB", choices=("GiB", "MiB"))
     args = ap.parse_args(argv)

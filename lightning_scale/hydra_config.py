@@ -23,12 +23,16 @@ class StrategyConf:
     pp: int = 1
     bucket_mb: float = 25.0
     overlap_comm: bool = True
-    offload: str = "none"
-    prefetch_depth: int = 1
+    offload: str = "none"  # none | optimizer | params | all  (params: stage 3 only)
+    prefetch_depth: int = 1  # stage 3: units all-gathered ahead of use
+    persistent_threshold: int = 0  # stage 3: parameters smaller than this stay gathered
+    unit_modules: Optional[List[str]] = None  # stage 3: class names / name patterns; null = repeated blocks
     microbatches: int = 1
     schedule: str = "1f1b"
     virtual_stages: int = 1
+    partition: str = "parameters"  # pipeline: parameters | uniform | type:<regex>
     sequence_parallel: bool = False
+    plan: Any = None  # tensor parallel: {pattern: style}; null = built-in plan
 
 
 @dataclass
@@ -117,4 +121,6 @@ def build_strategy(cfg: StrategyConf):
 
     options = {k: v for k, v in OmegaConf.to_container(cfg).items() if k != "name"} if isinstance(cfg, DictConfig) \
         else {k: getattr(cfg, k) for k in StrategyConf.__dataclass_fields__ if k != "name"}
+    if options.get("unit_modules") is not None:
+        options["unit_modules"] = tuple(options["unit_modules"])
     return Zero3DStrategy(**options)
