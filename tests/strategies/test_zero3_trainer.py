@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
+
+from lightning_scale import ConfigError, Zero3DStrategy
 
 from lightning_scale.models.gpt import GPT, GPTConfig, make_batch
 from lightning_scale.zero.state_dict import consolidate_checkpoint
@@ -50,14 +54,24 @@ def test_stage3_resume_is_identical_and_consolidated_file_loads_into_plain_model
     assert abs(plain - full["probe"]) < 1e-5, (plain, full["probe"])
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--option", "stage=3", "--option", "prefetch_depth=-1"], "zero.prefetch_depth=-1 must be >= 0"),
-    (["--option", "stage=3", "--option", "unit_modules=('NoSuchBlock',)"], "zero.unit_modules entry 'NoSuchBlock'"),
-    (["--option", "stage=2", "--option", "offload='nvme'"], "offload='nvme'"),
-    (["--option", "stage=2", "--option", "offload='params'"], "offload.params='cpu' needs zero.stage=3"),
+@pytest.mark.parametrize("options,message", [
+    ({"stage": 3, "prefetch_depth": -1}, "zero.prefetch_depth=-1 must be >= 0"),
+    ({"stage": 3, "persistent_threshold": -5}, "zero.persistent_threshold=-5 must be >= 0"),
+    ({"stage": 2, "offload": "nvme"}, "offload='nvme'"),
+    ({"stage": 2, "offload": {"optimizer": "cuda:7"}}, "offload.optimizer='cuda:7'"),
+    ({"stage": 2, "offload": "params"}, "offload.params='cpu' needs zero.stage=3"),
+    ({"stage": 0, "offload": "optimizer"}, "needs zero.stage >= 1"),
 ])
-def test_bad_stage3_and_offload_settings_fail_fast(tmp_path, args, message):
-    proc, elapsed = fit(tmp_path, "bad", "--devices", "2", *args, timeout=120, expect_ok=False)
+def test_bad_stage3_and_offload_settings_raise_at_construction(options, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        Zero3DStrategy(**options)
+
+
+def test_unit_class_matching_nothing_fails_fast_on_every_rank(tmp_path):
+    proc, elapsed = fit(tmp_path, "bad", "--devices", "2", "--option", "stage=3",
+                        "--option", "unit_modules=('NoSuchBlock',)", timeout=120, expect_ok=False)
     assert proc.returncode != 0
-    assert message in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-3000:]
+    out = proc.stdout + proc.stderr
+    assert "zero.unit_modules entry 'NoSuchBlock' matches no module class or name" in out, out[-3000:]
+    assert "Block" in out  # the message lists the classes it could have meant
     assert elapsed < 90
