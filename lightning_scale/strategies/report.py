@@ -50,6 +50,13 @@ def layout_table(strategy: Any) -> str:
                  ("model state / rank", _mb(totals["total"]))]
         if totals.get("host"):
             rows += [("  on device / rank", _mb(totals.get("device", 0))), ("  on host / rank", _mb(totals["host"]))]
+    sharded = getattr(strategy, "sharded", None)
+    if sharded is not None:  # ZeRO-3: what is gathered at a time (device)
+        mem = sharded.memory_bytes()
+        n_units = sum(1 for u in sharded.units if u.kind == "unit")
+        rows += [("stage-3 units", f"{n_units} (+ root {_mb(sum(u.nbytes_full for u in sharded.units if u.kind == 'root'))}"
+                                    f", persistent {_mb(mem['persistent'])}), prefetch depth {sharded.prefetch_depth}"),
+                 ("largest unit gathered", _mb(mem["largest_unit"]))]
     width = max(len(k) for k, _ in rows)
     lines = ["lightning_scale Zero3DStrategy"] + [f"  {k.ljust(width)}  {v}" for k, v in rows]
     table = estimate_section(strategy)
