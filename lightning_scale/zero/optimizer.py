@@ -64,7 +64,8 @@ class ZeroOptimizer:
         master_device = torch.device("cpu") if offload_optimizer else device
         self.reducer = GradientReducer(self.buckets, stage, group, device, overlap_comm=overlap_comm,
                                        param_dtype=param_dtype, master_dtype=master_dtype,
-                                       master_device=master_device, pin_memory=pin_memory)
+                                       master_device=master_device, pin_memory=pin_memory,
+                                       stream_grads=offload_optimizer)
         self.masters: List[torch.Tensor] = [st.master for st in self.reducer.states]
         self._aliased: List[bool] = [st.master_aliased for st in self.reducer.states]
         inner_groups = [dict(g, params=[]) for g in optimizer.param_groups]
@@ -298,7 +299,10 @@ class ZeroOptimizer:
             for v in s.values():
                 if torch.is_tensor(v) and v.dim() > 0:
                     state += v.numel() * v.element_size()
-        host = masters + state if self.offload_optimizer else 0
+        host_grads = sum(st.host_grad.numel() * st.host_grad.element_size() for st in self.reducer.states
+                         if getattr(st, "host_grad", None) is not None)
+        grads += host_grads
+        host = masters + state + host_grads if self.offload_optimizer else 0
         total = params + grads + masters + state
         return {"params": params, "grads": grads, "master": masters, "optimizer_state": state,
                 "total": total, "device": total - host, "host": host}

@@ -302,10 +302,14 @@ class ShardedParameters:
                     view = tmp[slot.offset:slot.offset + slot.numel].view(slot.shape)
                     p = slot.param
                     if p.is_meta:
-                        torch.utils.swap_tensors(p, nn.Parameter(view, requires_grad=p.requires_grad))
+                        # A real (empty) tensor first, then `.data` = the view: the parameter keeps a version
+                        # counter of its own, so writes into the flat buffer (gathers) never look like in-place
+                        # changes of a tensor autograd saved.
+                        torch.utils.swap_tensors(p, nn.Parameter(torch.empty(0, dtype=p.dtype, device=self.device),
+                                                                 requires_grad=p.requires_grad))
                     else:
                         view.copy_(p.detach())
-                        p.data = view
+                    p.data = view
                 tmps.append(tmp)
             # Buffers / frozen parameters of the unit's modules, then the initializer (rank 0 only).
             self._materialize(modules, init_owners, init=self.rank == 0, was_meta=was_meta)

@@ -31,7 +31,8 @@ class BucketState:
 
     def __init__(self, bucket: Bucket, stage: int, rank: int, device: torch.device,
                  param_dtype: Optional[torch.dtype] = None, master_dtype: Optional[torch.dtype] = None,
-                 master_device: Optional[torch.device] = None, pin_memory: bool = True) -> None:
+                 master_device: Optional[torch.device] = None, pin_memory: bool = True,
+                 stream_grads: bool = False) -> None:
         self.bucket = bucket
         self.stage = stage
         self.rank = rank
@@ -61,8 +62,14 @@ class BucketState:
         self.staging: Optional[torch.Tensor] = None  # stage 2: transient, only while reducing
         if stage <= 1:
             self.grad_buffer = torch.zeros(bucket.padded_numel, dtype=dtype, device=device)
-        else:
+        elif not stream_grads:
             self.shard_grad = torch.zeros(hi - lo, dtype=dtype, device=device)
+        # ZeRO-Offload at stage 2: each reduced gradient shard goes to the host (master dtype) as soon as its
+        # reduce-scatter finishes; the device keeps no persistent gradient shard.
+        self.stream_grads = stream_grads
+        self.host_grad: Optional[torch.Tensor] = None
+        self.master_device = master_device
+        self.master_dtype = master_dtype
         for slot in bucket.slots:
             slot.param.data = self.param_buffer[slot.offset:slot.offset + slot.numel].view(slot.shape)
         self.consumed = [False] * len(bucket.slots)
@@ -89,6 +96,11 @@ class BucketState:
             return self.grad_buffer
         if self.stage == 1:
             return self.grad_buffer[self.shard]
+        if self.stream_grads:
+            if self.host_grad is None:  # nothing reduced this cycle
+                self.host_grad = torch.zeros(self.shard.stop - self.shard.start, dtype=self.master_dtype,
+                                             device=self.master_device)
+            return self.host_grad
         return self.shard_grad
 
     def reset(self) -> None:
@@ -96,20 +108,21 @@ class BucketState:
         self.handle = None
         self.launched = False
         self.staging = None
+        self.host_grad = None
 
 
 class GradientReducer:
     def __init__(self, buckets: List[Bucket], stage: int, group, device: torch.device,
                  overlap_comm: bool = True, param_dtype: Optional[torch.dtype] = None,
                  master_dtype: Optional[torch.dtype] = None, master_device: Optional[torch.device] = None,
-                 pin_memory: bool = True) -> None:
+                 pin_memory: bool = True, stream_grads: bool = False) -> None:
         self.stage = stage
         self.group = group
         self.world = C.group_size(group)
         self.rank = C.group_rank(group) if stage >= 1 else 0
         self.overlap_comm = overlap_comm
-        self.states = [BucketState(b, stage, self.rank, device, param_dtype, master_dtype, master_device, pin_memory)
-                       for b in buckets]
+        self.states = [BucketState(b, stage, self.rank, device, param_dtype, master_dtype, master_device, pin_memory,
+                                   stream_grads=stream_grads and stage == 2) for b in buckets]
         self._where: Dict[int, tuple] = {}
         for bi, st in enumerate(self.states):
             for si, slot in enumerate(st.bucket.slots):
@@ -190,11 +203,15 @@ class GradientReducer:
             st.handle = C.Handle(None, finish)
         else:
             st.staging.div_(self.world)
-            handle = C.reduce_scatter(st.shard_grad, st.staging, self.group, async_op=True, tag="grad")
+            out = st.shard_grad if not st.stream_grads else torch.empty(
+                st.shard.stop - st.shard.start, dtype=st.staging.dtype, device=st.staging.device)
+            handle = C.reduce_scatter(out, st.staging, self.group, async_op=True, tag="grad")
 
-            def finish(st=st, handle=handle) -> None:
+            def finish(st=st, handle=handle, out=out) -> None:
                 handle.wait()
                 st.staging = None  # transient: freed as soon as the shard is reduced
+                if st.stream_grads:
+                    st.host_grad = out.to(device=st.master_device, dtype=st.master_dtype)
 
             st.handle = C.Handle(None, finish)
             # Bound the full-size staging buffers alive during backward: at most _MAX_INFLIGHT buckets in flight.
@@ -236,7 +253,9 @@ class GradientReducer:
             else:
                 for slot in st.bucket.slots:
                     slot.param.grad = None
-                st.shard_grad.zero_()
+                if st.shard_grad is not None:
+                    st.shard_grad.zero_()
+                st.host_grad = None
         self.new_cycle()
 
     def remove_hooks(self) -> None:
