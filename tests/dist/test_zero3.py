@@ -78,3 +78,14 @@ def test_configure_model_2gb_on_4_ranks_never_holds_the_whole_model():
         assert abs(shard_fraction - 0.25) < 0.01
         assert growth < 0.40, f"peak RSS growth {growth:.2%} of the full model size"
         assert finite and std > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_stage3_and_offload_match_cpu_reference(reference):
+    world = min(2, torch.cuda.device_count())
+    for per_variant in run_distributed(W3.gpu_variants, world, (STEPS, ACCUM, BATCH, CLIP), backend="nccl",
+                                       timeout=280):
+        for variant, params in per_variant.items():
+            err = max((params[n].cpu() - reference[n]).abs().max().item() for n in reference)
+            assert err < 1e-8, f"{variant}: max error {err}"

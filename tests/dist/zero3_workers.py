@@ -60,10 +60,11 @@ def reference_gpt(steps, accumulation, global_batch, clip, tie=False):
 
 
 def zero3_train(rank, world, steps, accumulation, global_batch, clip, *, offload_optimizer=False,
-                offload_params=False, meta=False, units=None, prefetch=1, persistent=0, tie=False):
+                offload_params=False, meta=False, units=None, prefetch=1, persistent=0, tie=False, device="cpu"):
     model, cfg = _gpt(tie=tie, meta=meta)
     opt = W.make_optimizer(model)
-    sharded = ShardedParameters(model, [g["params"] for g in opt.param_groups], device=torch.device("cpu"),
+    device = torch.device(device)
+    sharded = ShardedParameters(model, [g["params"] for g in opt.param_groups], device=device,
                                 param_dtype=torch.float64, unit_modules=units, prefetch_depth=prefetch,
                                 persistent_threshold=persistent,
                                 param_device=torch.device("cpu") if offload_params else None)
@@ -74,7 +75,7 @@ def zero3_train(rank, world, steps, accumulation, global_batch, clip, *, offload
         for step in range(steps):
             for micro in range(accumulation):
                 x, y = make_batch(cfg, global_batch, seed=1000 * step + micro)
-                x, y = x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local]
+                x, y = x[rank * local:(rank + 1) * local].to(device), y[rank * local:(rank + 1) * local].to(device)
                 with engine.no_sync() if micro < accumulation - 1 else torch.enable_grad():
                     (lm_loss(model(x), y) / accumulation).backward()
             if clip:
@@ -236,3 +237,13 @@ def big_meta_init(rank, world, n_layer, d_model):
     with torch.no_grad():
         out = model(x[:, :8])
     return (peak - before) / full, shards / full, bool(torch.isfinite(out).all()), float(out.std())
+
+
+def gpu_variants(rank, world, steps, accumulation, global_batch, clip):
+    """On CUDA + NCCL: stage 3 plain, with optimizer offload, with everything offloaded (pinned host shards)."""
+    torch.cuda.set_device(rank)
+    out = {}
+    for name, kw in (("stage3", {}), ("offload_optimizer", {"offload_optimizer": True}),
+                     ("offload_all", {"offload_optimizer": True, "offload_params": True, "meta": True})):
+        out[name] = zero3_train(rank, world, steps, accumulation, global_batch, clip, device="cuda", **kw)[0]
+    return out
