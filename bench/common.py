@@ -62,3 +62,29 @@ def ratio_table(rounds: Sequence[Dict[str, Dict[str, float]]], baseline: str, me
         cols += [f"{statistics.median(r[name][k] for r in rounds if name in r):,.1f}" for k in extra]
         lines.append(f"| {name} | " + " | ".join(cols) + " |")
     return "\n".join(lines)
+
+
+def peer_table(rounds: Sequence[Dict[str, Dict[str, float]]], pairs: Sequence[tuple],
+               failed: Dict[str, str] = None, metric: str = "tokens_per_s") -> str:
+    """One row per (system, peer, target): median over rounds of system/peer in the same round, and peak RSS.
+
+    ``pairs``: (system, peer, target ratio or None). A peer that failed or did not run is listed as such.
+    """
+    failed = failed or {}
+    lines = [f"| system | peer | {metric} ratio vs peer (median, min-max) | target | met? | "
+             "peak RSS MB system / peer | RSS <= peer? |", "|---" * 7 + "|"]
+    for name, peer, target in pairs:
+        both = [r for r in rounds if name in r and peer in r]
+        if not both:
+            why = f"peer failed: {failed[peer][:80]}" if peer in failed else "peer not run"
+            lines.append(f"| {name} | {peer} | n/a ({why}) | {target or '-'} | - | - | - |")
+            continue
+        ratios = [r[name][metric] / r[peer][metric] for r in both]
+        med = statistics.median(ratios)
+        rss_s = statistics.median(r[name]["peak_rss_mb"] for r in both)
+        rss_p = statistics.median(r[peer]["peak_rss_mb"] for r in both)
+        met = "-" if target is None else ("met" if med >= target else "missed")
+        lines.append(f"| {name} | {peer} | {med:.2f} ({min(ratios):.2f}-{max(ratios):.2f}) | "
+                     f"{'-' if target is None else f'>= {target:.2f}'} | {met} | {rss_s:,.0f} / {rss_p:,.0f} | "
+                     f"{'yes' if rss_s <= rss_p else 'no'} |")
+    return "\n".join(lines)

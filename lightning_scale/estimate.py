@@ -35,7 +35,7 @@ stage  params    grads       master+state gathered units          transient (lar
                                                                   a parameter larger than that is a
                                                                   bucket of its own),
                                                                   or the fp32 grad copy P*b_m/N
-3      P*b_p/N   P*b_g/N     P*M/N        (1+d)*U*b_p + Q*b_p     the full grads of one unit U*b_g,
+3      P*b_p/N   P*b_g/N     P*M/N        (1+d)*U*b_p + Q*b_p     the full grads of three units 3*U*b_g,
                                                                   or the fp32 grad copy P*b_m/N
 =====  ========  ==========  ===========  ======================  ==================================
 
@@ -67,9 +67,10 @@ Padding of flat buckets to multiples of N elements is ignored (< N elements per 
 Stage 2 transient: ``GradientReducer`` keeps at most two buckets' reduce-scatters (and their staging
 buffers) in flight during backward, so the table counts two staging buckets.
 
-What this engine does with gradients under optimizer offload (the default of ``offload_grads``): stage 3
-streams each reduced gradient shard to the host (fp32) as soon as its reduce-scatter finishes; stages 1
-and 2 keep their gradient buffers / shards on the device and copy the shard to the host at the step.
+What this engine does with gradients under optimizer offload (the default of ``offload_grads``): stages 2
+and 3 stream each reduced gradient shard to the host (fp32) as soon as its reduce-scatter finishes (the
+device keeps no gradient shard); stage 1 keeps its full gradient buffer on the device. Stage 3 keeps at
+most two units' reduce-scatters (and staging gradients) in flight.
 """
 
 from __future__ import annotations
@@ -115,7 +116,7 @@ class Breakdown:
     master: float = 0.0
     optimizer_state: float = 0.0
     gathered: float = 0.0  # stage 3: peak of gathered units (+ persistent params)
-    transient: float = 0.0  # stage-2 staging bucket / one unit's full grads / fp32 grad copy
+    transient: float = 0.0  # stage-2 staging bucket / three units' full grads / fp32 grad copy
 
     @property
     def total(self) -> float:
@@ -198,9 +199,9 @@ def estimate(params, *, dp: int, stage: int, offload: str = "none", precision: s
              bucket_mb: float = 25.0, offload_grads: Optional[bool] = None) -> MemoryEstimate:
     """Per-rank device and host bytes of model states; see the module docstring for the formulas.
 
-    ``offload_grads=None``: what this engine does (stream gradient shards to the host at stage 3 only)."""
+    ``offload_grads=None``: what this engine does (stream gradient shards to the host at stages 2 and 3)."""
     if offload_grads is None:
-        offload_grads = stage == 3
+        offload_grads = stage >= 2
     validate(params, dp=dp, stage=stage, offload=offload, precision=precision,
              largest_unit_params=largest_unit_params, persistent_params=persistent_params,
              prefetch_depth=prefetch_depth, bucket_mb=bucket_mb)
@@ -241,7 +242,7 @@ def estimate(params, *, dp: int, stage: int, offload: str = "none", precision: s
         bucket_numel = min(P, bucket_mb * 2**20 / b_p)
         backward = min(P, 2 * bucket_numel) * b_g  # at most two staging buckets in flight
     elif stage == 3:
-        backward = U * b_g
+        backward = 3 * U * b_g  # the unit being reduced + two reduce-scatters (staging) in flight
     step = shard * b_m if (b_m and not opt_off) else 0.0
     dev["transient"] = max(backward, step)
     return MemoryEstimate(params=int(P), dp=N, stage=stage, offload=offload, precision=key,
@@ -388,8 +389,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--prefetch-depth", type=int, default=1)
     ap.add_argument("--bucket-mb", type=float, default=25.0)
     ap.add_argument("--offload-grads", action="store_true", default=None,
-                    help="under optimizer offload the stage-2 rows also keep no gradient shard on the device "
-                         "(stage 3 streams gradient shards to the host by default, as the engine does)")
+                    help="(default, as the engine does) under optimizer offload stages 2-3 keep no gradient shard "
+                         "on the device")
     ap.add_argument("--ranks-per-host", type=int, default=1, help="ranks sharing one host's memory")
     ap.add_argument("--unit", default="GiB", choices=("GiB", "MiB"))
     args = ap.parse_args(argv)

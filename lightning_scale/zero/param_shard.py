@@ -45,6 +45,7 @@ from lightning_scale.config import ConfigError
 from lightning_scale.zero.flat_buffer import Bucket, build_buckets
 
 _HUGE = 1 << 62
+_MAX_INFLIGHT = 2  # gradient reduce-scatters (and their staging buffers) pending during backward
 
 
 def _in_backward() -> bool:
@@ -548,6 +549,10 @@ class ShardedParameters:
                     b.grad_shard.add_(out)
 
             self._reductions.append(C.Handle(None, finish))
+            # Each pending reduction holds a unit-sized staging buffer: keep at most _MAX_INFLIGHT in flight,
+            # so the backward peak stays at a few units' gradients, not the whole model's.
+            while len(self._reductions) > _MAX_INFLIGHT:
+                self._reductions.pop(0).wait()
         unit.reduced = True
         if unit.kind == "unit" or unit.kind == "root":
             self._free(unit)
@@ -791,6 +796,8 @@ class Stage3Optimizer(ZeroOptimizer):
                 if torch.is_tensor(v) and v.dim() > 0:
                     state += v.numel() * v.element_size()
         host = (masters + state if self.offload_optimizer else 0)
+        host += sum(st.grad_shard.numel() * st.grad_shard.element_size() for st in self.reducer.states
+                    if st.grad_shard is not None and st.grad_device is not None)  # streamed to the host
         if self.sharded.params_offloaded:
             host += params
         total = params + grads + masters + state
