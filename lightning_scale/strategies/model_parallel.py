@@ -9,6 +9,7 @@ optimizer is wrapped in a :class:`~lightning_scale.strategies.mp_engine.ModelPar
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Dict, Optional, Tuple
 
 import torch
@@ -69,9 +70,19 @@ class ModelParallel:
     @torch.no_grad()
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
         """The LightningModule's state_dict with the original model's keys and shapes (collective)."""
-        module = self.module
-        if self.pipeline is not None:
-            self.pipeline.sync_from_owners(module)
+        with self._whole_model():
+            if self.tp_model is not None:
+                return tp_glue.full_state_dict(self.module, self.tp_name, self.tp_model)
+            return self.module.state_dict()
+
+    @torch.no_grad()
+    def load_full_state_dict(self, full: Dict[str, torch.Tensor], strict: bool = True) -> None:
+        """Load a consolidated state_dict (original keys and shapes) into the split module (collective over pp):
+        each rank keeps its tp slices and its own stage's tensors."""
         if self.tp_model is not None:
-            return tp_glue.full_state_dict(module, self.tp_name, self.tp_model)
-        return module.state_dict()
+            full = tp_glue.shard_full_state_dict(full, self.tp_name, self.tp_model)
+        with self._whole_model():
+            self.module.load_state_dict(full, strict=strict)
+
+    def _whole_model(self):
+        return self.pipeline.materialized(self.module) if self.pipeline is not None else contextlib.nullcontext()

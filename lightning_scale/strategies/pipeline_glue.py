@@ -22,7 +22,7 @@ The contract a LightningModule follows (README, "Pipeline parallelism in Lightni
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -60,13 +60,21 @@ class PipelineGlue:
         self.runtime = PipelineRuntime(self.stage, pp_group=self.pp_group, pp_ranks=self.pp_ranks, loss_fn=loss_fn,
                                        microbatches=pc.microbatches, schedule=pc.schedule, timeout=timeout)
         self.microbatches = pc.microbatches
-        # Only this stage's parameters train here; the others stay as (stale) copies until a full state_dict
-        # is asked for, when each is fetched from the pipeline rank that owns it.
+        # Only this stage's parameters train and live here: the others are frozen and freed (their shapes kept);
+        # a full state_dict re-fetches each from the pipeline rank that trains it (materialized()).
         mine = {id(p) for p in self.stage.parameters()}
         self.owner = _owners(layers, self.stage.bounds, topology.pp)
+        outside = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in self.owner]
+        if outside:
+            raise ConfigError(f"trainable parameter(s) {outside[:5]} are in none of the layers pipeline_layers() "
+                              "returns, so no pipeline stage would train them; include their modules in a layer "
+                              "or set requires_grad=False")
+        self._freed: List[Tuple[nn.Parameter, torch.Size]] = []
         for p in module.parameters():
             if id(p) not in mine:
                 p.requires_grad_(False)
+                self._freed.append((p, p.shape))
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         self.norm_exclude = [t.param for t in self.stage.tied if t.ranks[0] != self.stage.pp_rank]
 
     # ------------------------------------------------------------------ data
@@ -147,14 +155,23 @@ class PipelineGlue:
         return closure_loss
 
     # ------------------------------------------------------------------ checkpoints
-    @torch.no_grad()
-    def sync_from_owners(self, module: nn.Module) -> None:
-        """Copy every stage's parameters and buffers from the pipeline rank that trains them (collective
-        over the pp group), so this rank's copy of the whole model is current."""
-        for t in list(module.parameters()) + list(module.buffers()):
-            owner = self.owner.get(id(t))
-            if owner is not None:
-                C.broadcast(t.data, src=self.pp_ranks[owner], group=self.pp_group, tag="pp/state_dict")
+    @contextlib.contextmanager
+    def materialized(self, module: nn.Module) -> Iterator[None]:
+        """The whole, current model on this rank while inside (collective over the pp group): the other
+        stages' parameters are re-allocated and every stage's tensors broadcast from the rank that trains them;
+        freed again on exit (tensors taken from ``state_dict()`` inside keep their storage)."""
+        with torch.no_grad():
+            for p, shape in self._freed:
+                p.data = torch.empty(shape, dtype=p.dtype, device=p.device)
+            try:
+                for t in list(module.parameters()) + list(module.buffers()):
+                    owner = self.owner.get(id(t))
+                    if owner is not None:
+                        C.broadcast(t.data, src=self.pp_ranks[owner], group=self.pp_group, tag="pp/state_dict")
+                yield
+            finally:
+                for p, _ in self._freed:
+                    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
 
 
 def _owners(layers: Sequence[nn.Module], bounds: Sequence[int], pp: int) -> dict:

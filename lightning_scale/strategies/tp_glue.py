@@ -19,7 +19,7 @@ from lightning_scale.tensor_parallel import (
     apply_tensor_parallel,
     consolidate_state_dict,
     find_plannable_module,
-    tensor_parallel_state,
+    shard_state_dict,
 )
 
 
@@ -44,10 +44,6 @@ def apply_plan(module: nn.Module, config, tp_group) -> Tuple[str, nn.Module]:
     return name, target
 
 
-def is_split(module: nn.Module) -> bool:
-    return tensor_parallel_state(module) is not None
-
-
 @torch.no_grad()
 def full_state_dict(module: nn.Module, name: str, target: nn.Module) -> Dict[str, torch.Tensor]:
     """``module.state_dict()`` with the split submodule's tensors gathered to the original keys and shapes.
@@ -57,5 +53,15 @@ def full_state_dict(module: nn.Module, name: str, target: nn.Module) -> Dict[str
     out = module.state_dict()
     prefix = name + "." if name else ""
     for key, value in consolidate_state_dict(target).items():
+        out[prefix + key] = value
+    return out
+
+
+def shard_full_state_dict(full: Dict[str, torch.Tensor], name: str, target: nn.Module) -> Dict[str, torch.Tensor]:
+    """The inverse of :func:`full_state_dict` on this rank: the split submodule's tensors sliced (no communication)."""
+    prefix = name + "." if name else ""
+    sub = {k[len(prefix):]: v for k, v in full.items() if k.startswith(prefix)}
+    out = dict(full)
+    for key, value in shard_state_dict(target, sub).items():
         out[prefix + key] = value
     return out

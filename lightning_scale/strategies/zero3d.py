@@ -406,6 +406,10 @@ class Zero3DStrategy(ParallelStrategy):
         if self.sharded is not None:
             _stage3.load_stage3(self, dict(checkpoint), strict=strict)
             return
+        # tp / pp (issues 4, 5): a consolidated state_dict into an already split model (test(ckpt_path=) after fit)
+        if self._model_parallel is not None and self._model_parallel.module is not None:
+            self._model_parallel.load_full_state_dict(checkpoint["state_dict"], strict=strict)
+            return
         super().load_model_state_dict(checkpoint, strict=strict)
 
     def teardown(self) -> None:

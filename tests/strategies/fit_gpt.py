@@ -88,6 +88,7 @@ def main() -> None:
     ap.add_argument("--no-predict", action="store_true")
     ap.add_argument("--no-layers", action="store_true", help="a module without pipeline_layers()")
     ap.add_argument("--tie", action="store_true", help="tie the embedding and the LM head")
+    ap.add_argument("--test-ckpt", default=None, help="also run trainer.test(ckpt_path=...) after fit")
     ap.add_argument("--record-batches", action="store_true", help="record which batch each rank read")
     ap.add_argument("--optimizer", default="adamw", help="GPTLightningModule optimizer: adamw, onebit_adam, sgd")
     ap.add_argument("--freeze-step", type=int, default=None, help="OneBitAdam warm-up steps")
@@ -156,6 +157,8 @@ def main() -> None:
             probe = float(model.model.loss(x, y))
     val = trainer.validate(model, datamodule=data, verbose=False)
     test = trainer.test(model, datamodule=data, verbose=False)
+    if args.test_ckpt:  # load a checkpoint into the model as it is now (already split under tp / pp)
+        test.append(trainer.test(model, datamodule=data, verbose=False, ckpt_path=args.test_ckpt)[0])
     predictions = [] if args.no_predict else trainer.predict(model, datamodule=data)
     if args.state_dict_out:
         if getattr(trainer.strategy, "sharded", None) is not None:  # ZeRO-3: gather the shards (collective)
@@ -164,11 +167,15 @@ def main() -> None:
             state = trainer.strategy.lightning_module_state_dict()  # collective under tp / pp
         if trainer.is_global_zero:
             torch.save({k: v.detach().cpu() for k, v in state.items()}, args.state_dict_out)
+    held = [sum(p.numel() for p in model.parameters())]  # parameter elements this rank holds
+    if trainer.world_size > 1:
+        held = [None] * trainer.world_size
+        torch.distributed.all_gather_object(held, sum(p.numel() for p in model.parameters()))
     if trainer.is_global_zero:
         with open(args.out, "w") as f:
             json.dump({"losses": recorder.losses, "val": val, "test": test, "n_predict": len(predictions),
                        "pred0": predictions[0][0].tolist() if predictions else None,
-                       "batch_sums": recorder.batch_sums, "logged": recorder.logged, "probe": probe,
+                       "batch_sums": recorder.batch_sums, "logged": recorder.logged, "held": held, "probe": probe,
                    "world": trainer.world_size,
                    "cores": sorted({type(b.attn.core).__name__ for b in model.model.blocks}),
                        "precision": str(trainer.precision),

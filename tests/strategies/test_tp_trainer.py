@@ -35,8 +35,9 @@ def test_tp2_dp2_losses_match_single_process(tmp_path, single, stage):
     assert abs(run["test"][0]["test_loss"] - single["test"][0]["test_loss"]) < 1e-5
     assert run["pred0"] == single["pred0"]  # vocabulary-split logits gathered before the argmax
     # rank = dp_index * tp + tp_index: ranks (0, 1) and (2, 3) are tp peers
-    for sums in run["batch_sums"]:
+    for sums, logged in zip(run["batch_sums"], run["logged"]):
         assert sums[0] == sums[1] and sums[2] == sums[3] and sums[0] != sums[2], sums
+        assert logged[0] == logged[1] and logged[2] == logged[3], logged  # vocab-parallel loss: same on tp peers
     # consolidated: the original GPT's keys and shapes (vocabulary padding dropped), the trained values
     state, ref = torch.load(tmp_path / "sd.pt"), single["state"]
     assert list(state) == list(ref)
@@ -46,12 +47,25 @@ def test_tp2_dp2_losses_match_single_process(tmp_path, single, stage):
 
 
 @pytest.mark.timeout(120)
+def test_tp2_sequence_parallel_zero2_matches_single_process(tmp_path, single):
+    """Partial LayerNorm / bias gradients are summed over tp before ZeRO-2 reduces them (overlap off)."""
+    run = fit(tmp_path, "sp", "--devices", "2", "--option", "tp=2", "--option", "stage=2",
+              "--option", "sequence_parallel=True", *COMMON)
+    diff = max(abs(a - b) for a, b in zip(run["losses"], single["losses"]))
+    assert diff < 1e-5, (run["losses"], single["losses"])
+    assert abs(run["val"][0]["val_loss"] - single["val"][0]["val_loss"]) < 1e-5
+
+
+@pytest.mark.timeout(120)
 def test_tp2_checkpoint_resume_gives_identical_losses(tmp_path):
     # dp=1 x tp=2 (two processes keep the test short; dp x tp sharding is covered above)
     args = ["--devices", "2", "--option", "tp=2", "--option", "stage=1", "--steps", "4", "--accumulate", "2",
             "--clip", "0.5", "--epoch-batches", "4", "--no-predict"]
     ckpt = tmp_path / "ckpt"
-    full = fit(tmp_path, "full", *args, "--ckpt-dir", str(ckpt))
+    final = ckpt / "epoch=1-step=4.ckpt"
+    full = fit(tmp_path, "full", *args, "--ckpt-dir", str(ckpt), "--test-ckpt", str(final))
+    # trainer.test(ckpt_path=) after fit loads the consolidated checkpoint into the already split model
+    assert abs(full["test"][1]["test_loss"] - full["test"][0]["test_loss"]) < 1e-6, full["test"]
     first = ckpt / "epoch=0-step=2.ckpt"
     assert all((first / f"optim_rank{r}.pt").exists() for r in range(2))
     saved = torch.load(first / "checkpoint.pt", weights_only=False)["state_dict"]
