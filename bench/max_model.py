@@ -20,15 +20,14 @@ Method (this machine has no accelerator, so the budget is enforced by the engine
       are not on the host; offloaded master + optimizer state, and param shards under param offload,
       count as host),
   + stage 3: ``ShardedParameters.memory_bytes()['peak_gathered']`` (measured peak of gathered units) and the
-      gradients in flight: max(one unit's full gradients - the design / estimator figure -, the *measured*
-      bytes held by reduce-scatters launched but not yet waited for; as of 2026-11-30 the engine waits for
-      them only at the end of backward, so this is ~1.5-2x the whole model's gradients). The search runs
-      twice over the same (cached) real runs: on the measured figure, then on the design figure,
+      gradients in flight: one unit's full gradients + the *measured* bytes held by reduce-scatters launched
+      but not yet waited for (the engine keeps at most one in flight at stage 3); the design / estimator figure is three
+      units' gradients. The search runs twice over the same (cached) real runs: on the measured figure, then
+      on the design figure,
   + activations saved for backward, *measured* in the step with ``torch.autograd.graph.saved_tensors_hooks``
       (distinct storages that are not parameters; batch 1 x 128 tokens per rank, no activation checkpointing).
-  Under optimizer offload at stage 3 the engine streams each reduced gradient shard to the host
-  (``grad_device=cpu``) but ``Stage3Optimizer.memory_bytes()`` still counts the gradient shards as device
-  bytes (reported as a bug with this benchmark); the table shows both and the fit uses the corrected figure.
+  Under optimizer offload (stages 2 and 3) the engine streams each reduced gradient shard to the host and
+  counts it as host bytes.
 * Stage 3 units: ``wte``, ``wpe``, each block, ``ln_f``, ``lm_head`` (one unit each), prefetch depth 1.
 * Host-RAM cap: the machine has 24 GiB shared with other jobs, so a rung is only *run* when its estimated
   model states (device + host, all ranks) plus ~0.5 GiB per process stay under ``--host-cap-gib`` (6 GiB).
@@ -222,17 +221,15 @@ def step_worker(rank: int, world: int, system: str, rung: int, local_batch: int)
         out["unit_grads"] = max(u.nbytes_full for u in sharded.units)  # one unit's full gradients
         out["pending_reduce_bytes"] = pending["bytes"]
         out["pending_units"] = pending["pending_units"]
-        if offload in ("optimizer", "all"):
-            # Gradient shards were moved to grad_device (the host) as they were reduced.
-            out["grads_host_but_counted_device"] = sum(
-                b.grad_shard.numel() * b.grad_shard.element_size() for b in sharded.buckets()
-                if b.grad_shard is not None and b.grad_device is not None and b.grad_device.type == "cpu")
-            out["grads_host_but_counted_device"] = min(out["grads_host_but_counted_device"], pick["grads"])
-    # "design": one unit's gradients in flight (the estimator's transient); "device": what the engine
+        # (Stage3Optimizer.memory_bytes() counts gradient shards streamed to the host as host bytes since
+        # 2026-11-30 06:00; grads_host_but_counted_device stays 0.)
+    # "design": three units' gradients in flight (the estimator's transient); "device": what the engine
     # really holds in flight (the larger of that and the measured pending reduce-scatter buffers).
     base = out["engine_device"] - out["grads_host_but_counted_device"] + out["peak_gathered"] + out["activations"]
-    out["device_design"] = base + out["unit_grads"]
-    out["device"] = base + max(out["unit_grads"], out.get("pending_reduce_bytes", 0))
+    # design (the estimator): three units' gradients (the unit being reduced, its staging copy, one in flight);
+    # measured: the unit being reduced + the measured staging bytes of pending reduce-scatters.
+    out["device_design"] = base + 3 * out["unit_grads"]
+    out["device"] = base + out["unit_grads"] + out.get("pending_reduce_bytes", 0)
     out["peak_rss_mb"] = peak_rss_mb()
     return out
 
@@ -278,7 +275,7 @@ def search(system: str, dp: int, budget: float, cap_bytes: float, timeout: float
             log(f"  {system:11s} dp={dp} rung {r:2d} (L{n} d{d}, {res['params'] / 1e6:8.1f}M): device "
                 f"{res['device'] / MiB:8.1f} MiB (engine {res['engine_device'] / MiB:.1f}, grads on host "
                 f"-{res['grads_host_but_counted_device'] / MiB:.1f}, gathered {res['peak_gathered'] / MiB:.1f}, "
-                f"in-flight grads max(one unit {res['unit_grads'] / MiB:.1f}, pending reduce-scatters "
+                f"in-flight grads (one unit {res['unit_grads'] / MiB:.1f} + pending reduce-scatters "
                 f"{res.get('pending_reduce_bytes', 0) / MiB:.1f} over {res.get('pending_units', 0)} units), "
                 f"activations {res['activations'] / MiB:.1f}); design figure {res['device_design'] / MiB:.1f} MiB; "
                 f"rss {res['rss_total_mb']:.0f} MB all ranks; build {res['build_s']:.1f}s step {res['step_s']:.1f}s")
@@ -365,15 +362,15 @@ def main() -> None:
     results = [search(s, dp, budget, cap_bytes, args.timeout, log) for dp in dps for s in systems]
     print(f"\n## Largest GPT under {args.budget_mib:.0f} MiB of accounted device memory per rank "
           f"({datetime.date.today()}, CPU, gloo, fp32 AdamW, 1 x {SEQ} tokens per rank, one real step)\n")
-    print("In-flight gradients = what the engine really holds: stage 3 = max(one unit's gradients, measured "
+    print("In-flight gradients = what the engine really holds: stage 3 = one unit's gradients + measured "
           "buffers of launched-but-not-waited reduce-scatters).\n")
     print_table(results, args, "device")
     if dps and any(SYSTEMS[s][0] == 3 for s in systems):
-        log("\n(search again with the design figure: stage 3 in-flight gradients = one unit, as the estimator "
+        log("\n(search again with the design figure: stage 3 in-flight gradients = three units, as the estimator "
             "assumes; rungs already run are reused)")
         design = [search(s, dp, budget, cap_bytes, args.timeout, log, metric="device_design")
                   for dp in dps for s in systems]
-        print("\n### Same budget, stage 3 counted as designed (one unit's gradients in flight, not the measured "
+        print("\n### Same budget, stage 3 counted as designed (three units' gradients in flight, not the measured "
               "pending reduce-scatters)\n")
         print_table(design, args, "device_design")
 

@@ -69,8 +69,8 @@ buffers) in flight during backward, so the table counts two staging buckets.
 
 What this engine does with gradients under optimizer offload (the default of ``offload_grads``): stages 2
 and 3 stream each reduced gradient shard to the host (fp32) as soon as its reduce-scatter finishes (the
-device keeps no gradient shard); stage 1 keeps its full gradient buffer on the device. Stage 3 keeps at
-most two units' reduce-scatters (and staging gradients) in flight.
+device keeps no gradient shard); stage 1 keeps its full gradient buffer on the device. Stage 3 keeps one
+unit's reduce-scatter (and its staging gradients) in flight while the next unit's gradients are copied.
 """
 
 from __future__ import annotations
@@ -242,7 +242,7 @@ def estimate(params, *, dp: int, stage: int, offload: str = "none", precision: s
         bucket_numel = min(P, bucket_mb * 2**20 / b_p)
         backward = min(P, 2 * bucket_numel) * b_g  # at most two staging buckets in flight
     elif stage == 3:
-        backward = 3 * U * b_g  # the unit being reduced + two reduce-scatters (staging) in flight
+        backward = 3 * U * b_g  # a unit's grads + its staging copy + one reduce-scatter in flight
     step = shard * b_m if (b_m and not opt_off) else 0.0
     dev["transient"] = max(backward, step)
     return MemoryEstimate(params=int(P), dp=N, stage=stage, offload=offload, precision=key,

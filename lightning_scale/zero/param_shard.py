@@ -45,7 +45,7 @@ from lightning_scale.config import ConfigError
 from lightning_scale.zero.flat_buffer import Bucket, build_buckets
 
 _HUGE = 1 << 62
-_MAX_INFLIGHT = 2  # gradient reduce-scatters (and their staging buffers) pending during backward
+_MAX_INFLIGHT = 1  # gradient reduce-scatters (and their staging buffers) pending during backward
 
 
 def _in_backward() -> bool:

@@ -184,3 +184,8 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # Tear the process group down explicitly: leaving gloo's threads to interpreter exit occasionally aborted a
+    # rank ("terminate called without an active exception") after all work was done.
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
