@@ -210,7 +210,6 @@ def step_worker(rank: int, world: int, system: str, rung: int, local_batch: int)
     after_step = engine.memory_bytes()
     step_s = time.perf_counter() - t0
     states = max(after_backward["device"], after_step["device"])
-    pick = after_step if after_step["device"] >= after_backward["device"] else after_backward
     out = {"params": sum(p.numel() for p in model.parameters()), "engine_device": states,
            "engine_host": max(after_backward["host"], after_step["host"]), "grads_host_but_counted_device": 0,
            "peak_gathered": 0, "unit_grads": 0, "activations": acts.bytes, "loss": float(loss.detach()),

@@ -239,7 +239,7 @@ def _print_table(runs, systems, cfg, args) -> None:
     base = runs.get("ddp")
     print(f"\nGPT {cfg.n_layer}L d{cfg.d_model} h{cfg.n_head} vocab {cfg.vocab_size} seq {cfg.seq_len}, "
           f"{args.batch} seq/step, 2 CPU ranks, {args.rounds} rounds x {args.steps} steps")
-    print(f"| system | tokens/s | ratio vs DDP | ratio vs DTensor | peak RSS MB/rank | final loss |")
+    print("| system | tokens/s | ratio vs DDP | ratio vs DTensor | peak RSS MB/rank | final loss |")
     print("|---|---|---|---|---|---|")
     for s in systems:
         tps = statistics.median(x["tps"] for x in runs[s])

@@ -54,8 +54,9 @@ def layout_table(strategy: Any) -> str:
     if sharded is not None:  # ZeRO-3: what is gathered at a time (device)
         mem = sharded.memory_bytes()
         n_units = sum(1 for u in sharded.units if u.kind == "unit")
-        rows += [("stage-3 units", f"{n_units} (+ root {_mb(sum(u.nbytes_full for u in sharded.units if u.kind == 'root'))}"
-                                    f", persistent {_mb(mem['persistent'])}), prefetch depth {sharded.prefetch_depth}"),
+        root = sum(u.nbytes_full for u in sharded.units if u.kind == "root")
+        rows += [("stage-3 units", f"{n_units} (+ root {_mb(root)}, persistent {_mb(mem['persistent'])}), "
+                                   f"prefetch depth {sharded.prefetch_depth}"),
                  ("largest unit gathered", _mb(mem["largest_unit"]))]
     width = max(len(k) for k, _ in rows)
     lines = ["lightning_scale Zero3DStrategy"] + [f"  {k.ljust(width)}  {v}" for k, v in rows]

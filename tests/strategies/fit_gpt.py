@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import ast
 import json
-import os
 
 import lightning.pytorch as pl
 import torch

@@ -17,12 +17,7 @@ PP = ["--option", "pp=2", "--option", "microbatches=4"]
 F64 = ["--precision", "64-true"]
 
 
-@pytest.fixture(scope="module")
-def single(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("single_pp")
-    run = fit(tmp, "single", "--strategy", "single", "--devices", "1", *COMMON, "--state-dict-out", str(tmp / "sd.pt"))
-    run["state"] = torch.load(tmp / "sd.pt")
-    return run
+# `single` (the one-process reference run) is a session fixture in conftest.py
 
 
 def _check_matches(run, single, sd_path, world, weight_tol=1e-4):

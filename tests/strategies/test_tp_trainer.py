@@ -15,12 +15,7 @@ from test_zero_trainer import COMMON, fit
 TP = ["--devices", "4", "--option", "tp=2"]
 
 
-@pytest.fixture(scope="module")
-def single(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("single_tp")
-    run = fit(tmp, "single", "--strategy", "single", "--devices", "1", *COMMON, "--state-dict-out", str(tmp / "sd.pt"))
-    run["state"] = torch.load(tmp / "sd.pt")
-    return run
+# `single` (the one-process reference run) is a session fixture in conftest.py
 
 
 @pytest.mark.timeout(120)

@@ -15,9 +15,7 @@ from lightning_scale.zero.state_dict import consolidate_checkpoint
 from test_zero_trainer import COMMON, fit
 
 
-@pytest.fixture(scope="module")
-def single(tmp_path_factory):
-    return fit(tmp_path_factory.mktemp("single3"), "single", "--strategy", "single", "--devices", "1", *COMMON)
+# `single` (the one-process reference run) is a session fixture in conftest.py
 
 
 @pytest.mark.parametrize("strategy", ["zero3", "zero2_offload", "zero3_offload"])

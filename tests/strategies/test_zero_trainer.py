@@ -29,9 +29,7 @@ def fit(tmp_path, name, *args, timeout=240, expect_ok=True):
     return proc, elapsed
 
 
-@pytest.fixture(scope="module")
-def single(tmp_path_factory):
-    return fit(tmp_path_factory.mktemp("single"), "single", "--strategy", "single", "--devices", "1", *COMMON)
+# `single` (the one-process reference run) is a session fixture in conftest.py
 
 
 @pytest.mark.parametrize("strategy", ["zero0", "zero1", "zero2"])
