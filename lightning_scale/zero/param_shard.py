@@ -740,7 +740,8 @@ class Stage3Optimizer(ZeroOptimizer):
         states = [b for b in sharded.buckets() if b.group_id in ids]
         if not states:
             raise ValueError("the optimizer holds no trainable parameter")
-        master_device = torch.device("cpu") if offload_optimizer else sharded.param_device
+        # Parameter offload alone keeps the master (and the step) on the compute device; optimizer offload moves both.
+        master_device = torch.device("cpu") if offload_optimizer else sharded.device
         for b in states:
             master_dtype = self.precision.master_dtype_for(b.shard.dtype)
             aliased = b.shard.dtype == master_dtype and b.shard.device == master_device
