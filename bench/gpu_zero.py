@@ -97,7 +97,8 @@ def _build(system, model, local_batch, device):
                                                dist_init_required=False)
         return engine, engine.backward, engine.step, lambda: None
     if system in ("ls_z3", "ls_z3_offload"):
-        from lightning_scale.zero.param_shard import ShardedParameters, Stage3Optimizer
+        from lightning_scale.zero.param_shard import ShardedParameters
+        from lightning_scale.zero.stage3_optimizer import Stage3Optimizer
 
         offload = system.endswith("_offload")
         opt = _adamw(model.parameters())  # the engine re-creates it over its shards

@@ -177,7 +177,8 @@ def step_worker(rank: int, world: int, system: str, rung: int, local_batch: int)
     t0 = time.perf_counter()
     sharded = None
     if stage == 3:
-        from lightning_scale.zero.param_shard import ShardedParameters, Stage3Optimizer
+        from lightning_scale.zero.param_shard import ShardedParameters
+        from lightning_scale.zero.stage3_optimizer import Stage3Optimizer
 
         with torch.device("meta"):  # never whole on a rank: materialized and sliced one unit at a time
             model = GPT(cfg)

@@ -112,7 +112,8 @@ def _build(system: str, model: torch.nn.Module, local_batch: int):
                                                  dist_init_required=False)
         return engine, engine.step, lambda: None
     if system in ("ls_z3", "ls_z3_offload"):
-        from lightning_scale.zero.param_shard import ShardedParameters, Stage3Optimizer
+        from lightning_scale.zero.param_shard import ShardedParameters
+        from lightning_scale.zero.stage3_optimizer import Stage3Optimizer
 
         offload = system.endswith("_offload")
         opt = _adamw(model.parameters())

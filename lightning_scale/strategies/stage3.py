@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_scale.config import ConfigError
-from lightning_scale.zero.param_shard import ShardedParameters, Stage3Optimizer
+from lightning_scale.zero.param_shard import ShardedParameters
+from lightning_scale.zero.stage3_optimizer import Stage3Optimizer
 
 from lightning_scale.zero.state_dict import SHARD_KEY  # noqa: E402
 

@@ -8,7 +8,8 @@ import torch.nn as nn
 from lightning_scale.comm import CommCounter
 from lightning_scale.models.gpt import GPT, gpt_tiny, lm_loss, make_batch
 from lightning_scale.zero import ZeroOptimizer
-from lightning_scale.zero.param_shard import ShardedParameters, Stage3Optimizer
+from lightning_scale.zero.param_shard import ShardedParameters
+from lightning_scale.zero.stage3_optimizer import Stage3Optimizer
 from lightning_scale.zero.precision import policy_for
 
 import zero_workers as W
