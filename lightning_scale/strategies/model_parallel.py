@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from lightning_scale.config import ConfigError
 from lightning_scale.strategies import tp_glue
-from lightning_scale.strategies.mp_engine import ModelParallelZeroOptimizer
+from lightning_scale.strategies.mp_engine import ModelParallelStage3Optimizer, ModelParallelZeroOptimizer
 from lightning_scale.strategies.pipeline_glue import PipelineGlue
 
 
@@ -31,9 +31,9 @@ class ModelParallel:
     @staticmethod
     def check_config(config) -> None:
         """What the strategy cannot run yet, rejected on every rank before any model is touched."""
-        if (config.tp > 1 or config.pp > 1) and config.zero.stage == 3:
-            raise ConfigError(f"zero.stage=3 with tp={config.tp}, pp={config.pp}: ZeRO-3 does not compose with "
-                              "tensor / pipeline parallelism in this build; use zero.stage 0, 1 or 2")
+        if config.pp > 1 and config.zero.stage == 3:
+            raise ConfigError(f"zero.stage=3 with pp={config.pp}: ZeRO-3 does not compose with pipeline parallelism "
+                              "(every micro-batch would re-gather the stage); use zero.stage 0, 1 or 2")
 
     def applied_to(self, module: nn.Module) -> bool:
         return self.module is module
@@ -60,6 +60,11 @@ class ModelParallel:
             "norm_exclude": self.pipeline.norm_exclude if self.pipeline is not None else (),
         }
 
+    def stage3_engine_factory(self) -> Tuple[type, Dict[str, Any]]:
+        """ZeRO-3 x tp: the Stage3Optimizer variant whose norm / overflow / partial gradients span tp."""
+        return ModelParallelStage3Optimizer, {"tp_group": self.topology.tp_group, "pp_group": self.topology.pp_group,
+                                              "model": self.tp_model}
+
     def check_optimizer(self, optimizer: Any) -> None:
         if getattr(optimizer, "handles_gradient_reduction", False):
             raise ConfigError(f"{type(optimizer).__name__} reduces its own gradients over dp only; with "
@@ -74,6 +79,14 @@ class ModelParallel:
             if self.tp_model is not None:
                 return tp_glue.full_state_dict(self.module, self.tp_name, self.tp_model)
             return self.module.state_dict()
+
+    @torch.no_grad()
+    def consolidate_tp(self, local: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """ZeRO-3 x tp: a state_dict of this rank's tp slices (LightningModule keys, e.g. the dp-gathered fp32
+        masters) -> the original model's keys and shapes. Collective over the tp group."""
+        full = tp_glue.full_state_dict(self.module, self.tp_name, self.tp_model, values=local)
+        order = list(self.module.state_dict(keep_vars=True))  # the module's key order (no tensor is read)
+        return {k: full[k] for k in order if k in full} | {k: v for k, v in full.items() if k not in order}
 
     @torch.no_grad()
     def load_full_state_dict(self, full: Dict[str, torch.Tensor], strict: bool = True) -> None:

@@ -4,6 +4,8 @@ Order on every rank (``Zero3DStrategy.setup`` at ``zero.stage=3``)::
 
     configure_model (under model_sharded_context: the meta device, rank 0's RNG state on every rank)
     -> configure_optimizers (the optimizer sees the parameters; nothing is allocated yet)
+    (tp > 1: configure_model builds real weights instead; rank 0's are broadcast and the tp plan keeps each
+    rank's slices, which ZeRO-3 then shards over dp)
     -> ShardedParameters over all optimizers' param groups: units chosen, each unit materialized,
        initialized and cut to its shard one at a time
     -> one Stage3Optimizer per optimizer (fp32 masters and state on the host under optimizer offload)
@@ -105,14 +107,33 @@ def setup_stage3(strategy: Any, trainer: Any, fitting: bool) -> None:
     if not fitting:
         return
     offset = 0
+    mp = getattr(strategy, "_model_parallel", None)
+    engine_cls, mp_kwargs = mp.stage3_engine_factory() if mp is not None else (Stage3Optimizer, {})
     for opt in strategy.optimizers:
-        engine = Stage3Optimizer(
+        if mp is not None:
+            mp.check_optimizer(opt)
+        engine = engine_cls(
             opt, sharded, group_offset=offset, precision=policy,
             loss_scaler=getattr(plugin, "loss_scaler", None), offload_optimizer=cfg.offload.optimizer != "none",
-            pin_memory=cfg.offload.pin_memory)
+            pin_memory=cfg.offload.pin_memory, **mp_kwargs)
         offset += len(opt.param_groups)
         strategy.engines.append(engine)
         plugin.register_engine(opt, engine)
+
+
+def shard_checkpoint(strategy: Any) -> Dict[str, Any]:
+    """What each rank's file holds at stage 3: its parameter shards, their layout, and under tp the rank's tp
+    coordinate and each split parameter's ShardSpec, so a checkpoint folder consolidates offline too."""
+    out = strategy.sharded.shard_state_dict()
+    mp = getattr(strategy, "_model_parallel", None)
+    if mp is not None and mp.tp_model is not None:
+        from lightning_scale.tensor_parallel.sharding import tp_spec
+
+        names = strategy.sharded.names
+        out["tp"] = {"size": strategy.topology.tp, "rank": strategy.topology.tp_rank,
+                     "specs": {names[id(p)]: tp_spec(p) for p in strategy.lightning_module.parameters()
+                               if tp_spec(p) is not None and id(p) in names}}
+    return out
 
 
 def small_state_dict(strategy: Any) -> Dict[str, Any]:

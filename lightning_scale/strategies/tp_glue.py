@@ -9,7 +9,7 @@ same weights (rank 0's, broadcast just before), so each keeps its own slices.
 
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -45,14 +45,18 @@ def apply_plan(module: nn.Module, config, tp_group) -> Tuple[str, nn.Module]:
 
 
 @torch.no_grad()
-def full_state_dict(module: nn.Module, name: str, target: nn.Module) -> Dict[str, torch.Tensor]:
+def full_state_dict(module: nn.Module, name: str, target: nn.Module,
+                    values: Optional[Dict[str, torch.Tensor]] = None) -> Dict[str, torch.Tensor]:
     """``module.state_dict()`` with the split submodule's tensors gathered to the original keys and shapes.
 
+    ``values``: this rank's local tensors to use instead of the module's own (LightningModule keys; ZeRO-3
+    passes its dp-gathered fp32 masters, since its parameters are freed between steps).
     Collective over the tp group (every tp rank must call it).
     """
-    out = module.state_dict()
+    out = dict(values) if values is not None else module.state_dict()
     prefix = name + "." if name else ""
-    for key, value in consolidate_state_dict(target).items():
+    sub = None if values is None else {k[len(prefix):]: v for k, v in values.items() if k.startswith(prefix)}
+    for key, value in consolidate_state_dict(target, values=sub).items():
         out[prefix + key] = value
     return out
 

@@ -159,16 +159,18 @@ class Zero3DStrategy(ParallelStrategy):
 
     def _check_supported_zero(self) -> None:
         cfg = self.config
-        if cfg.zero.stage == 3 and (cfg.tp > 1 or cfg.pp > 1):
-            raise ConfigError(f"zero.stage=3 with tp={cfg.tp}, pp={cfg.pp} is not supported yet; use zero.stage 1 "
-                              "or 2 with tensor/pipeline parallelism")
+        if cfg.zero.stage == 3 and cfg.pp > 1:
+            raise ConfigError(f"zero.stage=3 with pp={cfg.pp}: ZeRO-3 would re-gather every stage's parameters for "
+                              "each micro-batch's forward and backward; use zero.stage 1 or 2 with pipelines "
+                              "(zero.stage=3 composes with tp)")
         _stage3.check_offload(self)
 
     # ------------------------------------------------------------------ ZeRO-3 (lightning_scale/strategies/stage3.py)
     @contextlib.contextmanager
     def model_sharded_context(self) -> Generator[None, None, None]:
         """At zero.stage=3 ``configure_model`` builds on the meta device; setup materializes unit by unit."""
-        if self.config.zero.stage != 3:
+        if self.config.zero.stage != 3 or self.config.tp > 1:
+            # tp > 1: the plan slices real weights (rank 0's, broadcast), then ZeRO-3 shards the slices over dp
             yield
             return
         with _stage3.meta_init_context(self.root_device):
@@ -182,8 +184,15 @@ class Zero3DStrategy(ParallelStrategy):
     def full_state_dict(self, rank0_only: bool = False) -> Dict[str, Any]:
         """The whole model's parameters (fp32 masters where they exist) and buffers, unsharded. A collective."""
         if self.sharded is None:
+            if self._model_parallel is not None and self._model_parallel.module is not None:
+                return {k: v.detach().cpu() for k, v in self._model_parallel.full_state_dict().items()}
             return {k: v.detach().cpu() for k, v in self.lightning_module.state_dict().items()}
-        return self.sharded.full_state_dict(rank0_only=rank0_only)
+        full = self.sharded.full_state_dict(rank0_only=False if self._model_parallel else rank0_only)
+        if self._model_parallel is not None:  # ZeRO-3 x tp: this rank's tp slices -> original keys and shapes
+            full = self._model_parallel.consolidate_tp(full)
+            if rank0_only and self.global_rank != 0:
+                return {}
+        return full
 
     # ------------------------------------------------------------------ tensor / pipeline parallel (issues 4, 5)
     def _check_supported_model_parallel(self) -> None:
@@ -204,6 +213,11 @@ class Zero3DStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         if self.config.zero.stage == 3:
             fitting = trainer.state.fn == TrainerFn.FITTING
+            if self._model_parallel is not None and self.sharded is None:
+                # ZeRO-3 x tp: every rank takes rank 0's whole model, keeps its tp slices, then shards them over dp
+                self.model.to(self.root_device)
+                self._broadcast_module_states(self.model)
+                self._apply_model_parallel(trainer)
             _stage3.setup_stage3(self, trainer, fitting)
             self.setup_precision_plugin()
             if fitting and self.is_global_zero:
@@ -377,7 +391,7 @@ class Zero3DStrategy(ParallelStrategy):
                 self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
             return
         if self.sharded is not None:
-            checkpoint[_stage3.SHARD_KEY] = self.sharded.shard_state_dict()
+            checkpoint[_stage3.SHARD_KEY] = _stage3.shard_checkpoint(self)
         save_sharded(checkpoint, str(filepath), self.global_rank, self.world_size, self.barrier,
                      per_rank_keys=("optimizer_states", _stage3.SHARD_KEY))
 

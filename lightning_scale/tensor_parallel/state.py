@@ -63,11 +63,13 @@ def _group_of(model: nn.Module, group):
 
 
 @torch.no_grad()
-def consolidate_state_dict(model: nn.Module, group=None) -> Dict[str, torch.Tensor]:
+def consolidate_state_dict(model: nn.Module, group=None, values: Optional[Dict[str, torch.Tensor]] = None
+                           ) -> Dict[str, torch.Tensor]:
     """The full, unsharded state_dict (original keys and shapes) on every rank of the tp group.
 
     Collective: every tp rank must call it. Split tensors are all-gathered (accounted under the tag
-    ``tp/consolidate``); replicated ones are copied.
+    ``tp/consolidate``); replicated ones are copied. ``values``: this rank's local tensors by key, used in
+    place of the model's own (ZeRO-3 passes its gathered masters; keys it lacks come from the model).
     """
     group = _group_of(model, group)
     n = collectives.group_size(group)
@@ -78,7 +80,7 @@ def consolidate_state_dict(model: nn.Module, group=None) -> Dict[str, torch.Tens
             out[key] = done[id(value)]
             continue
         spec = tp_spec(value)
-        local = value.detach()
+        local = value.detach() if values is None or key not in values else values[key].detach()
         if spec is None:
             full = local.clone()
         else:

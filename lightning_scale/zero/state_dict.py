@@ -4,6 +4,8 @@
 ``optim_rank{r}.pt``, ``meta.pt``) and returns ``{name: tensor}`` with every parameter whole, in fp32
 (the fp32 master copies where mixed precision kept them), plus buffers. The result is a plain dict
 of tensors: ``torch.save`` it and load it later with only ``torch.load`` + ``model.load_state_dict``.
+A ZeRO-3 x tensor-parallel folder is merged over dp, then over tp (each rank's file records its tp rank
+and the split of every sliced parameter), into the original model's keys and shapes.
 ``strip_prefix="model."`` turns LightningModule keys (``model.wte.weight``) into the inner model's keys.
 
 Command line::
@@ -39,21 +41,22 @@ def consolidate_checkpoint(path: str, *, strip_prefix: str = "", dtype: Optional
     state: Dict[str, torch.Tensor] = {k: v for k, v in base.get("state_dict", {}).items()}
     first = _load(os.path.join(path, "optim_rank0.pt"))
     if SHARD_KEY in first:
-        layout = first[SHARD_KEY]["layout"]
-        dp = int(layout["world_size"])
-        ranks = [first] + [_load(os.path.join(path, f"optim_rank{r}.pt")) for r in range(1, min(dp, world))]
-        index = 0
-        for unit in layout["units"]:
-            for bucket in unit["buckets"]:
-                pieces = []
-                for r in range(dp):
-                    shard = ranks[r][SHARD_KEY]
-                    master = shard["masters"][index]
-                    pieces.append(master if master is not None else shard["shards"][index])
-                full = torch.cat([p.reshape(-1) for p in pieces])
-                for name, offset, numel, shape in bucket["slots"]:
-                    state[name] = full[offset:offset + numel].view(tuple(shape)).clone()
-                index += 1
+        shards = [first[SHARD_KEY]] + [_load(os.path.join(path, f"optim_rank{r}.pt"))[SHARD_KEY]
+                                       for r in range(1, world)]
+        tp = int(first[SHARD_KEY].get("tp", {}).get("size", 1))
+        # per tp rank (ZeRO-3 x tp; tp rank 0 alone otherwise): the dp shards, in dp-rank order
+        by_tp: Dict[int, Dict[int, dict]] = {}
+        for sh in shards:
+            by_tp.setdefault(int(sh.get("tp", {}).get("rank", 0)), {}).setdefault(int(sh["rank"]), sh)
+        if sorted(by_tp) != list(range(tp)):
+            raise ValueError(f"{path}: expected files for tp ranks 0..{tp - 1}, found {sorted(by_tp)}")
+        local = [_merge_dp(by_tp[t], first[SHARD_KEY]["layout"]) for t in range(tp)]
+        state.update(local[0])
+        if tp > 1:
+            from lightning_scale.tensor_parallel.sharding import merge_shards
+
+            for name, spec in first[SHARD_KEY]["tp"]["specs"].items():
+                state[name] = merge_shards([local[t][name] for t in range(tp)], spec)
     if dtype is not None:
         state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in state.items()}
     if strip_prefix:
@@ -61,6 +64,26 @@ def consolidate_checkpoint(path: str, *, strip_prefix: str = "", dtype: Optional
     if out:
         torch.save(state, out)
     return state
+
+
+def _merge_dp(ranks: Dict[int, dict], layout: dict) -> Dict[str, torch.Tensor]:
+    """One tp rank's parameters, whole over dp: each bucket's dp shards concatenated and cut into slots."""
+    dp = int(layout["world_size"])
+    if sorted(ranks) != list(range(dp)):
+        raise ValueError(f"expected ZeRO-3 shards of dp ranks 0..{dp - 1}, found {sorted(ranks)}")
+    out: Dict[str, torch.Tensor] = {}
+    index = 0
+    for unit in layout["units"]:
+        for bucket in unit["buckets"]:
+            pieces = []
+            for r in range(dp):
+                master = ranks[r]["masters"][index]
+                pieces.append(master if master is not None else ranks[r]["shards"][index])
+            full = torch.cat([p.reshape(-1) for p in pieces])
+            for name, offset, numel, shape in bucket["slots"]:
+                out[name] = full[offset:offset + numel].view(tuple(shape)).clone()
+            index += 1
+    return out
 
 
 def main(argv=None) -> None:

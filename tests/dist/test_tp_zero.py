@@ -77,6 +77,38 @@ def _train(topo, start, batches, stage: int, sp: bool):
     return consolidate_state_dict(model), losses, norms, len(engine.buckets)
 
 
+def _train_stage3(topo, start, batches, sp: bool):
+    """ZeRO-3 over dp of each rank's tp slices: ShardedParameters + the tp-aware Stage3Optimizer."""
+    from lightning_scale.comm import collectives
+    from lightning_scale.strategies.mp_engine import ModelParallelStage3Optimizer
+    from lightning_scale.tensor_parallel import apply_tensor_parallel
+    from lightning_scale.zero.param_shard import ShardedParameters
+
+    model = apply_tensor_parallel(copy.deepcopy(start), None, topo.tp_group, sequence_parallel=sp)
+    groups = _groups(model)
+    opt = torch.optim.AdamW(groups, lr=3e-3)
+    sharded = ShardedParameters(model, [g["params"] for g in groups], group=topo.dp_group,
+                                unit_modules=["Block"])
+    sharded.shard_model()
+    engine = ModelParallelStage3Optimizer(opt, sharded, tp_group=topo.tp_group, model=model)
+    losses, norms = [], []
+    for x, y in batches:
+        dp = collectives.group_size(topo.dp_group)
+        xs, ys = x.chunk(dp)[topo.dp_rank], y.chunk(dp)[topo.dp_rank]
+        loss = model.loss(xs, ys)
+        loss.backward()
+        norms.append(engine.clip_grad_norm_(MAX_NORM).item())
+        opt.step()
+        opt.zero_grad()
+        collectives.all_reduce(mean := loss.detach().clone(), topo.dp_group)
+        losses.append(mean.item() / dp)
+    from lightning_scale.strategies.tp_glue import full_state_dict
+
+    full = full_state_dict(model, "", model, values=sharded.full_state_dict(dtype=None))
+    order = list(model.state_dict(keep_vars=True))
+    return {k: full[k] for k in order}, losses, norms, len(engine.buckets)
+
+
 def _worker(rank: int, world_size: int, configs):
     import torch.distributed as dist
 
@@ -90,7 +122,10 @@ def _worker(rank: int, world_size: int, configs):
     out = {"ref_norms": ref_norms}
     expected = ref.state_dict()
     for stage, sp in configs:
-        full, losses, norms, n_buckets = _train(topo, start, batches, stage, sp)
+        if stage == 3:
+            full, losses, norms, n_buckets = _train_stage3(topo, start, batches, sp)
+        else:
+            full, losses, norms, n_buckets = _train(topo, start, batches, stage, sp)
         errs = {f"loss {i}": abs(a - b) for i, (a, b) in enumerate(zip(losses, ref_losses))}
         errs.update({f"norm {i}": abs(a - b) for i, (a, b) in enumerate(zip(norms, ref_norms))})
         assert list(full) == list(expected)
@@ -147,7 +182,7 @@ def _overflow_worker(rank: int, world_size: int):
     return norm, same, scaler.skipped_steps
 
 
-_CONFIGS = [(1, False), (1, True), (2, False), (2, True)]
+_CONFIGS = [(1, False), (1, True), (2, False), (2, True), (3, False), (3, True)]
 
 
 def _all_worker(rank: int, world_size: int):
@@ -162,7 +197,7 @@ def results():
     return run_distributed(_all_worker, 4, timeout=240)
 
 
-@pytest.mark.parametrize("stage,sp", _CONFIGS, ids=["zero1", "zero1-sp", "zero2", "zero2-sp"])
+@pytest.mark.parametrize("stage,sp", _CONFIGS, ids=["zero1", "zero1-sp", "zero2", "zero2-sp", "zero3", "zero3-sp"])
 def test_dp2_tp2_zero_matches_single_process(results, stage, sp):
     for rank, per_rank in enumerate(results):
         assert min(per_rank["ref_norms"]) > MAX_NORM  # clipping is active on every step
