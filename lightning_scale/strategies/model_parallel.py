@@ -38,7 +38,7 @@ class ModelParallel:
     def applied_to(self, module: nn.Module) -> bool:
         return self.module is module
 
-    def apply(self, module: nn.Module, timeout=None) -> None:
+    def apply(self, module: nn.Module, timeout=None, device=None) -> None:
         if self.applied_to(module):
             return  # validate / test / predict after fit: already split
         if self.module is not None:
@@ -48,7 +48,7 @@ class ModelParallel:
         if cfg.tp > 1:
             self.tp_name, self.tp_model = tp_glue.apply_plan(module, cfg, topo.tp_group)
         if cfg.pp > 1:
-            self.pipeline = PipelineGlue(module, cfg, topo, timeout=timeout)
+            self.pipeline = PipelineGlue(module, cfg, topo, timeout=timeout, device=device)
         self.module = module
 
     # ------------------------------------------------------------------ optimizers

@@ -30,6 +30,7 @@ import torch.nn as nn
 
 from lightning_scale.comm import collectives as C
 from lightning_scale.config import ConfigError
+from lightning_scale.materialize import has_meta, materialize_
 from lightning_scale.models.gpt import lm_loss
 from lightning_scale.pipeline import PipelineRuntime, build_stage, pipeline_layers
 
@@ -46,7 +47,7 @@ def split_batch(batch: Any) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
 class PipelineGlue:
     """This rank's pipeline stage, runtime and parameter owners, built once per LightningModule."""
 
-    def __init__(self, module: nn.Module, config, topology, timeout=None) -> None:
+    def __init__(self, module: nn.Module, config, topology, timeout=None, device=None) -> None:
         if not module.automatic_optimization:
             raise ConfigError(f"pp={topology.pp}: pipeline parallelism needs automatic optimization (the strategy "
                               "runs the schedule's backward); set automatic_optimization=True")
@@ -54,6 +55,9 @@ class PipelineGlue:
         pc = config.pipeline
         self.stage = build_stage(layers, pp=topology.pp, pp_rank=topology.pp_rank,
                                  virtual_stages=pc.virtual_stages, partition=pc.partition)
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        if has_meta(module, recurse=True):
+            _materialize_stage(module, self.stage, device, topology)
         loss_fn = getattr(module, "pipeline_loss", None) or lm_loss
         self.pp_ranks = topology.axis_ranks("pp")
         self.pp_group = topology.pp_group
@@ -74,7 +78,15 @@ class PipelineGlue:
             if id(p) not in mine:
                 p.requires_grad_(False)
                 self._freed.append((p, p.shape))
-                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+                if p.is_meta:  # another stage's parameter, never materialized here: an empty real tensor
+                    torch.utils.swap_tensors(p, nn.Parameter(torch.empty(0, dtype=p.dtype, device=device),
+                                                             requires_grad=False))
+                else:
+                    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        leftover = [n for n, b in module.named_buffers() if b.is_meta]
+        if leftover:
+            raise ConfigError(f"buffer(s) {leftover[:5]} are still on the meta device after the pipeline stage was "
+                              "materialized; create buffers on a real device in configure_model")
         self.norm_exclude = [t.param for t in self.stage.tied if t.ranks[0] != self.stage.pp_rank]
 
     # ------------------------------------------------------------------ data
@@ -172,6 +184,27 @@ class PipelineGlue:
             finally:
                 for p, _ in self._freed:
                     p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+
+
+@torch.no_grad()
+def _materialize_stage(module: nn.Module, stage, device: torch.device, topology) -> None:
+    """A model built on ``meta`` (``configure_model`` under ``Zero3DStrategy(pp>1)``): only this rank's stage is
+    allocated and initialized (the init contract of :mod:`lightning_scale.materialize`), plus modules holding
+    buffers; the dp replicas of the stage then take dp rank 0's values. No rank ever holds the whole model."""
+    if topology.tp > 1:
+        raise ConfigError(f"tp={topology.tp}: the model was built on the meta device, but the tensor-parallel plan "
+                          "slices real weights; build it on a real device in configure_model")
+    local = {id(t) for t in list(stage.parameters()) + list(stage.buffers())}
+
+    def keep(name: str, m: nn.Module) -> bool:
+        own = list(m.parameters(recurse=False)) + list(m.buffers(recurse=False))
+        return any(id(t) in local for t in own) or any(True for _ in m.buffers(recurse=False))
+
+    materialize_(module, device, keep)
+    if C.group_size(topology.dp_group) > 1:
+        src = dist.get_global_rank(topology.dp_group, 0)
+        for t in list(stage.parameters()) + list(stage.buffers()):
+            C.broadcast(t.data, src=src, group=topology.dp_group, tag="init")
 
 
 def _owners(layers: Sequence[nn.Module], bounds: Sequence[int], pp: int) -> dict:

@@ -31,6 +31,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from lightning_scale.config import ConfigError, ParallelConfig, from_flat_kwargs
+from lightning_scale.materialize import has_meta
 from lightning_scale.strategies.checkpoint import load_sharded, remove_sharded, save_sharded
 from lightning_scale.strategies.model_parallel import ModelParallel
 from lightning_scale.strategies.precision import ZeroPrecision
@@ -168,18 +169,27 @@ class Zero3DStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ ZeRO-3 (lightning_scale/strategies/stage3.py)
     @contextlib.contextmanager
     def model_sharded_context(self) -> Generator[None, None, None]:
-        """At zero.stage=3 ``configure_model`` builds on the meta device; setup materializes unit by unit."""
-        if self.config.zero.stage != 3 or self.config.tp > 1:
-            # tp > 1: the plan slices real weights (rank 0's, broadcast), then ZeRO-3 shards the slices over dp
+        """``configure_model`` builds on the meta device at zero.stage=3 (setup materializes unit by unit) and under
+        pipeline parallelism without tp (each rank materializes only its own stage)."""
+        if not self._deferred_init:
             yield
             return
         with _stage3.meta_init_context(self.root_device):
             yield
 
     @property
+    def _deferred_init(self) -> bool:
+        """Whether ``configure_model`` runs on the meta device: at ZeRO-3 (units materialized one at a time) and
+        with pipelines (each rank materializes its own stage). Not with tp: the plan slices real weights (rank
+        0's, broadcast), then ZeRO-3 shards the slices over dp."""
+        cfg = self.config
+        return cfg.tp == 1 and (cfg.zero.stage == 3 or cfg.pp > 1)
+
+    @property
     def restore_checkpoint_after_setup(self) -> bool:
-        """ZeRO-3 restores parameter shards into the engine that setup builds."""
-        return self.config.zero.stage == 3
+        """ZeRO-3 restores parameter shards into the engine that setup builds; a pipeline built on meta loads the
+        checkpoint into its materialized stage."""
+        return self.config.zero.stage == 3 or self._deferred_init
 
     def full_state_dict(self, rank0_only: bool = False) -> Dict[str, Any]:
         """The whole model's parameters (fp32 masters where they exist) and buffers, unsharded. A collective."""
@@ -205,7 +215,7 @@ class Zero3DStrategy(ParallelStrategy):
     def _apply_model_parallel(self, trainer) -> None:
         """Slice (tp plan) / partition (pp stage) the model after every rank holds rank 0's full weights."""
         if self._model_parallel is not None:
-            self._model_parallel.apply(self.lightning_module, timeout=self._timeout)
+            self._model_parallel.apply(self.lightning_module, timeout=self._timeout, device=self.root_device)
 
     # ------------------------------------------------------------------ setup
     def setup(self, trainer) -> None:
@@ -223,9 +233,13 @@ class Zero3DStrategy(ParallelStrategy):
             if fitting and self.is_global_zero:
                 print(layout_table(self), flush=True)
             return
-        self.model_to_device()
-        self._broadcast_module_states(self.model)
-        self._apply_model_parallel(trainer)  # no-op at tp == pp == 1
+        deferred = self._model_parallel is not None and has_meta(self.model, recurse=True)
+        if not deferred:
+            self.model_to_device()
+            self._broadcast_module_states(self.model)
+        self._apply_model_parallel(trainer)  # no-op at tp == pp == 1; pp from meta: materializes this stage only
+        if deferred:
+            self.model_to_device()
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             self.setup_optimizers(trainer)
