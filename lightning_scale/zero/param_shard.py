@@ -42,6 +42,7 @@ from torch.utils._pytree import tree_flatten
 
 from lightning_scale.comm import collectives as C
 from lightning_scale.config import ConfigError
+from lightning_scale.materialize import init_one, init_owners
 from lightning_scale.zero.flat_buffer import Bucket, build_buckets
 
 _HUGE = 1 << 62
@@ -370,18 +371,11 @@ class ShardedParameters:
         return out
 
     def _init_owners(self) -> List[Tuple[str, nn.Module]]:
-        owners = [(n, m) for n, m in self.root.named_modules() if callable(getattr(m, "init_module", None))]
-        owners.sort(key=lambda x: -len(x[0]))  # deepest first
-        return owners
+        return init_owners(self.root)
 
-    def _init_one(self, name: str, module: nn.Module, owners: List[Tuple[str, nn.Module]]) -> None:
-        for oname, owner in owners:
-            if oname == "" or name == oname or name.startswith(f"{oname}."):
-                rel = name[len(oname) + 1:] if oname and name != oname else ("" if name == oname else name)
-                owner.init_module(rel, module)
-                return
-        if callable(getattr(module, "reset_parameters", None)):
-            module.reset_parameters()
+    @staticmethod
+    def _init_one(name: str, module: nn.Module, owners: List[Tuple[str, nn.Module]]) -> None:
+        init_one(name, module, owners)
 
     def _materialize(self, modules: List[Tuple[str, nn.Module]], owners, init: bool = True,
                      was_meta: Optional[set] = None) -> None:
