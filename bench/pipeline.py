@@ -1,9 +1,9 @@
 """Pipeline parallelism on CPU: lightning_scale schedules vs torch.distributed.pipelining, same split.
 
-For pp = 2 and pp = 4 (one process per stage, gloo), a GPT (gpt_small widths, 8 blocks) is split
-with ``partition="type:Block"`` (embedding with the first block, head with the last) into
-``pp * v`` stages; both systems get the very same stage modules. Systems run in interleaved
-rounds inside one process group (order rotated every round) so machine noise hits them alike:
+For pp = 2 and pp = 4 (one process per stage, gloo, one intra-op thread per process), a GPT
+(gpt_small widths, 8 blocks) is split into ``pp * v`` contiguous stages by ``--partition``; both
+systems get the very same stage modules. Systems run in interleaved rounds inside one process group
+(order rotated every round) so machine noise hits them alike:
 
   ls 1f1b          lightning_scale PipelineRuntime, schedule "1f1b"
   torch 1f1b       torch.distributed.pipelining Schedule1F1B
@@ -11,12 +11,49 @@ rounds inside one process group (order rotated every round) so machine noise hit
   torch interl.    torch.distributed.pipelining ScheduleInterleaved1F1B, v = 2
   ls zero_bubble   lightning_scale ZB-H1 (no torch counterpart row)
 
+The split. The default ``--partition compute`` balances parameters outside embedding tables, a
+proxy for compute per token. The old default, ``type:Block`` (embedding with the first half of
+the blocks, LM head with the second half), leaves the head's d x vocab matmul + cross-entropy as
+extra work on the last stage: with d 256 / vocab 8192 the head costs about 2.8 blocks, so at pp=2
+the last stage takes ~1.7x the first stage's time, and ``parameters`` gives the same split (it
+counts the 8192 x 256 embedding table like the head). ``compute`` gives [embedding + 5 blocks |
+3 blocks + head] at pp=2. Whole layers are the unit, so no split is perfectly even.
+
 Reported per system: tokens/s (median over rounds; global tokens of one step / step time), the
-ratio to the torch counterpart, peak RSS per stage while that system ran (MB, sampled every
-10 ms), and for lightning_scale the measured bubble, 1 - (compute time / step time) averaged
-over ranks, next to the schedule's theoretical bubble. Never asserts on time.
+ratio to the torch counterpart, peak RSS per stage while that system ran (MB, sampled every 10 ms),
+and for lightning_scale three bubbles:
+
+* measured: 1 - sum over ranks of compute time / (pp * makespan), per step, averaged over steps.
+  Compute time is the wall time of the F / B / I / W actions (autograd only; waiting for a
+  receive and posting sends are outside it). The makespan is max(end) - min(start) of the
+  ranks' schedule runs (time.perf_counter stamps, one host), so a rank that finishes early idles
+  until the last one is done, as in the theory; the loss broadcast and optimizer step are outside.
+  Idle time is therefore: waiting for the other stage's data (the schedule bubble, plus the time
+  the other stage's extra work takes when stages are unequal), transfer latency, and runtime
+  overhead (posting sends / receives, Python between actions).
+* sim (measured stages): the schedule simulated (``validate_schedule``) with zero transfer cost and
+  the measured mean time of each (action kind, stage): the bubble this schedule must have with
+  these unequal stages. measured - sim is what transfers, runtime overhead and machine noise add.
+* theory (equal stages): (p-1)/(m+p-1) for 1F1B, (p-1)/(v m+p-1) interleaved, (p-1)/(3m+p-1)
+  ZB-H1 (F = I = W); it holds only for stages of equal cost, which no split of this GPT achieves.
+
+The per-stage line lists each stage's measured compute per micro-batch (ms; F + B, or F + I + W).
+Compute is wall time: on a machine with fewer free cores than processes (pp=4 on 2 cores, or any
+shared machine), "compute" of one rank includes time its core was taken by another process, so
+the GPT rows there do not measure the schedule.
+
+Synthetic run (``--sleep-ms MS``): the GPT is replaced by pp * v equal stages that sleep (forward
+MS / v per micro-batch; backward MS / v on the input-gradient path and MS / v on the weight-gradient
+path, so F = I = W) on activations of the GPT's shape. Sleeping leaves the cores free, so this
+measures the schedules' bubble at any pp on any machine, with stages exactly equal: measured -
+theory is then transfer latency plus runtime overhead, and tokens/s vs torch compares the two
+runtimes alone (same schedule, same transfers, no compute to hide behind).
+
+Never asserts on time.
 
 Full run (quiet machine):  python bench/pipeline.py
+Old split:                 python bench/pipeline.py --partition type:Block
+Runtime/schedule only:     python bench/pipeline.py --sleep-ms 20
 Smoke run:                 python bench/pipeline.py --smoke
 """
 
@@ -65,7 +102,43 @@ class _RssPeak:
         return self.peak / 2**20
 
 
-def _build(system, cfg, topo, microbatches):
+def _sleep_layer_cls():
+    """SleepLayer (built lazily: torch is imported inside the workers)."""
+    import torch
+
+    class _Sleep(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t, seconds):
+            ctx.seconds = seconds
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            time.sleep(ctx.seconds)
+            return grad, None
+
+    class SleepLayer(torch.nn.Module):
+        """Synthetic stage of equal cost that leaves the cores free: the forward sleeps ``seconds``; the
+        backward sleeps ``seconds`` on the input-gradient path (I) and ``seconds`` on the
+        weight-gradient path (W), so F = I = W and B = 2 F, the costs the theoretical bubbles assume."""
+
+        def __init__(self, seconds: float) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(()))
+            self.seconds = seconds
+
+        def forward(self, x):
+            time.sleep(self.seconds)
+            return _Sleep.apply(x, self.seconds) * _Sleep.apply(self.weight, self.seconds)
+
+    return SleepLayer
+
+
+def _synthetic_loss(out, target):
+    return out.mean()
+
+
+def _build(system, cfg, topo, microbatches, partition, sleep_ms):
     """A fresh model split into this rank's stage(s); returns (step_fn, params, runtime or None)."""
     import torch
     from torch.distributed import pipelining as tp
@@ -74,22 +147,27 @@ def _build(system, cfg, topo, microbatches):
     from lightning_scale.pipeline import PipelineRuntime, build_stage, gpt_pipeline_layers
 
     torch.manual_seed(0)
-    gpt = GPT(cfg)
     v = V[system]
-    stage = build_stage(gpt_pipeline_layers(gpt), pp=topo.pp, pp_rank=topo.pp_rank, virtual_stages=v,
-                        partition="type:Block")
+    if sleep_ms:
+        # one layer per stage; a rank's v chunks together cost sleep_ms per micro-batch forward
+        sleep_layer = _sleep_layer_cls()
+        layers, loss_fn = [sleep_layer(sleep_ms / 1e3 / v) for _ in range(topo.pp * v)], _synthetic_loss
+        partition = "uniform"
+    else:
+        layers, loss_fn = gpt_pipeline_layers(GPT(cfg)), lm_loss
+    stage = build_stage(layers, pp=topo.pp, pp_rank=topo.pp_rank, virtual_stages=v, partition=partition)
     params = list(stage.parameters())
     if system.startswith("ls"):
         name = {"ls 1f1b": "1f1b", "ls interleaved": "interleaved_1f1b", "ls zero_bubble": "zero_bubble"}[system]
-        rt = PipelineRuntime(stage, pp_group=topo.pp_group, pp_ranks=topo.axis_ranks("pp"), loss_fn=lm_loss,
+        rt = PipelineRuntime(stage, pp_group=topo.pp_group, pp_ranks=topo.axis_ranks("pp"), loss_fn=loss_fn,
                              microbatches=microbatches, schedule=name)
         return (lambda x, y: rt.train_step(x, y)), params, rt
     stages = [tp.PipelineStage(stage.chunk(s), s, stage.num_stages, torch.device("cpu"), group=topo.pp_group)
               for s in stage.stage_ids]
     if v == 1:
-        sched = tp.Schedule1F1B(stages[0], n_microbatches=microbatches, loss_fn=lm_loss)
+        sched = tp.Schedule1F1B(stages[0], n_microbatches=microbatches, loss_fn=loss_fn)
     else:
-        sched = tp.ScheduleInterleaved1F1B(stages, n_microbatches=microbatches, loss_fn=lm_loss)
+        sched = tp.ScheduleInterleaved1F1B(stages, n_microbatches=microbatches, loss_fn=loss_fn)
 
     def step(x, y):
         if stage.is_first and stage.is_last:
@@ -104,7 +182,7 @@ def _build(system, cfg, topo, microbatches):
     return step, params, None
 
 
-def _bench_worker(rank, world_size, cfg_kw, batch, microbatches, steps, rounds):
+def _bench_worker(rank, world_size, cfg_kw, batch, microbatches, steps, rounds, partition, sleep_ms):
     import torch
 
     from lightning_scale.models.gpt import GPTConfig, make_batch
@@ -112,12 +190,16 @@ def _bench_worker(rank, world_size, cfg_kw, batch, microbatches, steps, rounds):
 
     topo = Topology(pp=world_size, rank=rank).build_groups()
     cfg = GPTConfig(**cfg_kw)
-    x, y = make_batch(cfg, batch, seed=0)
-    out = {s: {"tok_s": [], "rss_mb": 0.0, "bubble": []} for s in SYSTEMS}
+    if sleep_ms:  # synthetic stages pass activations of the GPT's shape
+        x = y = torch.randn(batch, cfg.seq_len, cfg.d_model, generator=torch.Generator().manual_seed(0))
+    else:
+        x, y = make_batch(cfg, batch, seed=0)
+    # per ls system and step: (start, end, compute_s, {(kind, stage): compute seconds})
+    out = {s: {"tok_s": [], "rss_mb": 0.0, "timing": []} for s in SYSTEMS}
     for rnd in range(rounds):
         order = SYSTEMS[rnd % len(SYSTEMS):] + SYSTEMS[:rnd % len(SYSTEMS)]
         for system in order:
-            step, params, rt = _build(system, cfg, topo, microbatches)
+            step, params, rt = _build(system, cfg, topo, microbatches, partition, sleep_ms)
             opt = torch.optim.AdamW(params, lr=1e-4)
             step(x, y)  # warm-up: shapes exchanged, allocator primed
             opt.step()
@@ -130,7 +212,7 @@ def _bench_worker(rank, world_size, cfg_kw, batch, microbatches, steps, rounds):
                     opt.step()
                     opt.zero_grad(set_to_none=True)
                     if rt is not None:
-                        out[system]["bubble"].append(1.0 - rt.last_compute_s / rt.last_step_s)
+                        out[system]["timing"].append((*rt.last_window, rt.last_compute_s, dict(rt.last_action_s)))
                 torch.distributed.barrier(topo.pp_group)
                 elapsed = time.perf_counter() - t0
             out[system]["tok_s"].append(steps * batch * cfg.seq_len / elapsed)
@@ -145,22 +227,53 @@ def _theory(system, pp, m):
     return (pp - 1) / (V[system] * m + pp - 1)
 
 
+def _bubbles(system, pp, results, microbatches):
+    """(measured bubble, simulated bubble for the measured stage times, {(kind, stage): mean ms per micro-batch})."""
+    from lightning_scale.pipeline.schedule import build_schedule
+    from lightning_scale.pipeline.validate import validate_schedule
+
+    steps = len(results[0][system]["timing"])
+    measured, action_s = [], {}
+    for k in range(steps):
+        rows = [r[system]["timing"][k] for r in results]
+        makespan = max(row[1] for row in rows) - min(row[0] for row in rows)
+        measured.append(1.0 - sum(row[2] for row in rows) / (pp * makespan))
+        for row in rows:
+            for key, sec in row[3].items():
+                action_s.setdefault(key, []).append(sec / microbatches)
+    costs = {key: statistics.mean(v) for key, v in action_s.items()}
+    name = {"ls 1f1b": "1f1b", "ls interleaved": "interleaved_1f1b", "ls zero_bubble": "zero_bubble"}[system]
+    sim = validate_schedule(build_schedule(name, pp, microbatches, V[system]), costs=costs).bubble_fraction
+    return statistics.mean(measured), sim, costs
+
+
 def _report(pp, results, microbatches):
     print(f"\n## pp={pp} ({pp} processes), {microbatches} micro-batches")
-    print("| system | tokens/s | vs torch | peak RSS MB per stage | bubble measured | bubble theory |")
-    print("|---|---|---|---|---|---|")
+    print("| system | tokens/s | vs torch | peak RSS MB per stage | bubble measured | bubble sim (measured stages) "
+          "| bubble theory (equal stages) |")
+    print("|---|---|---|---|---|---|---|")
+    stage_lines = []
     for system in SYSTEMS:
         tok = statistics.median(results[0][system]["tok_s"])
         peer = PEER.get(system)
         ratio = f"{tok / statistics.median(results[0][peer]['tok_s']):.2f}x" if peer else ""
         rss = " / ".join(f"{r[system]['rss_mb']:.0f}" for r in results)
+        theory = f"{_theory(system, pp, microbatches):.3f}"
         if system.startswith("ls"):
-            measured = statistics.mean(b for r in results for b in r[system]["bubble"])
-            bubble = f"{measured:.3f}"
-            theory = f"{_theory(system, pp, microbatches):.3f}"
+            measured, sim, costs = _bubbles(system, pp, results, microbatches)
+            bubble, simulated = f"{measured:.3f}", f"{sim:.3f}"
+            per_stage = {}
+            for (kind, s), ms in costs.items():
+                per_stage.setdefault(s, []).append((kind, ms * 1e3))
+            stage_lines.append(f"{system}: " + "; ".join(
+                f"stage {s} " + " + ".join(f"{k} {ms:.1f}" for k, ms in sorted(per_stage[s], key=lambda x: "FBIW".index(x[0])))
+                + f" = {sum(ms for _, ms in per_stage[s]):.1f}" for s in sorted(per_stage)))
         else:
-            bubble, theory = "n/a", f"{_theory(system, pp, microbatches):.3f}"
-        print(f"| {system} | {tok:,.0f} | {ratio} | {rss} | {bubble} | {theory} |")
+            bubble = simulated = "n/a"
+        print(f"| {system} | {tok:,.0f} | {ratio} | {rss} | {bubble} | {simulated} | {theory} |")
+    print("\ncompute per micro-batch, ms (mean over steps and rounds):")
+    for line in stage_lines:
+        print(f"- {line}")
 
 
 def main() -> None:
@@ -175,20 +288,41 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--partition", default="compute",
+                        help="pipeline split method for both systems (compute, parameters, uniform, type:Block)")
+    parser.add_argument("--sleep-ms", type=float, default=0.0,
+                        help="synthetic run: instead of the GPT, equal stages that sleep this many ms per micro-batch "
+                             "forward (2x backward), leaving the cores free: measures schedule + transfers + runtime "
+                             "overhead, at any pp, on any machine")
     parser.add_argument("--smoke", action="store_true", help="tiny model, 1 round, 1 step")
     args = parser.parse_args()
     if args.smoke:
         args.d_model, args.vocab, args.seq, args.batch, args.microbatches = 64, 512, 32, 8, 4
         args.steps, args.rounds = 1, 1
+    from lightning_scale.models.gpt import GPT, GPTConfig
+    from lightning_scale.pipeline import gpt_pipeline_layers
+    from lightning_scale.pipeline.partition import partition_layers
     from lightning_scale.testing import run_distributed
 
     cfg_kw = dict(vocab_size=args.vocab, seq_len=args.seq, n_layer=args.layers, n_head=args.heads,
                   d_model=args.d_model)
     print(f"GPT {cfg_kw}, batch {args.batch} x seq {args.seq}, {args.steps} steps x {args.rounds} rounds, "
-          f"split type:Block; torch {__import__('torch').__version__}")
+          f"split {args.partition}; torch {__import__('torch').__version__}")
+    if args.sleep_ms:
+        print(f"SYNTHETIC: no GPT; pp * v equal stages sleeping {args.sleep_ms} ms / v per micro-batch forward, "
+              f"2x that backward (F = I = W); activations of shape ({args.batch // args.microbatches}, {args.seq}, "
+              f"{args.d_model}) fp32")
+    else:
+        layers = list(gpt_pipeline_layers(GPT(GPTConfig(**cfg_kw))))
+        names = ["emb" if k == 0 else "head" if k == len(layers) - 1 else "b" for k in range(len(layers))]
+        for pp in args.pp:
+            for v in sorted(set(V.values())):
+                bounds = partition_layers(layers, pp * v, args.partition)
+                print(f"pp={pp} v={v} stages: " + " | ".join(
+                    "+".join(names[bounds[s]:bounds[s + 1]]) for s in range(len(bounds) - 1)))
     for pp in args.pp:
-        results = run_distributed(_bench_worker, pp, (cfg_kw, args.batch, args.microbatches, args.steps, args.rounds),
-                                  timeout=3600)
+        results = run_distributed(_bench_worker, pp, (cfg_kw, args.batch, args.microbatches, args.steps, args.rounds,
+                                                      args.partition, args.sleep_ms), timeout=3600)
         _report(pp, results, args.microbatches)
 
 

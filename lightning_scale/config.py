@@ -106,9 +106,10 @@ class PipelineConfig:
         _check_choice("pipeline.schedule", self.schedule, SCHEDULES)
         if self.virtual_stages < 1:
             raise ConfigError(f"pipeline.virtual_stages={self.virtual_stages} must be >= 1")
-        if self.partition not in ("uniform", "parameters") and not self.partition.startswith("type:"):
+        if self.partition not in ("uniform", "parameters", "compute") and not self.partition.startswith("type:"):
             raise ConfigError(
-                f"pipeline.partition={self.partition!r}: use 'uniform', 'parameters' or 'type:<regex on class names>'"
+                f"pipeline.partition={self.partition!r}: use 'uniform', 'parameters', 'compute' or "
+                "'type:<regex on class names>'"
             )
         if self.virtual_stages > 1 and self.schedule != "interleaved_1f1b":
             raise ConfigError(

@@ -6,6 +6,13 @@ Methods (DeepSpeed's names):
 * ``"parameters"``: balance the parameter count, so the embedding and the head (often the largest
   layers of a language model) weigh what they hold. A parameter shared by two layers (a tied
   embedding / head) counts in both, because both stages store and update a copy;
+* ``"compute"``: balance an estimate of the compute per token: the parameters of every module
+  except embedding tables (``nn.Embedding`` / ``nn.EmbeddingBag``). A dense layer's forward and
+  backward cost is proportional to the weights it multiplies by, while an embedding is a lookup
+  whose cost does not grow with its table. For a GPT this is what balances stage *time*:
+  ``"parameters"`` counts the embedding table like the LM head, so at pp=2 it gives the same
+  split as ``"type:Block"`` (embedding + half the blocks | half the blocks + head), which leaves
+  the head's d x vocab matmul and cross-entropy as extra work on the last stage;
 * ``"type:REGEX"``: balance the number of layers whose class name matches ``REGEX``
   (case-insensitive, e.g. ``"type:Block"``); other layers ride with the matching layer before
   them (leading ones with the first stage), so the embedding lands on the first stage and the
@@ -24,7 +31,8 @@ import torch.nn as nn
 
 from lightning_scale.config import ConfigError
 
-METHODS = ("uniform", "parameters", "type:REGEX")
+METHODS = ("uniform", "parameters", "compute", "type:REGEX")
+_LOOKUPS = (nn.Embedding, nn.EmbeddingBag)
 
 
 def partition_layers(layers: Sequence[nn.Module], num_stages: int, method: str = "parameters") -> List[int]:
@@ -41,6 +49,8 @@ def partition_layers(layers: Sequence[nn.Module], num_stages: int, method: str =
         return uniform_bounds(n, num_stages)
     if method == "parameters":
         return balanced_bounds([float(layer_numel(layer)) for layer in layers], num_stages)
+    if method == "compute":
+        return balanced_bounds([float(layer_compute(layer)) for layer in layers], num_stages)
     if isinstance(method, str) and method.startswith("type:"):
         return _type_bounds(layers, num_stages, method[len("type:"):])
     raise ConfigError(f"pipeline.partition={method!r} is unknown; use one of {', '.join(METHODS)}")
@@ -48,6 +58,19 @@ def partition_layers(layers: Sequence[nn.Module], num_stages: int, method: str =
 
 def layer_numel(layer: nn.Module) -> int:
     return sum(p.numel() for p in layer.parameters())
+
+
+def layer_compute(layer: nn.Module) -> int:
+    """Compute weight of ``layer`` for ``"compute"``: parameters outside embedding tables (each counted once)."""
+    seen, total = set(), 0
+    for module in layer.modules():
+        if isinstance(module, _LOOKUPS):
+            continue
+        for p in module.parameters(recurse=False):
+            if id(p) not in seen:
+                seen.add(id(p))
+                total += p.numel()
+    return total
 
 
 def uniform_bounds(n: int, num_stages: int) -> List[int]:

@@ -61,6 +61,8 @@ class _Step:
     losses: List[torch.Tensor] = field(default_factory=list)
     results: Dict[int, torch.Tensor] = field(default_factory=dict)  # eval outputs by micro-batch
     compute_s: float = 0.0
+    wait_s: float = 0.0  # blocked in receives (data from a peer) and in the final wait for sends
+    action_s: dict[tuple[str, int], float] = field(default_factory=dict)  # (kind, stage) -> compute seconds
 
 
 class PipelineRuntime:
@@ -102,7 +104,16 @@ class PipelineRuntime:
         self.device = next((p.device for p in stage.parameters()), torch.device("cpu"))
         split = sch.splits_backward
         self._splitters = {s: WeightGradSplitter(stage.chunk(s)) for s in stage.stage_ids} if split else {}
-        self.last_compute_s = self.last_step_s = 0.0  # this rank's busy time and wall time of the last step
+        # Timing of this rank's last schedule run (not the tied-gradient sum, not the loss broadcast):
+        # wall time, compute (F/B/I/W), time blocked on peers (receives, final wait for sends),
+        # compute per (action kind, stage), and the (start, end) time.perf_counter() stamps. On one
+        # host perf_counter is the system monotonic clock, so stamps of different ranks compare:
+        # max(end) - min(start) over the pipeline ranks is the step's makespan, the window in which
+        # the schedule's bubble (the idle share of p * makespan) is defined. A rank's own
+        # last_step_s misses the time it idles after its last action while others still work.
+        self.last_compute_s = self.last_step_s = self.last_wait_s = 0.0
+        self.last_action_s: dict[tuple[str, int], float] = {}
+        self.last_window: tuple[float, float] = (0.0, 0.0)
         self.sync_tied_parameters()
 
     def _check_group(self, pp_group) -> None:
@@ -195,8 +206,12 @@ class PipelineRuntime:
                 self._post_recv(ahead, step)
                 posted += 1
         if self.p2p is not None:
+            t0 = time.perf_counter()
             self.p2p.wait_sends()
-        self.last_compute_s, self.last_step_s = step.compute_s, time.perf_counter() - start
+            step.wait_s += time.perf_counter() - t0
+        end = time.perf_counter()
+        self.last_compute_s, self.last_step_s, self.last_window = step.compute_s, end - start, (start, end)
+        self.last_wait_s, self.last_action_s = step.wait_s, step.action_s
 
     def _recv_channel(self, a: S.Action, step: _Step) -> Tuple[int, str, tuple]:
         if a.kind == S.RECV_F:
@@ -217,11 +232,14 @@ class PipelineRuntime:
         else:
             s, i = a.stage, a.microbatch
             # wait for the data first, so compute_s measures compute only (the rest is bubble)
+            t0 = time.perf_counter()
             if kind == S.F:
                 x = self._forward_input(s, i, step)
             elif kind in (S.B, S.I):
                 grad = self._output_grad(s, i, step)
-            t0 = time.perf_counter()
+            t1 = time.perf_counter()
+            step.wait_s += t1 - t0
+            t0 = t1
             if kind == S.F:
                 self._forward(s, i, x, step)
             elif kind in (S.B, S.I):
@@ -230,7 +248,9 @@ class PipelineRuntime:
                 backward_weight(step.weight_work.pop((s, i)))
             else:
                 raise S.ScheduleError(f"unknown action {a}")
-            step.compute_s += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            step.compute_s += dt
+            step.action_s[(kind, s)] = step.action_s.get((kind, s), 0.0) + dt
 
     def _peer(self, direction: int) -> int:
         return self.pp_ranks[(self.stage.pp_rank + direction) % self.stage.pp]

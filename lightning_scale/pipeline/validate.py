@@ -40,13 +40,19 @@ class ScheduleStats:
         return sum(self.idle) / (len(self.idle) * self.makespan) if self.makespan else 0.0
 
 
-def validate_schedule(schedule: Schedule, costs: Optional[Mapping[str, float]] = None,
+def validate_schedule(schedule: Schedule, costs: Optional[Mapping[object, float]] = None,
                       latency: float = 0.0) -> ScheduleStats:
-    """Raise ScheduleError if ``schedule`` is invalid; return its simulated statistics."""
+    """Raise ScheduleError if ``schedule`` is invalid; return its simulated statistics.
+
+    ``costs`` maps an action kind (``"F"``, ``"B"``, ``"I"``, ``"W"``) to its cost on every stage,
+    and/or ``(kind, stage)`` to its cost on one stage (e.g. measured per-stage times, so the
+    simulated bubble includes stage imbalance); missing entries fall back to :data:`DEFAULT_COSTS`.
+    """
     if len(schedule.actions) != schedule.num_ranks:
         raise ScheduleError(f"schedule {schedule.name!r} lists {len(schedule.actions)} ranks, expected "
                             f"{schedule.num_ranks}")
-    cost = dict(DEFAULT_COSTS, **(costs or {}))
+    cost: dict[object, float] = dict(DEFAULT_COSTS)
+    cost.update(costs or {})
     peaks = tuple(_check_rank(schedule, r) for r in range(schedule.num_ranks))
     _check_complete(schedule)
     _check_matching(schedule)
@@ -166,8 +172,11 @@ def _check_matching(sch: Schedule) -> None:
                 )
 
 
-def simulate(sch: Schedule, cost: Mapping[str, float], latency: float = 0.0) -> Tuple[float, List[float]]:
-    """Run every rank's list with blocking receives and non-blocking sends; return (makespan, busy)."""
+def simulate(sch: Schedule, cost: Mapping[object, float], latency: float = 0.0) -> Tuple[float, List[float]]:
+    """Run every rank's list with blocking receives and non-blocking sends; return (makespan, busy).
+
+    ``cost[(kind, stage)]``, when present, overrides ``cost[kind]`` for that stage.
+    """
     p = sch.num_ranks
     ptr, clock, busy = [0] * p, [0.0] * p, [0.0] * p
     posted: Dict[Tuple[str, int, int], float] = {}  # (kind, sending stage, mb) -> time the send was posted
@@ -179,8 +188,9 @@ def simulate(sch: Schedule, cost: Mapping[str, float], latency: float = 0.0) -> 
             while ptr[r] < len(acts):
                 a = acts[ptr[r]]
                 if a.kind in COMPUTE:
-                    clock[r] += cost[a.kind]
-                    busy[r] += cost[a.kind]
+                    c = cost.get((a.kind, a.stage), cost[a.kind])
+                    clock[r] += c
+                    busy[r] += c
                 elif a.kind in (SEND_F, SEND_B):
                     posted[(a.kind, a.stage, a.microbatch)] = clock[r]
                 else:

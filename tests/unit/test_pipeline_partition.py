@@ -59,6 +59,23 @@ def test_parameters_method_accounts_embedding_and_head():
     assert partition_layers(layers, 3, "uniform") == [0, 2, 4, 6]
 
 
+def test_compute_method_ignores_embedding_tables_and_balances_the_head():
+    """'compute' weighs a layer by the parameters it multiplies by: the embedding lookup weighs nothing, the
+    d x vocab head weighs what it holds, so the last stage gets fewer blocks."""
+    from lightning_scale.models import gpt_small
+    from lightning_scale.pipeline.partition import layer_compute
+
+    gpt = GPT(gpt_small(n_layer=8))  # vocab 8192, d 256: the head = 2.7 blocks
+    layers = list(gpt_pipeline_layers(gpt))
+    assert layer_compute(layers[0]) == 0  # token + position embedding tables
+    assert layer_compute(layers[-1]) > 2 * layer_compute(layers[1])
+    assert partition_layers(layers, 2, "compute") == [0, 6, 10], describe_partition(layers, [0, 6, 10])
+    assert partition_layers(layers, 2, "parameters") == [0, 5, 10]  # embedding counted like the head
+    from lightning_scale.config import PipelineConfig
+
+    PipelineConfig(partition="compute").validate(pp=2)  # accepted by the strategy config too
+
+
 def test_type_regex_balances_matching_layers_and_keeps_embedding_first_head_last():
     layers = list(gpt_pipeline_layers(GPT(gpt_tiny(n_layer=4))))
     assert partition_layers(layers, 2, "type:block") == [0, 3, 6]  # [emb, b0, b1] [b2, b3, head]

@@ -53,6 +53,11 @@ def test_single_rank_runtime_matches_autograd(schedule, v, tie):
     for n, p in gpt.named_parameters():
         torch.testing.assert_close(p.grad, ref[n], rtol=0, atol=1e-12, msg=n)
     assert rt.last_step_s >= rt.last_compute_s > 0
+    # the per-(kind, stage) compute times add up to the compute total; the window spans the step
+    assert sum(rt.last_action_s.values()) == pytest.approx(rt.last_compute_s, rel=1e-9)
+    assert {s for _, s in rt.last_action_s} == set(rt.stage.stage_ids)
+    start, end = rt.last_window
+    assert end - start == pytest.approx(rt.last_step_s, rel=1e-9) and rt.last_wait_s >= 0
 
 
 def test_gradients_accumulate_over_steps_and_scale():

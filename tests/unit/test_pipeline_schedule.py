@@ -147,3 +147,13 @@ def test_describe_lists_every_rank():
     text = build_schedule("1f1b", 2, 2).describe()
     assert text.splitlines()[0].startswith("rank 0: F(s0,m0) SEND_F(s0,m0)->r1")
     assert len(text.splitlines()) == 2
+
+
+def test_per_stage_costs_put_stage_imbalance_into_the_simulated_bubble():
+    """costs[(kind, stage)] overrides costs[kind] on one stage: a last stage twice as slow idles the first."""
+    sch = build_schedule("1f1b", 2, 8)
+    even = validate_schedule(sch, {F: 1.0, B: 2.0})
+    assert even.bubble_fraction == pytest.approx(1 / 9)  # (p - 1) / (m + p - 1)
+    slow = validate_schedule(sch, {F: 1.0, B: 2.0, (F, 1): 2.0, (B, 1): 4.0})
+    assert slow.bubble_fraction > even.bubble_fraction + 0.1
+    assert slow.makespan > 2 * 8 * 3.0 - 1e-9  # the slow stage's own work bounds the step
