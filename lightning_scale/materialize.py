@@ -2,8 +2,9 @@
 
 The contract (also ZeRO-3's, see docs/zero3.md): a module's parameters are initialized by the nearest ancestor
 that defines ``init_module(name, module)`` (``name`` relative to that ancestor; the project's GPT does, and its
-values depend only on a seed and the name, so they equal a plain single-process init), else by the module's own
-``reset_parameters()``. Parameters keep their identity (``torch.utils.swap_tensors``), so optimizers and
+values depend only on a seed and the name, so they equal a plain single-process init) or, for Hugging Face
+models, ``_init_weights(module)``; else by the module's own ``reset_parameters()``. Tensor-parallel layers are
+initialized as full-size dense twins under the same name, then sliced. Parameters keep their identity (``torch.utils.swap_tensors``), so optimizers and
 partitions built from them stay valid.
 """
 
@@ -18,21 +19,68 @@ Owners = List[Tuple[str, nn.Module]]
 
 
 def init_owners(root: nn.Module) -> Owners:
-    """Modules under ``root`` that define ``init_module``, deepest first (the nearest ancestor wins)."""
-    owners = [(n, m) for n, m in root.named_modules() if callable(getattr(m, "init_module", None))]
+    """Modules under ``root`` that define ``init_module`` (or Hugging Face's ``_init_weights``), deepest first
+    (the nearest ancestor wins)."""
+    owners = [(n, m) for n, m in root.named_modules()
+              if callable(getattr(m, "init_module", None)) or callable(getattr(m, "_init_weights", None))]
     owners.sort(key=lambda x: -len(x[0]))
     return owners
 
 
+def _dense_stand_in(module: nn.Module):
+    """A tensor-parallel layer (``weight_spec`` + ``load_full_``): an empty full-size dense twin (``nn.Linear`` /
+    ``nn.Embedding``) and the call that keeps this rank's slices of it; None for any other module."""
+    if getattr(module, "weight_spec", None) is None or not callable(getattr(module, "load_full_", None)):
+        return None
+    w = module.weight
+    dtype = w.dtype
+    if hasattr(module, "num_embeddings"):
+        with torch.device("meta"):
+            dense = nn.Embedding(module.num_embeddings, module.embedding_dim, padding_idx=module.padding_idx,
+                                 dtype=dtype)
+        dense.to_empty(device="cpu")
+        return dense, lambda: module.load_full_(dense.weight.detach())
+    with torch.device("meta"):
+        dense = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None, dtype=dtype)
+    dense.to_empty(device="cpu")
+
+    def load() -> None:
+        weight = dense.weight.detach()
+        module.load_full_(weight.t() if getattr(module, "transposed", False) else weight,
+                          None if dense.bias is None else dense.bias.detach())
+    return dense, load
+
+
 def init_one(name: str, module: nn.Module, owners: Owners) -> None:
-    """Initialize the tensors ``module`` (called ``name`` under the root) owns directly, by the contract."""
+    """Initialize the tensors ``module`` (called ``name`` under the root) owns directly, by the contract.
+
+    A tensor-parallel layer is initialized as the dense layer it replaced (a full-size twin initialized under
+    the same name, then sliced), so a model split on ``meta`` gets the values of the unsplit model's init."""
+    stand_in = _dense_stand_in(module)
+    if stand_in is not None:
+        dense, load = stand_in
+        init_one(name, dense, owners)
+        load()
+        return
     for oname, owner in owners:
         if oname == "" or name == oname or name.startswith(f"{oname}."):
-            rel = name[len(oname) + 1:] if oname and name != oname else ("" if name == oname else name)
-            owner.init_module(rel, module)
+            if callable(getattr(owner, "init_module", None)):
+                rel = name[len(oname) + 1:] if oname and name != oname else ("" if name == oname else name)
+                owner.init_module(rel, module)
+            else:
+                owner._init_weights(module)  # Hugging Face PreTrainedModel: by module type
             return
     if callable(getattr(module, "reset_parameters", None)):
         module.reset_parameters()
+
+
+def swap_in(param: nn.Parameter, value: torch.Tensor) -> None:
+    """Give ``param`` (the same Python object: optimizers, partitions and hooks keep it) the contents of a new
+    Parameter holding ``value``. ``torch.utils.swap_tensors`` also swaps ``__dict__``: attributes set on the
+    parameter (e.g. tensor-parallel ``tp_spec`` marks) are put back."""
+    attrs = dict(param.__dict__)
+    torch.utils.swap_tensors(param, nn.Parameter(value, requires_grad=param.requires_grad))
+    param.__dict__.update(attrs)
 
 
 def has_meta(module: nn.Module, recurse: bool = False) -> bool:
@@ -51,8 +99,7 @@ def materialize_(root: nn.Module, device: torch.device, keep: Callable[[str, nn.
             continue
         for p in m.parameters(recurse=False):
             if p.is_meta:
-                torch.utils.swap_tensors(p, nn.Parameter(torch.empty_like(p, device=device),
-                                                         requires_grad=p.requires_grad))
+                swap_in(p, torch.empty_like(p, device=device))
                 total += p.numel()
         for key, buf in list(m._buffers.items()):
             if buf is not None and buf.is_meta:

@@ -1,8 +1,9 @@
 """Tensor / pipeline parallelism for Zero3DStrategy: what the strategy's small hooks delegate to.
 
-Order, on every rank (``Zero3DStrategy.setup``): ``configure_model`` built the whole model -> rank 0's
-weights are broadcast -> :meth:`ModelParallel.apply`: the tp plan splits it (each rank keeps its
-slices), then the pipeline stage is cut from the split layers -> ``configure_optimizers`` -> each
+Order, on every rank (``Zero3DStrategy.setup``): ``configure_model`` built the model on the meta device (or
+for real: then rank 0's weights are broadcast) -> :meth:`ModelParallel.apply`: the tp plan splits it (each rank
+keeps its slices), then the pipeline stage is cut from the split layers; a meta model is materialized for the
+local slices / stage only (at ZeRO-3, unit by unit by the engine) -> ``configure_optimizers`` -> each
 optimizer is wrapped in a :class:`~lightning_scale.strategies.mp_engine.ModelParallelZeroOptimizer`
 (ZeRO over dp of this rank's local, trainable parameters; norm and overflow over dp x pp x tp).
 """
@@ -13,12 +14,26 @@ import contextlib
 from typing import Any, Dict, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
+from lightning_scale.comm import collectives as C
 from lightning_scale.config import ConfigError
+from lightning_scale.materialize import has_meta, materialize_
 from lightning_scale.strategies import tp_glue
 from lightning_scale.strategies.mp_engine import ModelParallelStage3Optimizer, ModelParallelZeroOptimizer
 from lightning_scale.strategies.pipeline_glue import PipelineGlue
+
+
+@torch.no_grad()
+def _materialize_tp(module: nn.Module, topology, device: torch.device) -> None:
+    """tp without pp, built on meta: every rank allocates only its slices (each tp layer initialized as its full
+    dense layer, then sliced); dp replicas take dp rank 0's values."""
+    materialize_(module, device, lambda name, m: True)
+    if C.group_size(topology.dp_group) > 1:
+        src = dist.get_global_rank(topology.dp_group, 0)
+        for t in list(module.parameters()) + list(module.buffers()):
+            C.broadcast(t.data, src=src, group=topology.dp_group, tag="init")
 
 
 class ModelParallel:
@@ -49,6 +64,8 @@ class ModelParallel:
             self.tp_name, self.tp_model = tp_glue.apply_plan(module, cfg, topo.tp_group)
         if cfg.pp > 1:
             self.pipeline = PipelineGlue(module, cfg, topo, timeout=timeout, device=device)
+        elif cfg.zero.stage < 3 and has_meta(module, recurse=True):
+            _materialize_tp(module, topo, torch.device(device) if device is not None else torch.device("cpu"))
         self.module = module
 
     # ------------------------------------------------------------------ optimizers

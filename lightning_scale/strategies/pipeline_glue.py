@@ -30,7 +30,7 @@ import torch.nn as nn
 
 from lightning_scale.comm import collectives as C
 from lightning_scale.config import ConfigError
-from lightning_scale.materialize import has_meta, materialize_
+from lightning_scale.materialize import has_meta, materialize_, swap_in
 from lightning_scale.models.gpt import lm_loss
 from lightning_scale.pipeline import PipelineRuntime, build_stage, pipeline_layers
 
@@ -79,8 +79,7 @@ class PipelineGlue:
                 p.requires_grad_(False)
                 self._freed.append((p, p.shape))
                 if p.is_meta:  # another stage's parameter, never materialized here: an empty real tensor
-                    torch.utils.swap_tensors(p, nn.Parameter(torch.empty(0, dtype=p.dtype, device=device),
-                                                             requires_grad=False))
+                    swap_in(p, torch.empty(0, dtype=p.dtype, device=device))
                 else:
                     p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         leftover = [n for n, b in module.named_buffers() if b.is_meta]
@@ -189,11 +188,9 @@ class PipelineGlue:
 @torch.no_grad()
 def _materialize_stage(module: nn.Module, stage, device: torch.device, topology) -> None:
     """A model built on ``meta`` (``configure_model`` under ``Zero3DStrategy(pp>1)``): only this rank's stage is
-    allocated and initialized (the init contract of :mod:`lightning_scale.materialize`), plus modules holding
-    buffers; the dp replicas of the stage then take dp rank 0's values. No rank ever holds the whole model."""
-    if topology.tp > 1:
-        raise ConfigError(f"tp={topology.tp}: the model was built on the meta device, but the tensor-parallel plan "
-                          "slices real weights; build it on a real device in configure_model")
+    allocated and initialized (the init contract of :mod:`lightning_scale.materialize`; tp layers as slices of
+    their full dense layers), plus modules holding buffers; the dp replicas of the stage then take dp rank 0's
+    values. No rank ever holds the whole model."""
     local = {id(t) for t in list(stage.parameters()) + list(stage.buffers())}
 
     def keep(name: str, m: nn.Module) -> bool:

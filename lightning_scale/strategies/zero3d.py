@@ -179,11 +179,11 @@ class Zero3DStrategy(ParallelStrategy):
 
     @property
     def _deferred_init(self) -> bool:
-        """Whether ``configure_model`` runs on the meta device: at ZeRO-3 (units materialized one at a time) and
-        with pipelines (each rank materializes its own stage). Not with tp: the plan slices real weights (rank
-        0's, broadcast), then ZeRO-3 shards the slices over dp."""
+        """Whether ``configure_model`` runs on the meta device: at ZeRO-3 (units materialized one at a time), with
+        pipelines (each rank materializes its own stage) and with tp (the plan splits the meta model; each rank
+        materializes only its slices, initialized as slices of the full layers)."""
         cfg = self.config
-        return cfg.tp == 1 and (cfg.zero.stage == 3 or cfg.pp > 1)
+        return cfg.zero.stage == 3 or cfg.pp > 1 or cfg.tp > 1
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -224,9 +224,11 @@ class Zero3DStrategy(ParallelStrategy):
         if self.config.zero.stage == 3:
             fitting = trainer.state.fn == TrainerFn.FITTING
             if self._model_parallel is not None and self.sharded is None:
-                # ZeRO-3 x tp: every rank takes rank 0's whole model, keeps its tp slices, then shards them over dp
-                self.model.to(self.root_device)
-                self._broadcast_module_states(self.model)
+                # ZeRO-3 x tp: the plan splits the model (on meta: ShardedParameters then materializes each unit's
+                # slices; built for real: rank 0's weights first), then the slices are sharded over dp
+                if not has_meta(self.model, recurse=True):
+                    self.model.to(self.root_device)
+                    self._broadcast_module_states(self.model)
                 self._apply_model_parallel(trainer)
             _stage3.setup_stage3(self, trainer, fitting)
             self.setup_precision_plugin()

@@ -42,7 +42,7 @@ from torch.utils._pytree import tree_flatten
 
 from lightning_scale.comm import collectives as C
 from lightning_scale.config import ConfigError
-from lightning_scale.materialize import init_one, init_owners
+from lightning_scale.materialize import init_one, init_owners, swap_in
 from lightning_scale.zero.flat_buffer import Bucket, build_buckets
 
 _HUGE = 1 << 62
@@ -307,8 +307,7 @@ class ShardedParameters:
                         # A real (empty) tensor first, then `.data` = the view: the parameter keeps a version
                         # counter of its own, so writes into the flat buffer (gathers) never look like in-place
                         # changes of a tensor autograd saved.
-                        torch.utils.swap_tensors(p, nn.Parameter(torch.empty(0, dtype=p.dtype, device=self.device),
-                                                                 requires_grad=p.requires_grad))
+                        swap_in(p, torch.empty(0, dtype=p.dtype, device=self.device))
                     else:
                         view.copy_(p.detach())
                     p.data = view
@@ -388,8 +387,7 @@ class ShardedParameters:
                 # and the buckets keep the parameters they were given.
                 for p in m.parameters(recurse=False):
                     if p.is_meta:
-                        torch.utils.swap_tensors(p, nn.Parameter(torch.empty_like(p, device=self.device),
-                                                                 requires_grad=p.requires_grad))
+                        swap_in(p, torch.empty_like(p, device=self.device))
                 for key, buf in list(m._buffers.items()):
                     if buf is not None and buf.is_meta:
                         m._buffers[key] = torch.empty_like(buf, device=self.device)
