@@ -2,7 +2,7 @@
 
 ``Zero3DStrategy(pp>1)`` runs ``configure_model`` on meta; ``PipelineGlue`` cuts the stage, then allocates and
 initializes only this rank's layers (the GPT's ``init_module`` contract), so no rank ever holds the whole model.
-Checked on pp=2 x dp=2 with a ~118M-parameter GPT: resident memory grows by about the rank's stage, not the model,
+Checked on pp=2 x dp=2 with a ~34M-parameter GPT (128 MiB): resident memory grows by about the rank's stage, not the model,
 and the stage's values equal a plain single-process init (dp replicas agree through the dp broadcast).
 """
 
@@ -19,7 +19,7 @@ from lightning_scale.testing import run_distributed
 def _cfg():
     from lightning_scale.models import GPTConfig
 
-    return GPTConfig(vocab_size=8192, seq_len=128, n_layer=8, n_head=8, d_model=1024)
+    return GPTConfig(vocab_size=8192, seq_len=128, n_layer=8, n_head=8, d_model=512)
 
 
 def _rss() -> int:
