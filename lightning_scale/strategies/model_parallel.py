@@ -11,7 +11,7 @@ optimizer is wrapped in a :class:`~lightning_scale.strategies.mp_engine.ModelPar
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -46,9 +46,13 @@ class ModelParallel:
     @staticmethod
     def check_config(config) -> None:
         """What the strategy cannot run yet, rejected on every rank before any model is touched."""
-        if config.pp > 1 and config.zero.stage == 3:
-            raise ConfigError(f"zero.stage=3 with pp={config.pp}: ZeRO-3 does not compose with pipeline parallelism "
-                              "(every micro-batch would re-gather the stage); use zero.stage 0, 1 or 2")
+        if config.pp > 1 and config.tp > 1 and config.zero.stage == 3:
+            raise ConfigError(f"zero.stage=3 with pp={config.pp} and tp={config.tp}: ZeRO-3 composes with tp or with "
+                              "pp, not with both yet; use zero.stage 1 or 2 for 3D")
+        if config.pp > 1 and config.zero.stage == 3 and config.pipeline.schedule == "zero_bubble":
+            raise ConfigError("zero.stage=3 with pipeline.schedule='zero_bubble': ZeRO-3 reduce-scatters each "
+                              "unit's gradient when its backward ends, which the deferred weight gradients of the "
+                              "zero-bubble schedule bypass; use '1f1b', 'gpipe' or 'interleaved_1f1b'")
 
     def applied_to(self, module: nn.Module) -> bool:
         return self.module is module
@@ -64,6 +68,10 @@ class ModelParallel:
             self.tp_name, self.tp_model = tp_glue.apply_plan(module, cfg, topo.tp_group)
         if cfg.pp > 1:
             self.pipeline = PipelineGlue(module, cfg, topo, timeout=timeout, device=device)
+            if cfg.zero.stage == 3 and self.pipeline.stage.tied:
+                raise ConfigError(f"zero.stage=3 with pp={cfg.pp}: parameter(s) "
+                                  f"{[t.name for t in self.pipeline.stage.tied][:3]} are shared by two pipeline "
+                                  "stages (a tied embedding / head); untie them or use zero.stage 1 or 2")
         elif cfg.zero.stage < 3 and has_meta(module, recurse=True):
             _materialize_tp(module, topo, torch.device(device) if device is not None else torch.device("cpu"))
         self.module = module
@@ -81,6 +89,23 @@ class ModelParallel:
         """ZeRO-3 x tp: the Stage3Optimizer variant whose norm / overflow / partial gradients span tp."""
         return ModelParallelStage3Optimizer, {"tp_group": self.topology.tp_group, "pp_group": self.topology.pp_group,
                                               "model": self.tp_model}
+
+    @torch.no_grad()
+    def consolidate_stage3(self, local: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """ZeRO-3: this rank's dp-gathered state (its tp slices of its pipeline stage) -> the whole model with the
+        original keys and shapes, on every rank. Collective over tp and pp."""
+        if self.tp_model is not None:
+            local = self.consolidate_tp(local)
+        if self.pipeline is None:
+            return local
+        parts: List[Optional[Dict[str, torch.Tensor]]] = [None] * self.topology.pp
+        dist.all_gather_object(parts, {k: v for k, v in local.items() if v.numel() > 0}, group=self.topology.pp_group)
+        full: Dict[str, torch.Tensor] = {}
+        for part in parts:
+            for k, v in part.items():
+                full.setdefault(k, v)
+        order = list(self.module.state_dict(keep_vars=True))
+        return {k: full[k] for k in order if k in full}
 
     def check_optimizer(self, optimizer: Any) -> None:
         if getattr(optimizer, "handles_gradient_reduction", False):

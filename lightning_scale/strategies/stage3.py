@@ -125,6 +125,7 @@ def shard_checkpoint(strategy: Any) -> Dict[str, Any]:
     """What each rank's file holds at stage 3: its parameter shards, their layout, and under tp the rank's tp
     coordinate and each split parameter's ShardSpec, so a checkpoint folder consolidates offline too."""
     out = strategy.sharded.shard_state_dict()
+    out["pp"] = {"size": strategy.topology.pp, "rank": strategy.topology.pp_rank}
     mp = getattr(strategy, "_model_parallel", None)
     if mp is not None and mp.tp_model is not None:
         from lightning_scale.tensor_parallel.sharding import tp_spec
@@ -136,12 +137,18 @@ def shard_checkpoint(strategy: Any) -> Dict[str, Any]:
     return out
 
 
+def _pipeline_freed(strategy: Any) -> bool:
+    mp = getattr(strategy, "_model_parallel", None)
+    return mp is not None and mp.pipeline is not None
+
+
 def small_state_dict(strategy: Any) -> Dict[str, Any]:
     """What the rank-0 checkpoint file holds at stage 3: buffers and frozen parameters (shards go per rank)."""
     sharded: ShardedParameters = strategy.sharded
     out: Dict[str, Any] = {}
     for p in sharded.frozen:
-        out[sharded.names[id(p)]] = p.detach().cpu()
+        if p.numel() > 0 or not _pipeline_freed(strategy):  # another pipeline stage's parameter: its own file
+            out[sharded.names[id(p)]] = p.detach().cpu()
     for name, buf in strategy.lightning_module.named_buffers():
         out[name] = buf.detach().cpu()
     return out
@@ -157,6 +164,8 @@ def load_stage3(strategy: Any, checkpoint: Dict[str, Any], strict: bool = True) 
     with torch.no_grad():
         for p in sharded.frozen:
             name = sharded.names[id(p)]
+            if p.numel() == 0 and _pipeline_freed(strategy):
+                continue  # another pipeline stage's parameter (freed here)
             if name in small:
                 p.copy_(small[name])
             elif strict:

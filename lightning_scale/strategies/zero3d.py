@@ -159,11 +159,6 @@ class Zero3DStrategy(ParallelStrategy):
         self._check_supported_model_parallel()
 
     def _check_supported_zero(self) -> None:
-        cfg = self.config
-        if cfg.zero.stage == 3 and cfg.pp > 1:
-            raise ConfigError(f"zero.stage=3 with pp={cfg.pp}: ZeRO-3 would re-gather every stage's parameters for "
-                              "each micro-batch's forward and backward; use zero.stage 1 or 2 with pipelines "
-                              "(zero.stage=3 composes with tp)")
         _stage3.check_offload(self)
 
     # ------------------------------------------------------------------ ZeRO-3 (lightning_scale/strategies/stage3.py)
@@ -192,14 +187,15 @@ class Zero3DStrategy(ParallelStrategy):
         return self.config.zero.stage == 3 or self._deferred_init
 
     def full_state_dict(self, rank0_only: bool = False) -> Dict[str, Any]:
-        """The whole model's parameters (fp32 masters where they exist) and buffers, unsharded. A collective."""
+        """The whole model's parameters (fp32 masters where they exist, else the parameters' own dtype) and buffers,
+        unsharded, with the original keys and shapes. A collective."""
         if self.sharded is None:
             if self._model_parallel is not None and self._model_parallel.module is not None:
                 return {k: v.detach().cpu() for k, v in self._model_parallel.full_state_dict().items()}
             return {k: v.detach().cpu() for k, v in self.lightning_module.state_dict().items()}
-        full = self.sharded.full_state_dict(rank0_only=False if self._model_parallel else rank0_only)
-        if self._model_parallel is not None:  # ZeRO-3 x tp: this rank's tp slices -> original keys and shapes
-            full = self._model_parallel.consolidate_tp(full)
+        full = self.sharded.full_state_dict(dtype=None, rank0_only=False if self._model_parallel else rank0_only)
+        if self._model_parallel is not None:  # tp slices -> original shapes; pipeline stages -> the whole model
+            full = self._model_parallel.consolidate_stage3(full)
             if rank0_only and self.global_rank != 0:
                 return {}
         return full

@@ -44,19 +44,23 @@ def consolidate_checkpoint(path: str, *, strip_prefix: str = "", dtype: Optional
         shards = [first[SHARD_KEY]] + [_load(os.path.join(path, f"optim_rank{r}.pt"))[SHARD_KEY]
                                        for r in range(1, world)]
         tp = int(first[SHARD_KEY].get("tp", {}).get("size", 1))
-        # per tp rank (ZeRO-3 x tp; tp rank 0 alone otherwise): the dp shards, in dp-rank order
-        by_tp: Dict[int, Dict[int, dict]] = {}
+        pp = int(first[SHARD_KEY].get("pp", {}).get("size", 1))
+        # per (pipeline stage, tp rank): the dp shards, in dp-rank order
+        groups: Dict[tuple, Dict[int, dict]] = {}
         for sh in shards:
-            by_tp.setdefault(int(sh.get("tp", {}).get("rank", 0)), {}).setdefault(int(sh["rank"]), sh)
-        if sorted(by_tp) != list(range(tp)):
-            raise ValueError(f"{path}: expected files for tp ranks 0..{tp - 1}, found {sorted(by_tp)}")
-        local = [_merge_dp(by_tp[t], first[SHARD_KEY]["layout"]) for t in range(tp)]
-        state.update(local[0])
-        if tp > 1:
-            from lightning_scale.tensor_parallel.sharding import merge_shards
+            key = (int(sh.get("pp", {}).get("rank", 0)), int(sh.get("tp", {}).get("rank", 0)))
+            groups.setdefault(key, {}).setdefault(int(sh["rank"]), sh)
+        expected = [(s, t) for s in range(pp) for t in range(tp)]
+        if sorted(groups) != expected:
+            raise ValueError(f"{path}: expected files for (pipeline stage, tp rank) {expected}, found {sorted(groups)}")
+        for s in range(pp):
+            local = [_merge_dp(groups[(s, t)], groups[(s, t)][0]["layout"]) for t in range(tp)]
+            state.update(local[0])
+            if tp > 1:
+                from lightning_scale.tensor_parallel.sharding import merge_shards
 
-            for name, spec in first[SHARD_KEY]["tp"]["specs"].items():
-                state[name] = merge_shards([local[t][name] for t in range(tp)], spec)
+                for name, spec in groups[(s, 0)][0]["tp"]["specs"].items():
+                    state[name] = merge_shards([local[t][name] for t in range(tp)], spec)
     if dtype is not None:
         state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in state.items()}
     if strip_prefix:

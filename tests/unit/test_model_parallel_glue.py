@@ -62,15 +62,16 @@ def test_norm_mask_counts_replicated_on_tp_rank_zero_and_skips_excluded():
     assert excluded.tolist() == [True] * 11 + [False] * 2
 
 
-def test_zero3_with_pipeline_parallel_is_rejected_with_tensor_parallel_allowed():
+def test_zero3_composes_with_tp_or_pp_but_not_both_nor_zero_bubble():
     from lightning_scale.config import ConfigError, from_flat_kwargs
     from lightning_scale.strategies.model_parallel import ModelParallel
 
-    with pytest.raises(ConfigError, match="zero.stage=3 with pp=2"):
-        ModelParallel.check_config(from_flat_kwargs(stage=3, pp=2))
-    with pytest.raises(ConfigError, match="zero.stage=3 with pp=2"):
+    with pytest.raises(ConfigError, match="zero.stage=3 with pp=2 and tp=2"):
         ModelParallel.check_config(from_flat_kwargs(stage=3, tp=2, pp=2))
-    ModelParallel.check_config(from_flat_kwargs(stage=3, tp=2))  # ZeRO-3 x tp composes
+    with pytest.raises(ConfigError, match="pipeline.schedule='zero_bubble'"):
+        ModelParallel.check_config(from_flat_kwargs(stage=3, pp=2, schedule="zero_bubble"))
+    ModelParallel.check_config(from_flat_kwargs(stage=3, tp=2))  # ZeRO-3 x tp
+    ModelParallel.check_config(from_flat_kwargs(stage=3, pp=2))  # ZeRO-3 x pp
     ModelParallel.check_config(from_flat_kwargs(stage=2, tp=2, pp=2))
 
 
