@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from lightning_scale.tensor_parallel.mappings import (
     _gather,
     _reduce_async,
+    _reduce_in_place,
     _reduce_scatter_async,
     gather_from_region,
     reduce_from_region,
@@ -77,6 +78,67 @@ class _ColumnLinearFn(torch.autograd.Function):
             handle.wait()
             grad_x = grad_x.to(x_full.dtype)
         return grad_x, grad_w, grad_b, None, None, None, None
+
+
+class _RowLinearFn(torch.autograd.Function):
+    """Row-parallel ``linear`` + all-reduce + bias in one node, the reduction done in place.
+
+    Forward: ``y = x W_r^T`` (this rank's partial sum, a fresh tensor), all-reduced in place, then the
+    replicated bias added in place: no defensive copy of the activation and two fewer autograd nodes
+    than ``F.linear`` -> ``reduce_from_region`` -> ``+ bias``; same values, same one all-reduce.
+    Backward (identity communication): ``grad_x = grad W_r``, ``grad_W_r = grad^T x``, ``grad_b = sum(grad)``.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, tag, transposed):
+        ctx.save_for_backward(x, weight)
+        ctx.transposed, ctx.has_bias = transposed, bias is not None
+        y = F.linear(x, weight.t() if transposed else weight)  # (*, T, out): partial sums over own inputs
+        _reduce_in_place(y, group, tag)
+        return y if bias is None else y.add_(bias)
+
+    @staticmethod
+    def backward(ctx, grad):  # grad (*, T, out), the same on every rank
+        x, weight = ctx.saved_tensors
+        w = weight.t() if ctx.transposed else weight  # (out, in_local)
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad.matmul(w.to(grad.dtype)).to(x.dtype)  # (*, T, in_local)
+        g2 = grad.reshape(-1, grad.shape[-1])  # (N, out)
+        if ctx.needs_input_grad[1]:
+            x2 = x.reshape(-1, x.shape[-1]).to(grad.dtype)  # (N, in_local)
+            grad_w = (x2.t().mm(g2) if ctx.transposed else g2.t().mm(x2)).to(weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = g2.sum(0).to(weight.dtype)
+        return grad_x, grad_w, grad_b, None, None, None
+
+
+class _VocabEmbeddingFn(torch.autograd.Function):
+    """Vocabulary-parallel lookup + all-reduce in one node: rows of other ranks zeroed, summed in place.
+
+    Same values and the same one all-reduce as ``F.embedding`` -> ``masked_fill`` -> ``reduce_from_region``,
+    without the two activation-sized copies; the backward is those ops' backward (identity communication).
+    """
+
+    @staticmethod
+    def forward(ctx, idx, weight, vocab_start, vocab_end, padding_idx, group, tag):
+        outside = (idx < vocab_start) | (idx >= vocab_end)
+        local = (idx - vocab_start).masked_fill_(outside, 0)
+        out = F.embedding(local, weight, padding_idx)  # (B, T, C), a fresh tensor
+        out.masked_fill_(outside.unsqueeze(-1), 0.0)  # other ranks own these rows
+        _reduce_in_place(out, group, tag)
+        ctx.save_for_backward(local, outside)
+        ctx.num_weights, ctx.padding_idx = weight.shape[0], -1 if padding_idx is None else padding_idx
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        if not ctx.needs_input_grad[1]:
+            return None, None, None, None, None, None, None
+        local, outside = ctx.saved_tensors
+        grad = grad.masked_fill(outside.unsqueeze(-1), 0.0)
+        grad_w = torch.ops.aten.embedding_dense_backward(grad, local, ctx.num_weights, ctx.padding_idx, False)
+        return None, grad_w, None, None, None, None, None
 
 
 def is_conv1d(module: nn.Module) -> bool:
@@ -256,6 +318,9 @@ class RowParallelLinear(_ParallelLinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (*, T, in/tp) -> (*, T, out) or (*, T/tp, out)
         if not self.input_is_parallel:
             x = scatter_to_region(x, self.group, tag=self.tag)
+        if (not self.sequence_parallel and self.tp > 1 and x.dtype == self.weight.dtype
+                and not torch.is_autocast_enabled(x.device.type)):
+            return _RowLinearFn.apply(x, self.weight, self.bias, self.group, self.tag, self.transposed)
         y = F.linear(x, self._weight())  # partial sums over this rank's input features
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_region(y, self.group, dim=-2, tag=self.tag)
@@ -320,10 +385,13 @@ class VocabParallelEmbedding(nn.Module):
         return layer
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, C) or (B, T/tp, C)
-        outside = (idx < self.vocab_start) | (idx >= self.vocab_end)
-        local = (idx - self.vocab_start).masked_fill(outside, 0)
         pad = self.padding_idx
         local_pad = pad - self.vocab_start if pad is not None and self.vocab_start <= pad < self.vocab_end else None
+        if not self.sequence_parallel and self.tp > 1:
+            return _VocabEmbeddingFn.apply(idx, self.weight, self.vocab_start, self.vocab_end, local_pad, self.group,
+                                           self.tag)
+        outside = (idx < self.vocab_start) | (idx >= self.vocab_end)
+        local = (idx - self.vocab_start).masked_fill(outside, 0)
         out = F.embedding(local, self.weight, local_pad)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)  # other ranks own these rows
         if self.sequence_parallel:

@@ -44,6 +44,12 @@ def _reduce(x: torch.Tensor, group, tag: str) -> torch.Tensor:
     return out
 
 
+def _reduce_in_place(x: torch.Tensor, group, tag: str) -> torch.Tensor:
+    """Sum ``x`` over the group in place; only for a fresh tensor nothing else refers to yet."""
+    collectives.all_reduce(x, group, tag=tag)
+    return x
+
+
 def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     """This rank's contiguous chunk of ``x`` along ``dim``."""
     n = collectives.group_size(group)

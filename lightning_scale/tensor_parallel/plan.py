@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 
 from lightning_scale.config import ConfigError
+from lightning_scale.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from lightning_scale.tensor_parallel.hf import default_plan, is_hf_model
 from lightning_scale.tensor_parallel.layers import (
     ColumnParallelLinear,
@@ -342,7 +343,8 @@ def _patch_gpt_loss(model: nn.Module, state: TensorParallelState) -> None:
     from lightning_scale.models.gpt import GPT
 
     if isinstance(model, GPT) and state.vocab_size is not None:
-        def loss(idx, targets):
-            return state.cross_entropy(model(idx), targets)
+        def loss(idx, targets):  # the logits live only here: the loss may overwrite them
+            return vocab_parallel_cross_entropy(model(idx), targets, state.group, vocab_size=state.vocab_size,
+                                                inplace=True)
 
         model.loss = loss
