@@ -19,7 +19,8 @@ TP = ["--devices", "4", "--option", "tp=2"]
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("stage", [1, 2, 3])
+# stage 2 with dp=2 x tp=2 is checked at float64 in tests/dist/test_tp_zero.py; here stage 1 and stage 3
+@pytest.mark.parametrize("stage", [1, 3])
 def test_tp2_dp2_losses_match_single_process(tmp_path, single, stage):
     ckpt = ["--ckpt-dir", str(tmp_path / "ckpt")] if stage == 3 else []
     run = fit(tmp_path, f"tp2-zero{stage}", *TP, "--option", f"stage={stage}", *COMMON, "--record-batches",
@@ -74,19 +75,6 @@ def test_tp2_checkpoint_resume_gives_identical_losses(tmp_path):
     assert all((first / f"optim_rank{r}.pt").exists() for r in range(2))
     saved = torch.load(first / "checkpoint.pt", weights_only=False)["state_dict"]
     assert saved["model.lm_head.weight"].shape == (64, 32)  # full, not the (32, 32) slice of tp rank 0
-    resumed = fit(tmp_path, "resumed", *args, "--resume", str(first))
-    assert resumed["losses"] == full["losses"][4:]
-
-
-@pytest.mark.timeout(150)
-def test_tp2_zero3_checkpoint_resume_gives_identical_losses(tmp_path):
-    """dp=2 x tp=2 at ZeRO-3: each rank's file holds its dp shard of its tp slices; resume is bit-identical."""
-    args = [*TP, "--option", "stage=3", "--steps", "4", "--accumulate", "2", "--clip", "0.5",
-            "--epoch-batches", "4", "--no-predict"]
-    ckpt = tmp_path / "ckpt"
-    full = fit(tmp_path, "full", *args, "--ckpt-dir", str(ckpt))
-    first = ckpt / "epoch=0-step=2.ckpt"
-    assert all((first / f"optim_rank{r}.pt").exists() for r in range(4))
     resumed = fit(tmp_path, "resumed", *args, "--resume", str(first))
     assert resumed["losses"] == full["losses"][4:]
 

@@ -95,7 +95,7 @@ def test_presets_registered():
     assert StrategyRegistry["zero1"]["init_params"] == {"stage": 1}
 
 
-@pytest.mark.parametrize("strategy", ["zero1", "zero2"])
+@pytest.mark.parametrize("strategy", ["zero2"])  # the stage that reduces in backward hooks; stage 1 shares the step
 def test_gan_two_optimizers_manual_optimization(tmp_path, strategy):
     import torch
 
