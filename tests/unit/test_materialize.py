@@ -1,0 +1,64 @@
+"""The deferred-init contract (lightning_scale/materialize.py) that ZeRO-3, tp and pipelines share."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_scale.materialize import has_meta, init_owners, materialize_, swap_in
+
+
+def test_gpt_built_on_meta_materializes_to_the_plain_init_bit_for_bit():
+    from lightning_scale.models import GPT, gpt_tiny
+
+    cfg = gpt_tiny(n_layer=2, tie_weights=True)
+    torch.manual_seed(3)
+    ref = GPT(cfg)
+    torch.manual_seed(3)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    params = list(model.parameters())
+    assert materialize_(model, torch.device("cpu"), lambda name, m: True) == sum(p.numel() for p in params)
+    assert not has_meta(model, recurse=True)
+    assert all(a is b for a, b in zip(params, model.parameters()))  # same objects: optimizers keep them
+    assert model.lm_head.weight is model.wte.weight
+    for (name, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_keep_materializes_only_the_selected_modules():
+    from lightning_scale.models import GPT, gpt_tiny
+
+    with torch.device("meta"):
+        model = GPT(gpt_tiny(n_layer=2))
+    materialize_(model, torch.device("cpu"), lambda name, m: name.startswith("blocks.1"))
+    assert not has_meta(model.blocks[1], recurse=True)
+    assert model.blocks[0].attn.qkv.weight.is_meta and model.wte.weight.is_meta
+
+
+def test_hugging_face_model_uses_its_own_init_weights():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                   initializer_range=0.02)
+    ref = transformers.LlamaForCausalLM(cfg)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg)
+    assert any(name == "model" for name, _ in init_owners(model))  # the PreTrainedModel owns its modules
+    materialize_(model, torch.device("cpu"), lambda name, m: True)
+    assert not has_meta(model, recurse=True)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            assert torch.equal(p, torch.ones_like(p)), name
+        else:  # normal(0, initializer_range), not nn.Linear's kaiming-uniform (std ~0.1 at fan-in 32)
+            assert abs(p.std().item() - 0.02) < 0.006, (name, p.std().item())
+    for (name, a), b in zip(model.named_buffers(), ref.buffers()):
+        assert torch.equal(a, b), name  # rotary frequencies recomputed, not left as empty memory
+
+
+def test_swap_in_keeps_identity_and_attributes():
+    p = nn.Parameter(torch.empty(3, 4, device="meta"))
+    p.tp_spec = "marker"
+    swap_in(p, torch.zeros(3, 4))
+    assert not p.is_meta and p.tp_spec == "marker" and p.requires_grad and p.shape == (3, 4)
