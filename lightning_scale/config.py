@@ -141,6 +141,9 @@ class ParallelConfig:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     tensor: TensorParallelConfig = field(default_factory=TensorParallelConfig)
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
+    # configure_model on the meta device where the layout materializes only local pieces (zero.stage=3, tp > 1,
+    # pp > 1). False: configure_model builds real weights (e.g. it loads pretrained ones), rank 0's are broadcast.
+    meta_init: bool = True
 
     def validate(self, world_size: Optional[int] = None) -> "ParallelConfig":
         for name in ("tp", "pp"):
@@ -154,6 +157,8 @@ class ParallelConfig:
         self.pipeline.validate(self.pp)
         self.tensor.validate(self.tp)
         self.loss_scale.validate()
+        if not isinstance(self.meta_init, bool):
+            raise ConfigError(f"meta_init={self.meta_init!r} must be True or False")
         if world_size is not None:
             if world_size % (self.tp * self.pp):
                 raise ConfigError(

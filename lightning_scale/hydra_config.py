@@ -30,9 +30,10 @@ class StrategyConf:
     microbatches: int = 1
     schedule: str = "1f1b"
     virtual_stages: int = 1
-    partition: str = "parameters"  # pipeline: parameters | uniform | type:<regex>
+    partition: str = "parameters"  # pipeline: parameters | compute | uniform | type:<regex>
     sequence_parallel: bool = False
     plan: Any = None  # tensor parallel: {pattern: style}; null = built-in plan
+    meta_init: bool = True  # stage 3 / tp / pp: configure_model on meta; false: real weights, rank 0's broadcast
 
 
 @dataclass

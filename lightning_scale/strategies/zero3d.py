@@ -176,9 +176,10 @@ class Zero3DStrategy(ParallelStrategy):
     def _deferred_init(self) -> bool:
         """Whether ``configure_model`` runs on the meta device: at ZeRO-3 (units materialized one at a time), with
         pipelines (each rank materializes its own stage) and with tp (the plan splits the meta model; each rank
-        materializes only its slices, initialized as slices of the full layers)."""
+        materializes only its slices, initialized as slices of the full layers). ``meta_init=False`` turns it off
+        (a ``configure_model`` that loads pretrained weights needs real tensors)."""
         cfg = self.config
-        return cfg.zero.stage == 3 or cfg.pp > 1 or cfg.tp > 1
+        return cfg.meta_init and (cfg.zero.stage == 3 or cfg.pp > 1 or cfg.tp > 1)
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:

@@ -87,6 +87,16 @@ def test_bad_strategy_options_fail_at_construction(kwargs, message):
         Zero3DStrategy(**kwargs)
 
 
+def test_meta_init_option():
+    """configure_model runs on meta only where the layout materializes local pieces, unless meta_init=False."""
+    assert not Zero3DStrategy(stage=2)._deferred_init
+    for kwargs in (dict(stage=3), dict(stage=1, tp=2), dict(stage=2, pp=2, microbatches=2)):
+        assert Zero3DStrategy(**kwargs)._deferred_init, kwargs
+        assert not Zero3DStrategy(meta_init=False, **kwargs)._deferred_init, kwargs
+    with pytest.raises(ConfigError, match="meta_init='yes'"):
+        Zero3DStrategy(meta_init="yes")
+
+
 def test_presets_registered():
     from lightning.pytorch.strategies import StrategyRegistry
 
