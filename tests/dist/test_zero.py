@@ -1,7 +1,6 @@
 """ZeRO stages 0-2 across processes: parity with one process, bytes moved, memory, fp16 overflow."""
 
 import pytest
-import torch
 
 from lightning_scale.testing import run_distributed
 

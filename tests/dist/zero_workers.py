@@ -165,7 +165,7 @@ def two_optimizers(rank: int, world: int, stage: int):
     rest = [p for n, p in model.named_parameters() if not n.startswith("blocks.0")]
     # Adagrad's eps keeps g / sqrt(sum g^2) well conditioned for gradients that are ~0 (unused tokens).
     opts = [torch.optim.SGD(first, lr=0.1, momentum=0.9), torch.optim.Adagrad(rest, lr=0.05, eps=1e-6)]
-    engines = [ZeroOptimizer(o, stage=stage, overlap_comm=False) for o in opts] if world > 1 else None
+    _engines = [ZeroOptimizer(o, stage=stage, overlap_comm=False) for o in opts] if world > 1 else None
     local = 8 // world
     for step in range(2):
         for i, opt in enumerate(opts):
