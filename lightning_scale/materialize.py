@@ -97,13 +97,21 @@ def materialize_(root: nn.Module, device: torch.device, keep: Callable[[str, nn.
     for name, m in root.named_modules():
         if not has_meta(m) or not keep(name, m):
             continue
-        for p in m.parameters(recurse=False):
-            if p.is_meta:
-                swap_in(p, torch.empty_like(p, device=device))
-                total += p.numel()
-        for key, buf in list(m._buffers.items()):
-            if buf is not None and buf.is_meta:
-                m._buffers[key] = torch.empty_like(buf, device=device)
-                total += buf.numel()
+        total += allocate_(m, device)
         init_one(name, m, owners)
+    return total
+
+
+def allocate_(module: nn.Module, device: torch.device) -> int:
+    """Give the meta tensors ``module`` owns directly empty storage on ``device`` (parameters keep their identity,
+    see :func:`swap_in`); returns the number of elements allocated. Values are uninitialized."""
+    total = 0
+    for p in module.parameters(recurse=False):
+        if p.is_meta:
+            swap_in(p, torch.empty_like(p, device=device))
+            total += p.numel()
+    for key, buf in list(module._buffers.items()):
+        if buf is not None and buf.is_meta:
+            module._buffers[key] = torch.empty_like(buf, device=device)
+            total += buf.numel()
     return total

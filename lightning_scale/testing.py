@@ -183,3 +183,19 @@ def run_distributed(fn: Callable, world_size: int, args: Sequence[Any] = (), *, 
     results = collect_results(tmp, procs, timeout)
     shutil.rmtree(tmp, ignore_errors=True)
     return results
+
+
+def live_rss_bytes() -> int:
+    """This process's resident bytes of live memory: garbage collected and freed heap pages handed back to the OS
+    first (glibc keeps them otherwise), so a difference of two readings is what was allocated and kept."""
+    import ctypes
+    import gc
+
+    import psutil
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:  # not glibc: the reading then includes the allocator's cache
+        pass
+    return psutil.Process().memory_info().rss

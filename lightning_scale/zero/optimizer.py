@@ -285,6 +285,11 @@ class ZeroOptimizer:
             user_group.update(saved)
 
     # ------------------------------------------------------------------ accounting
+    def _optimizer_state_bytes(self) -> int:
+        """Bytes of the inner optimizer's per-parameter state tensors (scalars such as ``step`` excluded)."""
+        return sum(v.numel() * v.element_size() for s in self.inner.state.values() for v in s.values()
+                   if torch.is_tensor(v) and v.dim() > 0)
+
     def memory_bytes(self) -> Dict[str, int]:
         """Bytes this rank holds now: params, grads, fp32 master copies and optimizer state."""
         params = sum(st.param_buffer.numel() * st.param_buffer.element_size() for st in self.reducer.states)
@@ -294,11 +299,7 @@ class ZeroOptimizer:
                 if t is not None:
                     grads += t.numel() * t.element_size()
         masters = sum(m.numel() * m.element_size() for m, a in zip(self.masters, self._aliased) if not a)
-        state = 0
-        for s in self.inner.state.values():
-            for v in s.values():
-                if torch.is_tensor(v) and v.dim() > 0:
-                    state += v.numel() * v.element_size()
+        state = self._optimizer_state_bytes()
         host_grads = sum(st.host_grad.numel() * st.host_grad.element_size() for st in self.reducer.states
                          if getattr(st, "host_grad", None) is not None)
         grads += host_grads

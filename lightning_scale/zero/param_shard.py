@@ -42,7 +42,7 @@ from torch.utils._pytree import tree_flatten
 
 from lightning_scale.comm import collectives as C
 from lightning_scale.config import ConfigError
-from lightning_scale.materialize import init_one, init_owners, swap_in
+from lightning_scale.materialize import allocate_, init_one, init_owners, swap_in
 from lightning_scale.zero.flat_buffer import Bucket, build_buckets
 
 _HUGE = 1 << 62
@@ -385,12 +385,7 @@ class ShardedParameters:
             if self._has_meta(m) or (was_meta is not None and id(m) in was_meta):
                 # Swap contents instead of Module.to_empty (which makes new Parameter objects): the optimizer
                 # and the buckets keep the parameters they were given.
-                for p in m.parameters(recurse=False):
-                    if p.is_meta:
-                        swap_in(p, torch.empty_like(p, device=self.device))
-                for key, buf in list(m._buffers.items()):
-                    if buf is not None and buf.is_meta:
-                        m._buffers[key] = torch.empty_like(buf, device=self.device)
+                allocate_(m, self.device)
                 if init:
                     self._init_one(name, m, owners)
             else:

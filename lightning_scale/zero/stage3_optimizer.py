@@ -111,11 +111,7 @@ class Stage3Optimizer(ZeroOptimizer):
         grads = sum(st.grad_shard.numel() * st.grad_shard.element_size() for st in self.reducer.states
                     if st.grad_shard is not None)
         masters = sum(m.numel() * m.element_size() for m, a in zip(self.masters, self._aliased) if not a)
-        state = 0
-        for s in self.inner.state.values():
-            for v in s.values():
-                if torch.is_tensor(v) and v.dim() > 0:
-                    state += v.numel() * v.element_size()
+        state = self._optimizer_state_bytes()
         host = (masters + state if self.offload_optimizer else 0)
         host += sum(st.grad_shard.numel() * st.grad_shard.element_size() for st in self.reducer.states
                     if st.grad_shard is not None and st.grad_device is not None)  # streamed to the host

@@ -13,27 +13,13 @@ import gc
 import pytest
 import torch
 
-from lightning_scale.testing import run_distributed
+from lightning_scale.testing import live_rss_bytes, run_distributed
 
 
 def _cfg():
     from lightning_scale.models import GPTConfig
 
     return GPTConfig(vocab_size=8192, seq_len=128, n_layer=8, n_head=8, d_model=512)
-
-
-def _rss() -> int:
-    """Resident bytes of live memory: freed heap pages handed back first (glibc keeps them otherwise)."""
-    import ctypes
-
-    import psutil
-
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:  # not glibc: the measure then includes the allocator's cache
-        pass
-    return psutil.Process().memory_info().rss
 
 
 def _worker(rank: int, world_size: int):
@@ -51,9 +37,9 @@ def _worker(rank: int, world_size: int):
     with torch.device("meta"):
         module.configure_model()
     full_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
-    before = _rss()
+    before = live_rss_bytes()
     glue = PipelineGlue(module, config, topo, device=torch.device("cpu"))
-    grown = _rss() - before
+    grown = live_rss_bytes() - before
     mine = {n: p.detach().clone() for n, p in module.named_parameters() if p.numel() > 0}
     stage_bytes = sum(p.numel() * p.element_size() for p in glue.stage.parameters())
     del glue, module

@@ -8,26 +8,10 @@ head included; vocabulary padded), and a ~34M-parameter GPT (128 MiB) grows each
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
 
-from lightning_scale.testing import run_distributed
-
-
-def _rss() -> int:
-    """Resident bytes of live memory: freed heap pages handed back first (glibc keeps them otherwise)."""
-    import ctypes
-
-    import psutil
-
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:  # not glibc: the measure then includes the allocator's cache
-        pass
-    return psutil.Process().memory_info().rss
+from lightning_scale.testing import live_rss_bytes, run_distributed
 
 
 def _split_on_meta(cfg, group):
@@ -39,9 +23,9 @@ def _split_on_meta(cfg, group):
     with torch.device("meta"):
         model = GPT(cfg)
     model = apply_tensor_parallel(model, None, group)
-    before = _rss()
+    before = live_rss_bytes()
     materialize_(model, torch.device("cpu"), lambda name, m: True)
-    return model, _rss() - before
+    return model, live_rss_bytes() - before
 
 
 def _worker(rank: int, world_size: int):
