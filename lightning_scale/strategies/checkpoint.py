@@ -1,63 +1,66 @@
-"""Sharded checkpoints: one folder per checkpoint, one optimizer-shard file per rank, written atomically.
+"""Sharded checkpoints: one folder per checkpoint, one optimizer-shard file per rank, complete or absent.
 
 Layout of ``<path>/`` (``<path>`` is what Lightning calls the checkpoint file, e.g. ``epoch=0-step=8.ckpt``)::
 
     checkpoint.pt          rank 0: everything Lightning saves except the optimizer states
     optim_rank{r}.pt       rank r: its optimizer shards (state, fp32 masters, loss scaler, layout) and, at
                            ZeRO stage 3, its parameter shards (``zero3_model_shard``)
-    meta.pt                world size and format version, written last (its presence marks completion)
+    meta.pt                the manifest, written last: world size, format version, the save's token and
+                           every file's size and CRC32
 
-Each file is written to a temporary name and renamed, so a crash never leaves a half-written file
-under the final name.
+Every rank writes into a fresh staging folder and rank 0 swaps it into place only once the manifest is
+written (:mod:`lightning_scale.checkpoint.folder`), so overwriting ``last.ckpt`` can never leave a folder
+that mixes two steps, and a crash at any moment leaves the previous good checkpoint loadable.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
-from typing import Any, Callable, Dict, Sequence
+from typing import Any, Callable, Dict, List, Sequence
 
-import torch
+from lightning_scale.checkpoint import folder
+from lightning_scale.checkpoint.folder import CheckpointError
 
-FORMAT_VERSION = 1
-
-
-def _atomic_save(obj: Any, path: str) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+FORMAT_VERSION = folder.FORMAT_VERSION
 
 
 def save_sharded(checkpoint: Dict[str, Any], path: str, rank: int, world_size: int,
-                 barrier: Callable[[], None], per_rank_keys: Sequence[str] = ("optimizer_states",)) -> None:
-    os.makedirs(path, exist_ok=True)
+                 broadcast: Callable[[Any], Any], gather: Callable[[Any], List[Any]],
+                 per_rank_keys: Sequence[str] = ("optimizer_states",)) -> None:
+    """Collective. ``broadcast(obj)`` returns rank 0's object on every rank; ``gather(obj)`` returns every
+    rank's object (a list in rank order) at least on rank 0."""
+    token = broadcast(folder.new_token() if rank == 0 else None)
+    staging = folder.staging_path(path, token)
     mine = {k: checkpoint[k] for k in per_rank_keys if k in checkpoint}
     mine.setdefault("optimizer_states", [])
-    _atomic_save(mine, os.path.join(path, f"optim_rank{rank}.pt"))
+    records = {f"optim_rank{rank}.pt": folder.write_file(staging, f"optim_rank{rank}.pt", mine)}
     if rank == 0:
         rest = {k: v for k, v in checkpoint.items() if k not in per_rank_keys}
-        _atomic_save(rest, os.path.join(path, "checkpoint.pt"))
-    barrier()
+        records["checkpoint.pt"] = folder.write_file(staging, "checkpoint.pt", rest)
+    folder.fault_point("after_rank_file", rank)
+    every = gather(records)  # also the barrier: every rank's files are written and fsync'ed
     if rank == 0:
-        _atomic_save({"world_size": world_size, "version": FORMAT_VERSION}, os.path.join(path, "meta.pt"))
-    barrier()
+        files: Dict[str, Dict[str, int]] = {}
+        for rec in every:
+            files.update(rec)
+        folder.commit(path, token, files, world_size=world_size)
+    broadcast(None)  # nobody returns (and, e.g., loads or removes it) before the folder is in place
 
 
 def load_sharded(path: str, rank: int, world_size: int) -> Dict[str, Any]:
-    meta_path = os.path.join(path, "meta.pt")
-    if not os.path.exists(meta_path):
-        raise FileNotFoundError(f"{path} is not a complete lightning_scale sharded checkpoint (no meta.pt)")
-    meta = torch.load(meta_path, map_location="cpu", weights_only=False)
+    path = folder.resolve(path)
+    meta = folder.read_manifest(path)
+    folder.verify(path, meta)  # every listed file present, with its size: names a missing / truncated shard
+    folder.warn_unverified(path, meta)
     if meta["world_size"] != world_size:
-        raise ValueError(
+        raise CheckpointError(
             f"checkpoint {path} was written by {meta['world_size']} ranks; this run has {world_size}. "
             "Resume with the same number of devices x nodes"
         )
-    checkpoint = torch.load(os.path.join(path, "checkpoint.pt"), map_location="cpu", weights_only=False)
-    shard = torch.load(os.path.join(path, f"optim_rank{rank}.pt"), map_location="cpu", weights_only=False)
+    checkpoint = folder.load_file(path, "checkpoint.pt", meta)
+    shard = folder.load_file(path, f"optim_rank{rank}.pt", meta)
     checkpoint.update(shard)  # optimizer_states (+ zero3_model_shard at stage 3)
     return checkpoint
 
 
 def remove_sharded(path: str) -> None:
-    shutil.rmtree(path, ignore_errors=True)
+    folder.remove(path)

@@ -384,6 +384,13 @@ class Zero3DStrategy(ParallelStrategy):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
+    def _gather_object(self, obj: Any) -> List[Any]:
+        if not (dist.is_available() and dist.is_initialized()):
+            return [obj]
+        every: List[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, obj)
+        return every
+
     # ------------------------------------------------------------------ checkpoints
     def optimizer_state(self, optimizer: Any) -> Dict[str, Any]:
         engine = self._engine(optimizer)
@@ -405,8 +412,8 @@ class Zero3DStrategy(ParallelStrategy):
             return
         if self.sharded is not None:
             checkpoint[_stage3.SHARD_KEY] = _stage3.shard_checkpoint(self)
-        save_sharded(checkpoint, str(filepath), self.global_rank, self.world_size, self.barrier,
-                     per_rank_keys=("optimizer_states", _stage3.SHARD_KEY))
+        save_sharded(checkpoint, str(filepath), self.global_rank, self.world_size, self.broadcast,
+                     self._gather_object, per_rank_keys=("optimizer_states", _stage3.SHARD_KEY))
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> Dict[str, Any]:
         path = str(checkpoint_path)

@@ -24,24 +24,27 @@ import torch
 SHARD_KEY = "zero3_model_shard"
 
 
-def _load(path: str):
-    return torch.load(path, map_location="cpu", weights_only=False)
-
-
 @torch.no_grad()
 def consolidate_checkpoint(path: str, *, strip_prefix: str = "", dtype: Optional[torch.dtype] = torch.float32,
                            out: Optional[str] = None) -> Dict[str, torch.Tensor]:
+    from lightning_scale.checkpoint import folder  # checks each file against the manifest as it is read
+
+    path = folder.resolve(path)  # a save interrupted while swapping folders left the complete one beside it
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path} is not a sharded checkpoint folder")
-    meta_path = os.path.join(path, "meta.pt")
-    if not os.path.exists(meta_path):
-        raise FileNotFoundError(f"{path} is not a complete lightning_scale sharded checkpoint (no meta.pt)")
-    world = int(_load(meta_path)["world_size"])
-    base = _load(os.path.join(path, "checkpoint.pt"))
+    meta = folder.read_manifest(path)
+    folder.verify(path, meta)
+    folder.warn_unverified(path, meta)
+    world = int(meta["world_size"])
+
+    def _load(name: str):
+        return folder.load_file(path, name, meta)
+
+    base = _load("checkpoint.pt")
     state: Dict[str, torch.Tensor] = {k: v for k, v in base.get("state_dict", {}).items()}
-    first = _load(os.path.join(path, "optim_rank0.pt"))
+    first = _load("optim_rank0.pt")
     if SHARD_KEY in first:
-        shards = [first[SHARD_KEY]] + [_load(os.path.join(path, f"optim_rank{r}.pt"))[SHARD_KEY]
+        shards = [first[SHARD_KEY]] + [_load(f"optim_rank{r}.pt")[SHARD_KEY]
                                        for r in range(1, world)]
         tp = int(first[SHARD_KEY].get("tp", {}).get("size", 1))
         pp = int(first[SHARD_KEY].get("pp", {}).get("size", 1))

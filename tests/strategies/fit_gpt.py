@@ -73,6 +73,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--ckpt-dir", default=None)
     ap.add_argument("--resume", default=None)
+    ap.add_argument("--save-last", action="store_true", help="with --ckpt-dir: also last.ckpt, rewritten every epoch")
     ap.add_argument("--fail-rank", type=int, default=-1)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--source", default="random")
@@ -135,7 +136,10 @@ def main() -> None:
         strategy = args.strategy
     recorder = LossRecorder(record_batches=args.record_batches)
     callbacks = [recorder]
-    if args.ckpt_dir:
+    if args.ckpt_dir and args.save_last:
+        callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=args.ckpt_dir, save_last=True, save_top_k=-1,
+                                                      every_n_epochs=1, save_on_train_epoch_end=True))
+    elif args.ckpt_dir:
         callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=args.ckpt_dir, save_top_k=-1, every_n_epochs=1,
                                                       save_on_train_epoch_end=True))
     trainer = pl.Trainer(

@@ -1,0 +1,216 @@
+"""Checkpoint folders are complete or absent: a save cut at any point never loads as a mix of two steps.
+
+Two ranks run the real collective save in two threads (broadcast / gather through a barrier). A crash is a
+test hook that raises at one of the save's fault points; the disk is then exactly what a kill there leaves.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import warnings
+
+import pytest
+import torch
+
+from lightning_scale.checkpoint import folder
+from lightning_scale.checkpoint.folder import CheckpointError
+from lightning_scale.strategies.checkpoint import load_sharded, remove_sharded, save_sharded
+
+WORLD = 2
+
+
+class Crash(Exception):
+    pass
+
+
+def _save(path, step, *, crash_at=None, crash_rank=0, monkeypatch=None):
+    """Every rank saves a checkpoint whose every tensor holds `step`; `crash_at` stops rank `crash_rank` there."""
+    barrier = threading.Barrier(WORLD, timeout=20)
+    box = {}
+    errors = []
+
+    def broadcast_for(rank):
+        def broadcast(obj):
+            if rank == 0:
+                box["b"] = obj
+            barrier.wait()
+            value = box["b"]
+            barrier.wait()
+            return value
+        return broadcast
+
+    def gather_for(rank):
+        def gather(obj):
+            box[rank] = obj
+            barrier.wait()
+            every = [box[r] for r in range(WORLD)]
+            barrier.wait()
+            return every
+        return gather
+
+    if crash_at is not None:
+        real = folder.fault_point
+
+        def fault(point, rank=None):
+            me = rank if rank is not None else 0  # commit's points run on rank 0
+            if point == crash_at and me == crash_rank:
+                barrier.abort()
+                raise Crash(point)
+            real(point, rank)
+        monkeypatch.setattr(folder, "fault_point", fault)
+
+    def run(rank):
+        ckpt = {"global_step": step, "state_dict": {"w": torch.full((64,), float(step))},
+                "optimizer_states": [{"shard": torch.full((1000 + rank,), float(step))}]}
+        try:
+            save_sharded(ckpt, str(path), rank, WORLD, broadcast_for(rank), gather_for(rank))
+        except (Crash, threading.BrokenBarrierError) as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(WORLD)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    if crash_at is not None:
+        monkeypatch.setattr(folder, "fault_point", real)
+        assert any(isinstance(e, Crash) for e in errors), f"the save never reached {crash_at}"
+    else:
+        assert not errors, errors
+
+
+def _steps(path):
+    """The step every loaded piece came from, per rank: a mix of two saves shows as two different numbers."""
+    seen = set()
+    for rank in range(WORLD):
+        ckpt = load_sharded(str(path), rank, WORLD)
+        seen |= {ckpt["global_step"], float(ckpt["state_dict"]["w"][0]),
+                 float(ckpt["optimizer_states"][0]["shard"][0])}
+        assert ckpt["optimizer_states"][0]["shard"].numel() == 1000 + rank
+    return seen
+
+
+def test_save_load_roundtrip_and_layout(tmp_path):
+    path = tmp_path / "last.ckpt"
+    _save(path, 1)
+    assert sorted(os.listdir(path)) == ["checkpoint.pt", "meta.pt", "optim_rank0.pt", "optim_rank1.pt"]
+    assert _steps(path) == {1}
+    meta = folder.read_manifest(str(path))
+    assert meta["version"] == 2 and meta["world_size"] == WORLD and set(meta["files"]) == {
+        "checkpoint.pt", "optim_rank0.pt", "optim_rank1.pt"}
+    assert os.listdir(tmp_path) == ["last.ckpt"]  # no staging left behind
+
+
+@pytest.mark.parametrize("crash_at,crash_rank", [
+    ("after_rank_file", 0),  # rank 0 wrote its new shard and checkpoint.pt; rank 1 may or may not have
+    ("after_rank_file", 1),
+    ("before_swap", 0),      # every file and the manifest written, not yet in place
+])
+def test_overwrite_cut_before_swap_keeps_previous(tmp_path, monkeypatch, crash_at, crash_rank):
+    path = tmp_path / "last.ckpt"
+    _save(path, 1)
+    _save(path, 2, crash_at=crash_at, crash_rank=crash_rank, monkeypatch=monkeypatch)
+    assert _steps(path) == {1}  # the old in-place overwrite gave {1, 2} here, loaded without a word
+    _save(path, 3)  # the next save completes and removes what the killed one left
+    assert _steps(path) == {3} and os.listdir(tmp_path) == ["last.ckpt"]
+
+
+def test_overwrite_cut_after_swap_is_new(tmp_path, monkeypatch):
+    path = tmp_path / "last.ckpt"
+    _save(path, 1)
+    _save(path, 2, crash_at="after_swap", monkeypatch=monkeypatch)
+    assert _steps(path) == {2}
+
+
+def test_non_atomic_fallback_cut_between_renames(tmp_path, monkeypatch):
+    """Without renameat2 the swap is two renames; a crash between them leaves no target: resolve() finds the
+    complete save beside it, and a later save tidies up."""
+    monkeypatch.setattr(folder, "_exchange", lambda a, b: False)
+    path = tmp_path / "last.ckpt"
+    _save(path, 1)
+    _save(path, 2, crash_at="between_renames", monkeypatch=monkeypatch)
+    assert not path.exists()
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        assert _steps(path) in ({1}, {2})  # one whole save, never a mix
+    _save(path, 3)
+    assert _steps(path) == {3} and os.listdir(tmp_path) == ["last.ckpt"]
+
+
+def test_new_folder_cut_is_not_loadable(tmp_path, monkeypatch):
+    _save(tmp_path / "epoch=0-step=1.ckpt", 1)
+    _save(tmp_path / "epoch=0-step=2.ckpt", 2, crash_at="before_swap", monkeypatch=monkeypatch)
+    assert not (tmp_path / "epoch=0-step=2.ckpt").exists()  # only a hidden staging folder
+    with pytest.raises(CheckpointError, match="epoch=0-step=2.ckpt is not a checkpoint folder"):
+        load_sharded(str(tmp_path / "epoch=0-step=2.ckpt"), 0, WORLD)
+    assert _steps(tmp_path / "epoch=0-step=1.ckpt") == {1}
+
+
+def test_lightning_last_lookup_ignores_staging(tmp_path, monkeypatch):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    _save(tmp_path / "last.ckpt", 1)
+    _save(tmp_path / "last.ckpt", 2, crash_at="before_swap", monkeypatch=monkeypatch)
+    assert any(name.endswith(".partial") for name in os.listdir(tmp_path))
+
+    class T:
+        default_root_dir = str(tmp_path)
+        loggers = []
+    cb = ModelCheckpoint(dirpath=str(tmp_path))
+    assert cb._find_last_checkpoints(T()) == {os.path.normpath(str(tmp_path / "last.ckpt"))}
+
+
+def test_truncated_deleted_and_foreign_files_are_named(tmp_path):
+    a, b = tmp_path / "a.ckpt", tmp_path / "b.ckpt"
+    _save(a, 1)
+    _save(b, 2)
+    bad = tmp_path / "bad.ckpt"
+    shutil.copytree(a, bad)
+    with open(bad / "optim_rank1.pt", "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(CheckpointError, match=r"optim_rank1.pt is truncated or corrupt: 100 bytes"):
+        load_sharded(str(bad), 0, WORLD)  # every rank checks every file's size, not only its own
+    os.remove(bad / "optim_rank1.pt")
+    with pytest.raises(CheckpointError, match=r"optim_rank1.pt is missing"):
+        load_sharded(str(bad), 0, WORLD)
+    shutil.rmtree(bad)
+    shutil.copytree(a, bad)
+    shutil.copy(b / "meta.pt", bad / "meta.pt")  # a manifest from another save (same sizes: tensors of equal shape)
+    with pytest.raises(CheckpointError, match=r"checkpoint.pt is corrupt or from another save"):
+        load_sharded(str(bad), 0, WORLD)
+    shutil.rmtree(bad)
+    shutil.copytree(a, bad)
+    with open(bad / "optim_rank0.pt", "r+b") as f:  # same size, flipped bytes
+        f.seek(-20, 2)
+        f.write(b"\xff" * 8)
+    with pytest.raises(CheckpointError, match=r"optim_rank0.pt is corrupt or from another save"):
+        load_sharded(str(bad), 0, WORLD)
+    load_sharded(str(bad), 1, WORLD)  # rank 1 reads only checkpoint.pt and its own shard
+    os.remove(bad / "meta.pt")
+    with pytest.raises(CheckpointError, match="no meta.pt"):
+        load_sharded(str(bad), 0, WORLD)
+    with pytest.raises(CheckpointError, match="written by 2 ranks; this run has 4"):
+        load_sharded(str(a), 0, 4)
+
+
+def test_format_1_folder_still_loads_with_a_warning(tmp_path):
+    """What lightning_scale 0.1 wrote: files then meta.pt {world_size, version: 1}, no manifest."""
+    path = tmp_path / "old.ckpt"
+    path.mkdir()
+    torch.save({"global_step": 5, "state_dict": {}}, path / "checkpoint.pt")
+    for r in range(WORLD):
+        torch.save({"optimizer_states": [{"r": r}]}, path / f"optim_rank{r}.pt")
+    torch.save({"world_size": WORLD, "version": 1}, path / "meta.pt")
+    with pytest.warns(UserWarning, match="format 1"):
+        ckpt = load_sharded(str(path), 1, WORLD)
+    assert ckpt["global_step"] == 5 and ckpt["optimizer_states"] == [{"r": 1}]
+
+
+def test_remove_takes_staging_along(tmp_path, monkeypatch):
+    path = tmp_path / "x.ckpt"
+    _save(path, 1)
+    _save(path, 2, crash_at="before_swap", monkeypatch=monkeypatch)
+    remove_sharded(str(path))
+    assert os.listdir(tmp_path) == []
