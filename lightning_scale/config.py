@@ -176,6 +176,21 @@ class ParallelConfig:
         return self.dp if self.dp is not None else max(1, world_size // (self.tp * self.pp))
 
 
+# The registered strategy names (Lightning's StrategyRegistry; Fabric's too): flat keyword arguments on top of
+# ParallelConfig's defaults, and the one-line description Lightning lists.
+PRESETS: Dict[str, tuple] = {
+    "zero3d": ({}, "ZeRO data parallelism (stage 2 by default); tp/pp/offload by options"),
+    "zero0": ({"stage": 0}, "ZeRO stage 0: bucketed all-reduce overlapped with backward (DDP)"),
+    "zero1": ({"stage": 1}, "ZeRO stage 1: optimizer state and fp32 master weights sharded"),
+    "zero2": ({"stage": 2}, "ZeRO stage 2: stage 1 + gradients reduce-scattered during backward"),
+    "zero3": ({"stage": 3}, "ZeRO stage 3: stage 2 + parameters sharded, gathered per unit just in time"),
+    "zero2_offload": ({"stage": 2, "offload": "optimizer"},
+                      "ZeRO-Offload: stage 2 with fp32 masters, optimizer state and step on the CPU"),
+    "zero3_offload": ({"stage": 3, "offload": "all"},
+                      "ZeRO-Offload stage 3: optimizer on the CPU and parameter shards resting on the CPU"),
+}
+
+
 def from_flat_kwargs(**kwargs: Any) -> ParallelConfig:
     """Build a ParallelConfig from Zero3DStrategy-style flat keyword arguments.
 

@@ -30,7 +30,7 @@ from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-from lightning_scale.config import ConfigError, ParallelConfig, from_flat_kwargs
+from lightning_scale.config import PRESETS, ConfigError, ParallelConfig, from_flat_kwargs
 from lightning_scale.materialize import has_meta
 from lightning_scale.strategies.checkpoint import load_sharded, remove_sharded, save_sharded
 from lightning_scale.strategies.model_parallel import ModelParallel
@@ -463,18 +463,7 @@ class Zero3DStrategy(ParallelStrategy):
 
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        presets = {
-            "zero3d": ({}, "ZeRO data parallelism (stage 2 by default); tp/pp/offload by options"),
-            "zero0": ({"stage": 0}, "ZeRO stage 0: bucketed all-reduce overlapped with backward (DDP)"),
-            "zero1": ({"stage": 1}, "ZeRO stage 1: optimizer state and fp32 master weights sharded"),
-            "zero2": ({"stage": 2}, "ZeRO stage 2: stage 1 + gradients reduce-scattered during backward"),
-            "zero3": ({"stage": 3}, "ZeRO stage 3: stage 2 + parameters sharded, gathered per unit just in time"),
-            "zero2_offload": ({"stage": 2, "offload": "optimizer"},
-                              "ZeRO-Offload: stage 2 with fp32 masters, optimizer state and step on the CPU"),
-            "zero3_offload": ({"stage": 3, "offload": "all"},
-                              "ZeRO-Offload stage 3: optimizer on the CPU and parameter shards resting on the CPU"),
-        }
-        for name, (kwargs, description) in presets.items():
+        for name, (kwargs, description) in PRESETS.items():
             if name in strategy_registry:
                 continue
             strategy_registry.register(name, cls, description=description, **kwargs)
