@@ -1,10 +1,21 @@
 """lightning_scale: DeepSpeed's large-model training technologies for PyTorch Lightning, in pure PyTorch + Triton.
 
 ``import lightning_scale`` registers the strategies ("zero3d", "zero1", "zero2", ...) with Lightning's
-StrategyRegistry, so ``Trainer(strategy="zero2")`` works.
+StrategyRegistry, so ``Trainer(strategy="zero2")`` works, whichever of the two is imported first.
+
+Importing the package itself is cheap (no torch, Lightning or triton): the command-line tools
+(``python -m lightning_scale.estimate``, ``python -m lightning_scale.zero.state_dict``) start in well under
+a second of imports. Registration happens as soon as Lightning is in the process: at once when
+``lightning.pytorch`` is already imported, else right after its import finishes (a one-shot import hook).
+``lightning_scale.Zero3DStrategy`` / ``ZeroPrecision`` / ``Topology`` are loaded on first access.
 """
 
+from __future__ import annotations
+
+import importlib
+import importlib.abc
 import os as _os
+import sys as _sys
 
 from lightning_scale.config import (
     ConfigError,
@@ -15,9 +26,12 @@ from lightning_scale.config import (
     TensorParallelConfig,
     ZeroConfig,
 )
-from lightning_scale.topology import Topology
 
 __version__ = "0.1.0"
+
+# name -> module that defines it; imported on first attribute access (PEP 562)
+_LAZY = {"Topology": "lightning_scale.topology", "Zero3DStrategy": "lightning_scale.strategies",
+         "ZeroPrecision": "lightning_scale.strategies"}
 
 __all__ = [
     "ConfigError",
@@ -29,14 +43,61 @@ __all__ = [
     "Topology",
     "ZeroConfig",
     "__version__",
+    "Zero3DStrategy",
+    "ZeroPrecision",
 ]
 
-# Worker processes of the pure-torch tests set this to skip importing Lightning (3 s per process).
-if not _os.environ.get("LIGHTNING_SCALE_SKIP_REGISTER"):
-    try:
-        from lightning_scale.strategies import Zero3DStrategy, ZeroPrecision  # noqa: F401  (registers)
 
-        __all__ += ["Zero3DStrategy", "ZeroPrecision"]
-    except ModuleNotFoundError as _err:  # pragma: no cover - lightning not installed: pure-torch use only
-        if not (_err.name or "").startswith("lightning"):
-            raise
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value  # later accesses skip this hook
+        return value
+    raise AttributeError(f"module 'lightning_scale' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
+
+
+def _register_strategies() -> None:
+    importlib.import_module("lightning_scale.strategies")  # its import registers (idempotent)
+
+
+class _RegisterAfterLightning(importlib.abc.MetaPathFinder):
+    """Runs ``_register_strategies`` right after ``lightning.pytorch`` finishes executing.
+
+    Lightning has no entry point for strategies, and importing it here would cost every CLI ~5 s. The finder
+    asks the finders behind it for the real spec and wraps only that spec's loader, once."""
+
+    target = "lightning.pytorch"
+
+    def find_spec(self, name, path, target=None):
+        if name != self.target:
+            return None
+        if self in _sys.meta_path:
+            _sys.meta_path.remove(self)  # one shot; also keeps the lookup below from finding this finder
+        spec = None
+        for finder in list(_sys.meta_path):
+            find = getattr(finder, "find_spec", None)
+            spec = find(name, path, target) if find is not None else None
+            if spec is not None:
+                break
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_then_register(module):
+            exec_module(module)
+            _register_strategies()
+
+        spec.loader.exec_module = exec_then_register  # this spec's own loader instance
+        return spec
+
+
+# Worker processes of the pure-torch tests set this to skip Lightning altogether.
+if not _os.environ.get("LIGHTNING_SCALE_SKIP_REGISTER"):
+    if "lightning.pytorch" in _sys.modules:
+        _register_strategies()
+    elif not any(isinstance(f, _RegisterAfterLightning) for f in _sys.meta_path):
+        _sys.meta_path.insert(0, _RegisterAfterLightning())

@@ -23,23 +23,46 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence, Set
 
+# Process groups (one per rank / launched script, each the leader of its own session) that are running now.
+# kill_live_groups() ends them all: conftest calls it when pytest is interrupted, timed out or terminated.
+_LIVE_GROUPS: Set[int] = set()
 
 
 class DistributedTestError(RuntimeError):
     pass
 
 
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    _LIVE_GROUPS.discard(pgid)
+
+
+def kill_live_groups() -> int:
+    """SIGKILL every process group this process launched and has not reaped yet; returns how many."""
+    groups = list(_LIVE_GROUPS)
+    for pgid in groups:
+        _kill_group(pgid)
+    return len(groups)
+
+
+def _set_parent_death_signal(sig: int) -> None:
+    try:  # Linux: the kernel delivers `sig` when the parent exits
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def _die_with_parent() -> None:
     """A rank whose launcher died (killed test run, Ctrl-C) must not linger: exit with the parent."""
     parent = os.getppid()
-    try:  # Linux: the kernel delivers SIGKILL when the parent exits
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+    _set_parent_death_signal(signal.SIGKILL)
     if os.getppid() != parent:  # the parent died before prctl took effect
         os._exit(1)
 
@@ -113,12 +136,10 @@ def wait_for_ranks(procs: List[subprocess.Popen], timeout: float) -> None:
                 return
             time.sleep(0.02)
     finally:
+        # Each rank leads its own process group: killing the group also ends what the rank started
+        # (data-loader workers, helpers). Runs on timeout, failure, Ctrl-C and pytest-timeout's exception.
         for p in procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            _kill_group(p.pid)
         for p in procs:
             try:
                 p.wait(5)
@@ -177,12 +198,68 @@ def run_distributed(fn: Callable, world_size: int, args: Sequence[Any] = (), *, 
                      LIGHTNING_SCALE_RANK_WORKER="1")
     child_env.update(env or {})
     code = "from lightning_scale.testing import _entry; _entry()"
-    procs = [subprocess.Popen([sys.executable, "-c", code, job, str(r)], env=child_env, start_new_session=True)
-             for r in range(world_size)]
+    procs: List[subprocess.Popen] = []
+    try:
+        for r in range(world_size):
+            procs.append(subprocess.Popen([sys.executable, "-c", code, job, str(r)], env=child_env,
+                                          start_new_session=True))
+            _LIVE_GROUPS.add(procs[-1].pid)
+    except BaseException:
+        for p in procs:
+            _kill_group(p.pid)
+        raise
     wait_for_ranks(procs, timeout)
     results = collect_results(tmp, procs, timeout)
     shutil.rmtree(tmp, ignore_errors=True)
     return results
+
+
+def _supervise() -> None:
+    """``python -c 'from lightning_scale.testing import _supervise; _supervise()' CMD...``: run CMD in this
+    process group (run_script made it a fresh session) and take the whole group down with the launcher.
+
+    Lightning's ranks 1..N are children of the script (rank 0): when rank 0 is killed they live on until
+    their collective times out (30 min). This process gets SIGTERM when its parent dies, even by SIGKILL or
+    pytest-timeout's ``os._exit`` (PR_SET_PDEATHSIG), and on SIGTERM / SIGINT / SIGHUP kills its group."""
+    def kill_group(signum, frame):  # noqa: ARG001
+        os.killpg(os.getpgid(0), signal.SIGKILL)
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, kill_group)
+    parent = os.getppid()
+    _set_parent_death_signal(signal.SIGTERM)
+    if os.getppid() != parent:  # the launcher died before prctl took effect
+        kill_group(None, None)
+    child = subprocess.Popen(sys.argv[1:])
+    code = child.wait()
+    sys.stdout.flush()
+    os._exit(code if code >= 0 else 128 - code)
+
+
+def run_script(cmd: Sequence[str], *, timeout: float, cwd: Optional[str] = None, env: Optional[dict] = None,
+               merge_stderr: bool = False) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)`` for scripts that start
+    processes of their own (Lightning's ranks): the script runs in its own session, and its whole process
+    group is SIGKILLed on timeout (``subprocess.TimeoutExpired`` is raised), on any exception while waiting
+    (Ctrl-C, pytest-timeout), when the launcher itself dies, and after it exits (stragglers)."""
+    stderr = subprocess.STDOUT if merge_stderr else subprocess.PIPE
+    code = "from lightning_scale.testing import _supervise; _supervise()"
+    proc = subprocess.Popen([sys.executable, "-c", code, *map(str, cmd)], cwd=cwd, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=stderr, start_new_session=True)
+    _LIVE_GROUPS.add(proc.pid)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        _kill_group(proc.pid)
+        exc.output, exc.stderr = proc.communicate()  # what it printed before it was killed
+        raise
+    finally:
+        _kill_group(proc.pid)
+        if proc.poll() is None:
+            proc.wait()
+    # the supervisor reports a signal death of the script as 128 + signal, like a shell
+    rc = proc.returncode if proc.returncode < 128 else -(proc.returncode - 128)
+    return subprocess.CompletedProcess(list(cmd), rc, out, err)
 
 
 def live_rss_bytes() -> int:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from typing import Dict, Optional
 
 import torch
@@ -100,11 +101,21 @@ def main(argv=None) -> None:
     ap.add_argument("--strip-prefix", default="")
     ap.add_argument("--dtype", default="float32", help="float32, bfloat16, float16 or 'keep'")
     args = ap.parse_args(argv)
-    dtype = None if args.dtype == "keep" else getattr(torch, args.dtype)
-    state = consolidate_checkpoint(args.checkpoint, strip_prefix=args.strip_prefix, dtype=dtype, out=args.out)
+    dtype = None if args.dtype == "keep" else getattr(torch, args.dtype, None)
+    if not isinstance(dtype, (torch.dtype, type(None))):
+        print(f"error: --dtype={args.dtype!r}: use float32, bfloat16, float16, float64 or keep", file=sys.stderr)
+        return 2
+    from lightning_scale.checkpoint.folder import CheckpointError
+
+    try:
+        state = consolidate_checkpoint(args.checkpoint, strip_prefix=args.strip_prefix, dtype=dtype, out=args.out)
+    except (OSError, ValueError, CheckpointError) as err:  # a missing / incomplete folder: the message, not a traceback
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     n = sum(v.numel() for v in state.values())
     print(f"wrote {args.out}: {len(state)} tensors, {n:,} elements")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

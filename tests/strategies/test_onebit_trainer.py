@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 
 import pytest
+
+from lightning_scale.testing import run_script
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "fit_gpt.py")
 ONEBIT = ["--devices", "2", "--optimizer", "onebit_adam"]
@@ -17,8 +18,7 @@ ONEBIT = ["--devices", "2", "--optimizer", "onebit_adam"]
 def fit(tmp_path, name, *args, timeout=120, expect_ok=True):
     out = tmp_path / f"{name}.json"
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, SCRIPT, "--out", str(out), *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=tmp_path)
+    proc = run_script([sys.executable, SCRIPT, "--out", str(out), *args], timeout=timeout, cwd=tmp_path)
     if expect_ok:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
         return json.loads(out.read_text())

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -12,6 +11,7 @@ import pytest
 
 import lightning_scale  # noqa: F401
 from lightning_scale import ConfigError, Zero3DStrategy
+from lightning_scale.testing import run_script
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "fit_gpt.py")
 COMMON = ["--steps", "4", "--accumulate", "2", "--clip", "0.5"]
@@ -21,7 +21,7 @@ def fit(tmp_path, name, *args, timeout=240, expect_ok=True):
     out = tmp_path / f"{name}.json"
     cmd = [sys.executable, SCRIPT, "--out", str(out), *args]
     start = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=tmp_path)
+    proc = run_script(cmd, timeout=timeout, cwd=tmp_path)  # kills the script's ranks too on timeout
     elapsed = time.monotonic() - start
     if expect_ok:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -113,8 +113,8 @@ def test_gan_two_optimizers_manual_optimization(tmp_path, strategy):
     outs = {}
     for name, devices in (("single", "1"), (strategy, "2")):
         out = tmp_path / f"{name}.pt"
-        proc = subprocess.run([sys.executable, gan, "--strategy", name, "--devices", devices, "--out", str(out)],
-                              capture_output=True, text=True, timeout=240, cwd=tmp_path)
+        proc = run_script([sys.executable, gan, "--strategy", name, "--devices", devices, "--out", str(out)],
+                          timeout=240, cwd=tmp_path)
         assert proc.returncode == 0, proc.stderr[-4000:]
         outs[name] = torch.load(out)
     for key, ref in outs["single"].items():
