@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_scale.comm.accounting import record
+from lightning_scale.diagnostics import trace as _trace
 
 # (backend, op) -> True when the native collective failed once and the fallback is used.
 _NATIVE_BROKEN: Dict[Tuple[str, str], bool] = {}
@@ -26,16 +27,22 @@ _all_gather_native = getattr(dist, "all_gather_single", None) or dist.all_gather
 class Handle:
     """An in-flight collective: ``wait()`` blocks until done and runs any post-processing."""
 
-    def __init__(self, work=None, finish: Optional[Callable[[], None]] = None) -> None:
+    def __init__(self, work=None, finish: Optional[Callable[[], None]] = None, seq: int = 0) -> None:
         self._work = work
         self._finish = finish
         self._done = False
+        self._seq = seq  # diagnostics: the watchdog sees which collective this rank is blocked in
 
     def wait(self) -> None:
         if self._done:
             return
         if self._work is not None:
-            self._work.wait()
+            if self._seq:
+                _trace.wait_begin(self._seq)
+                self._work.wait()
+                _trace.wait_end(self._seq)
+            else:
+                self._work.wait()
         if self._finish is not None:
             self._finish()
         self._done = True
@@ -68,11 +75,13 @@ def _backend(group) -> str:
         return "unknown"
 
 
-def _result(work, async_op: bool, finish: Optional[Callable[[], None]] = None) -> Optional[Handle]:
-    handle = Handle(work, finish)
+def _result(work, async_op: bool, finish: Optional[Callable[[], None]] = None, seq: int = 0) -> Optional[Handle]:
+    handle = Handle(work, finish, seq)
     if async_op:
         return handle
     handle.wait()
+    if seq:
+        _trace.wait_end(seq)  # a blocking call: its wait began at _trace.enter
     return None
 
 
@@ -82,8 +91,9 @@ def all_reduce(buf: torch.Tensor, group=None, *, op=dist.ReduceOp.SUM, async_op:
     if n == 1:
         return _DONE if async_op else None
     record("all_reduce", _nbytes(buf), n, tag)
+    seq = _trace.enter("all_reduce", _nbytes(buf), group, tag, not async_op)
     work = dist.all_reduce(buf, op=op, group=group, async_op=async_op)
-    return _result(work, async_op)
+    return _result(work, async_op, seq=seq)
 
 
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group=None, *, async_op: bool = False,
@@ -96,12 +106,13 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group=None, *, async_op
         out.copy_(inp.view_as(out))
         return _DONE if async_op else None
     record("reduce_scatter", _nbytes(inp), n, tag)
+    seq = _trace.enter("reduce_scatter", _nbytes(inp), group, tag, not async_op)
     key = (_backend(group), "reduce_scatter")
     use_fallback = _NATIVE_BROKEN.get(key, False) if fallback is None else fallback
     if not use_fallback:
         try:  # flat views: gloo logs a fatal-looking check and slows down on multi-dimensional tensors
             work = _reduce_scatter_native(out.view(-1), inp.view(-1), group=group, async_op=async_op)
-            return _result(work, async_op)
+            return _result(work, async_op, seq=seq)
         except (RuntimeError, NotImplementedError):
             _NATIVE_BROKEN[key] = True
     # Fallback: all_to_all sends chunk j to rank j; each rank then sums the N chunks it received.
@@ -111,7 +122,7 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group=None, *, async_op
     def finish() -> None:
         torch.sum(recv.view(n, -1), dim=0, out=out.view(-1))
 
-    return _result(work, async_op, finish)
+    return _result(work, async_op, finish, seq=seq)
 
 
 def all_gather(out: torch.Tensor, inp: torch.Tensor, group=None, *, async_op: bool = False,
@@ -124,17 +135,18 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group=None, *, async_op: bo
         out.view(-1).copy_(inp.reshape(-1))
         return _DONE if async_op else None
     record("all_gather", _nbytes(out), n, tag)
+    seq = _trace.enter("all_gather", _nbytes(out), group, tag, not async_op)
     key = (_backend(group), "all_gather")
     use_fallback = _NATIVE_BROKEN.get(key, False) if fallback is None else fallback
     if not use_fallback:
         try:
             work = _all_gather_native(out.view(-1), inp.reshape(-1), group=group, async_op=async_op)
-            return _result(work, async_op)
+            return _result(work, async_op, seq=seq)
         except (RuntimeError, NotImplementedError):
             _NATIVE_BROKEN[key] = True
     chunks = list(out.view(n, -1).unbind(0))
     work = dist.all_gather(chunks, inp.reshape(-1).contiguous(), group=group, async_op=async_op)
-    return _result(work, async_op)
+    return _result(work, async_op, seq=seq)
 
 
 def all_to_all(out: torch.Tensor, inp: torch.Tensor, group=None, *, async_op: bool = False, tag: str = ""):
@@ -144,8 +156,9 @@ def all_to_all(out: torch.Tensor, inp: torch.Tensor, group=None, *, async_op: bo
         out.copy_(inp)
         return _DONE if async_op else None
     record("all_to_all", _nbytes(inp), n, tag)
+    seq = _trace.enter("all_to_all", _nbytes(inp), group, tag, not async_op)
     work = dist.all_to_all_single(out, inp, group=group, async_op=async_op)
-    return _result(work, async_op)
+    return _result(work, async_op, seq=seq)
 
 
 def broadcast(buf: torch.Tensor, src: int, group=None, *, async_op: bool = False, tag: str = ""):
@@ -154,5 +167,6 @@ def broadcast(buf: torch.Tensor, src: int, group=None, *, async_op: bool = False
     if n == 1:
         return _DONE if async_op else None
     record("broadcast", _nbytes(buf), n, tag)
+    seq = _trace.enter("broadcast", _nbytes(buf), group, tag, not async_op)
     work = dist.broadcast(buf, src=src, group=group, async_op=async_op)
-    return _result(work, async_op)
+    return _result(work, async_op, seq=seq)

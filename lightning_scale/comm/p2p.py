@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_scale.comm.accounting import record
+from lightning_scale.diagnostics import trace as _trace
 
 TAGS = {"act": 11, "grad": 12, "tied": 13}
 _ABORT_TAG = 99
@@ -38,15 +39,20 @@ def _nbytes(t: torch.Tensor) -> int:
 class PendingRecv:
     """A posted receive; :meth:`wait` returns the filled tensor."""
 
-    def __init__(self, tensor: torch.Tensor, work, timeout: Optional[datetime.timedelta]) -> None:
+    def __init__(self, tensor: torch.Tensor, work, timeout: Optional[datetime.timedelta], seq: int = 0) -> None:
         self.tensor, self._work, self._timeout = tensor, work, timeout
+        self._seq = seq  # diagnostics: what the watchdog reports when this rank blocks here
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
+            if self._seq:
+                _trace.wait_begin(self._seq)
             if self._timeout is None:
                 self._work.wait()
             else:
                 self._work.wait(self._timeout)
+            if self._seq:
+                _trace.wait_end(self._seq)
             self._work = None
         return self.tensor
 
@@ -59,7 +65,7 @@ class P2P:
         self.timeout = timeout
         self._shapes: Dict[Tuple[int, str, Hashable], Tuple[torch.Size, torch.dtype]] = {}
         self._sent_headers: set = set()
-        self._sends: List[Tuple[object, torch.Tensor]] = []
+        self._sends: List[Tuple[object, torch.Tensor, int]] = []  # (work, tensor, trace seq)
 
     # ------------------------------------------------------------------ send / recv
     def send(self, tensor: torch.Tensor, dst: int, kind: str, key: Hashable = None) -> None:
@@ -80,13 +86,15 @@ class P2P:
         if channel not in self._shapes:
             header = torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=device)
             record("recv", _nbytes(header), 2, "pp_meta")
-            PendingRecv(header, dist.irecv(header, src=src, group=self.group, tag=tag), self.timeout).wait()
+            seq = _trace.enter(f"recv<-{src}", _nbytes(header), self.group, "pp_meta")
+            PendingRecv(header, dist.irecv(header, src=src, group=self.group, tag=tag), self.timeout, seq).wait()
             code, ndim = int(header[0]), int(header[1])
             self._shapes[channel] = (torch.Size(header[2:2 + ndim].tolist()), _DTYPES[code])
         shape, dtype = self._shapes[channel]
         buf = torch.empty(shape, dtype=dtype, device=device)
         record("recv", _nbytes(buf), 2, f"pp_{kind}")
-        return PendingRecv(buf, dist.irecv(buf, src=src, group=self.group, tag=tag), self.timeout)
+        seq = _trace.enter(f"recv<-{src}", _nbytes(buf), self.group, f"pp_{kind}")
+        return PendingRecv(buf, dist.irecv(buf, src=src, group=self.group, tag=tag), self.timeout, seq)
 
     def has_shape(self, src: int, kind: str, key: Hashable = None) -> bool:
         """True when a receive on this channel would not block for a header."""
@@ -96,7 +104,8 @@ class P2P:
         """Send ``tensor`` to ``peer`` and return the same-shaped tensor ``peer`` sends back."""
         out = torch.empty_like(tensor)
         record("recv", _nbytes(out), 2, f"pp_{kind}")
-        pending = PendingRecv(out, dist.irecv(out, src=peer, group=self.group, tag=TAGS[kind]), self.timeout)
+        seq = _trace.enter(f"recv<-{peer}", _nbytes(out), self.group, f"pp_{kind}")
+        pending = PendingRecv(out, dist.irecv(out, src=peer, group=self.group, tag=TAGS[kind]), self.timeout, seq)
         self._post_send(tensor.detach().contiguous(), peer, TAGS[kind], f"pp_{kind}")
         pending.wait()
         self.wait_sends()
@@ -105,8 +114,8 @@ class P2P:
     def wait_sends(self) -> None:
         """Block until every posted send has completed (the peers have received them)."""
         sends, self._sends = self._sends, []
-        for work, _tensor in sends:  # the tensor reference keeps the buffer alive until here
-            PendingRecv(_tensor, work, self.timeout).wait()
+        for work, _tensor, seq in sends:  # the tensor reference keeps the buffer alive until here
+            PendingRecv(_tensor, work, self.timeout, seq).wait()
 
     def reset(self) -> None:
         """Forget cached shapes (both sides must reset together, e.g. when the batch shape changes)."""
@@ -144,7 +153,8 @@ class P2P:
     # ------------------------------------------------------------------ helpers
     def _post_send(self, tensor: torch.Tensor, dst: int, tag: int, acct: str) -> None:
         record("send", _nbytes(tensor), 2, acct)
-        self._sends.append((dist.isend(tensor, dst=dst, group=self.group, tag=tag), tensor))
+        seq = _trace.enter(f"send->{dst}", _nbytes(tensor), self.group, acct)
+        self._sends.append((dist.isend(tensor, dst=dst, group=self.group, tag=tag), tensor, seq))
 
     @staticmethod
     def _header(tensor: torch.Tensor) -> torch.Tensor:

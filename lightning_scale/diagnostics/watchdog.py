@@ -1,0 +1,319 @@
+"""The watchdog: heartbeats, hang detection, "first error wins" and the bounded stop, over the c10d store.
+
+One daemon thread per rank talks to a side channel that is not the training process group (the default
+group's c10d store, or a TCPStore / FileStore handed in), so it keeps working while the main thread is
+blocked inside a collective. Keys (under the ``ls_diag/`` prefix):
+
+==============  =====================================================================================
+hb/<rank>       heartbeat JSON every ``heartbeat_interval``: step, collectives entered, the one blocked in
+abort           the first fatal event, set once (``compare_set``): a hang, or ``rank R failed: ...``
+stack/<rank>    a rank's faulthandler dump, written when it sees ``abort``
+ack/<rank>      the rank has printed the diagnosis and is exiting
+stop_at         the step after which every rank stops (SIGTERM / SIGINT); first proposal wins
+==============  =====================================================================================
+
+A rank blocked in one collective for longer than ``hang_timeout`` (plus ``first_step_grace`` before the first
+step) sets ``abort``; every rank's thread then prints the same diagnosis (each rank's last collective, the
+ranks behind, their Python stacks) and ends its process with :data:`EXIT_HANG`, and ranks on this host that
+did not acknowledge are killed, so no process is left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import signal
+import sys
+import threading
+import time
+from typing import Any, Callable, Dict, Iterator, Optional
+
+from lightning_scale.diagnostics import report, trace
+from lightning_scale.diagnostics.config import DiagnosticsConfig
+
+EXIT_HANG = 70  # a hang was detected (by any rank)
+EXIT_PEER_FAILED = 71  # another rank failed first; this one was ended by the watchdog
+EXIT_STOP_TIMEOUT = 72  # a stop (signal / failure) did not complete within stop_timeout
+_ACK_WAIT_S = 5.0
+
+
+class PeerFailedError(RuntimeError):
+    """Raised on a surviving rank instead of the transport error: names the rank that failed first and why."""
+
+
+class Watchdog:
+    def __init__(self, store: Any, rank: int, world_size: int, config: Optional[DiagnosticsConfig] = None, *,
+                 children: Optional[Dict[int, Any]] = None, prefix: str = "ls_diag/",
+                 exit_fn: Callable[[int], None] = os._exit) -> None:
+        import torch.distributed as dist
+
+        self.config = (config or DiagnosticsConfig()).validate()
+        self.store = dist.PrefixStore(prefix, store)
+        self.rank, self.world = rank, world_size
+        self.children = children or {}  # rank -> Popen of ranks this process launched (exact exit signals)
+        self._exit = exit_fn
+        self._stop_thread = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self.stop_signal = 0  # set when this process received SIGTERM / SIGINT
+        self._stop_deadline: Optional[float] = None
+        self._stop_at: Optional[int] = None
+        self._own_failure = False
+        self._wakeup_r: Optional[int] = None
+        self.fingerprinter = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> "Watchdog":
+        self.store.set(f"hb/{self.rank}", json.dumps(report.heartbeat(self.rank, self._budget())))
+        if self.config.debug_collectives or trace.debug_env():
+            from lightning_scale.diagnostics.fingerprint import Fingerprinter
+
+            self.fingerprinter = Fingerprinter(self.store, self.rank, timeout=self.config.hang_timeout)
+            trace.set_fingerprinter(self.fingerprinter)
+        self._thread = threading.Thread(target=self._run, name="lightning_scale-watchdog", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        """Normal end: stop the thread (no diagnosis). Safe to call twice."""
+        self._stop_thread.set()
+        if self.fingerprinter is not None:
+            trace.set_fingerprinter(None)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2 * self.config.heartbeat_interval + 1)
+        self._thread = None
+
+    def _budget(self) -> float:
+        grace = self.config.first_step_grace if trace.RECORD.step == 0 else 0.0
+        return self.config.hang_timeout + grace
+
+    # ------------------------------------------------------------------ the monitor thread
+    def _run(self) -> None:
+        interval = self.config.heartbeat_interval
+        while not self._stop_thread.is_set():
+            try:
+                self._tick()
+            except Exception as err:  # noqa: BLE001 - the store is gone: its host (rank 0's process) died
+                if self._stop_thread.is_set():
+                    return
+                self._print(f"{report.PREFIX} rank {self.rank}: lost the c10d store ({type(err).__name__}: "
+                            f"{err}); the rank hosting it (rank 0) is gone. Exiting.")
+                self._exit(EXIT_PEER_FAILED)
+                return
+            self._wait(interval)
+
+    def _wait(self, seconds: float) -> None:
+        if self._wakeup_r is None:
+            self._stop_thread.wait(seconds)
+            return
+        ready, _, _ = select.select([self._wakeup_r], [], [], seconds)
+        if ready:  # a signal arrived at the C level: seen even while the main thread is blocked
+            data = os.read(self._wakeup_r, 64)
+            for signum in data:
+                if signum in (signal.SIGTERM, signal.SIGINT):
+                    self._note_signal(signum)
+
+    def _tick(self) -> None:
+        budget = self._budget()
+        self.store.set(f"hb/{self.rank}", json.dumps(report.heartbeat(self.rank, budget)))
+        if self.store.check(["abort"]):
+            self._on_abort(report.loads(self.store.get("abort")) or {"kind": "unknown", "text": "?"})
+            return
+        r = trace.RECORD
+        if r.wait_seq and time.monotonic() - r.wait_since > budget:
+            what = trace.describe(r.wait_op, r.wait_tag, r.wait_nbytes, r.wait_group, r.wait_seq)
+            self.publish("hang", f"rank {self.rank} has waited {time.monotonic() - r.wait_since:.1f} s "
+                                 f"(hang_timeout {budget:.0f} s) in {what}")
+            return
+        if self.stop_signal and not self.store.check(["stop_req"]):
+            self.store.compare_set("stop_req", "", json.dumps({"rank": self.rank, "signal": self.stop_signal}))
+        if self._stop_deadline is None and self.store.check(["stop_req"]):
+            self._stop_deadline = time.monotonic() + self.config.stop_timeout
+        if self._stop_deadline is not None and time.monotonic() > self._stop_deadline:
+            req = report.loads(self.store.get("stop_req")) or {}
+            self._print(f"{report.PREFIX} rank {self.rank}: the stop requested by rank {req.get('rank')} "
+                        f"({report.signal_name(int(req.get('signal', 15)))}) did not complete within "
+                        f"stop_timeout={self.config.stop_timeout:.0f} s (the ranks could not agree); exiting now. "
+                        "The last complete checkpoint stays.")
+            self._exit(128 + (self.stop_signal or int(req.get("signal", 15))))
+
+    def _on_abort(self, cause: Dict) -> None:
+        if cause.get("kind") == "error" and cause.get("rank") == self.rank:
+            # This rank failed: its main thread reports it; exit anyway if teardown hangs.
+            if self._stop_deadline is None:
+                self.store.set(f"ack/{self.rank}", "1")
+                self._stop_deadline = time.monotonic() + self.config.stop_timeout
+            if time.monotonic() > self._stop_deadline:
+                self._exit(EXIT_STOP_TIMEOUT)
+            return
+        if cause.get("kind") != "hang":  # another rank failed first: say so, and end (the main thread may be blocked)
+            self._print(f"{report.PREFIX} rank {self.rank}: stopping because {cause.get('text')}")
+            self._exit(EXIT_PEER_FAILED)
+            return
+        self.store.set(f"stack/{self.rank}", report.dump_stack())
+        self.store.set(f"ack/{self.rank}", "1")
+        deadline = time.monotonic() + _ACK_WAIT_S
+        others = [r for r in range(self.world) if r != self.rank]
+        while time.monotonic() < deadline and not self.store.check([f"ack/{r}" for r in others] or ["abort"]):
+            time.sleep(0.05)
+        hbs = self._heartbeats()
+        stacks = {r: self.store.get(f"stack/{r}").decode() for r in range(self.world) if self.store.check([f"stack/{r}"])}
+        self._print(report.hang_report(cause, hbs, self.world, stacks, self.config.heartbeat_interval))
+        self._kill_unresponsive(hbs)
+        self._exit(EXIT_HANG)
+
+    def _kill_unresponsive(self, hbs: Dict[int, Dict]) -> None:
+        """Ranks on this host that never acknowledged (a frozen interpreter): SIGKILL, so nothing is left."""
+        for r, hb in hbs.items():
+            if r == self.rank or self.store.check([f"ack/{r}"]) or hb.get("pid") == os.getpid():
+                continue
+            if report.pid_state(hb["pid"], hb["host"]) == "alive":
+                try:
+                    os.kill(hb["pid"], signal.SIGKILL)
+                    self._print(f"{report.PREFIX} rank {self.rank}: killed unresponsive rank {r} (pid {hb['pid']})")
+                except OSError:
+                    pass
+
+    # ------------------------------------------------------------------ shared facts
+    def _heartbeats(self) -> Dict[int, Dict]:
+        out = {}
+        for r in range(self.world):
+            if self.store.check([f"hb/{r}"]):
+                hb = report.loads(self.store.get(f"hb/{r}"))
+                if hb is not None:
+                    out[r] = hb
+        return out
+
+    def publish(self, kind: str, text: str) -> bool:
+        """Record the first fatal event; returns True when this call was first."""
+        mine = json.dumps({"kind": kind, "rank": self.rank, "text": text, "t": time.time()})
+        return self.store.compare_set("abort", "", mine).decode() == mine
+
+    def report_failure(self, exc: BaseException) -> bool:
+        self._own_failure = True
+        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        return self.publish("error", f"rank {self.rank} failed: {type(exc).__name__}: {msg}"[:2000])
+
+    def first_failure(self, wait_s: float = 0.0) -> Optional[str]:
+        """Another rank's failure (published, or its process gone), waiting up to ``wait_s`` for one to show."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            if self.store.check(["abort"]):
+                cause = report.loads(self.store.get("abort")) or {}
+                if cause.get("rank") != self.rank:
+                    return cause.get("text")
+            for r, hb in self._heartbeats().items():
+                if r == self.rank:
+                    continue
+                child = self.children.get(r)
+                code = child.poll() if child is not None else None
+                state = report.pid_state(hb["pid"], hb["host"])
+                if code is not None or state in ("gone", "zombie"):
+                    return report.killed_text(r, hb["pid"], code)
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.1)
+
+    def handle_exception(self, exc: BaseException, wait_s: float = 5.0) -> Optional[BaseException]:
+        """The main thread is failing with ``exc``: publish it if it is the first error, else return the
+        :class:`PeerFailedError` to raise instead (the survivors name the root cause, not the transport)."""
+        if isinstance(exc, (PeerFailedError, KeyboardInterrupt, SystemExit)):
+            return None
+        earlier = self.first_failure(0.0)
+        if earlier is None and _transport_error(exc):
+            earlier = self.first_failure(wait_s)
+        if earlier is None:
+            self.report_failure(exc)
+            return None
+        self._stop_deadline = time.monotonic() + self.config.stop_timeout  # bounded teardown
+        return PeerFailedError(f"{earlier} (rank {self.rank} stopped because of it)")
+
+    @contextlib.contextmanager
+    def guard(self) -> Iterator["Watchdog"]:
+        """For plain torch loops: ``with wd.guard(): train()``. The first error is published; a rank failing
+        because another one did prints and raises :class:`PeerFailedError` naming that rank instead."""
+        try:
+            yield self
+        except BaseException as exc:
+            replacement = self.handle_exception(exc)
+            if replacement is None:
+                raise
+            self._print(f"{report.PREFIX} {replacement}")
+            raise replacement from exc
+
+    # ------------------------------------------------------------------ stop on signals
+    def install_signal_handlers(self, signums=(signal.SIGTERM, signal.SIGINT)) -> None:
+        """SIGTERM / SIGINT request a stop of every rank (see :meth:`should_stop`); main thread only."""
+        for signum in signums:
+            signal.signal(signum, self._handler)
+        if self._wakeup_r is None:
+            r, w = os.pipe()
+            os.set_blocking(w, False)
+            try:
+                if signal.set_wakeup_fd(w, warn_on_full_buffer=False) != -1:  # someone else's: keep theirs
+                    signal.set_wakeup_fd(signal.set_wakeup_fd(-1))
+                    os.close(r), os.close(w)
+                    return
+            except ValueError:  # not the main thread
+                os.close(r), os.close(w)
+                return
+            self._wakeup_r = r
+
+    def _handler(self, signum, frame) -> None:
+        if self.stop_signal and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: the user insists
+        self._note_signal(signum)
+
+    def _note_signal(self, signum: int) -> None:
+        if not self.stop_signal:
+            self.stop_signal = int(signum)
+            self._print(f"{report.PREFIX} rank {self.rank}: received {report.signal_name(signum)}; every rank "
+                        f"stops within stop_timeout={self.config.stop_timeout:.0f} s")
+
+    def should_stop(self, step: int) -> bool:
+        """Call at every step boundary (after ``step`` steps): True when every rank stops after this step.
+
+        The first rank to learn of a stop proposes ``step + 2``; ranks of a synchronous job are less than two
+        steps apart, so every rank reaches that boundary and stops there, together (a collective is safe)."""
+        if self._stop_at is None:
+            if self.stop_signal and not self.store.check(["stop_at"]):
+                self.store.compare_set("stop_at", "", str(step + 2))
+            if self.store.check(["stop_at"]):
+                self._stop_at = int(self.store.get("stop_at").decode())
+        return self._stop_at is not None and step >= self._stop_at
+
+    def requested_signal(self) -> int:
+        if self.stop_signal:
+            return self.stop_signal
+        if self.store.check(["stop_req"]):
+            return int((report.loads(self.store.get("stop_req")) or {}).get("signal", signal.SIGTERM))
+        return signal.SIGTERM
+
+    @staticmethod
+    def _print(text: str) -> None:
+        sys.stderr.write(text + "\n")
+        sys.stderr.flush()
+
+
+def _transport_error(exc: BaseException) -> bool:
+    text = f"{type(exc).__name__} {exc}".lower()
+    return any(k in text for k in ("connection", "gloo", "nccl", "distbackend", "peer", "socket", "timed out",
+                                   "timeout", "broken pipe"))
+
+
+def default_store():
+    """The c10d store of the default process group (Lightning's / torchrun's TCPStore, or the file store)."""
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()
+
+
+def start_watchdog(config: Optional[DiagnosticsConfig] = None, store: Any = None, **kwargs: Any) -> Watchdog:
+    """A started :class:`Watchdog` for this rank of the default process group."""
+    import torch.distributed as dist
+
+    return Watchdog(store if store is not None else default_store(), dist.get_rank(), dist.get_world_size(),
+                    config, **kwargs).start()
+
+
