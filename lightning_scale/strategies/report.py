@@ -1,71 +1,144 @@
-"""The table rank 0 prints at start: layout, ZeRO stage, precision, and bytes per rank."""
+"""The table rank 0 prints at start: layout, ZeRO stage, precision in effect, attention, and bytes per rank.
+
+The bytes lines and the estimate table below them (``python -m lightning_scale.estimate``) speak of the same
+thing in the same unit: per-rank model states of this run. The header is *measured* from the engines (what
+``memory_bytes()`` reports now); what the first backward / step has not allocated yet (stage-3 gradient shards,
+the optimizer's m and v) is filled in from this run's row of the estimate and marked so. The header's
+device / host totals then equal the table's ``*`` row (``tests/unit/test_report.py`` checks every stage).
+"""
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from lightning_scale.config import ConfigError
+from lightning_scale.estimate import STATE_PER_ELEMENT, GiB, estimate_all, format_table, model_counts
 
-# Optimizer state per master element (lower-case class names), for the estimate printed before the first
-# step creates it. The same table as lightning_scale.estimate.STATE_PER_ELEMENT, which is imported lazily
-# below: importing it here (package import time) would make `python -m lightning_scale.estimate` warn
-# that the module was already imported.
-_STATE_PER_ELEMENT = {"adam": 2, "adamw": 2, "adamax": 2, "nadam": 2, "radam": 2, "onebitadam": 2,
-                      "adagrad": 1, "rmsprop": 1, "adadelta": 2, "sgd": 1}
+_STATE_PER_ELEMENT = STATE_PER_ELEMENT  # one table (the package no longer imports this module eagerly)
 
-
-def _mb(n: float) -> str:
-    return f"{n / 2**20:,.1f} MB"
+_CATEGORIES = (("params", "params"), ("grads", "grads"), ("master", "fp32 master"),
+               ("optimizer_state", "optimizer state"))
 
 
-def engine_bytes(engine: Any) -> Dict[str, float]:
-    mem = engine.memory_bytes()
-    if mem["optimizer_state"] == 0:
-        per = _STATE_PER_ELEMENT.get(type(engine.inner).__name__.lower(), 0)
-        state = per * sum(m.numel() * m.element_size() for m in engine.masters)
-        mem["optimizer_state"] = state
-        mem["total"] = mem["params"] + mem["grads"] + mem["master"] + mem["optimizer_state"]
-        # Engines that split device / host bytes: the not-yet-created state lives with the masters.
-        side = "host" if getattr(engine, "offload_optimizer", False) else "device"
-        if side in mem:
-            mem[side] += state
-    return mem
+def _engine_optimizer(engine: Any) -> Any:
+    """The user's optimizer an engine wraps (its class names the state per element)."""
+    return getattr(engine, "optimizer", None) or getattr(engine, "inner", None)
 
 
-def layout_table(strategy: Any) -> str:
-    topo = strategy.topology
-    cfg = strategy.config
-    rows = [("layout", f"dp={topo.dp} x pp={topo.pp} x tp={topo.tp} (world {topo.world_size})"),
-            ("ZeRO stage", str(cfg.zero.stage)),
-            ("precision", str(getattr(strategy.precision_plugin, "precision", "?")))]
-    totals: Dict[str, float] = {"params": 0, "grads": 0, "master": 0, "optimizer_state": 0, "total": 0}
-    for engine in strategy.engines:
-        for k, v in engine_bytes(engine).items():
-            totals[k] = totals.get(k, 0) + v  # engines may report more keys (device / host split)
-    if strategy.engines:
-        rows += [("params / rank", _mb(totals["params"])),
-                 ("grads / rank", _mb(totals["grads"]) + (" (transient buckets not counted)" if cfg.zero.stage == 2 else "")),
-                 ("fp32 master / rank", _mb(totals["master"])),
-                 ("optimizer state / rank", _mb(totals["optimizer_state"])),
-                 ("model state / rank", _mb(totals["total"]))]
-        if totals.get("host"):
-            rows += [("  on device / rank", _mb(totals.get("device", 0))), ("  on host / rank", _mb(totals["host"]))]
-    sharded = getattr(strategy, "sharded", None)
-    if sharded is not None:  # ZeRO-3: what is gathered at a time (device)
-        mem = sharded.memory_bytes()
-        n_units = sum(1 for u in sharded.units if u.kind == "unit")
-        root = sum(u.nbytes_full for u in sharded.units if u.kind == "root")
-        rows += [("stage-3 units", f"{n_units} (+ root {_mb(root)}, persistent {_mb(mem['persistent'])}), "
-                                   f"prefetch depth {sharded.prefetch_depth}"),
-                 ("largest unit gathered", _mb(mem["largest_unit"]))]
-    width = max(len(k) for k, _ in rows)
-    lines = ["lightning_scale Zero3DStrategy"] + [f"  {k.ljust(width)}  {v}" for k, v in rows]
-    table = estimate_section(strategy)
-    if table:
-        lines.append(table)
-    return "\n".join(lines)
+def measured_bytes(engines: List[Any]) -> Dict[str, float]:
+    """Sum of the engines' ``memory_bytes()``: params, grads, master, optimizer_state, device, host."""
+    totals: Dict[str, float] = {k: 0.0 for k, _ in _CATEGORIES}
+    totals.update(device=0.0, host=0.0)
+    for engine in engines:
+        mem = engine.memory_bytes()
+        for k in totals:
+            totals[k] += mem.get(k, 0)
+        if "device" not in mem:  # an engine without the split keeps everything on the device
+            totals["device"] += mem.get("total", sum(mem.get(k, 0) for k, _ in _CATEGORIES))
+    return totals
 
 
+def reconcile(measured: Dict[str, float], row: Any) -> Tuple[Dict[str, float], Dict[str, float], List[str]]:
+    """(bytes per category, {"device", "host"} totals, categories still to be allocated). A category the
+    engines hold nothing of yet, while this run's estimate row has bytes for it, takes the row's bytes (on the
+    row's side); what exists is never replaced by a formula."""
+    per_cat, sides = {}, {"device": measured["device"], "host": measured["host"]}
+    pending: List[str] = []
+    for key, _ in _CATEGORIES:
+        est_dev, est_host = getattr(row.device, key), getattr(row.host, key)
+        per_cat[key] = measured[key]
+        if measured[key] == 0 and est_dev + est_host > 0:
+            per_cat[key] = est_dev + est_host
+            sides["device"] += est_dev
+            sides["host"] += est_host
+            pending.append(key)
+    return per_cat, sides, pending
+
+
+def _fmt(nbytes: float, scale: float, unit: str) -> str:
+    return f"{nbytes / scale:,.2f} {unit}"
+
+
+def memory_rows(strategy: Any, row: Any, unit: str) -> List[Tuple[str, str]]:
+    """The header's bytes lines, in the table's unit; the last one equals the table's * row."""
+    scale = GiB if unit == "GiB" else 2**20
+    per_cat, sides, pending = reconcile(measured_bytes(list(getattr(strategy, "engines", []) or [])), row)
+    rows: List[Tuple[str, str]] = []
+    for key, label in _CATEGORIES:
+        note = " (estimate: allocated by the first step)" if key in pending else ""
+        rows.append((f"{label} / rank", _fmt(per_cat[key], scale, unit) + note))
+    dev, gathered, transient = sides["device"], row.device.gathered, row.device.transient
+    rows.append(("model states / rank", f"{_fmt(dev, scale, unit)} device + {_fmt(sides['host'], scale, unit)} host"))
+    if gathered or transient:
+        rows.append(("+ gathered, transient", f"{_fmt(gathered, scale, unit)} + {_fmt(transient, scale, unit)} "
+                                              "(estimate: stage-3 units in use, buckets / fp32 grad copy)"))
+    rows.append(("device / rank (peak)", f"{_fmt(dev + gathered + transient, scale, unit)} device, "
+                                         f"{_fmt(sides['host'], scale, unit)} host (= the * row below)"))
+    return rows
+
+
+# ---------------------------------------------------------------------------------------- what runs
+def precision_in_effect(strategy: Any) -> str:
+    """The precision the strategy's plugin really uses (Lightning may have turned 16-mixed into bf16 on CPU)."""
+    plugin = getattr(strategy, "precision_plugin", None)
+    name = str(getattr(plugin, "precision", "?"))
+    policy = getattr(plugin, "policy", None)
+    if policy is None:
+        return name
+    dtype = lambda d: str(d).replace("torch.", "") if d is not None else "as built"  # noqa: E731
+    parts = [f"params/grads {dtype(policy.param_dtype)}"]
+    if policy.master_dtype is not None:
+        parts.append(f"{dtype(policy.master_dtype)} master")
+    if policy.autocast_dtype is not None:
+        parts.append(f"autocast {dtype(policy.autocast_dtype)}")
+    scaler = getattr(plugin, "loss_scaler", None)
+    if policy.loss_scaling and scaler is not None:
+        parts.append(f"dynamic loss scale {getattr(scaler, 'scale', '?')}")
+    return f"{name} ({', '.join(parts)})"
+
+
+def _module(strategy: Any) -> Any:
+    module = getattr(strategy, "lightning_module", None)
+    return module if module is not None else getattr(strategy, "model", None)
+
+
+def attention_in_effect(module: Any) -> Optional[str]:
+    """dense, or the block-sparse layout the attention modules really run and its density."""
+    if module is None:
+        return None
+    from lightning_scale.nn.sparse_attention import SparseSelfAttention
+
+    sparse = [m for m in module.modules() if isinstance(m, SparseSelfAttention)]
+    if not sparse:
+        return "dense"
+    cfg, seq = sparse[0].sparsity_config, sparse[0].max_seq_length
+    layout = cfg.make_layout(seq)  # (heads, L/block, L/block) 0/1
+    blocks = layout.shape[-1]
+    density = float(layout.sum()) / layout.numel()
+    causal = blocks * (blocks + 1) / 2 * layout.shape[0]  # the blocks a causal dense model computes
+    return (f"{type(cfg).__name__} (block {cfg.block}, seq {seq}): {density:.1%} of blocks, "
+            f"{float(layout.sum()) / causal:.1%} of causal dense; {len(sparse)} layers")
+
+
+def compile_and_checkpointing(strategy: Any, module: Any) -> List[Tuple[str, str]]:
+    """torch.compile and activation checkpointing when the run uses them (config options or wrapped modules)."""
+    rows = []
+    cfg = getattr(strategy, "config", None)
+    for option, label in (("compile", "torch.compile"), ("activation_checkpointing", "activation checkpointing")):
+        value = getattr(cfg, option, None)
+        if value not in (None, False, "none"):
+            rows.append((label, str(value)))
+    if module is not None and not rows:
+        names = {type(m).__name__ for m in module.modules()}
+        if "OptimizedModule" in names:
+            rows.append(("torch.compile", "on (compiled submodules)"))
+        wrapped = sum(1 for m in module.modules() if type(m).__name__ == "CheckpointWrapper")
+        if wrapped:
+            rows.append(("activation checkpointing", f"{wrapped} wrapped modules"))
+    return rows
+
+
+# ---------------------------------------------------------------------------------------- the table
 def _offload_choice(offload: Any) -> str:
     opt = getattr(offload, "optimizer", "none") != "none"
     par = getattr(offload, "params", "none") != "none"
@@ -73,13 +146,9 @@ def _offload_choice(offload: Any) -> str:
     return names[(opt, par)]
 
 
-def estimate_section(strategy: Any) -> Optional[str]:
-    """The estimator's table (lightning_scale.estimate) for this rank's real model, every stage/offload row,
-    the configured one marked with *. None when there is no model."""
-    from lightning_scale.estimate import STATE_PER_ELEMENT, GiB, estimate_all, format_table, model_counts
-
-    module = getattr(strategy, "lightning_module", None)
-    module = module if module is not None else getattr(strategy, "model", None)
+def _estimates(strategy: Any) -> Optional[Tuple[List[Any], Any, int, Tuple[int, str]]]:
+    """(every row, this run's row, params counted, (stage, offload)) for this rank's real model, or None."""
+    module = _module(strategy)
     if module is None:
         return None
     cfg = strategy.config
@@ -87,24 +156,73 @@ def estimate_section(strategy: Any) -> Optional[str]:
     engines: List[Any] = list(getattr(strategy, "engines", []) or [])
     # The engines' buckets hold exactly the trainable parameters this rank's (tp/pp-local) model trains.
     bucketed = [b.numel for e in engines for b in getattr(e, "buckets", [])]
-    params = sum(bucketed) if bucketed else counts["params"]
+    params = max(sum(bucketed) if bucketed else counts["params"], 1)
     optimizer: Any = "adam"
-    if engines and hasattr(engines[0], "inner"):
-        name = type(engines[0].inner).__name__.lower()
+    if engines and _engine_optimizer(engines[0]) is not None:
+        name = type(_engine_optimizer(engines[0])).__name__.lower()
         optimizer = name if name in STATE_PER_ELEMENT else 2
     selected = (cfg.zero.stage, _offload_choice(cfg.offload))
-    dp = strategy.topology.dp
+    rows = estimate_all(params, dp=strategy.topology.dp,
+                        precision=str(getattr(strategy.precision_plugin, "precision", "32-true")),
+                        largest_unit_params=min(counts["largest_unit_params"], params),
+                        persistent_params=min(counts["persistent_params"], params),
+                        prefetch_depth=cfg.zero.prefetch_depth, optimizer=optimizer, bucket_mb=cfg.zero.bucket_mb)
+    mine = next((e for e in rows if (e.stage, e.offload) == selected), rows[0])
+    return rows, mine, params, selected
+
+
+def estimate_section(strategy: Any, estimates=None) -> Optional[str]:
+    """The estimator's table (lightning_scale.estimate) for this rank's real model, every stage/offload row,
+    the configured one marked with *. None when there is no model."""
     try:
-        rows = estimate_all(max(params, 1), dp=dp,
-                            precision=str(getattr(strategy.precision_plugin, "precision", "32-true")),
-                            largest_unit_params=min(counts["largest_unit_params"], max(params, 1)),
-                            persistent_params=min(counts["persistent_params"], max(params, 1)),
-                            prefetch_depth=cfg.zero.prefetch_depth, optimizer=optimizer, bucket_mb=cfg.zero.bucket_mb)
+        estimates = estimates or _estimates(strategy)
     except ConfigError as err:  # an estimate must never stop a run
         return f"  memory estimate unavailable: {err}"
-    mine = next((e for e in rows if (e.stage, e.offload) == selected), rows[0])
-    unit = "GiB" if max(mine.device.total, mine.host.total) >= GiB else "MiB"
-    header = (f"  memory estimate per rank (python -m lightning_scale.estimate; {params:,} params, dp={dp}, "
-              f"model states only, * = this run):")
-    table = format_table(rows, selected=selected, unit=unit)
+    if estimates is None:
+        return None
+    rows, mine, params, selected = estimates
+    header = (f"  memory estimate per rank (python -m lightning_scale.estimate; {params:,} params, "
+              f"dp={strategy.topology.dp}, model states only, * = this run):")
+    table = format_table(rows, selected=selected, unit=_unit(mine))
     return header + "\n" + "\n".join("  " + line for line in table.splitlines())
+
+
+def _unit(row: Any) -> str:
+    return "GiB" if max(row.device.total, row.host.total) >= GiB else "MiB"
+
+
+def layout_table(strategy: Any) -> str:
+    topo, cfg = strategy.topology, strategy.config
+    module = _module(strategy)
+    rows = [("layout", f"dp={topo.dp} x pp={topo.pp} x tp={topo.tp} (world {topo.world_size})"),
+            ("ZeRO stage", str(cfg.zero.stage) + (f", offload {_offload_choice(cfg.offload)}"
+                                                  if _offload_choice(cfg.offload) != "none" else "")),
+            ("precision", precision_in_effect(strategy))]
+    attention = attention_in_effect(module)
+    if attention is not None:
+        rows.append(("attention", attention))
+    rows += compile_and_checkpointing(strategy, module)
+    engines = list(getattr(strategy, "engines", []) or [])
+    if engines:
+        rows.append(("optimizer", ", ".join(f"{type(_engine_optimizer(e)).__name__} in {type(e).__name__}"
+                                            for e in engines)))
+    try:
+        estimates = _estimates(strategy)
+    except ConfigError:
+        estimates = None
+    if engines and estimates is not None:
+        rows += memory_rows(strategy, estimates[1], _unit(estimates[1]))
+    sharded = getattr(strategy, "sharded", None)
+    if sharded is not None:  # ZeRO-3: what is gathered at a time (device)
+        mem = sharded.memory_bytes()
+        n_units = sum(1 for u in sharded.units if u.kind == "unit")
+        root = sum(u.nbytes_full for u in sharded.units if u.kind == "root")
+        rows += [("stage-3 units", f"{n_units} (+ root {root / 2**20:,.2f} MiB, persistent "
+                                   f"{mem['persistent'] / 2**20:,.2f} MiB), prefetch depth {sharded.prefetch_depth}"),
+                 ("largest unit gathered", f"{mem['largest_unit'] / 2**20:,.2f} MiB")]
+    width = max(len(k) for k, _ in rows)
+    lines = ["lightning_scale Zero3DStrategy"] + [f"  {k.ljust(width)}  {v}" for k, v in rows]
+    table = estimate_section(strategy, estimates)
+    if table:
+        lines.append(table)
+    return "\n".join(lines)
