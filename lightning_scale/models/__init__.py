@@ -1,3 +1,4 @@
 from lightning_scale.models.gpt import GPT, GPTConfig, gpt_small, gpt_tiny, lm_loss, make_batch
+from lightning_scale.models import hf_pipeline  # noqa: F401  (registers the Hugging Face pipeline adapter)
 
 __all__ = ["GPT", "GPTConfig", "gpt_small", "gpt_tiny", "lm_loss", "make_batch"]

@@ -177,6 +177,36 @@ class GPT(nn.Module):
         """The repeated units (transformer blocks): ZeRO-3 units and pipeline partitions start here."""
         return list(self.blocks)
 
+    # ---- what the parallel packages read through their provider interfaces (they import no model)
+    vocab_parallel_loss = True  # tensor parallel: ``loss`` may use the vocabulary-split logits directly
+
+    def pipeline_layers(self) -> nn.Sequential:
+        """[embedding, block_0, ..., block_{L-1}, head] sharing this GPT's modules (same math as ``self(idx)``)."""
+        from lightning_scale.pipeline.layers import gpt_pipeline_layers
+
+        return gpt_pipeline_layers(self)
+
+    def tensor_parallel_plan(self, sequence_parallel: bool = False) -> dict:
+        """The built-in tensor-parallel plan (``tensor_parallel.hf.GPT_PLAN``), with sequence-parallel marks."""
+        from lightning_scale.tensor_parallel.hf import GPT_PLAN
+
+        plan = dict(GPT_PLAN)
+        if sequence_parallel:
+            plan["wpe"] = "sequence_split"  # position rows for this rank's sequence chunk only
+            plan["blocks.*.attn"] = "sequence_gather"  # the attention reads T from its input
+            plan["blocks.*.mlp"] = "sequence_gather"
+        return plan
+
+    def check_tensor_parallel_plan(self, kinds: dict, sequence_parallel: bool) -> None:
+        """Sequence parallelism needs the embeddings and every attention planned for it (ValueError)."""
+        if not sequence_parallel:
+            return
+        ok = kinds.get("wte") == "vocab" and kinds.get("wpe") == "sequence_split" and all(
+            kinds.get(f"blocks.{i}.attn") == "sequence_gather" for i in range(len(self.blocks)))
+        if not ok:
+            raise ValueError("tensor.sequence_parallel=True on the GPT needs 'wte': 'vocab', 'wpe': "
+                             "'sequence_split' and 'blocks.*.attn': 'sequence_gather' (the built-in plan has them)")
+
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
     """Mean next-token cross-entropy, computed in at least fp32 (fp64 logits stay fp64)."""

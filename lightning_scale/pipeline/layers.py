@@ -5,8 +5,14 @@ the only input of layer k + 1 (one tensor). A model provides it by
 
 * being an ``nn.Sequential`` (or ``nn.ModuleList`` / list of modules), or
 * defining ``pipeline_layers()`` that returns such a list, or
-* being the project GPT (:class:`lightning_scale.models.gpt.GPT`), handled by
-  :func:`gpt_pipeline_layers` without changing the model.
+* matching a registered *layer provider* (:func:`register_layer_provider`): a model family's adapter,
+  e.g. :mod:`lightning_scale.models.hf_pipeline` for Hugging Face causal LMs, registers a predicate and
+  a builder. This package imports no model: the project GPT defines ``pipeline_layers()`` (built from
+  :func:`gpt_pipeline_layers`), the adapters register themselves when ``lightning_scale.models`` is
+  imported.
+
+A LightningModule that holds such a model (``self.model = LlamaForCausalLM(cfg)``) is searched for the
+outermost submodule with a hook or a provider.
 
 The wrappers reuse the model's own modules (no copies), so parameters keep their identity: an
 optimizer, a checkpoint or a test can still address them through the original model, and a tied
@@ -15,7 +21,7 @@ embedding / head stays one ``Parameter`` that the pipeline stage finds and keeps
 
 from __future__ import annotations
 
-from typing import List
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -55,21 +61,42 @@ def gpt_pipeline_layers(gpt: nn.Module) -> nn.Sequential:
     return nn.Sequential(GPTEmbedding(gpt), *gpt.blocks, GPTHead(gpt))
 
 
-def pipeline_layers(model: nn.Module) -> List[nn.Module]:
-    """The layer sequence of ``model`` by the contract in the module docstring, or a clear error."""
-    from lightning_scale.models.gpt import GPT
+_PROVIDERS: List[Tuple[str, Callable[[nn.Module], bool], Callable[[nn.Module], nn.Module]]] = []
 
+
+def register_layer_provider(name: str, matches: Callable[[nn.Module], bool],
+                            build: Callable[[nn.Module], nn.Module]) -> None:
+    """Let :func:`pipeline_layers` handle models ``matches(model)`` accepts with ``build(model)`` (the layer
+    sequence). Re-registering a name replaces it."""
+    _PROVIDERS[:] = [p for p in _PROVIDERS if p[0] != name]
+    _PROVIDERS.append((name, matches, build))
+
+
+def _direct(model: nn.Module) -> Optional[List[nn.Module]]:
     hook = getattr(model, "pipeline_layers", None)
     if callable(hook):
-        layers = list(hook())
-    elif isinstance(model, GPT):
-        layers = list(gpt_pipeline_layers(model))
-    elif isinstance(model, (nn.Sequential, nn.ModuleList, list, tuple)):
-        layers = list(model)
-    else:
+        return list(hook())
+    if isinstance(model, (nn.Sequential, nn.ModuleList, list, tuple)):
+        return list(model)
+    for _, matches, build in _PROVIDERS:
+        if matches(model):
+            return list(build(model))
+    return None
+
+
+def pipeline_layers(model: nn.Module) -> List[nn.Module]:
+    """The layer sequence of ``model`` by the contract in the module docstring, or a clear error."""
+    layers = _direct(model)
+    if layers is None and isinstance(model, nn.Module):
+        for _, sub in list(model.named_modules())[1:]:  # pre-order: the outermost provider wins
+            if callable(getattr(sub, "pipeline_layers", None)) or any(m(sub) for _, m, _ in _PROVIDERS):
+                layers = _direct(sub)
+                break
+    if layers is None:
         raise ConfigError(
             f"{type(model).__name__} exposes no layer sequence for pipeline parallelism: build it as an "
-            "nn.Sequential (e.g. in configure_model) or define pipeline_layers() returning the ordered "
+            "nn.Sequential (e.g. in configure_model), hold a model with a built-in adapter (the project GPT, a "
+            "Hugging Face causal LM with a base_model_pp_plan), or define pipeline_layers() returning the ordered "
             "list of layers (each layer's output is the next layer's input)"
         )
     bad = [i for i, layer in enumerate(layers) if not isinstance(layer, nn.Module)]

@@ -6,6 +6,12 @@ Two facts the optimizer side must respect:
   row-parallel biases) get only this rank's tokens' contribution. :func:`sync_tp_grads` sums them over
   the tp group in one flat all-reduce; call it once per optimizer step, after the last backward and
   before gradient reduction over dp, clipping or the step (Megatron's "finalize grads").
+* A replicated parameter inside a tp region (``replicated_with_grad_allreduce``: Qwen3 / Gemma3 per-head
+  q/k norms after a column-parallel projection) sees only this rank's heads, so its gradient is a partial
+  sum. :func:`install_grad_allreduce` makes the module read the parameter through ``copy_to_region``: the
+  all-reduce runs in the backward, on each micro-batch's contribution, before anything accumulates it
+  (gradient accumulation, ZeRO buckets reducing during the backward, stage-3 shards, clipping all see the
+  complete gradient; nothing to call afterwards, unlike the partial marks above).
 * A replicated parameter (``tp_replicated(p)``) has the same gradient on every tp rank. A global norm
   over dp x tp must count it once, not tp times; :func:`grad_norm` does, and a ZeRO engine that
   flattens parameters can weight each element with ``tp_replicated`` the same way.
@@ -21,6 +27,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from lightning_scale.comm import collectives
+from lightning_scale.tensor_parallel.mappings import copy_to_region
 from lightning_scale.tensor_parallel.sharding import tp_partial_grad, tp_replicated
 from lightning_scale.tensor_parallel.state import tensor_parallel_state
 
@@ -36,6 +43,27 @@ def _tp_group(params: Params, group):
         return group
     state = tensor_parallel_state(params)
     return None if state is None else state.group
+
+
+def install_grad_allreduce(module: nn.Module, group, tag: str) -> list:
+    """``module``'s own parameters enter its forward through ``copy_to_region`` (identity forward, gradient
+    all-reduced over ``group`` backward). Returns the hook handles. The parameters stay the module's
+    ``Parameter`` objects (state_dict, optimizers, ZeRO's ``.data`` swaps untouched): only while the forward
+    runs does ``module._parameters`` hold the region-entering views."""
+    def enter(mod, args):
+        if not torch.is_grad_enabled():
+            return
+        saved = {n: p for n, p in mod._parameters.items() if p is not None and p.requires_grad}
+        for n, p in saved.items():
+            mod._parameters[n] = copy_to_region(p, group, tag=tag)  # (same shape) non-leaf view of p
+        mod.__dict__["_tp_region_saved"] = saved
+
+    def leave(mod, args, output):
+        saved = mod.__dict__.pop("_tp_region_saved", None)
+        if saved:
+            mod._parameters.update(saved)
+
+    return [module.register_forward_pre_hook(enter), module.register_forward_hook(leave, always_call=True)]
 
 
 @torch.no_grad()

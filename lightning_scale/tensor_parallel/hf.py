@@ -1,12 +1,17 @@
-"""Built-in plans: the project GPT, Hugging Face models' own ``tp_plan``, and Hugging Face GPT-2.
+"""Built-in plans: a model's own ``tensor_parallel_plan()`` (the project GPT), Hugging Face models' own
+``tp_plan``, and Hugging Face GPT-2.
 
-Nothing here imports ``transformers``: a Hugging Face model is recognised by its ``config.model_type``
+Nothing here imports a model: a model provides its plan through ``tensor_parallel_plan(sequence_parallel)``
+(the project GPT does, from :data:`GPT_PLAN`). Nothing here imports ``transformers``
+either: a Hugging Face model is recognised by its ``config.model_type``
 and ``base_model_prefix`` (duck typing), so the package works without it installed.
 
 * A Hugging Face model that declares a plan (``model.tp_plan``, assembled by ``transformers`` from the
   class' ``_tp_plan`` and ``config.base_model_tp_plan`` with the right prefixes) is used as declared.
-  Its style names (``colwise``, ``rowwise``, ``colwise_gather_output``, ``embedding_rowwise``,
-  ``packed_colwise``...) map onto ours; patterns of that plan that match no module (optional layers of
+  Its style names (``colwise``, ``rowwise``, ``colwise_gather_output``, ``rowwise_split_input``,
+  ``replicated_with_grad_allreduce``, ``embedding_rowwise``, ``packed_colwise``...) map onto ours with
+  transformers' semantics (:func:`~lightning_scale.tensor_parallel.styles.hf_style`: its ``colwise`` is a
+  contiguous split); patterns of that plan that match no module (optional layers of
   other configurations) are skipped.
 * GPT-2 declares no plan; its fused ``c_attn`` is a ``Conv1D`` (weight stored ``(in, out)``) holding
   ``[q | k | v]``, which the ``colwise`` style detects and splits per head.
@@ -19,6 +24,7 @@ from typing import Dict, Tuple
 import torch.nn as nn
 
 from lightning_scale.config import ConfigError
+from lightning_scale.tensor_parallel.styles import hf_style
 
 GPT_PLAN: Dict[str, str] = {
     "wte": "vocab",
@@ -52,6 +58,32 @@ def _base_prefix(model: nn.Module) -> str:
     return ""
 
 
+def _module_name(model: nn.Module, target) -> str:
+    return next((n for n, m in model.named_modules() if m is target), "")
+
+
+def _untie_head(plan: Dict[str, object], model: nn.Module) -> Dict[str, object]:
+    """A head tied to an input embedding the plan keeps whole (Gemma, tied Llama: ``lm_head`` is
+    ``colwise_gather_output`` but ``embed_tokens`` is unplanned) stays whole too: one tensor cannot be split
+    in one module and whole in the other. Transformers' own plans do the same on tied weights."""
+    get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
+    if not (callable(get_in) and callable(get_out)):
+        return plan
+    emb, head = get_in(), get_out()
+    if emb is None or head is None or getattr(emb, "weight", None) is not getattr(head, "weight", 0):
+        return plan
+    emb_name, head_name = _module_name(model, emb), _module_name(model, head)
+    if any(_matches(p, emb_name) for p in plan):
+        return plan
+    return {p: v for p, v in plan.items() if not _matches(p, head_name)}
+
+
+def _matches(pattern: str, name: str) -> bool:
+    import re
+
+    return re.fullmatch(re.escape(pattern).replace(r"\*", r"[^.]+"), name) is not None
+
+
 def hf_plan(model: nn.Module) -> Dict[str, str]:
     """The plan of a Hugging Face model: GPT-2's built-in one, else the model's declared ``tp_plan``."""
     prefix = _base_prefix(model)
@@ -62,41 +94,37 @@ def hf_plan(model: nn.Module) -> Dict[str, str]:
         return plan
     declared = getattr(model, "tp_plan", None) or getattr(model, "_tp_plan", None)
     if declared:
-        return dict(declared)
+        return _untie_head({k: hf_style(v, k) for k, v in dict(declared).items()}, model)
     base = getattr(model.config, "base_model_tp_plan", None)
     if base:
-        return {prefix + k: v for k, v in base.items()}
+        return _untie_head({prefix + k: hf_style(v, k) for k, v in base.items()}, model)
     raise ConfigError(f"tensor.plan: {type(model).__name__} declares no tp_plan (base_model_tp_plan); "
                       f"pass plan={{pattern: style}}")
 
 
-def default_plan(model: nn.Module, sequence_parallel: bool = False) -> Dict[str, str]:
-    """The built-in plan for ``model``; ConfigError when there is none."""
-    from lightning_scale.models.gpt import GPT
+def _provides_plan(model: nn.Module) -> bool:
+    return callable(getattr(model, "tensor_parallel_plan", None))
 
-    if isinstance(model, GPT):
-        plan = dict(GPT_PLAN)
-        if sequence_parallel:
-            plan["wpe"] = "sequence_split"  # position rows for this rank's sequence chunk only
-            plan["blocks.*.attn"] = "sequence_gather"  # the attention reads T from its input
-            plan["blocks.*.mlp"] = "sequence_gather"
-        return plan
+
+def default_plan(model: nn.Module, sequence_parallel: bool = False) -> Dict[str, object]:
+    """The built-in plan for ``model``; ConfigError when there is none."""
+    if _provides_plan(model):
+        return dict(model.tensor_parallel_plan(sequence_parallel))
     if is_hf_model(model):
         return hf_plan(model)
     raise ConfigError(f"tensor.plan: no built-in tensor-parallel plan for {type(model).__name__}; pass "
-                      f"plan={{'blocks.*.attn.qkv': 'colwise', ...}}")
+                      f"plan={{'blocks.*.attn.qkv': 'colwise', ...}} or define tensor_parallel_plan() on the model")
 
 
 def find_plannable_module(root: nn.Module) -> Tuple[str, nn.Module]:
-    """The outermost submodule of ``root`` with a built-in plan (the project GPT or a Hugging Face model).
+    """The outermost submodule of ``root`` with a built-in plan (``tensor_parallel_plan()``, e.g. the project
+    GPT, or a Hugging Face model).
 
     A Lightning strategy uses it to split the model a LightningModule holds (``self.model = GPT(...)``)
     when the user gave no plan: ``name, model = find_plannable_module(lightning_module)``.
     """
-    from lightning_scale.models.gpt import GPT
-
     for name, module in root.named_modules():  # pre-order: outermost first
-        if isinstance(module, GPT) or is_hf_model(module):
+        if _provides_plan(module) or is_hf_model(module):
             return name, module
     raise ConfigError(f"tensor.plan: {type(root).__name__} contains no module with a built-in tensor-parallel "
                       f"plan (the project GPT or a Hugging Face model); pass tensor.plan={{pattern: style}}")

@@ -382,9 +382,18 @@ class VocabParallelEmbedding(nn.Module):
         if not w.is_meta:
             layer.load_full_(w.detach())
         layer.weight.requires_grad_(w.requires_grad)
+        scale = getattr(module, "embed_scale", None)
+        if isinstance(scale, torch.Tensor):  # Gemma's ScaledWordEmbedding: lookup * embed_scale (non-persistent)
+            layer.register_buffer("embed_scale", scale, persistent="embed_scale" not in
+                                  module._non_persistent_buffers_set)
         return layer
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, C) or (B, T/tp, C)
+        out = self._lookup(idx)
+        scale = getattr(self, "embed_scale", None)
+        return out if scale is None else out * scale.to(self.weight.dtype)  # as the dense subclass' forward
+
+    def _lookup(self, idx: torch.Tensor) -> torch.Tensor:
         pad = self.padding_idx
         local_pad = pad - self.vocab_start if pad is not None and self.vocab_start <= pad < self.vocab_end else None
         if not self.sequence_parallel and self.tp > 1:

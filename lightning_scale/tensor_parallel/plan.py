@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 
 from lightning_scale.config import ConfigError
+from lightning_scale.tensor_parallel import grads
 from lightning_scale.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from lightning_scale.tensor_parallel.hf import default_plan, is_hf_model
 from lightning_scale.tensor_parallel.layers import (
@@ -128,6 +129,11 @@ def _check_module(name: str, module: nn.Module, style: Style) -> None:
                           f"{type(module).__name__}")
     if style.kind == "vocab" and not isinstance(module, nn.Embedding):
         raise ConfigError(f"tensor.plan: style {style.name!r} needs nn.Embedding; {name!r} is {type(module).__name__}")
+    if (style.kind == "vocab" and type(module).forward is not nn.Embedding.forward
+            and not isinstance(getattr(module, "embed_scale", None), torch.Tensor)):
+        # the parallel embedding reproduces a plain lookup (and Gemma's * embed_scale), nothing else
+        raise ConfigError(f"tensor.plan: {name!r} is a {type(module).__name__} with its own forward, which the "
+                          f"vocabulary-parallel embedding would not run; leave it out of the plan ('replicate')")
     if isinstance(module, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
         raise ConfigError(f"tensor.plan: {name!r} is already tensor-parallel (plan applied twice?)")
 
@@ -147,7 +153,7 @@ def _resolve(name: str, module: nn.Module, style: Style, parent: Optional[nn.Mod
             head_dim, q_heads = getattr(parent, "head_dim", None), next(iter(heads.values()), None)
             if isinstance(head_dim, int) and q_heads and out_f == 3 * q_heads * head_dim:
                 sections = 3  # fused [q | k | v]: split each part by whole heads
-        style = Style(style.kind, sections, style.gather_output, style.pad, style.name)
+        style = Style(style.kind, sections, style.gather_output, style.pad, style.name, style.split_input)
         if style.kind == "colwise":
             spec = make_spec(1 if transposed else 0, out_f, tp, sections=sections, pad=style.pad,
                              what=f"{name} out_features")
@@ -162,7 +168,9 @@ def _parent_fixes(model: nn.Module, actions: List[Action], tp: int) -> Dict[str,
     """Local head counts (and widths) for each attention module whose projections are split."""
     fixes: Dict[str, Dict[str, int]] = {}
     for act in actions:
-        if not act.style.shards_linear:
+        # Only a colwise output that stays split changes what the attention sees (its local heads); a
+        # gathered one (Phi3's qkv 'colwise_gather_output') leaves every head on every rank.
+        if act.style.kind != "colwise" or act.style.gather_output:
             continue
         pname = _parent_name(act.name)
         if pname in fixes:
@@ -174,7 +182,11 @@ def _parent_fixes(model: nn.Module, actions: List[Action], tp: int) -> Dict[str,
         for attr, value in heads.items():
             if value % tp:
                 where = f"{pname}.{attr}" if pname else attr
-                raise ConfigError(f"tp={tp} does not divide the number of heads {where}={value}")
+                kv = "key_value" in attr or "kv" in attr
+                hint = (f"; {value} key/value head(s) cannot be split over tp={tp} (replicating them is not "
+                        f"supported): use tp <= {value} or a plan with {act.name!r} gathered "
+                        "('colwise_gather_output') and its output projection 'rowwise_split_input'") if kv else ""
+                raise ConfigError(f"tp={tp} does not divide the number of heads {where}={value}{hint}")
         local = {a: v // tp for a, v in heads.items() if not a.startswith("config.")}
         head_dim = getattr(parent, "head_dim", None)
         q_heads = next(iter(heads.values()))
@@ -237,17 +249,16 @@ def plan_tensor_parallel(model: nn.Module, plan: Optional[Dict[str, object]], tp
 
 def _check_sequence_parallel(model: nn.Module, actions: List[Action]) -> None:
     """Activations enter the sequence-sharded region at the embeddings: both must be planned for it."""
-    from lightning_scale.models.gpt import GPT
-
     kinds = {a.name: a.style.kind for a in actions}
     if "vocab" not in kinds.values() and "sequence_split" not in kinds.values():
         raise ConfigError("tensor.sequence_parallel=True needs the input embedding split ('vocab') or the "
                           "first sequence-sharded module marked 'sequence_split'")
-    gpt_ok = kinds.get("wte") == "vocab" and kinds.get("wpe") == "sequence_split" and all(
-        kinds.get(f"blocks.{i}.attn") == "sequence_gather" for i in range(len(getattr(model, "blocks", ()))))
-    if isinstance(model, GPT) and not gpt_ok:
-        raise ConfigError("tensor.sequence_parallel=True on the GPT needs 'wte': 'vocab', 'wpe': "
-                          "'sequence_split' and 'blocks.*.attn': 'sequence_gather' (the built-in plan has them)")
+    check = getattr(model, "check_tensor_parallel_plan", None)  # the model's own rules (the project GPT's)
+    if callable(check):
+        try:
+            check(kinds, True)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
 
 
 def _build(act: Action, group, sp: bool, gathered: bool) -> Optional[nn.Module]:
@@ -260,7 +271,7 @@ def _build(act: Action, group, sp: bool, gathered: bool) -> Optional[nn.Module]:
                                                input_gathered=gathered, name=act.name)
     if style.kind == "rowwise":
         return RowParallelLinear.from_dense(act.module, group, sections=style.sections, sequence_parallel=sp,
-                                            name=act.name)
+                                            input_is_parallel=not style.split_input, name=act.name)
     return None
 
 
@@ -295,6 +306,7 @@ def apply_tensor_parallel(model: nn.Module, plan: Optional[Dict[str, object]] = 
     state = TensorParallelState(group=group, tp=tp, rank=tp_rank(group), sequence_parallel=sequence_parallel,
                                 styles=p.styles)
     split_modules = set()
+    replicated_in_region: set = set()  # gradients already complete (all-reduced in the backward)
     gathering = [a.name + "." for a in p.actions if a.style.kind == "sequence_gather"] if sequence_parallel else []
     for act in p.actions:
         new = _build(act, group, sequence_parallel, any(act.name.startswith(g) for g in gathering))
@@ -309,8 +321,8 @@ def apply_tensor_parallel(model: nn.Module, plan: Optional[Dict[str, object]] = 
             hook = _sequence_gather_hook(group, f"tp/{act.name}", act.name)
             state.hooks.append(act.module.register_forward_pre_hook(hook))
         elif act.style.kind == "grad_allreduce":
-            for param in act.module.parameters():
-                mark_partial_grad(param)
+            state.hooks.extend(grads.install_grad_allreduce(act.module, group, f"tp/{act.name}"))
+            replicated_in_region.update(id(prm) for prm in act.module.parameters())
     for pname, attrs in p.parent_fixes.items():
         parent = model.get_submodule(pname)
         for attr, value in attrs.items():
@@ -320,29 +332,28 @@ def apply_tensor_parallel(model: nn.Module, plan: Optional[Dict[str, object]] = 
         for mname, pname in group_[1:]:
             setattr(model.get_submodule(mname), pname, first)
     if sequence_parallel:
-        _mark_sequence_parallel_partials(model, split_modules)
+        _mark_sequence_parallel_partials(model, split_modules, replicated_in_region)
     state.partial_grad_names = [n for n, prm in model.named_parameters() if tp_partial_grad(prm)]
     model._tp_state = state
     _patch_gpt_loss(model, state)
     return model
 
 
-def _mark_sequence_parallel_partials(model: nn.Module, split_modules) -> None:
+def _mark_sequence_parallel_partials(model: nn.Module, split_modules, complete=frozenset()) -> None:
     """Replicated params used on sequence-sharded activations (LayerNorms, row biases) get partial grads.
 
     Modules cut by a ``sequence_split`` hook are excluded: the hook's backward all-gathers their gradient.
     """
-    skip = {id(p) for n in split_modules for p in model.get_submodule(n).parameters()}
+    skip = {id(p) for n in split_modules for p in model.get_submodule(n).parameters()} | set(complete)
     for param in model.parameters():
         if tp_spec(param) is None and id(param) not in skip:
             mark_partial_grad(param)
 
 
 def _patch_gpt_loss(model: nn.Module, state: TensorParallelState) -> None:
-    """The project GPT's ``loss(idx, targets)`` must not feed vocabulary-split logits to a full cross-entropy."""
-    from lightning_scale.models.gpt import GPT
-
-    if isinstance(model, GPT) and state.vocab_size is not None:
+    """A model that declares ``vocab_parallel_loss`` (the project GPT) computes ``loss(idx, targets)`` from its
+    logits: with a 'vocab_colwise' head they are split, so the loss becomes the vocabulary-parallel one."""
+    if getattr(model, "vocab_parallel_loss", False) and state.vocab_size is not None:
         def loss(idx, targets):  # the logits live only here: the loss may overwrite them
             return vocab_parallel_cross_entropy(model(idx), targets, state.group, vocab_size=state.vocab_size,
                                                 inplace=True)

@@ -10,6 +10,9 @@ style                           effect
 ``packed_colwise``              the same, 2 fused sections (``[gate | up]``)
 ``colwise_gather``              ``ColumnParallelLinear`` that all-gathers its output (padded if needed)
 ``rowwise``                     ``RowParallelLinear``: input split, output all-reduced, bias added once
+``rowwise_split_input``         the same, but its input arrives whole (after a ``colwise_gather``): each
+                                rank takes its slice of the input features first (transformers' style of
+                                that name, used after attentions whose q/k norms span all heads)
 ``packed_rowwise``              the same, input made of 2 fused sections
 ``vocab``                       ``VocabParallelEmbedding`` (vocabulary split, padded to a multiple of tp)
 ``vocab_colwise``               output head split over the (padded) vocabulary; logits stay split and
@@ -20,11 +23,20 @@ style                           effect
                                 all-gathered along the sequence on entry, so it sees the full sequence;
                                 the ``colwise`` layers inside it then skip their own input gather
 ``replicate``                   nothing (documents that the module stays whole)
-``replicated_with_grad_allreduce``  stays whole; its gradients are summed over tp by ``sync_tp_grads``
+``replicated_with_grad_allreduce``  stays whole, but sits on split activations (per-head q/k norms after a
+                                ``colwise`` q/k projection see only this rank's heads): its gradient is
+                                all-reduced over tp inside the backward (the parameter enters the module
+                                through ``copy_to_region``), so it is complete before any accumulation,
+                                ZeRO bucket or clipping reads it, and a global norm counts it once
+``sequence_parallel``           (transformers: a norm on sequence-sharded activations) stays whole; with
+                                ``sequence_parallel=True`` its gradient is a partial sum like every
+                                replicated parameter's
 ==============================  ======================================================================
 
 Hugging Face names are accepted: ``colwise_gather_output`` / ``colwise_rep`` (= ``colwise_gather``),
-``embedding_rowwise`` (= ``vocab``) and the ones above. Anything else is a ConfigError listing these.
+``rowwise_rep`` (= ``rowwise_split_input``), ``embedding_rowwise`` (= ``vocab``) and the ones above.
+transformers' ``colwise`` is a contiguous split of the output features (no per-section detection): the
+built-in Hugging Face plans use :func:`hf_style` for that. Anything else is a ConfigError listing these.
 """
 
 from __future__ import annotations
@@ -42,6 +54,7 @@ class Style:
     gather_output: bool = False
     pad: bool = False  # pad out_features to a multiple of tp (vocabulary heads)
     name: str = ""  # the style as written in the plan
+    split_input: bool = False  # rowwise only: the input is whole, take this rank's slice first
 
     @property
     def shards_linear(self) -> bool:
@@ -54,6 +67,7 @@ _STYLES = {
     "packed_colwise": Style("colwise", sections=2),
     "colwise_gather": Style("colwise", sections=1, gather_output=True, pad=True),
     "rowwise": Style("rowwise", sections=1),
+    "rowwise_split_input": Style("rowwise", sections=1, split_input=True),
     "packed_rowwise": Style("rowwise", sections=2),
     "vocab": Style("vocab"),
     "vocab_colwise": Style("colwise", sections=1, pad=True),
@@ -61,15 +75,33 @@ _STYLES = {
     "sequence_gather": Style("sequence_gather"),
     "replicate": Style("replicate"),
     "replicated_with_grad_allreduce": Style("grad_allreduce"),
+    "sequence_parallel": Style("replicate"),
 }
 _ALIASES = {
     "colwise_gather_output": "colwise_gather",
     "colwise_rep": "colwise_gather",
+    "rowwise_rep": "rowwise_split_input",
     "embedding_rowwise": "vocab",
     "vocab_parallel": "vocab",
 }
 
 STYLE_NAMES = tuple(sorted(_STYLES)) + tuple(sorted(_ALIASES))
+# transformers styles with no equivalent here (mixture-of-experts, MLA, hidden-split embeddings, local params)
+_NOT_IMPLEMENTED = ("moe_tp_experts", "moe_identity_expert", "mla_kv_a_proj", "embedding_colwise", "local_params",
+                    "all_reduce")
+
+
+def _with_name(style: Style, name: str) -> Style:
+    return Style(style.kind, style.sections, style.gather_output, style.pad, name, style.split_input)
+
+
+def hf_style(value: Union[str, Style], pattern: str = "") -> Style:
+    """A style of a transformers ``tp_plan`` with transformers' semantics: ``colwise`` splits the output
+    features contiguously (e.g. GPT-NeoX's per-head interleaved ``query_key_value``), never per section."""
+    style = parse_style(value, pattern)
+    if isinstance(value, str) and value == "colwise":
+        return Style("colwise", 1, False, False, value)
+    return style
 
 
 def parse_style(value: Union[str, Style], pattern: str = "") -> Style:
@@ -79,7 +111,10 @@ def parse_style(value: Union[str, Style], pattern: str = "") -> Style:
     if isinstance(value, str):
         key = _ALIASES.get(value, value)
         if key in _STYLES:
-            style = _STYLES[key]
-            return Style(style.kind, style.sections, style.gather_output, style.pad, name=value)
+            return _with_name(_STYLES[key], value)
     where = f" for {pattern!r}" if pattern else ""
+    if value in _NOT_IMPLEMENTED:
+        raise ConfigError(f"tensor.plan: transformers' style {value!r}{where} (mixture-of-experts / MLA / "
+                          f"local parameters) is not implemented here; pass a plan without it, e.g. leaving "
+                          f"those modules replicated ('replicate')")
     raise ConfigError(f"tensor.plan: unknown style {value!r}{where}; known styles: {', '.join(STYLE_NAMES)}")

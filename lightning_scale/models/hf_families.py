@@ -1,0 +1,59 @@
+"""Tiny Hugging Face causal LMs of each supported family, built from transformers' config classes (no downloads).
+
+The test matrix (``tests/dist/test_hf_matrix.py``, ``tests/unit/test_hf_pipeline.py``), the families table
+(``scripts/models_table.py`` -> ``docs/models.md``) and the benchmarks share these definitions, so the table
+lists exactly what was run. Shapes: hidden 32, 4 query heads of 8, 2 key/value heads (grouped-query where the
+family has it), 4 layers (so pp=2 puts 2 layers on each stage), vocabulary 96, float64 by default.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Dict, Tuple
+
+import torch
+import torch.nn as nn
+
+VOCAB = 96
+_COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+               max_position_embeddings=64)
+
+# name -> (model_type, config overrides, what the family exercises)
+FAMILIES: Dict[str, Tuple[str, dict, str]] = {
+    "llama": ("llama", dict(num_key_value_heads=2), "rotary, grouped-query attention, gated MLP"),
+    "mistral": ("mistral", dict(num_key_value_heads=2, sliding_window=5), "sliding-window mask on every layer"),
+    "qwen2": ("qwen2", dict(num_key_value_heads=2), "q/k/v biases"),
+    "qwen3": ("qwen3", dict(num_key_value_heads=2, head_dim=8), "per-head q/k RMSNorm"),
+    "gemma": ("gemma", dict(num_key_value_heads=2, head_dim=8), "scaled embedding, tied head"),
+    "gemma2": ("gemma2", dict(num_key_value_heads=2, head_dim=8, sliding_window=5, final_logit_softcapping=30.0,
+                              attn_logit_softcapping=50.0), "alternating sliding/full layers, logit soft-capping"),
+    "gemma3": ("gemma3_text", dict(num_key_value_heads=2, head_dim=8, sliding_window=5),
+               "per-head q/k norms, per-layer-type rotary, sliding/full layers"),
+    "phi3": ("phi3", dict(num_key_value_heads=2, pad_token_id=0), "fused qkv and gate_up (gathered tp styles)"),
+    "gpt_neox": ("gpt_neox", dict(rotary_pct=0.5), "fused per-head qkv, partial rotary, parallel residual"),
+}
+
+
+def build(name: str, attn: str = "eager", dtype: torch.dtype = torch.float64, seed: int = 0) -> nn.Module:
+    """A fresh tiny ``AutoModelForCausalLM`` of family ``name`` with ``attn`` attention, seeded init."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_type, extra, _ = FAMILIES[name]
+    kwargs = dict(_COMMON, **extra)
+    if model_type == "gpt_neox":
+        kwargs["num_key_value_heads"] = kwargs["num_attention_heads"]  # no GQA in NeoX
+    config = AutoConfig.for_model(model_type, **kwargs)
+    config._attn_implementation = attn
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if model_type == "gpt_neox":
+        model.config.use_parallel_residual = True
+    return model.eval()  # dropout off: the matrix compares exact numerics
+
+
+def batch(n: int, seq: int, seed: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) of next-token prediction: ids (n, seq) and the ids shifted by one."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (n, seq + 1), generator=g)
+    return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()

@@ -1,0 +1,189 @@
+"""Pipeline layers for an unchanged Hugging Face causal LM, derived from the model's own structure.
+
+A Hugging Face decoder computes a few things once per forward, in the base model, that its decoder layers
+then read: position ids, rotary ``position_embeddings`` (per layer type for Gemma3), and the causal /
+sliding-window / padding mask for the chosen attention implementation. Cutting ``model.model.layers``
+into pipeline stages loses them (``cannot unpack non-iterable NoneType``), and an ``eager`` layer called
+without a mask attends to the future without any error. Here every pipeline layer recomputes them from
+what travels between stages, with the model's own modules and transformers' own mask functions
+(``create_causal_mask`` / ``create_sliding_window_causal_mask`` in ``transformers.masking_utils``), so
+they are the ones the unsplit model uses:
+
+* the structure comes from transformers itself: ``config.base_model_pp_plan`` names the embedding
+  module(s), the layer list and the final norm of the base model; the CausalLM's ``_pp_plan`` names the
+  head (``lm_head`` / ``embed_out``); ``base.rotary_emb`` gives cos/sin;
+* the mask type of layer ``i`` is ``config.layer_types[i]`` when the config has it, else sliding-window
+  when ``config.sliding_window`` is set (Mistral, Phi3), else full causal; the head applies
+  ``config.final_logit_softcapping`` (Gemma2/3) like the CausalLM's forward;
+* a padding ``attention_mask`` travels with the micro-batch: the inputs may be ``(B, 2, T)`` =
+  ``stack([input_ids, attention_mask], 1)``; the mask then rides as one extra channel of the hidden
+  state ``(B, T, C + 1)`` (0/1 values, exact in any float dtype) and the head drops it.
+
+Tied embeddings need nothing: the head's ``lm_head`` *is* the embedding's Parameter, which the pipeline
+stage finds and keeps in sync. Families without a ``base_model_pp_plan`` (GPT-2, OPT, Falcon...) or whose
+forward does more than this (e.g. ``embedding_multiplier``, ``logit_scale``) get a ``ConfigError`` that
+names them and says to define ``pipeline_layers()``. Nothing here imports ``transformers`` at import
+time (duck typing on ``config.model_type`` / ``base_model_prefix``); the mask functions are imported
+when a layer first runs.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from lightning_scale.config import ConfigError
+from lightning_scale.pipeline.layers import register_layer_provider
+
+# Config attributes whose math sits in a forward this adapter does not run: refuse rather than be wrong.
+_UNSUPPORTED_CONFIG = ("embedding_multiplier", "logit_scale", "logits_scaling", "use_bidirectional_attention",
+                       "altup_num_inputs", "hidden_size_per_layer_input")
+
+
+def is_hf_causal_lm(model: nn.Module) -> bool:
+    return hasattr(model, "base_model_prefix") and hasattr(getattr(model, "config", None), "model_type")
+
+
+def _hook_hint(model: nn.Module) -> str:
+    return (f"define pipeline_layers() on your LightningModule returning [embedding, *{type(model).__name__} "
+            "decoder layers, head] as modules whose single tensor output feeds the next (see "
+            "lightning_scale.models.hf_pipeline for the pattern)")
+
+
+def _split_mask(x: torch.Tensor, has_mask: bool) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(B, T, C [+1]) -> hidden (B, T, C), padding mask (B, T) int64 or None."""
+    if not has_mask:
+        return x, None
+    return x[..., :-1], x[..., -1].round().to(torch.long)
+
+
+def _join_mask(h: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    if mask is None:
+        return h
+    return torch.cat([h, mask.to(h.dtype).unsqueeze(-1)], dim=-1)  # (B, T, C + 1)
+
+
+class HFEmbedding(nn.Module):
+    """input_ids (B, T) or stack([ids, attention_mask], 1) (B, 2, T) -> hidden (B, T, C [+1])."""
+
+    def __init__(self, modules: List[nn.Module], has_mask: bool) -> None:
+        super().__init__()
+        self.embed = nn.ModuleList(modules)  # e.g. [embed_tokens] or [embed_in, emb_dropout]
+        self.has_mask = has_mask
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        if inputs.dim() == 3:  # (B, 2, T): ids and padding mask
+            if not self.has_mask:
+                raise ValueError("inputs of shape (B, 2, T) carry an attention_mask: build the layers with "
+                                 "hf_pipeline_layers(model, attention_mask=True)")
+            ids, mask = inputs[:, 0], inputs[:, 1]
+        elif self.has_mask:
+            raise ValueError("hf_pipeline_layers(..., attention_mask=True) expects inputs stack([ids, mask], 1)")
+        else:
+            ids, mask = inputs, None
+        h = ids
+        for m in self.embed:
+            h = m(h)
+        return _join_mask(h, mask)
+
+
+class HFDecoderLayer(nn.Module):
+    """One decoder layer of the model plus what the base model computes for it once per forward."""
+
+    def __init__(self, layer: nn.Module, index: int, config, rotary: Optional[nn.Module], has_mask: bool) -> None:
+        super().__init__()
+        self.layer, self.index, self.has_mask = layer, index, has_mask
+        self.rotary = rotary  # shared module (non-persistent inv_freq buffers only)
+        self.config = config  # plain attribute: not a module
+        types = getattr(config, "layer_types", None)
+        if types:
+            self.layer_type = types[index]
+        else:
+            self.layer_type = "sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"
+        self._rotary_by_type = rotary is not None and "layer_type" in inspect.signature(rotary.forward).parameters
+
+    def _mask(self, h: torch.Tensor, padding: Optional[torch.Tensor], position_ids: torch.Tensor):
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        fn = create_sliding_window_causal_mask if self.layer_type == "sliding_attention" else create_causal_mask
+        return fn(config=self.config, inputs_embeds=h, attention_mask=padding, cache=None, position_ids=position_ids)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C [+1]) -> same
+        h, padding = _split_mask(x, self.has_mask)
+        position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)  # (1, T), as the base model
+        kwargs = dict(attention_mask=self._mask(h, padding, position_ids), position_ids=position_ids)
+        if self.rotary is not None:
+            pe = (self.rotary(h, position_ids, self.layer_type) if self._rotary_by_type
+                  else self.rotary(h, position_ids))
+            kwargs["position_embeddings"] = pe
+        out = self.layer(h, **kwargs)
+        out = out[0] if isinstance(out, (tuple, list)) else out
+        return _join_mask(out, padding)
+
+
+class HFHead(nn.Module):
+    """Final norm(s) + LM head (+ Gemma's final logit soft-capping): (B, T, C [+1]) -> logits (B, T, V)."""
+
+    def __init__(self, post: List[nn.Module], head: nn.Module, softcap: Optional[float], has_mask: bool) -> None:
+        super().__init__()
+        self.post, self.head = nn.ModuleList(post), head
+        self.softcap, self.has_mask = softcap, has_mask
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, _ = _split_mask(x, self.has_mask)
+        for m in self.post:
+            h = m(h)
+        logits = self.head(h)
+        if self.softcap is not None:  # as GemmaXForCausalLM.forward
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+
+def _structure(model: nn.Module):
+    """(base model, embedding names, layers name, post names, head name) from transformers' own pp plans."""
+    config = model.config
+    base = getattr(model, "base_model", None)
+    plan = getattr(config, "base_model_pp_plan", None) or getattr(base, "_pp_plan", None)
+    head_plan = getattr(type(model), "_pp_plan", None) or {}  # the class' own: the instance's adds the base's
+    family = f"{type(model).__name__} (model_type {config.model_type!r})"
+    if base is None or base is model or not plan or len(head_plan) != 1:
+        raise ConfigError(f"pipeline: {family} declares no pipeline structure (config.base_model_pp_plan and a "
+                          f"one-module _pp_plan head); {_hook_hint(model)}")
+    names = list(plan)
+    lists = [n for n in names if isinstance(getattr(base, n, None), nn.ModuleList)]
+    if len(lists) != 1:
+        raise ConfigError(f"pipeline: {family}: base_model_pp_plan {names} has {len(lists)} layer lists; "
+                          f"{_hook_hint(model)}")
+    k = names.index(lists[0])
+    bad = [a for a in _UNSUPPORTED_CONFIG if getattr(config, a, None) not in (None, False, 1, 1.0)]
+    if bad:
+        raise ConfigError(f"pipeline: {family} uses config.{bad[0]}={getattr(config, bad[0])!r}, math in the "
+                          f"model's forward that the built-in adapter does not run; {_hook_hint(model)}")
+    return base, names[:k], lists[0], names[k + 1:], next(iter(head_plan)), family
+
+
+def hf_pipeline_layers(model: nn.Module, attention_mask: bool = False) -> nn.Sequential:
+    """[embedding, decoder layer 0..L-1, head] sharing ``model``'s modules; same math as ``model(ids).logits``.
+
+    ``attention_mask=True``: the inputs are ``stack([input_ids, attention_mask], 1)`` of shape (B, 2, T).
+    """
+    if not is_hf_causal_lm(model):
+        raise ConfigError(f"pipeline: {type(model).__name__} is not a Hugging Face model")
+    base, pre, layers_name, post, head_name, family = _structure(model)
+    config = getattr(base, "config", model.config)
+    impl = getattr(config, "_attn_implementation", None)
+    if impl not in (None, "eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention"):
+        raise ConfigError(f"pipeline: {family}: attn_implementation={impl!r} is not supported by the adapter")
+    rotary = getattr(base, "rotary_emb", None)
+    layers = getattr(base, layers_name)[: getattr(config, "num_hidden_layers", None) or None]
+    out: List[nn.Module] = [HFEmbedding([getattr(base, n) for n in pre], attention_mask)]
+    out += [HFDecoderLayer(layer, i, config, rotary, attention_mask) for i, layer in enumerate(layers)]
+    softcap = getattr(model.config, "final_logit_softcapping", None)
+    out.append(HFHead([getattr(base, n) for n in post], getattr(model, head_name), softcap, attention_mask))
+    return nn.Sequential(*out)
+
+
+register_layer_provider("huggingface", is_hf_causal_lm, hf_pipeline_layers)

@@ -1,0 +1,79 @@
+"""Train a tiny, unchanged Hugging Face causal LM with a real Trainer; write the per-step losses as JSON.
+
+The LightningModule has no ``pipeline_layers`` and no model-specific code: it holds
+``AutoModelForCausalLM.from_config(...)`` (``lightning_scale.models.hf_families``) and a plain training_step.
+``--option pp=2`` / ``tp=2`` / ``stage=3`` go to ``Zero3DStrategy``; ``--strategy single`` is the reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import warnings
+
+import lightning.pytorch as pl
+import torch
+
+import lightning_scale  # noqa: F401  (registers the strategies)
+from lightning_scale import Zero3DStrategy
+from lightning_scale.models import hf_families as F
+from lightning_scale.models.gpt import lm_loss
+
+
+class HFModule(pl.LightningModule):
+    def __init__(self, family: str, attn: str) -> None:
+        super().__init__()
+        self.model = F.build(family, attn, dtype=torch.float32)
+
+    def training_step(self, batch, batch_idx):  # not called under pp: the strategy runs the schedule
+        x, y = batch
+        loss = lm_loss(self.model(input_ids=x).logits, y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+class Losses(pl.Callback):
+    def __init__(self) -> None:
+        self.losses = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        self.losses.append(float(trainer.strategy.reduce(loss.detach().float(), reduce_op="mean")))
+
+
+def main() -> None:
+    warnings.filterwarnings("ignore")
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--family", default="llama")
+    ap.add_argument("--attn", default="eager")
+    ap.add_argument("--strategy", default="zero3d")
+    ap.add_argument("--devices", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--option", action="append", default=[])
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    module = HFModule(args.family, args.attn)
+    batches = [F.batch(4, 12, seed=s) for s in range(args.steps)]
+    data = torch.utils.data.DataLoader(list(zip(*[torch.cat(t) for t in zip(*batches)])), batch_size=4)
+    opts = {k: int(v) for k, v in (o.split("=", 1) for o in args.option)}
+    strategy = "auto" if args.strategy == "single" else Zero3DStrategy(**opts)
+    rec = Losses()
+    trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.steps,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[rec], num_sanity_val_steps=0,
+                         use_distributed_sampler=False)  # dp=1: every tp / pp peer reads every batch, in order
+    trainer.fit(module, train_dataloaders=data)
+    if trainer.is_global_zero:
+        with open(args.out, "w") as f:
+            json.dump({"losses": rec.losses, "world": trainer.world_size}, f)
+
+
+if __name__ == "__main__":
+    main()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()

@@ -1,0 +1,63 @@
+"""The Hugging Face pipeline adapter: the layer chain computes exactly the unsplit model (masks included)."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+from lightning_scale.config import ConfigError
+from lightning_scale.models import hf_families as F
+from lightning_scale.models.hf_pipeline import HFDecoderLayer, hf_pipeline_layers
+from lightning_scale.pipeline import pipeline_layers
+
+pytest.importorskip("transformers")
+warnings.filterwarnings("ignore", message=".*eos_token_id.*")
+
+CASES = [(n, a) for n in F.FAMILIES for a in ("eager", "sdpa") if not (n == "gemma2" and a == "sdpa")]
+
+
+@pytest.mark.parametrize("name,attn", CASES)
+def test_chain_equals_model_with_and_without_padding(name, attn):
+    model = F.build(name, attn)
+    x, _ = F.batch(2, 12, seed=0)
+    mask = torch.ones_like(x)
+    mask[0, -3:] = 0  # right padding on row 0 (left padding gives NaN rows in HF's own eager attention)
+    with torch.no_grad():
+        ref = model(input_ids=x).logits
+        ref_pad = model(input_ids=x, attention_mask=mask).logits
+        out = nn.Sequential(*pipeline_layers(model))(x)  # found through the registered provider
+        out_pad = hf_pipeline_layers(model, attention_mask=True)(torch.stack([x, mask], 1))
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    torch.testing.assert_close(out_pad, ref_pad, rtol=0, atol=0)
+    assert (ref_pad[1] - ref[1]).abs().max() == 0  # the unpadded row is untouched
+    assert (ref_pad[0, -3:] - ref[0, -3:]).abs().max() > 1e-4  # the padding mask matters (pad queries)
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "gemma2"])
+def test_a_missing_mask_is_caught(name, monkeypatch):
+    """The check above can fail: eager layers without their mask (the bug of issue 14) differ from the model."""
+    model = F.build(name, "eager")
+    x, _ = F.batch(2, 12, seed=0)
+    with torch.no_grad():
+        ref = model(input_ids=x).logits
+        monkeypatch.setattr(HFDecoderLayer, "_mask", lambda self, h, padding, pos: None)
+        out = hf_pipeline_layers(model)(x)
+    assert (out - ref).abs().max() > 1e-3
+
+
+def test_tied_head_shares_the_embedding_parameter():
+    model = F.build("gemma", "eager")
+    layers = pipeline_layers(model)
+    assert layers[-1].head.weight is layers[0].embed[0].weight
+    assert {id(p) for layer in layers for p in layer.parameters()} == {id(p) for p in model.parameters()}
+
+
+def test_found_inside_a_wrapper_and_unsupported_family_named():
+    wrapper = nn.Module()
+    wrapper.model = F.build("llama", "sdpa")
+    assert len(pipeline_layers(wrapper)) == 4 + 2
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    with pytest.raises(ConfigError, match=r"GPT2LMHeadModel \(model_type 'gpt2'\).*pipeline_layers\(\)"):
+        pipeline_layers(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32)))
