@@ -1,0 +1,91 @@
+"""Asynchronous checkpoint saves: snapshot at the step boundary, write in the background, one save in flight.
+
+``AsyncSaver.save(path, pieces, extras)`` copies every piece's local tensors into host buffers (allocated on the
+first save, pinned when CUDA is there, reused by the next saves while the shapes stay the same) and deep-copies
+the small python extras, then returns: training goes on while a background thread writes the snapshot through
+:func:`lightning_scale.checkpoint.dcp_format.save`. At most one save is in flight: a second ``save`` first waits
+for the first. A failed write is raised by the next ``save`` or by ``wait()``. The format's staging + swap keeps
+the previous good checkpoint loadable until the new one is complete (a crash mid-write leaves it untouched).
+
+The write is collective when ``group`` spans several ranks, and it runs in a thread beside training's own
+collectives: give it a process group of its own (``torch.distributed.new_group(backend="gloo")``, created on
+every rank), never the group training communicates on - two threads issuing collectives on one group can pair
+the wrong operations.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+
+import torch
+
+from lightning_scale.checkpoint.layout import Piece
+
+
+class AsyncSaver:
+    """``save_fn(path, pieces, extras, group=..., meta=...)`` defaults to the layout-free format's save."""
+
+    def __init__(self, save_fn: Optional[Callable[..., None]] = None, *, group=None) -> None:
+        if save_fn is None:
+            from lightning_scale.checkpoint.dcp_format import save as save_fn
+        self.save_fn = save_fn
+        self.group = group
+        self._buffers: Dict[Tuple[str, int], torch.Tensor] = {}
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+        self.last_snapshot_s = 0.0  # how long the last save blocked the caller
+
+    @property
+    def in_flight(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def wait(self) -> None:
+        """Block until the save in flight is written; raise its error, if it failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+
+    def save(self, path: str, pieces: Iterable[Piece], extras: Optional[Dict[str, Any]] = None, *,
+             meta: Optional[Dict[str, Any]] = None) -> None:
+        self.wait()  # one in flight; an earlier failure surfaces here
+        start = time.perf_counter()
+        snap = self._snapshot(list(pieces))
+        extras = copy.deepcopy(extras) if extras else None
+        meta = copy.deepcopy(meta) if meta else None
+        self.last_snapshot_s = time.perf_counter() - start
+        self._thread = threading.Thread(target=self._run, args=(path, snap, extras, meta), daemon=True,
+                                        name="lightning_scale-async-save")
+        self._thread.start()
+
+    def _run(self, path: str, pieces: List[Piece], extras, meta) -> None:
+        try:
+            self.save_fn(path, pieces, extras, group=self.group, meta=meta)
+        except BaseException as exc:  # noqa: BLE001 - handed to the training thread
+            self._error = exc
+
+    def _buffer(self, key: str, i: int, t: torch.Tensor) -> torch.Tensor:
+        buf = self._buffers.get((key, i))
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=torch.cuda.is_available())
+            self._buffers[(key, i)] = buf  # its own storage: DCP writes it without a clone
+        return buf
+
+    @torch.no_grad()
+    def _snapshot(self, pieces: List[Piece]) -> List[Piece]:
+        out = []
+        for p in pieces:
+            bufs = []
+            for i, t in enumerate(p.tensors):
+                buf = self._buffer(p.key, i, t)
+                buf.copy_(t, non_blocking=t.is_cuda)
+                bufs.append(buf)
+            out.append(Piece(p.key, p.global_shape, p.dtype, list(p.chunks), bufs))
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the device-to-host copies are done before the writer reads them
+        return out

@@ -1,0 +1,366 @@
+"""Hugging Face safetensors in and out, streaming: no rank ever holds the whole model.
+
+In: a local directory with ``model.safetensors`` or a sharded ``model.safetensors.index.json``.
+:class:`HFCheckpoint` maps each tensor to its file and reads rectangular regions with ``safe_open(...).get_slice``
+(a tp slice, the chunks of a ZeRO flat shard, one pipeline stage's tensors: only those bytes are read).
+:func:`load_hf_weights_` fills a module's parameters and persistent buffers in place, tensor by tensor (meta tensors
+are allocated first; non-persistent meta buffers such as ``rotary_emb.inv_freq`` are recomputed by the model's own
+init); :func:`load_hf_pieces_` fills :class:`~.layout.Piece` destinations (what a parallelized rank holds) region by
+region; :func:`read_region` is the low-level read.
+
+Names: a model key is looked up as given, then through ``rename``, then with the usual prefixes added or removed
+(``transformer.`` for GPT-2 checkpoints saved from ``GPT2Model``, ``model.``), and a tied output head
+(``lm_head.weight``) absent from the file is read from the input embedding. Values are converted to the
+destination's dtype.
+
+Out: :func:`export_hf` writes ``(name, tensor)`` pairs as sharded safetensors (``model-0000i-of-0000N``) + the index +
+``config.json``, holding at most one shard's tensors; :func:`export_hf_from_checkpoint` streams a layout-free
+checkpoint folder (:mod:`.dcp_format`) into it, one tensor at a time, and with several ranks each rank writes its
+share of the shards (no gather). The output directory appears complete or not at all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    Iterable,
+    Iterator,
+    List,
+    Optional,
+    Sequence,
+    Tuple,
+)
+
+import torch
+from torch import nn
+
+from lightning_scale.checkpoint.folder import CheckpointError
+from lightning_scale.checkpoint.layout import Chunk, Piece
+
+SAFETENSORS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+PREFIXES = ("transformer.", "model.")
+TIED_HEADS = {"lm_head.weight": ("model.embed_tokens.weight", "transformer.wte.weight", "wte.weight",
+                                 "embed_tokens.weight")}
+
+
+# ----------------------------------------------------------------------------------------------- reading
+class HFCheckpoint:
+    """A local HF checkpoint directory: names, shapes, dtypes; whole tensors or regions read on demand."""
+
+    def __init__(self, directory: str) -> None:
+        from safetensors import safe_open
+
+        self.directory = directory
+        index = os.path.join(directory, INDEX)
+        if os.path.exists(index):
+            with open(index) as f:
+                self.weight_map: Dict[str, str] = dict(json.load(f)["weight_map"])
+        elif os.path.exists(os.path.join(directory, SAFETENSORS)):
+            with safe_open(os.path.join(directory, SAFETENSORS), "pt") as f:
+                self.weight_map = dict.fromkeys(f.keys(), SAFETENSORS)
+        else:
+            raise CheckpointError(f"{directory} has neither {SAFETENSORS} nor {INDEX} (a Hugging Face checkpoint "
+                                  "saved with save_pretrained(..., safe_serialization=True))")
+        self._open = safe_open
+        self._handles: Dict[str, Any] = {}
+
+    def _handle(self, name: str):
+        file = self.weight_map[name]
+        if file not in self._handles:
+            path = os.path.join(self.directory, file)
+            if not os.path.exists(path):
+                raise CheckpointError(f"{path} is missing (listed in {os.path.join(self.directory, INDEX)})")
+            self._handles[file] = self._open(path, "pt")
+        return self._handles[file]
+
+    def close(self) -> None:
+        self._handles.clear()  # safe_open handles unmap when collected
+
+    def shape(self, name: str) -> Tuple[int, ...]:
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def resolve(self, key: str, rename: Optional[Dict[str, str]] = None) -> Optional[str]:
+        """The file's name for a model key (see the module docstring), or None."""
+        cands = [rename[key]] if rename and key in rename else []
+        cands.append(key)
+        for p in PREFIXES:
+            cands += [key[len(p):]] if key.startswith(p) else [p + key]
+        cands += list(TIED_HEADS.get(key, ()))
+        return next((c for c in cands if c in self.weight_map), None)
+
+    def read(self, name: str, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        t = self._handle(name).get_tensor(name)
+        return t if dtype is None else t.to(dtype)
+
+    def read_chunk(self, name: str, chunk: Chunk, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        sl = self._handle(name).get_slice(name)
+        shape = tuple(sl.get_shape())
+        if len(shape) != len(chunk.sizes) or any(o + s > n for o, s, n in zip(chunk.offsets, chunk.sizes, shape)):
+            raise CheckpointError(f"{os.path.join(self.directory, self.weight_map[name])}: {name} has shape {shape}; "
+                                  f"region {chunk} is outside it")
+        t = sl[tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))] if shape else sl[:]
+        return t if dtype is None else t.to(dtype)
+
+
+def read_region(directory: str, name: str, chunks: Sequence[Chunk], dtype: Optional[torch.dtype] = None
+                ) -> List[torch.Tensor]:
+    """The rectangles ``chunks`` of tensor ``name`` of an HF directory (only their bytes are read)."""
+    ckpt = HFCheckpoint(directory)
+    try:
+        return [ckpt.read_chunk(name, c, dtype) for c in chunks]
+    finally:
+        ckpt.close()
+
+
+def _allocate_meta_(module: nn.Module, device: torch.device) -> None:
+    """Allocate meta parameters / persistent buffers (values come from the file); modules whose non-persistent
+    buffers are on meta (rotary ``inv_freq``) are initialized by the model's own init to recompute them."""
+    from lightning_scale.materialize import allocate_, init_one, init_owners
+
+    owners = None
+    for name, m in module.named_modules():
+        derived = [k for k in m._non_persistent_buffers_set if m._buffers.get(k) is not None and m._buffers[k].is_meta]
+        if not (any(t.is_meta for t in m.parameters(recurse=False)) or any(
+                b is not None and b.is_meta for b in m._buffers.values())):
+            continue
+        allocate_(m, device)
+        if derived:
+            owners = owners if owners is not None else init_owners(module)
+            init_one(name, m, owners)
+
+
+@torch.no_grad()
+def load_hf_weights_(module: nn.Module, directory: str, *, rename: Optional[Dict[str, str]] = None,
+                     device: Optional[torch.device] = None, strict: bool = True) -> Dict[str, List[str]]:
+    """Fill ``module``'s parameters and persistent buffers from an HF directory, each tensor read once (tied
+    tensors once). Returns ``{"loaded": [...], "missing": [...], "unexpected": [...]}``; ``strict`` raises when a
+    model tensor is not in the file."""
+    device = torch.device(device or "cpu")
+    _allocate_meta_(module, device)
+    ckpt = HFCheckpoint(directory)
+    seen: Dict[int, str] = {}
+    loaded, missing, used = [], [], set()
+    try:
+        for key, t in module.state_dict(keep_vars=True).items():
+            if id(t) in seen:
+                continue  # a tied alias: filled through its first name
+            src = ckpt.resolve(key, rename)
+            aliases = [k for k, v in module.state_dict(keep_vars=True).items() if v is t] if src is None else []
+            src = src or next((ckpt.resolve(a, rename) for a in aliases if ckpt.resolve(a, rename)), None)
+            if src is None:
+                missing.append(key)
+                continue
+            value = ckpt.read(src, t.dtype)
+            if tuple(value.shape) != tuple(t.shape):
+                raise CheckpointError(f"{os.path.join(directory, ckpt.weight_map[src])}: {src} has shape "
+                                      f"{tuple(value.shape)}, the model's {key} is {tuple(t.shape)}")
+            t.copy_(value)
+            del value
+            seen[id(t)] = key
+            loaded.append(key)
+            used.add(src)
+    finally:
+        ckpt.close()
+    if strict and missing:
+        raise CheckpointError(f"{directory} has no tensor for {missing} (rename= maps model keys to file keys)")
+    return {"loaded": loaded, "missing": missing, "unexpected": sorted(set(ckpt.weight_map) - used)}
+
+
+@torch.no_grad()
+def load_hf_pieces_(directory: str, pieces: Iterable[Piece], *, rename: Optional[Dict[str, str]] = None,
+                    strip: str = "model/") -> List[str]:
+    """Fill each destination piece (key ``model/<fqn>``; ``strip`` removed) region by region from an HF directory:
+    a rank reads only the rectangles it holds. Padding rows are zeroed. Returns the keys not found."""
+    ckpt = HFCheckpoint(directory)
+    missing = []
+    try:
+        for p in pieces:
+            fqn = p.key[len(strip):] if strip and p.key.startswith(strip) else p.key
+            src = ckpt.resolve(fqn, rename)
+            if src is None:
+                missing.append(p.key)
+                continue
+            if ckpt.shape(src) != p.global_shape:
+                raise CheckpointError(f"{directory}: {src} has shape {ckpt.shape(src)}, {p.key} needs {p.global_shape}")
+            for chunk, view in zip(p.chunks, p.tensors):
+                view.copy_(ckpt.read_chunk(src, chunk, view.dtype))
+            p.zero_padding_()
+    finally:
+        ckpt.close()
+    return missing
+
+
+# ----------------------------------------------------------------------------------------------- writing
+def plan_shards(sizes: Sequence[Tuple[str, int]], max_shard_bytes: int) -> List[List[str]]:
+    """Greedy in order: a new shard starts when the next tensor would pass ``max_shard_bytes`` (as HF does)."""
+    shards: List[List[str]] = [[]]
+    used = 0
+    for name, nbytes in sizes:
+        if shards[-1] and used + nbytes > max_shard_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(name)
+        used += nbytes
+    return shards if shards[0] else []
+
+
+def shard_file(i: int, n: int) -> str:
+    return SAFETENSORS if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+
+
+def _write_shard(path: str, tensors: Dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in tensors.items()}, path, metadata={"format": "pt"})
+
+
+def _write_config(staging: str, config: Any = None, config_dir: Optional[str] = None) -> None:
+    if config is not None:
+        config.save_pretrained(staging)
+        return
+    if config_dir is None:
+        raise CheckpointError("export_hf needs config= (a PretrainedConfig) or config_dir= (an HF directory with "
+                              "config.json) so that from_pretrained can build the model")
+    if not os.path.exists(os.path.join(config_dir, "config.json")):
+        raise CheckpointError(f"{os.path.join(config_dir, 'config.json')} is missing")
+    for name in ("config.json", "generation_config.json"):
+        if os.path.exists(os.path.join(config_dir, name)):
+            shutil.copy(os.path.join(config_dir, name), os.path.join(staging, name))
+
+
+def _finish(staging: str, out_dir: str, shards: List[List[str]], total: int, **config) -> None:
+    """Index + config into the staging folder, then swap it in place of ``out_dir``."""
+    n = len(shards)
+    if n > 1:
+        weight_map = {name: shard_file(i, n) for i, names in enumerate(shards) for name in names}
+        with open(os.path.join(staging, INDEX), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2, sort_keys=True)
+    _write_config(staging, **config)
+    old = None
+    if os.path.exists(out_dir):
+        old = staging + ".old"
+        os.rename(out_dir, old)
+    os.rename(staging, out_dir)
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _staging(out_dir: str, token: str = "export") -> str:
+    head, name = os.path.split(os.path.normpath(out_dir))
+    return os.path.join(head, f".{name}.{token}.partial")
+
+
+def export_hf(tensors: Iterable[Tuple[str, torch.Tensor]], out_dir: str, *, config: Any = None,
+              config_dir: Optional[str] = None, max_shard_bytes: int = 5 << 30,
+              dtype: Optional[torch.dtype] = None) -> Dict[str, str]:
+    """Write ``(name, tensor)`` pairs (HF state_dict keys, full tensors, streamed) as an HF directory. Holds at most
+    one shard's tensors. Returns ``{name: file}``."""
+    staging = _staging(out_dir)
+    shutil.rmtree(staging, ignore_errors=True)
+    os.makedirs(staging)
+    shards: List[List[str]] = []
+    current: Dict[str, torch.Tensor] = {}
+    used = total = 0
+    tmp_names: List[str] = []
+
+    def flush() -> None:
+        nonlocal current, used
+        if current:
+            tmp = os.path.join(staging, f"shard{len(shards)}.tmp")
+            _write_shard(tmp, current)
+            tmp_names.append(tmp)
+            shards.append(list(current))
+            current, used = {}, 0
+
+    for name, t in tensors:
+        t = t.detach().cpu() if dtype is None or not t.is_floating_point() else t.detach().cpu().to(dtype)
+        if current and used + t.nbytes > max_shard_bytes:
+            flush()
+        current[name] = t
+        used += t.nbytes
+        total += t.nbytes
+    flush()
+    for i, tmp in enumerate(tmp_names):
+        os.rename(tmp, os.path.join(staging, shard_file(i, len(shards))))
+    _finish(staging, out_dir, shards, total, config=config, config_dir=config_dir)
+    return {name: shard_file(i, len(shards)) for i, names in enumerate(shards) for name in names}
+
+
+def checkpoint_tensors(ckpt_dir: str, names: Optional[Sequence[str]] = None, *, prefer_master: bool = True,
+                       ) -> Iterator[Tuple[str, torch.Tensor]]:
+    """Stream ``(fqn, full tensor)`` of a layout-free checkpoint's model (fp32 masters where saved and
+    ``prefer_master``), one tensor at a time; the metadata is read once."""
+    from lightning_scale.checkpoint import dcp_format
+    from lightning_scale.checkpoint.layout import tensor_piece
+
+    path, meta, md = dcp_format.open_checkpoint(ckpt_dir)
+    sd = md.state_dict_metadata
+    fqns = names if names is not None else [k[len("model/"):] for k in sorted(sd) if k.startswith("model/")]
+    for fqn in fqns:
+        key = f"master/{fqn}" if prefer_master and f"master/{fqn}" in sd else f"model/{fqn}"
+        tmd = sd[key]
+        t = torch.empty(tuple(tmd.size), dtype=tmd.properties.dtype)
+        dcp_format.read_local(path, meta, md, [tensor_piece(key, t)])
+        yield fqn, t
+
+
+def export_hf_from_checkpoint(ckpt_dir: str, out_dir: str, *, config: Any = None, config_dir: Optional[str] = None,
+                              strip_prefix: str = "", rename: Optional[Callable[[str], Optional[str]]] = None,
+                              dtype: Optional[torch.dtype] = None, max_shard_bytes: int = 5 << 30,
+                              prefer_master: bool = True, group=None) -> List[str]:
+    """A layout-free checkpoint folder -> an HF directory. Collective over ``group`` when given: shard ``i`` is
+    written by rank ``i % world`` (each reads only its shards' tensors); rank 0 writes the index and config.
+    ``strip_prefix`` removes e.g. a LightningModule's ``model.``; ``rename(fqn)`` returns the HF name or None to
+    skip a tensor. Returns the shard files this rank wrote."""
+    import torch.distributed as dist
+
+    from lightning_scale.checkpoint import dcp_format
+
+    rank, world = dcp_format._rank_world(group)
+    _, _, md = dcp_format.open_checkpoint(ckpt_dir)
+    sd = md.state_dict_metadata
+    names: Dict[str, str] = {}  # hf name -> checkpoint fqn
+    for key in sorted(sd):
+        if not key.startswith("model/"):
+            continue
+        fqn = key[len("model/"):]
+        if strip_prefix and not fqn.startswith(strip_prefix):
+            continue
+        hf = fqn[len(strip_prefix):]
+        hf = rename(hf) if rename else hf
+        if hf is not None:
+            names[hf] = fqn
+
+    def nbytes(hf: str) -> int:
+        tmd = sd[f"model/{names[hf]}"]
+        elem = (dtype or tmd.properties.dtype).itemsize
+        return int(torch.Size(tmd.size).numel()) * elem
+
+    shards = plan_shards([(hf, nbytes(hf)) for hf in names], max_shard_bytes)
+    token = dcp_format._broadcast(os.urandom(8).hex() if rank == 0 else None, group)
+    staging = _staging(out_dir, token)
+    if rank == 0:
+        os.makedirs(staging, exist_ok=True)
+    dcp_format._broadcast(None, group)
+    written = []
+    for i in range(rank, len(shards), world):
+        fqn_to_hf = {names[hf]: hf for hf in shards[i]}
+        current = {}
+        for fqn, t in checkpoint_tensors(ckpt_dir, list(fqn_to_hf), prefer_master=prefer_master):
+            current[fqn_to_hf[fqn]] = t if dtype is None or not t.is_floating_point() else t.to(dtype)
+        _write_shard(os.path.join(staging, shard_file(i, len(shards))), current)
+        written.append(shard_file(i, len(shards)))
+        del current
+    dcp_format._all_gather(None, group)  # every shard written
+    if rank == 0:
+        total = sum(nbytes(hf) for hf in names)
+        _finish(staging, out_dir, shards, total, config=config, config_dir=config_dir)
+    if world > 1:
+        dist.barrier(group=group)
+    return written
