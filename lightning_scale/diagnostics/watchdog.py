@@ -62,6 +62,7 @@ class Watchdog:
         self._own_failure = False
         self._wakeup_r: Optional[int] = None
         self.fingerprinter = None
+        self._exiting: Optional[int] = None  # the exit code once this rank is leaving
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> "Watchdog":
@@ -96,6 +97,9 @@ class Watchdog:
                 self._tick()
             except Exception as err:  # noqa: BLE001 - the store is gone: its host (rank 0's process) died
                 if self._stop_thread.is_set():
+                    return
+                if self._exiting is not None:  # already reporting: the host left first
+                    self._exit(self._exiting)
                     return
                 self._print(f"{report.PREFIX} rank {self.rank}: lost the c10d store ({type(err).__name__}: "
                             f"{err}); the rank hosting it (rank 0) is gone. Exiting.")
@@ -149,7 +153,7 @@ class Watchdog:
             return
         if cause.get("kind") != "hang":  # another rank failed first: say so, and end (the main thread may be blocked)
             self._print(f"{report.PREFIX} rank {self.rank}: stopping because {cause.get('text')}")
-            self._exit(EXIT_PEER_FAILED)
+            self._leave(EXIT_PEER_FAILED)
             return
         self.store.set(f"stack/{self.rank}", report.dump_stack())
         self.store.set(f"ack/{self.rank}", "1")
@@ -161,7 +165,22 @@ class Watchdog:
         stacks = {r: self.store.get(f"stack/{r}").decode() for r in range(self.world) if self.store.check([f"stack/{r}"])}
         self._print(report.hang_report(cause, hbs, self.world, stacks, self.config.heartbeat_interval))
         self._kill_unresponsive(hbs)
-        self._exit(EXIT_HANG)
+        self._leave(EXIT_HANG)
+
+    def _leave(self, code: int) -> None:
+        """Exit; the store's host (rank 0) waits a moment for the others first, so they do not lose the store
+        half-way through their own report."""
+        self._exiting = code
+        try:
+            self.store.set(f"bye/{self.rank}", "1")
+            if self.rank == 0:
+                deadline = time.monotonic() + _ACK_WAIT_S
+                keys = [f"bye/{r}" for r in range(1, self.world)]
+                while keys and time.monotonic() < deadline and not self.store.check(keys):
+                    time.sleep(0.05)
+        except Exception:  # noqa: BLE001 - the store is gone: nothing left to wait for
+            pass
+        self._exit(code)
 
     def _kill_unresponsive(self, hbs: Dict[int, Dict]) -> None:
         """Ranks on this host that never acknowledged (a frozen interpreter): SIGKILL, so nothing is left."""
@@ -274,14 +293,24 @@ class Watchdog:
     def should_stop(self, step: int) -> bool:
         """Call at every step boundary (after ``step`` steps): True when every rank stops after this step.
 
-        The first rank to learn of a stop proposes ``step + 2``; ranks of a synchronous job are less than two
-        steps apart, so every rank reaches that boundary and stops there, together (a collective is safe)."""
+        The first rank to learn of a stop request (its own signal, or ``stop_req`` in the store) proposes
+        ``step + 2``; ranks of a synchronous job are less than two steps apart, so every rank reaches that
+        boundary and stops there, together (a collective such as a checkpoint save is safe). One store check
+        per step while no stop is requested."""
         if self._stop_at is None:
-            if self.stop_signal and not self.store.check(["stop_at"]):
+            if not (self.stop_signal or self.store.check(["stop_req"])):
+                return False
+            if not self.store.check(["stop_at"]):
                 self.store.compare_set("stop_at", "", str(step + 2))
-            if self.store.check(["stop_at"]):
-                self._stop_at = int(self.store.get("stop_at").decode())
-        return self._stop_at is not None and step >= self._stop_at
+            if self.stop_signal:  # after stop_at: a peer that sees stop_req finds stop_at too
+                self.store.compare_set("stop_req", "", json.dumps({"rank": self.rank, "signal": self.stop_signal}))
+            self._stop_at = int(self.store.get("stop_at").decode())
+        return step >= self._stop_at
+
+    @property
+    def stopping(self) -> bool:
+        """This rank is failing or stopping: keep the thread, it bounds the exit."""
+        return self._own_failure or self._stop_deadline is not None or bool(self.stop_signal)
 
     def requested_signal(self) -> int:
         if self.stop_signal:

@@ -1,0 +1,153 @@
+"""The Lightning side of the diagnostics (issue 15): what ``Zero3DStrategy`` calls, and the callback it adds.
+
+Wiring (three calls in the strategy; see docs/failures.md)::
+
+    setup(trainer)        ... at the end:  diagnostics_glue.install(self, trainer)
+    teardown()            ... at the end:  diagnostics_glue.teardown(self)
+    (everything else runs in the DiagnosticsCallback that install() appends to trainer.callbacks)
+
+The callback: replaces Lightning's SIGTERM handler (which broadcasts inside the signal handler and blocks when
+a peer is busy) with the watchdog's, so SIGTERM / SIGINT on any rank stops every rank at one agreed step
+(``save_on_preempt`` writes a checkpoint there, then every rank exits with 128 + signal); marks step
+boundaries for the watchdog's first-step grace; logs ``loss_scale`` / ``skipped_steps`` / ``nonfinite_steps``;
+and on an exception publishes it (first error wins) or, on a rank that fails because of another one, raises
+:class:`~lightning_scale.diagnostics.PeerFailedError` naming that rank instead of gloo's transport error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Dict, Iterator, Optional
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+
+from lightning_scale.diagnostics import DiagnosticsConfig, PeerFailedError, Watchdog, default_store, trace
+from lightning_scale.diagnostics.report import PREFIX, signal_name
+
+PREEMPT_CKPT = "last-preempt.ckpt"  # matches ModelCheckpoint's "last" pattern: fit(ckpt_path="last") resumes it
+
+
+class Preempted(SystemExit):
+    """Every rank stopped at the same step on SIGTERM / SIGINT; exits with 128 + signal (no traceback)."""
+
+
+def _config(strategy: Any, config: Optional[DiagnosticsConfig]) -> DiagnosticsConfig:
+    if config is None:
+        config = getattr(getattr(strategy, "config", None), "diagnostics", None) or DiagnosticsConfig()
+    return config.validate()
+
+
+def _children(strategy: Any) -> Dict[int, Any]:
+    """Lightning's script launcher: rank 0 started local ranks 1..N-1 and sees their exact exit signals."""
+    procs = getattr(getattr(strategy, "launcher", None), "procs", None) or []
+    base = strategy.node_rank * strategy.num_processes
+    return {base + i + 1: p for i, p in enumerate(procs)}
+
+
+def _name_groups(strategy: Any) -> None:
+    topo = getattr(strategy, "topology", None)
+    for axis, group in (getattr(topo, "_groups", None) or {}).items():
+        trace.name_group(group, axis)
+
+
+def install(strategy: Any, trainer: "pl.Trainer", config: Optional[DiagnosticsConfig] = None) -> Optional[Watchdog]:
+    """After the process group and the engines exist (end of ``Strategy.setup``); every rank calls it."""
+    cfg = _config(strategy, config)
+    plugin = strategy.precision_plugin
+    if hasattr(plugin, "configure_numerics"):
+        plugin.configure_numerics(on_nonfinite=cfg.on_nonfinite, max_nonfinite_steps=cfg.max_nonfinite_steps,
+                                  max_min_scale_steps=cfg.max_min_scale_steps)
+    old = getattr(strategy, "_ls_watchdog", None)
+    if old is not None:
+        old.close()
+    wd = None
+    if cfg.watchdog and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        _name_groups(strategy)
+        wd = Watchdog(default_store(), dist.get_rank(), dist.get_world_size(), cfg,
+                      children=_children(strategy)).start()
+    strategy._ls_watchdog = wd
+    if not any(isinstance(cb, DiagnosticsCallback) for cb in trainer.callbacks):
+        trainer.callbacks.append(DiagnosticsCallback(strategy, cfg))
+    return wd
+
+
+def teardown(strategy: Any) -> None:
+    """End of ``Strategy.teardown``. A rank that is failing or stopping keeps its watchdog: it bounds the exit."""
+    wd = getattr(strategy, "_ls_watchdog", None)
+    if wd is not None and not wd.stopping:
+        wd.close()
+        strategy._ls_watchdog = None
+
+
+@contextlib.contextmanager
+def gathered(strategy: Any, module: Optional[torch.nn.Module] = None) -> Iterator[None]:
+    """Full parameter values inside the block at any ZeRO stage (a collective at stage 3: every rank enters)."""
+    sharded = getattr(strategy, "sharded", None)
+    if sharded is None:
+        yield
+        return
+    with sharded.gathered(module):
+        yield
+
+
+class DiagnosticsCallback(pl.Callback):
+    def __init__(self, strategy: Any, config: DiagnosticsConfig) -> None:
+        self.strategy, self.config = strategy, config
+        self.batches = 0
+
+    @property
+    def watchdog(self) -> Optional[Watchdog]:
+        return getattr(self.strategy, "_ls_watchdog", None)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        # After Lightning's _SignalConnector registered its handlers (trainer._run): replace them.
+        if self.watchdog is not None:
+            self.watchdog.install_signal_handlers()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.batches += 1
+        trace.step_done(trainer.global_step)
+        self._log_numerics(pl_module)
+        wd = self.watchdog
+        if wd is not None and wd.should_stop(self.batches):
+            self._stop(trainer, wd)
+
+    def _log_numerics(self, pl_module) -> None:
+        plugin = self.strategy.precision_plugin
+        stats = plugin.numerics_stats() if hasattr(plugin, "numerics_stats") else {}
+        for key, value in stats.items():
+            pl_module.log(key, float(value), on_step=True, prog_bar=key != "nonfinite_steps", rank_zero_only=True)
+
+    def _stop(self, trainer, wd: Watchdog) -> None:
+        signum = wd.requested_signal()
+        where = ""
+        if self.config.save_on_preempt:
+            path = os.path.join(self._ckpt_dir(trainer), PREEMPT_CKPT)
+            trainer.save_checkpoint(path)  # every rank is at this boundary: the collective save is safe
+            where = f"; checkpoint saved to {path}"
+        if trainer.is_global_zero:
+            print(f"{PREFIX} every rank stopped after batch {self.batches} (global step {trainer.global_step}) "
+                  f"on {signal_name(signum)}{where}", flush=True)
+        raise Preempted(128 + signum)  # the watchdog stays: it ends this rank at stop_timeout if teardown hangs
+
+    @staticmethod
+    def _ckpt_dir(trainer) -> str:
+        cb = trainer.checkpoint_callback
+        if cb is not None and getattr(cb, "dirpath", None):
+            return str(cb.dirpath)
+        return os.path.join(trainer.default_root_dir, "checkpoints")
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        wd = self.watchdog
+        if wd is None or isinstance(exception, (Preempted, PeerFailedError)):
+            return
+        replacement = wd.handle_exception(exception)
+        if replacement is not None:
+            wd._print(f"{PREFIX} {replacement}")
+            raise replacement from exception
+
+
+__all__ = ["DiagnosticsCallback", "PREEMPT_CKPT", "Preempted", "gathered", "install", "teardown"]

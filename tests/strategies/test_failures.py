@@ -1,0 +1,122 @@
+"""Trainer runs (2 CPU ranks) with an injected fault: every process ends by itself, names the rank and the cause.
+
+Each run is launched in its own session with a timeout; when the script (rank 0) has exited, the test checks
+the pids every rank recorded (psutil) before it kills the process group, so "no process left" is observed,
+not enforced. Exit codes: 70 = hang detected, 128 + N = stopped on signal N.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from lightning_scale.diagnostics import EXIT_HANG
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "fit_failures.py")
+HANG_S = 5.0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def launch(tmp_path, *args, timeout: float, signal_after_step=None, signal_ranks=(), signum=signal.SIGTERM):
+    """Run fit_failures.py; optionally send ``signum`` to ``signal_ranks`` once rank 0 finished that batch.
+    Returns (returncode, stdout + stderr, pids that were still alive when the script had exited)."""
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir(exist_ok=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, SCRIPT, "--pid-dir", str(pid_dir), *map(str, args)], cwd=tmp_path,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout
+        if signal_after_step is not None:
+            steps = pid_dir / "rank0.steps"
+            while time.monotonic() < deadline and proc.poll() is None and not (
+                    steps.exists() and len(steps.read_text().split()) > signal_after_step):
+                time.sleep(0.05)
+            for r in signal_ranks:
+                os.kill(int((pid_dir / f"rank{r}.pid").read_text()), signum)
+        out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        pids = [int(p.read_text()) for p in pid_dir.glob("rank*.pid")]
+        end = time.monotonic() + 5.0  # a child may be a moment behind its parent
+        while time.monotonic() < end and any(_alive(p) for p in pids):
+            time.sleep(0.05)
+        return proc.returncode, out, [p for p in pids if _alive(p)]
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+
+def _ours(out: str):
+    return [ln for ln in out.splitlines() if ln.startswith("[lightning_scale]")]
+
+
+@pytest.mark.parametrize("mode, waits_in", [
+    ("zero2", r"reduce_scatter #\d+ \(axis dp \[0, 1\], tag grad, \d+ B\)"),
+    ("pp2", r"recv<-1 #\d+ \(axis pp \[0, 1\], tag pp_\w+, \d+ B\)"),
+    pytest.param("zero3", r"(reduce_scatter|all_gather) #\d+ \(axis dp \[0, 1\], tag \w+, \d+ B\)",
+                 marks=pytest.mark.slow),
+    pytest.param("tp2", r"all_reduce #\d+ \(axis tp \[0, 1\], tag tp/[\w.]+, \d+ B\)", marks=pytest.mark.slow),
+])
+def test_hang_in_training_step(tmp_path, mode, waits_in):
+    rc, out, left = launch(tmp_path, "--mode", mode, "--fault", "hang", "--fault-step", "2",
+                           "--hang-timeout", HANG_S, timeout=HANG_S + 20 + 30)  # + first_step_grace (20 s)
+    assert rc == EXIT_HANG, out[-4000:]
+    assert left == [], f"processes left: {left}"
+    assert out.count("HANG: every rank exits now (stuck rank(s): [1])") == 2, out[-4000:]  # both ranks reported
+    assert re.search(r"rank 0 \(pid \d+ .*\): blocked [\d.]+ s in " + waits_in, out), out[-4000:]
+    assert re.search(r"rank 1 \(pid \d+ .*\): not in a collective", out)
+    stack = out.split("Python stack of rank 1 (faulthandler):", 1)[1]
+    assert "fit_failures.py" in stack and "in inject" in stack  # the stuck rank's own frames
+
+
+# The plain-torch twins in tests/dist/test_watchdog.py run by default (a Trainer launch costs ~30 s here).
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["raise", "sigkill"])
+def test_survivor_names_the_rank_that_failed(tmp_path, fault):
+    rc, out, left = launch(tmp_path, "--mode", "zero2", "--fault", fault, timeout=120)
+    assert rc != 0 and left == [], (rc, left, out[-3000:])
+    last = _ours(out)[-1]
+    if fault == "raise":
+        assert "rank 1 failed: RuntimeError: boom: injected failure in training_step" in last, out[-3000:]
+    else:
+        assert re.search(r"rank 1 \(pid \d+\) was killed by signal 9 \(SIGKILL\)", last), out[-3000:]
+    assert "Connection" not in last
+
+
+@pytest.mark.parametrize("ranks, save", [((0, 1), True), pytest.param((1,), False, marks=pytest.mark.slow)])
+def test_sigterm_stops_every_rank(tmp_path, ranks, save):
+    ckpt = tmp_path / "ckpt"
+    extra = ["--save-on-preempt", "--ckpt-dir", ckpt] if save else []
+    rc, out, left = launch(tmp_path, "--mode", "zero2", "--steps", 200, "--step-sleep", 0.1, *extra,
+                           timeout=120, signal_after_step=3, signal_ranks=ranks)
+    assert rc == 128 + signal.SIGTERM, out[-3000:]
+    assert left == [], f"processes left: {left}"
+    m = re.search(r"every rank stopped after batch (\d+) \(global step (\d+)\) on SIGTERM", out)
+    assert m, out[-3000:]
+    for r in range(2):  # both ranks stopped after the same batch
+        assert len((tmp_path / "pids" / f"rank{r}.steps").read_text().split()) == int(m.group(1))
+    if save:
+        import torch
+
+        from lightning_scale.zero.state_dict import consolidate_checkpoint
+
+        path = ckpt / "last-preempt.ckpt"
+        assert f"checkpoint saved to {path}" in out
+        state = consolidate_checkpoint(str(path))
+        assert state and all(torch.isfinite(v).all() for v in state.values() if v.is_floating_point())
