@@ -223,6 +223,23 @@ def test_bad_folders_raise_errors_that_name_the_file(saved, tmp_path):
         _load_whole(str(tmp_path))
 
 
+def test_missing_keys_and_shape_mismatch(saved):
+    from lightning_scale.checkpoint import CheckpointError, dcp_format
+    from lightning_scale.checkpoint.layout import tensor_piece
+
+    path, _ = saved
+    absent = tensor_piece("optim/head.w/momentum_buffer", torch.zeros(5, 6))
+    with pytest.raises(CheckpointError, match=r"has no \['optim/head.w/momentum_buffer'\]"):
+        dcp_format.load(path, [absent])
+    head = torch.zeros(5, 6, dtype=torch.float64)
+    res = dcp_format.load(path, [absent, tensor_piece("model/head.w", head)], strict=False)
+    assert res.missing == ["optim/head.w/momentum_buffer"] and torch.equal(head, _full_state(SHAPES)["model/head.w"])
+    assert (absent.tensors[0] == 0).all()  # left as it was: the caller decides (e.g. a fresh state)
+    with pytest.raises(CheckpointError, match=r"model/head.w has shape \(5, 6\) in the checkpoint, this model needs "
+                                              r"\(6, 6\)"):
+        dcp_format.load(path, [tensor_piece("model/head.w", torch.zeros(6, 6))])
+
+
 def _old_format_folder(path, checkpoint):
     """A folder as lightning_scale.strategies.checkpoint.save_sharded writes it on 1 rank (format 2), built from the
     same folder.py calls (importing the strategies module would import Lightning: 10 s on this machine)."""
@@ -309,3 +326,19 @@ def test_peak_memory_during_load_is_one_tensor_not_the_model(saved):
         # only the constant (measured: load 7.9 MiB, save 5.2 MiB with 2 ranks; save 1 MiB in one process)
         assert r["load"] <= largest + (8 << 20), r
         assert r["save"] <= 8 << 20, r
+
+
+def test_vocab_padded_tp_slices_load_true_rows_and_zero_padding(saved):
+    from lightning_scale.checkpoint import dcp_format
+    from lightning_scale.checkpoint.layout import TPSlice, flat_piece
+
+    path, _ = saved
+    true = _full_state(SHAPES)["model/emb.weight"]  # (13, 6), saved by dp=2 flat shards
+    for r in range(2):  # tp=2 of a vocabulary padded to 16 rows, each tp slice ZeRO-sharded over dp=2
+        local = torch.full((8, 6), float("nan"), dtype=torch.float64)
+        flat = local.reshape(-1)
+        pieces = [flat_piece("model/emb.weight", flat[a:b], (8, 6), a, tp=TPSlice(0, 8 * r), global_shape=(16, 6),
+                             true_shape=(13, 6)) for a, b in ((0, 19), (19, 48))]
+        dcp_format.load(path, pieces)
+        rows = min(8, 13 - 8 * r)
+        assert torch.equal(local[:rows], true[8 * r:8 * r + rows]) and (local[rows:] == 0).all()

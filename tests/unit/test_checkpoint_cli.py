@@ -32,7 +32,9 @@ def folders(tmp_path_factory):
               tensor_piece("optim/net.w/step", torch.tensor(4.0))]
     new = str(root / "new.ckpt")
     dcp_format.save(new, pieces, {"loops": {"global_step": 4}}, meta={"step": 4, "layout": {"dp": 2, "stage": 2}})
-    from test_checkpoint_dcp import _old_format_folder  # tests/dist is on sys.path (conftest)
+    from test_checkpoint_dcp import (
+        _old_format_folder,  # tests/dist is on sys.path (conftest)
+    )
 
     old = str(root / "old.ckpt")
     _old_format_folder(old, {"state_dict": {"net.w": w, "net.b": b}, "global_step": 4})
