@@ -10,24 +10,34 @@ def test_flat_kwargs_route_to_sections():
     assert cfg.offload.optimizer == "cpu"
 
 
+# Through the Python door (flat keywords) the message names the keyword as typed, never the internal path.
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(stgae=1), "unknown option 'stgae'"),
-    (dict(stage=4), "zero.stage=4"),
-    (dict(stage=-1), "zero.stage=-1"),
-    (dict(bucket_mb=0), "zero.bucket_mb=0"),
-    (dict(prefetch_depth=-1), "zero.prefetch_depth=-1"),
-    (dict(tp=0), "tp=0"),
-    (dict(schedule="zigzag"), "pipeline.schedule='zigzag'"),
-    (dict(microbatches=0), "pipeline.microbatches=0"),
-    (dict(offload="gpu"), "offload='gpu'"),
-    (dict(stage=0, offload="optimizer"), "needs zero.stage >= 1"),
-    (dict(stage=2, offload="params"), "needs zero.stage=3"),
-    (dict(sequence_parallel=True), "sequence_parallel"),
-    (dict(initial_scale=0), "loss_scale.initial_scale"),
+    (dict(stgae=1), r"^unknown option 'stgae'; known options, close matches first: stage, "),
+    (dict(stage=4), r"^stage=4: must be one of 0, 1, 2, 3$"),
+    (dict(stage=-1), r"^stage=-1: "),
+    (dict(bucket_mb=0), r"^bucket_mb=0 must be > 0"),
+    (dict(prefetch_depth=-1), r"^prefetch_depth=-1 must be >= 0"),
+    (dict(tp=0), r"^tp=0 must be a positive integer"),
+    (dict(schedule="zigzag"), r"^schedule='zigzag': must be one of"),
+    (dict(microbatches=0), r"^microbatches=0 must be >= 1"),
+    (dict(offload="gpu"), r"^offload='gpu': use 'none', 'optimizer', 'params', 'all'"),
+    (dict(stage=0, offload="optimizer"), r"^offload: optimizer offload needs stage >= 1 \(got stage=0"),
+    (dict(stage=2, offload="params"), r"^offload: parameter offload needs stage=3 \(got stage=2\)"),
+    (dict(sequence_parallel=True), r"^sequence_parallel=True needs tp > 1"),
+    (dict(initial_scale=0), r"^initial_scale=0 must be > 0"),
 ])
 def test_bad_options_name_the_setting(kwargs, match):
-    with pytest.raises(ConfigError, match=match):
+    with pytest.raises(ConfigError, match=match) as info:
         from_flat_kwargs(**kwargs).validate()
+    assert not any(p in str(info.value) for p in ("zero.", "pipeline.", "tensor.", "offload.", "loss_scale."))
+
+
+def test_parallel_config_users_see_the_internal_paths():
+    """Built from the dataclasses themselves, the internal path is what the user typed."""
+    with pytest.raises(ConfigError, match=r"^zero.stage=5: must be one of"):
+        ParallelConfig(zero=ZeroConfig(stage=5)).validate()
+    with pytest.raises(ConfigError, match=r"^offload.params: parameter offload needs zero.stage=3"):
+        ParallelConfig(offload=OffloadConfig(params="cpu")).validate()
 
 
 @pytest.mark.parametrize("world,kwargs,match", [
