@@ -32,9 +32,10 @@ on a seed and the module name, so they equal a single-process init), else the mo
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -43,6 +44,7 @@ from torch.utils._pytree import tree_flatten
 from lightning_scale.comm import collectives as C
 from lightning_scale.config import ConfigError
 from lightning_scale.materialize import allocate_, init_one, init_owners, swap_in
+from lightning_scale.zero import param_guard
 from lightning_scale.zero.flat_buffer import Bucket, build_buckets
 
 _HUGE = 1 << 62
@@ -286,6 +288,7 @@ class ShardedParameters:
         """
         init_owners = self._init_owners()
         by_module = self._modules_by_unit()
+        param_guard.name_params(self.names, (p for u in self.units for p in u.params))
         for unit in self.units:
             modules = by_module.get(unit.index, [])
             was_meta = {id(m) for _, m in modules if self._has_meta(m)}
@@ -405,6 +408,7 @@ class ShardedParameters:
             if not async_op:
                 self._wait(unit)
             return
+        param_guard.thaw(unit.params)  # plain parameters while gathered (the guard costs nothing per op)
         for b in unit.buckets:
             self._alloc(b)
             shard = b.shard
@@ -431,7 +435,30 @@ class ShardedParameters:
         self._wait(unit)
         for b in unit.buckets:
             b.full.untyped_storage().resize_(0)
+        param_guard.freeze(unit.params)  # reading values now raises ShardedParameterAccessError, not a segfault
         unit.gathered = False
+
+    @contextlib.contextmanager
+    def gathered(self, module: Optional[nn.Module] = None) -> Iterator[None]:
+        """Full values of ``module``'s sharded parameters (all of them by default) inside the block, between
+        steps (e.g. a callback logging weight norms). A collective: every rank of the group enters it, with the
+        same ``module``. Read-only: writes are not copied back to the shards. Values are the parameters' own
+        dtype (under mixed precision the fp32 masters are in ``full_state_dict()``)."""
+        if _in_backward():
+            raise RuntimeError("ShardedParameters.gathered() is for use between steps, not inside backward")
+        wanted = self.units
+        if module is not None:
+            ids = {id(p) for p in module.parameters()}
+            wanted = [u for u in self.units if any(id(p) in ids for p in u.params)]
+        before = {u.index for u in wanted if u.gathered}
+        for u in wanted:  # unit order: the same all-gathers on every rank
+            self._gather(u)
+        try:
+            yield
+        finally:
+            for u in wanted:
+                if u.index not in before:
+                    self._free(u)
 
     def gathered_bytes(self) -> int:
         return sum(u.nbytes_full for u in self.units if u.gathered)
