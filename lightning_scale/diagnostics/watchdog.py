@@ -239,6 +239,9 @@ class Watchdog:
         :class:`PeerFailedError` to raise instead (the survivors name the root cause, not the transport)."""
         if isinstance(exc, (PeerFailedError, KeyboardInterrupt, SystemExit)):
             return None
+        if getattr(exc, "raised_on_every_rank", False):  # an agreed decision (NumericsError): each rank reports it
+            self._stop_deadline = time.monotonic() + self.config.stop_timeout
+            return None
         earlier = self.first_failure(0.0)
         if earlier is None and _transport_error(exc):
             earlier = self.first_failure(wait_s)

@@ -17,6 +17,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 
 from lightning_scale.config import LossScaleConfig
+from lightning_scale.zero.numerics import NumericsGuard
 from lightning_scale.zero.precision import PrecisionPolicy, make_loss_scaler, policy_for
 
 
@@ -29,6 +30,8 @@ class ZeroPrecision(Precision):
         self.loss_scaler = make_loss_scaler(self.policy, self.loss_scale_config)
         self.device_type = "cpu"
         self._engines: Dict[int, Any] = {}
+        self._numerics = NumericsGuard(None)  # off until configure_numerics (diagnostics_glue.install)
+        self.last_step_skipped = False  # the lr-scheduler recipe of docs/failures.md reads it
 
     # ------------------------------------------------------------------ wiring
     def register_engine(self, optimizer: torch.optim.Optimizer, engine: Any) -> None:
@@ -67,9 +70,30 @@ class ZeroPrecision(Precision):
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
         closure_result = closure()  # forward + backward; most buckets are reduced during backward
         engine.reduce_gradients()  # the rest, then unscale and the all-rank overflow decision
+        nonfinite = self._numerics.check(closure_result, engine, model)  # all ranks agree; may mark_overflow()
         self._after_closure(model, optimizer)  # on_before_optimizer_step hooks, then clip_gradients below
+        skipped_before = self.loss_scaler.skipped_steps
         engine.step()  # skipped (and the loss scale backed off) when any rank overflowed
+        self.last_step_skipped = nonfinite or self.loss_scaler.skipped_steps > skipped_before
+        self._numerics.after_step(self.last_step_skipped, self.loss_scaler, model)
         return closure_result
+
+    # ------------------------------------------------------------------ numerics (issue 15)
+    def configure_numerics(self, on_nonfinite: Optional[str] = "skip", max_nonfinite_steps: int = 10,
+                           max_min_scale_steps: int = 20) -> None:
+        """Non-finite loss / gradient norm handling ("skip" | "raise" | "ignore"; None: no check, no collective)
+        and the stop after K skipped steps in a row / K steps at the fp16 minimum scale."""
+        self._numerics = NumericsGuard(on_nonfinite, max_nonfinite_steps, max_min_scale_steps,
+                                       loss_scaling=self.policy.loss_scaling)
+
+    def numerics_stats(self) -> Dict[str, float]:
+        """What the diagnostics callback logs every step: loss_scale / skipped_steps (fp16), nonfinite_steps."""
+        out: Dict[str, float] = {}
+        if self.policy.loss_scaling:
+            out.update(loss_scale=float(self.loss_scaler.scale), skipped_steps=float(self.loss_scaler.skipped_steps))
+        if self._numerics.on_nonfinite not in (None, "ignore"):
+            out["nonfinite_steps"] = float(self._numerics.nonfinite_steps)
+        return out
 
     def clip_gradients(self, optimizer: Any, clip_val: Any = 0.0,
                        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM) -> None:

@@ -52,8 +52,17 @@ def policy_for(precision: str) -> PrecisionPolicy:
     return table[key]
 
 
+class NumericsError(RuntimeError):
+    """Non-finite losses / gradients, or an fp16 loss scale pinned at its minimum, for too many steps in a row.
+    Raised on every rank at the same step (the decision is all-reduced), so it is not a "first error"."""
+
+    raised_on_every_rank = True
+
+
 class NoLossScaler:
     scale = 1.0
+    skipped_steps = 0
+    steps_at_min = 0
 
     def update(self, found_inf: bool) -> None:
         pass
@@ -78,10 +87,12 @@ class DynamicLossScaler:
         self._good_steps = 0
         self._hysteresis_left = self.cfg.hysteresis
         self.skipped_steps = 0
+        self.steps_at_min = 0  # overflowing steps in a row with the scale already at min_scale (fp16 cannot cope)
 
     def update(self, found_inf: bool) -> None:
         if found_inf:
             self.skipped_steps += 1
+            self.steps_at_min = self.steps_at_min + 1 if self.scale <= self.cfg.min_scale else 0
             self._good_steps = 0
             self._hysteresis_left -= 1
             if self._hysteresis_left <= 0:
@@ -89,6 +100,7 @@ class DynamicLossScaler:
                 self._hysteresis_left = self.cfg.hysteresis
             return
         self._good_steps += 1
+        self.steps_at_min = 0
         self._hysteresis_left = self.cfg.hysteresis
         if self._good_steps % self.cfg.growth_interval == 0:
             self.scale *= self.cfg.growth_factor
