@@ -50,7 +50,9 @@ class Watchdog:
         import torch.distributed as dist
 
         self.config = (config or DiagnosticsConfig()).validate()
-        self.store = dist.PrefixStore(prefix, store)
+        # torchrun's agent store outlives a restart: each attempt gets its own keys (no stale "abort")
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        self.store = dist.PrefixStore(f"{prefix}{attempt}/", store)
         self.rank, self.world = rank, world_size
         self.children = children or {}  # rank -> Popen of ranks this process launched (exact exit signals)
         self._exit = exit_fn

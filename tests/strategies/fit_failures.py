@@ -83,6 +83,28 @@ class Marks(pl.Callback):
             f.write(f"{batch_idx}\n")
 
 
+class WeightNorms(pl.Callback):
+    """The docs/failures.md pattern: weight norms between steps (at ZeRO-3 inside diagnostics_glue.gathered)."""
+
+    def __init__(self, args) -> None:
+        self.args = args
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        rank = trainer.global_rank
+        if batch_idx == 0:  # a bare read of a sharded parameter: a clear error, not a segfault
+            try:
+                next(pl_module.model.blocks[0].parameters()).norm()
+                text = "no error"
+            except Exception as err:  # noqa: BLE001
+                text = f"{type(err).__name__}: {err}"
+            with open(os.path.join(self.args.pid_dir, f"norm_error{rank}.txt"), "w") as f:
+                f.write(text)
+        with diagnostics_glue.gathered(trainer.strategy, pl_module):
+            norms = {n: float(p.norm()) for n, p in pl_module.named_parameters()}
+        with open(os.path.join(self.args.pid_dir, f"norms{rank}.jsonl"), "a") as f:
+            f.write(json.dumps(norms) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mode", default="zero2", choices=sorted(MODES))
@@ -96,6 +118,7 @@ def main() -> None:
     ap.add_argument("--pid-dir", required=True)
     ap.add_argument("--ckpt-dir", default=None)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--norms", action="store_true", help="log weight norms between steps (WeightNorms)")
     args = ap.parse_args()
 
     pl.seed_everything(0, verbose=False)
@@ -106,7 +129,7 @@ def main() -> None:
     per_rank = 8 if args.mode in ("pp2", "tp2") else 4
     data = ByteCorpusDataModule(seq_len=cfg.seq_len, batch_size=per_rank, source="random", vocab_size=64,
                                 random_length=256, shuffle=False, max_bytes=2**20)
-    callbacks = [Marks(args)]
+    callbacks = [Marks(args)] + ([WeightNorms(args)] if args.norms else [])
     if args.ckpt_dir:
         callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=args.ckpt_dir, save_top_k=-1, every_n_train_steps=2))
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=DiagStrategy(diagnostics=diag, **MODES[args.mode]),

@@ -99,11 +99,14 @@ def test_survivor_names_the_rank_that_failed(tmp_path, fault):
     assert "Connection" not in last
 
 
-@pytest.mark.parametrize("ranks, save", [((0, 1), True), pytest.param((1,), False, marks=pytest.mark.slow)])
-def test_sigterm_stops_every_rank(tmp_path, ranks, save):
+@pytest.mark.parametrize("mode, ranks, save", [("zero3", (0, 1), True),
+                                               pytest.param("zero2", (1,), False, marks=pytest.mark.slow)])
+def test_sigterm_stops_every_rank(tmp_path, mode, ranks, save):
+    """SIGTERM to all ranks (as SLURM does) at ZeRO-3 with save_on_preempt, also logging weight norms between steps
+    (the gathered() pattern; a bare read raises a clear error); SIGTERM to rank 1 only (slow)."""
     ckpt = tmp_path / "ckpt"
-    extra = ["--save-on-preempt", "--ckpt-dir", ckpt] if save else []
-    rc, out, left = launch(tmp_path, "--mode", "zero2", "--steps", 200, "--step-sleep", 0.1, *extra,
+    extra = ["--save-on-preempt", "--ckpt-dir", ckpt, "--norms"] if save else []
+    rc, out, left = launch(tmp_path, "--mode", mode, "--steps", 200, "--step-sleep", 0.1, *extra,
                            timeout=120, signal_after_step=3, signal_ranks=ranks)
     assert rc == 128 + signal.SIGTERM, out[-3000:]
     assert left == [], f"processes left: {left}"
@@ -120,3 +123,41 @@ def test_sigterm_stops_every_rank(tmp_path, ranks, save):
         assert f"checkpoint saved to {path}" in out
         state = consolidate_checkpoint(str(path))
         assert state and all(torch.isfinite(v).all() for v in state.values() if v.is_floating_point())
+        import json
+
+        pids = tmp_path / "pids"
+        for r in range(2):
+            err = (pids / f"norm_error{r}.txt").read_text()
+            assert err.startswith("ShardedParameterAccessError: zero.stage=3: parameter 'model.blocks.0."), err
+        norms = [[json.loads(ln) for ln in (pids / f"norms{r}.jsonl").read_text().splitlines()] for r in range(2)]
+        assert norms[0] == norms[1] and len(norms[0]) == int(m.group(1))  # every rank, every batch, the same
+        assert all(v > 0 for row in norms[0] for v in row.values())
+
+
+def _torchrun(tmp_path, name, *args):
+    from lightning_scale.testing import run_script
+
+    out, ckpt = tmp_path / f"{name}.jsonl", tmp_path / f"{name}_ckpt"
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--max-restarts=1",
+           "--monitor-interval=0.5", os.path.join(os.path.dirname(__file__), "fit_restart.py"),
+           "--out", out, "--ckpt-dir", ckpt, *args]
+    proc = run_script(cmd, timeout=400, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    import json
+
+    return [json.loads(line) for line in out.read_text().splitlines()], proc
+
+
+@pytest.mark.slow
+def test_torchrun_restart_resumes_from_the_last_checkpoint(tmp_path):
+    """Rank 1 is SIGKILLed at step 5; torchrun --max-restarts=1 restarts both ranks from the step-4 checkpoint and
+    the run ends with the same final loss as an uninterrupted one."""
+    clean, _ = _torchrun(tmp_path, "clean")
+    killed, proc = _torchrun(tmp_path, "killed", "--kill-at", 5)
+    assert [r["attempt"] for r in clean] == [0] and clean[0]["global_step"] == 8
+    assert [r["attempt"] for r in killed] == [1], killed  # attempt 0 never finished
+    assert killed[0]["start_step"] == 4 and killed[0]["global_step"] == 8
+    assert abs(killed[0]["final_loss"] - clean[0]["final_loss"]) < 1e-6, (killed, clean)
+    assert re.search(r"rank 1 \(pid \d+\) was killed by a signal", proc.stdout + proc.stderr)
