@@ -1,0 +1,262 @@
+"""litgpt's ``GPT`` unchanged under pipeline and tensor parallelism: a pipeline adapter and a built-in tp plan.
+
+**Pipeline.** litgpt's ``GPT.forward`` computes the rotary ``cos`` / ``sin`` once (sliced from buffers of the
+root module) and hands them, with ``mask=None`` (= causal), to every ``Block``; cutting ``transformer.h`` into
+stages loses them (``Block.forward() missing 'cos' and 'sin'``). :func:`litgpt_pipeline_layers` returns
+``[embedding, block 0..L-1, head]`` over the model's own modules, where each block layer gets cos/sin from one
+:class:`_RopeCache` per model: computed with the model's own helper ``GPT.rope_cache(device)`` once per
+(device, dtype) on the stage that needs them (the root's buffers are not part of any stage), sliced to the
+sequence length, cast to the hidden state's dtype (as the unsplit model's buffers are cast with the module),
+and indexed by ``config.rope_indices`` per block like ``GPT.forward`` does. Only the hidden state ``(B, T, C)``
+travels between stages: litgpt's training forward has no padding mask, and the sliding-window mask is built
+inside the attention. The head applies ``ln_f``, ``lm_head`` and ``final_logit_softcapping``; the embedding
+applies ``scale_embeddings``.
+
+**Tensor parallel.** litgpt's attention reads ``n_head`` / ``n_query_groups`` from the ``config`` object that
+every block shares, so splitting the fused ``attn.qkv`` alone crashes deep in litgpt (``split_with_sizes ...
+got [64, 64, 64]``). :func:`litgpt_tp_plan` gives each ``CausalSelfAttention`` its own view of the config
+(:class:`_AttentionConfig`) whose head counts are the attention's attributes ``n_head`` / ``n_kv_head``, which
+the plan machinery (``tensor_parallel.plan._parent_fixes``) divides by tp when it splits heads. The plan:
+
+* multi-head attention (``n_query_groups == n_head``): ``attn.qkv`` ``qkv_colwise`` (litgpt's layout is
+  ``[q | k | v]``, each part split by whole heads), ``attn.proj`` ``rowwise``; per-head q/k norms
+  (``norm_qk``, default type) ``replicated_with_grad_allreduce`` (they see only this rank's heads);
+* grouped-query attention: ``[q | k | v]`` has parts of unequal sizes, which the shard specs cannot split per
+  head yet, so ``attn.qkv`` is ``colwise_gather`` (weights split, output gathered: every rank runs all heads)
+  and ``attn.proj`` ``rowwise_split_input`` -- the same math, the attention core not divided;
+* MLP ``fc`` / ``fc_1`` / ``fc_2`` ``colwise``, ``proj`` ``rowwise``; ``transformer.wte`` ``vocab``; ``lm_head``
+  ``colwise_gather`` (litgpt returns full logits and its users compute the loss from them).
+
+Refused with a ``ConfigError`` naming the setting: sequence parallelism, mixture-of-experts MLPs
+(``n_expert``), latent attention (``latent_attention``), q/k norms over all heads (``norm_qk_type='olmo2'``).
+
+The plan is found like any built-in one (``tensor_parallel_plan()`` on the model): litgpt's ``GPT`` class gets
+that one method when ``litgpt.model`` is (or gets) imported -- nothing here imports litgpt itself.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import sys
+from typing import Dict, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from lightning_scale.config import ConfigError
+from lightning_scale.pipeline.layers import register_layer_provider
+
+
+def is_litgpt_gpt(model: nn.Module) -> bool:
+    """True for litgpt's ``GPT`` (and subclasses); False whenever litgpt was never imported."""
+    mod = sys.modules.get("litgpt.model")
+    return mod is not None and isinstance(model, getattr(mod, "GPT", ()))
+
+
+# ------------------------------------------------------------------------------------------------ pipeline
+class _RopeCache:
+    """cos / sin of one litgpt GPT, from its own ``rope_cache`` helper, once per (device, dtype).
+
+    A plain object (not a module): it holds no state a checkpoint or an optimizer should see."""
+
+    def __init__(self, gpt: nn.Module) -> None:
+        self.gpt = gpt
+        self.cache: Dict[Tuple[torch.device, torch.dtype], Tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, T: int, like: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        if T > self.gpt.max_seq_length:  # as GPT.forward
+            raise ValueError(f"Cannot forward sequence of length {T}, max seq length is only "
+                             f"{self.gpt.max_seq_length}.")
+        key = (like.device, like.dtype)
+        if key not in self.cache:
+            cos, sin = self.gpt.rope_cache(device=like.device)  # (max_seq_length, rope_n_elem[, 2]) float32
+            self.cache[key] = (cos.to(like.dtype), sin.to(like.dtype))
+        cos, sin = self.cache[key]
+        return cos[:T].unsqueeze(0), sin[:T].unsqueeze(0)  # (1, T, rope_n_elem[, 2])
+
+
+class LitGPTEmbedding(nn.Module):
+    """idx (B, T) -> x (B, T, C): ``transformer.wte`` (times sqrt(n_embd) with ``scale_embeddings``)."""
+
+    def __init__(self, gpt: nn.Module) -> None:
+        super().__init__()
+        self.wte = gpt.transformer.wte
+        self.scale = gpt.config.n_embd ** 0.5 if gpt.config.scale_embeddings else None
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx)
+        if self.scale is not None:  # exactly GPT.forward's expression
+            x = x * torch.tensor(self.scale, dtype=x.dtype)
+        return x
+
+
+class LitGPTBlock(nn.Module):
+    """One litgpt ``Block`` with the cos / sin (and causal ``mask=None``) that ``GPT.forward`` gives it."""
+
+    def __init__(self, block: nn.Module, index: int, rope: _RopeCache, rope_index: Optional[int]) -> None:
+        super().__init__()
+        self.block, self.index, self.rope_index = block, index, rope_index
+        self.rope = rope  # shared plain object, one per model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, T, C)
+        cos, sin = self.rope(x.shape[1], x)
+        if self.rope_index is not None:  # per-block local/global rotary (Gemma-3-style configs)
+            cos, sin = cos[..., self.rope_index], sin[..., self.rope_index]
+        return self.block(x, cos, sin, None)
+
+
+class LitGPTHead(nn.Module):
+    """x (B, T, C) -> logits (B, T, padded_vocab_size): ``ln_f``, ``lm_head``, final logit soft-capping."""
+
+    def __init__(self, gpt: nn.Module) -> None:
+        super().__init__()
+        self.ln_f, self.lm_head = gpt.transformer.ln_f, gpt.lm_head
+        self.softcap = gpt.config.final_logit_softcapping
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(self.ln_f(x))
+        if self.softcap is not None:  # litgpt.model.do_softcapping
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+
+def litgpt_pipeline_layers(gpt: nn.Module) -> nn.Sequential:
+    """[embedding, block 0..L-1, head] sharing ``gpt``'s modules; the same math as ``gpt(idx)`` (no kv cache)."""
+    if not is_litgpt_gpt(gpt):
+        raise ConfigError(f"pipeline: {type(gpt).__name__} is not litgpt's GPT")
+    rope, indices = _RopeCache(gpt), gpt.config.rope_indices
+    blocks = [LitGPTBlock(b, i, rope, None if indices is None else indices[i]) for i, b in enumerate(gpt.transformer.h)]
+    return nn.Sequential(LitGPTEmbedding(gpt), *blocks, LitGPTHead(gpt))
+
+
+register_layer_provider("litgpt", is_litgpt_gpt, litgpt_pipeline_layers)
+
+
+# ------------------------------------------------------------------------------------------------ tensor parallel
+class _AttentionConfig:
+    """One attention's view of the shared litgpt ``Config``: ``n_head`` / ``n_query_groups`` are the attention's
+    own attributes ``n_head`` / ``n_kv_head`` (which the tp plan divides by tp), everything else is the shared
+    config's. Read-only: litgpt never writes its config after construction."""
+
+    def __init__(self, base, attn: nn.Module) -> None:
+        self.__dict__.update(_base=base, _attn=attn)
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") or name in ("_base", "_attn"):  # copy / pickle probes on a half-built object
+            raise AttributeError(name)
+        if name == "n_head":
+            return self._attn.n_head
+        if name == "n_query_groups":
+            return self._attn.n_kv_head
+        return getattr(self._base, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        raise AttributeError(f"litgpt attention config view is read-only ({name})")
+
+    def __repr__(self) -> str:
+        return f"_AttentionConfig(n_head={self.n_head}, n_query_groups={self.n_query_groups}, base={self._base!r})"
+
+
+def _local_head_counts(gpt: nn.Module) -> None:
+    """Give every attention its own head counts (idempotent), read by litgpt through its config view."""
+    for block in gpt.transformer.h:
+        attn = block.attn
+        if isinstance(attn.__dict__.get("config"), _AttentionConfig):
+            continue
+        base = attn.config
+        attn.n_head, attn.n_kv_head = base.n_head, base.n_query_groups  # found by tensor_parallel.plan._heads
+        attn.config = _AttentionConfig(base, attn)
+
+
+def _refuse_unsupported(config, sequence_parallel: bool) -> None:
+    if sequence_parallel:
+        raise ConfigError("tensor.sequence_parallel=True is not supported for litgpt's GPT (its blocks read the "
+                          "sequence length from the hidden states); use sequence_parallel=False")
+    if config.n_expert:
+        raise ConfigError(f"tensor parallel: litgpt config n_expert={config.n_expert} (mixture-of-experts MLP) has "
+                          "no built-in plan; pass tensor.plan={pattern: style} leaving the experts 'replicate'")
+    if config.latent_attention:
+        raise ConfigError("tensor parallel: litgpt config latent_attention (multi-head latent attention) has no "
+                          "built-in plan; pass tensor.plan={pattern: style}")
+    if config.norm_qk and config.norm_qk_type != "default":
+        raise ConfigError(f"tensor parallel: litgpt config norm_qk_type={config.norm_qk_type!r} normalizes q/k over "
+                          "all heads, which the built-in plan does not split; use norm_qk_type='default' or pass "
+                          "tensor.plan={pattern: style}")
+
+
+def litgpt_tp_plan(gpt: nn.Module, sequence_parallel: bool = False) -> Dict[str, str]:
+    """The built-in plan of litgpt's ``GPT`` (module docstring); prepares the per-attention head counts."""
+    config = gpt.config
+    _refuse_unsupported(config, sequence_parallel)
+    _local_head_counts(gpt)
+    h = "transformer.h.*."
+    if config.n_query_groups == config.n_head:
+        plan = {h + "attn.qkv": "qkv_colwise", h + "attn.proj": "rowwise"}
+        if config.norm_qk:  # per-head norms on this rank's heads: gradients summed over tp in the backward
+            plan.update({h + "attn.norm_q": "replicated_with_grad_allreduce",
+                         h + "attn.norm_k": "replicated_with_grad_allreduce"})
+    else:  # unequal [q | k | v] parts: weights split, heads whole on every rank
+        plan = {h + "attn.qkv": "colwise_gather", h + "attn.proj": "rowwise_split_input"}
+    mlp = type(gpt.transformer.h[0].mlp).__name__
+    if mlp == "GptNeoxMLP":
+        plan.update({h + "mlp.fc": "colwise", h + "mlp.proj": "rowwise"})
+    elif mlp in ("LLaMAMLP", "GemmaMLP"):
+        plan.update({h + "mlp.fc_1": "colwise", h + "mlp.fc_2": "colwise", h + "mlp.proj": "rowwise"})
+    else:
+        raise ConfigError(f"tensor parallel: litgpt config mlp_class_name={config.mlp_class_name!r} has no built-in "
+                          "plan; pass tensor.plan={pattern: style}")
+    plan.update({"transformer.wte": "vocab", "lm_head": "colwise_gather"})
+    return plan
+
+
+def _tensor_parallel_plan(self, sequence_parallel: bool = False) -> Dict[str, str]:
+    return litgpt_tp_plan(self, sequence_parallel)
+
+
+_tensor_parallel_plan.__doc__ = "lightning_scale's built-in tensor-parallel plan (lightning_scale.models.litgpt_adapter)."
+
+
+def _install(module) -> None:
+    """litgpt's GPT gets ``tensor_parallel_plan`` (the duck-typed hook the tp plan lookup reads), unless it or a
+    subclass already defines one."""
+    gpt = getattr(module, "GPT", None)
+    if gpt is not None and not hasattr(gpt, "tensor_parallel_plan"):
+        gpt.tensor_parallel_plan = _tensor_parallel_plan
+
+
+class _InstallAfterLitgpt(importlib.abc.MetaPathFinder):
+    """One shot: runs :func:`_install` right after ``litgpt.model`` executes (lightning_scale's own pattern for
+    registering with Lightning, see ``lightning_scale/__init__.py``), so importing this module costs no litgpt."""
+
+    target = "litgpt.model"
+
+    def find_spec(self, name, path, target=None):
+        if name != self.target:
+            return None
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+        spec = None
+        for finder in list(sys.meta_path):
+            find = getattr(finder, "find_spec", None)
+            spec = find(name, path, target) if find is not None else None
+            if spec is not None:
+                break
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_then_install(module):
+            exec_module(module)
+            _install(module)
+
+        spec.loader.exec_module = exec_then_install
+        return spec
+
+
+if "litgpt.model" in sys.modules:
+    _install(sys.modules["litgpt.model"])
+elif not any(isinstance(f, _InstallAfterLitgpt) for f in sys.meta_path):
+    sys.meta_path.insert(0, _InstallAfterLitgpt())
+
+__all__ = ["LitGPTBlock", "LitGPTEmbedding", "LitGPTHead", "is_litgpt_gpt", "litgpt_pipeline_layers",
+           "litgpt_tp_plan"]

@@ -1,0 +1,197 @@
+"""litgpt's GPT, unchanged, under tp=2, pp=2 and ZeRO-3 at dp=2 == one process (issue 14).
+
+One 2-rank ``run_distributed`` call runs every case in turn through ``parallelize()`` + ``make_engines()``
+(the composition core, no Lightning), with nothing litgpt-specific written by the test: the tp plan and the
+pipeline layers are found automatically (``lightning_scale.models.litgpt_adapter``). Two tiny configs:
+
+* ``neox``: multi-head attention, parallel residual, LayerNorm, GELU MLP, partial rotary, per-head q/k norms
+  (tp: heads split, norms' gradients summed over tp in the backward);
+* ``llama``: grouped-query attention (2 kv groups for 4 heads), RMSNorm, gated MLP, scaled embeddings,
+  sliding window on block 0, final logit soft-capping (tp: fused qkv gathered, proj split-input);
+* ``mqa``: one kv group at tp=2 (the gathered layout runs it; nothing to divide).
+
+Each case: 3 AdamW steps, per-step losses against one process (computed once in the pytest process):
+float64 within 1e-7, float32 within 1e-5. Refusals (heads tp does not divide, sequence parallelism) must be
+``ConfigError`` naming the setting on both ranks.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("litgpt", reason="litgpt is not installed (pip install litgpt==0.5.13 --no-deps)")
+
+from lightning_scale.testing import run_distributed  # noqa: E402
+
+STEPS, BATCH, SEQ, LR, VOCAB = 3, 4, 12, 1e-2, 96
+CONFIGS = {
+    "neox": dict(norm_qk=True),
+    "llama": dict(n_query_groups=2, norm_class_name="RMSNorm", mlp_class_name="LLaMAMLP", intermediate_size=128,
+                  parallel_residual=False, bias=False, rotary_percentage=1.0, scale_embeddings=True,
+                  sliding_window_size=4, sliding_window_indices=[1, 0], final_logit_softcapping=30.0),
+    "mqa": dict(n_query_groups=1, mlp_class_name="LLaMAMLP", intermediate_size=128, bias=False),
+}
+# (config, layout, dtype); layout: flat kwargs of parallelize's config
+CASES = [
+    ("neox", "tp2", torch.float64), ("llama", "tp2", torch.float64), ("mqa", "tp2", torch.float64),
+    ("neox", "pp2", torch.float64), ("llama", "pp2", torch.float64),
+    ("neox", "zero3", torch.float64), ("llama", "zero3", torch.float32),
+]
+LAYOUTS = {"tp2": dict(tp=2, stage=1), "pp2": dict(pp=2, stage=1, microbatches=2),
+           "zero3": dict(stage=3)}
+
+
+def _build(name: str, dtype: torch.dtype, **overrides):
+    from litgpt import GPT, Config
+
+    cfg = dict(n_layer=2, n_head=4, n_embd=64, block_size=32, vocab_size=VOCAB, padded_vocab_size=VOCAB)
+    config = Config(**{**cfg, **CONFIGS.get(name, {}), **overrides})
+    torch.manual_seed(0)
+    model = GPT(config)
+    model.apply(model._init_weights)  # litgpt's own init (normal 0.02)
+    return model.to(dtype)
+
+
+def _batch(step: int):
+    # one fixed batch every step (the step is unused): the losses must fall, so an update lost on a rank shows
+    g = torch.Generator().manual_seed(100)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+    return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+
+
+def _loss(logits, targets):
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(name: str, dtype: torch.dtype):
+    model = _build(name, dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for step in range(STEPS):
+        x, y = _batch(step)
+        loss = _loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _run_case(name, layout, dtype, rank, world_size):
+    import torch.distributed as dist
+
+    from lightning_scale.config import from_flat_kwargs
+    from lightning_scale.parallelize import local_topology, parallelize
+
+    config = from_flat_kwargs(**LAYOUTS[layout])
+    topo = local_topology(config, world_size, rank)
+    model = _build(name, dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    pm = parallelize(model, config, topo, "cpu", optimizers=[opt], loss_fn=_loss)
+    (engine,) = pm.make_engines()
+    losses = []
+    for step in range(STEPS):
+        x, y = _batch(step)
+        if layout == "pp2":
+            with engine.no_sync():  # gradients accumulate over the micro-batches, reduced once in step()
+                loss = pm.pipeline.runtime.train_step(x, y)  # mean micro-batch loss, on every pp rank
+        else:
+            if layout == "zero3":  # dp: this rank's half of the rows
+                x, y = x.chunk(topo.dp)[topo.dp_rank], y.chunk(topo.dp)[topo.dp_rank]
+            loss = _loss(model(x), y)
+            loss.backward()
+            loss = loss.detach().clone()
+            if topo.dp > 1:
+                dist.all_reduce(loss, group=topo.dp_group)
+                loss /= topo.dp
+        opt.step()  # routed to the engine
+        opt.zero_grad()
+        losses.append(loss.item())
+    info = {}
+    if layout == "zero3":  # litgpt's blocks are found as units (gathered one at a time), the rest is the root
+        info = {"units": [u.name for u in pm.sharded.units]}
+    if layout == "tp2":
+        attn = model.transformer.h[0].attn
+        info = {"local_heads": (attn.config.n_head, attn.config.n_query_groups),
+                "qkv": type(attn.qkv).__name__, "qkv_out_local": attn.qkv.weight.shape[0]}
+    return {"losses": losses, **info}
+
+
+def _refusal(overrides: dict, layout: dict, rank: int, world_size: int) -> str:
+    from lightning_scale.config import ConfigError, from_flat_kwargs
+    from lightning_scale.parallelize import local_topology, parallelize
+
+    config = from_flat_kwargs(**layout)
+    topo = local_topology(config, world_size, rank)
+    try:
+        parallelize(_build("neox", torch.float64, **overrides), config, topo, "cpu", loss_fn=_loss)
+    except ConfigError as err:
+        return str(err)
+    return "no error"
+
+
+REFUSALS = {
+    "heads": (dict(n_head=3, n_embd=48), dict(tp=2, stage=1)),
+    "sequence_parallel": ({}, dict(tp=2, stage=1, sequence_parallel=True)),
+}
+
+
+def litgpt_worker(rank: int, world_size: int) -> dict:
+    import warnings
+
+    import lightning_scale.models  # noqa: F401  (registers the family adapters; workers skip Lightning's hook)
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    out = {(n, lay, str(dt)): _run_case(n, lay, dt, rank, world_size) for n, lay, dt in CASES}
+    for key, (overrides, layout) in REFUSALS.items():
+        out[key] = _refusal(overrides, layout, rank, world_size)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    return run_distributed(litgpt_worker, 2, timeout=400)
+
+
+@pytest.mark.timeout(500)
+@pytest.mark.parametrize("name,layout,dtype", CASES, ids=[f"{n}-{lay}-{str(d)[6:]}" for n, lay, d in CASES])
+def test_losses_equal_one_process(results, name, layout, dtype):
+    ref = _reference(name, dtype)
+    tol = 1e-7 if dtype == torch.float64 else 1e-5
+    for rank, res in enumerate(results):
+        got = res[(name, layout, str(dtype))]["losses"]
+        diff = max(abs(a - b) for a, b in zip(got, ref))
+        assert diff <= tol, (rank, name, layout, diff, got, ref)
+        assert got[-1] < got[0], (rank, got)  # it trains (AdamW at lr 1e-2 on one batch)
+
+
+@pytest.mark.timeout(500)
+def test_tp_splits_heads_or_gathers(results):
+    for res in results:
+        neox = res[("neox", "tp2", "torch.float64")]
+        assert neox["local_heads"] == (2, 2) and neox["qkv"] == "ColumnParallelLinear"
+        assert neox["qkv_out_local"] == 3 * 2 * 16  # [q | k | v], 2 of 4 heads each
+        llama = res[("llama", "tp2", "torch.float64")]
+        assert llama["local_heads"] == (4, 2)  # gathered qkv: every head on every rank
+        assert llama["qkv_out_local"] == (4 + 2 * 2) * 16 // 2  # the weight is still split
+
+
+@pytest.mark.timeout(500)
+def test_zero3_units_are_the_blocks(results):
+    for res in results:
+        units = res[("neox", "zero3", "torch.float64")]["units"]
+        assert [u for u in units if u.startswith("transformer.h.")] == ["transformer.h.0", "transformer.h.1"], units
+
+
+@pytest.mark.timeout(500)
+def test_refusals_name_the_setting(results):
+    for res in results:
+        assert "n_head=3" in res["heads"] and "tp=2" in res["heads"], res["heads"]
+        assert "sequence_parallel" in res["sequence_parallel"], res["sequence_parallel"]
