@@ -4,7 +4,8 @@
 
 Runs ``tests/dist/test_hf_matrix.py``'s full matrix (every family of ``lightning_scale.models.hf_families``
 x {tp=2, pp=2, pp=2 with a padding mask} x {eager, sdpa}, 2 ranks, float64, 3 SGD steps) and records per
-case the largest per-step loss difference to one process, or the error that refused it.
+case the largest per-step loss difference to one process, or the error that refused it; then
+``tests/dist/test_litgpt.py``'s cases (litgpt's GPT, tp=2 / pp=2 / ZeRO-3 at dp=2, AdamW) for the litgpt rows.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import argparse
 import datetime
 import os
 import sys
+
+import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests", "dist"))
@@ -29,6 +32,38 @@ def _cell(r) -> str:
     return f"{'ok' if diff <= TOL else 'FAIL'} ({diff:.0e})"
 
 
+def _litgpt_lines() -> list:
+    """The litgpt rows, from a run of tests/dist/test_litgpt.py's worker (or why they are missing)."""
+    try:
+        import test_litgpt as L  # skips at import when litgpt is not installed
+    except BaseException as err:  # noqa: BLE001 - pytest's Skipped is a BaseException
+        return ["", f"litgpt: not run ({type(err).__name__}: {str(err).splitlines()[0][:100]})"]
+    from lightning_scale.testing import run_distributed
+
+    res = run_distributed(L.litgpt_worker, 2, timeout=600)[0]
+    layouts = ["tp2", "pp2", "zero3"]
+    lines = ["", "## litgpt", "", "litgpt's `GPT` (`lightning_scale.models.litgpt_adapter`: automatic pipeline adapter, built-in "
+             "tp plan), tiny `Config`s of `tests/dist/test_litgpt.py`, 2 ranks, 3 AdamW steps; tolerance 1e-7 "
+             "(float64) / 1e-5 (float32).", "",
+             "| config | what it exercises | " + " | ".join(layouts) + " |", "|---|---|" + "---|" * len(layouts)]
+    what = {"neox": "MHA, parallel residual, partial rotary, per-head q/k norms (tp: heads split)",
+            "llama": "GQA 4/2, RMSNorm, gated MLP, scaled embedding, sliding window, soft-capping (tp: qkv gathered)",
+            "mqa": "one kv group (tp: qkv gathered)"}
+    for name in L.CONFIGS:
+        cells = []
+        for layout in layouts:
+            case = next(((n, lay, d) for n, lay, d in L.CASES if n == name and lay == layout), None)
+            if case is None:
+                cells.append("n/a")
+                continue
+            ref, got = L._reference(*((name, case[2]))), res[(name, layout, str(case[2]))]["losses"]
+            diff, tol = max(abs(a - b) for a, b in zip(ref, got)), 1e-7 if case[2] == torch.float64 else 1e-5
+            cells.append(f"{'ok' if diff <= tol else 'FAIL'} ({diff:.0e}, {str(case[2])[6:]})")
+        lines.append(f"| {name} | {what.get(name, '')} | " + " | ".join(cells) + " |")
+    lines += ["", f"Refused by name: {res['heads']!r}; {res['sequence_parallel']!r}."]
+    return lines
+
+
 def main() -> None:
     from test_hf_matrix import run_matrix
 
@@ -36,7 +71,16 @@ def main() -> None:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(HERE, "..", "docs", "models.md"))
+    ap.add_argument("--litgpt-only", action="store_true",
+                    help="rerun only the litgpt cases and replace the litgpt section of --out (HF rows kept)")
     args = ap.parse_args()
+    if args.litgpt_only:
+        with open(args.out) as f:
+            kept = f.read().split("\n## litgpt\n")[0].rstrip("\n").split("\n")
+        with open(args.out, "w") as f:
+            f.write("\n".join(kept + _litgpt_lines() + [""]))
+        print(f"wrote {args.out} (litgpt section)")
+        return
     result = run_matrix(list(F.FAMILIES), timeout=900)
     modes = ["tp2", "pp2", "pp2_padded"]
     lines = ["# Supported model families", "",
@@ -55,7 +99,8 @@ def main() -> None:
             lines.append(f"| {name} | `{model_type}` | {what} | {attn} | " + " | ".join(cells) + " |")
     lines += ["", "Not supported by the automatic pipeline adapter (no `base_model_pp_plan`): GPT-2, OPT, Falcon "
               "-> `ConfigError` asking for `pipeline_layers()`. Tensor parallel: GPT-2 has a built-in plan; OPT and "
-              "Falcon declare no `tp_plan` -> `ConfigError` asking for `tensor.plan`.", ""]
+              "Falcon declare no `tp_plan` -> `ConfigError` asking for `tensor.plan`."]
+    lines += _litgpt_lines() + [""]
     with open(args.out, "w") as f:
         f.write("\n".join(lines))
     print(f"wrote {args.out}")

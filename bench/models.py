@@ -1,0 +1,309 @@
+"""A real Hugging Face model under lightning_scale vs Lightning's ModelParallelStrategy and torch, 2 CPU ranks.
+
+    python bench/models.py                            # 3 interleaved rounds x 5 timed steps
+    python bench/models.py --rounds 1 --steps 3       # quick look (the figures in bench/RESULTS.md)
+    python bench/models.py --systems ddp,ls_z3,lightning_fsdp2 --layers 4
+
+The model is an unchanged ``LlamaForCausalLM`` built from ``LlamaConfig`` (no download): hidden 512, 8 layers,
+8 query / 4 key-value heads, MLP 1408, vocabulary 32000, untied head, sdpa attention, fp32 = 56.4M parameters
+(``--layers`` / ``--hidden`` / ``--vocab`` change it). Every row trains it with AdamW on the same global batch
+(``--batch`` sequences of ``--seq`` tokens), the same init (seed 0) and data:
+
+    ddp              torch DistributedDataParallel, each rank half the batch             (baseline of the ratios)
+    ls_z2 / ls_z3    lightning_scale parallelize(stage=2 / 3) + make_engines, dp=2 (ZeRO-3: one unit per decoder
+                     layer, found automatically)
+    ls_tp2           parallelize(tp=2): the model's own tp_plan (transformers' base_model_tp_plan), full logits
+    ls_pp2           parallelize(pp=2, microbatches=2, 1F1B): the automatic HF pipeline adapter
+    fsdp2            torch fully_shard per decoder layer + root (reshard after forward), plain loop
+    dtensor_tp       torch parallelize_module: Colwise q/k/v/gate/up, Rowwise o/down, Rowwise embedding,
+                     Colwise head with Shard(-1) logits + loss_parallel (torchtitan's setup), plain loop
+    lightning_fsdp2  Lightning Trainer + ModelParallelStrategy(data_parallel_size=2): the fsdp2 row's fully_shard
+                     in configure_model
+    lightning_tp     Lightning Trainer + ModelParallelStrategy(tensor_parallel_size=2): the dtensor_tp plan in
+                     configure_model
+
+Peers (targets from issue 14): ls_z3 vs lightning_fsdp2 and fsdp2 (>= 1.05x), ls_tp2 vs lightning_tp and
+dtensor_tp (>= 1.3x); ls_z2 and ls_pp2 are compared with ddp. Each (round, system) runs in fresh processes
+(peak RSS is per process, max over ranks), in an order rotated every round; tokens/s is the global tokens per
+step over the median timed step (max over ranks). Not a test: nothing asserts on time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import peak_rss_mb, peer_table, ratio_table  # noqa: E402
+
+SYSTEMS = ["ddp", "ls_z2", "ls_z3", "ls_tp2", "ls_pp2", "fsdp2", "dtensor_tp", "lightning_fsdp2", "lightning_tp"]
+PEERS = {"ls_z3": [("lightning_fsdp2", 1.05), ("fsdp2", 1.05)], "ls_tp2": [("lightning_tp", 1.3),
+         ("dtensor_tp", 1.3)], "ls_z2": [("ddp", None)], "ls_pp2": [("ddp", None)]}
+LS = {"ls_z2": dict(stage=2), "ls_z3": dict(stage=3), "ls_tp2": dict(tp=2, stage=1),
+      "ls_pp2": dict(pp=2, stage=1, microbatches=2)}
+
+
+def build_llama(kw: dict):
+    """The unchanged HF Llama of the module docstring, seeded init, fp32, sdpa."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=kw["vocab"], hidden_size=kw["hidden"], intermediate_size=kw["mlp"],
+                         num_hidden_layers=kw["layers"], num_attention_heads=kw["heads"],
+                         num_key_value_heads=kw["kv_heads"], max_position_embeddings=kw["seq"],
+                         tie_word_embeddings=False, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config)
+
+
+def _loss(logits, targets):  # (B, T, V), (B, T) -> mean next-token cross-entropy
+    import torch.nn.functional as F
+
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _dtensor_plan(model, mesh) -> None:
+    """torchtitan's Llama plan on the HF module names (HF's attention views with -1 heads: nothing to patch)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    plan = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+            "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+    for i in range(len(model.model.layers)):
+        p = f"model.layers.{i}."
+        plan.update({p + n: ColwiseParallel() for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                                         "mlp.gate_proj", "mlp.up_proj")})
+        plan.update({p + "self_attn.o_proj": RowwiseParallel(), p + "mlp.down_proj": RowwiseParallel()})
+    parallelize_module(model, mesh, plan)
+
+
+def _fsdp2(model, mesh=None) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True)
+
+
+def _plain_step(system: str, model, rank: int, world: int):
+    """step(x, y) -> loss of the global batch for the systems driven by a plain loop."""
+    import torch
+    import torch.distributed as dist
+
+    if system in LS:
+        import lightning_scale.models  # noqa: F401  (registers the HF pipeline adapter; workers skip Lightning)
+        from lightning_scale.config import from_flat_kwargs
+        from lightning_scale.parallelize import local_topology, parallelize
+
+        config = from_flat_kwargs(**LS[system])
+        topo = local_topology(config, world, rank)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        pm = parallelize(model, config, topo, "cpu", optimizers=[opt], loss_fn=_loss)
+        (engine,) = pm.make_engines()
+
+        def step(x, y):
+            if pm.pipeline is not None:
+                with engine.no_sync():
+                    loss = pm.pipeline.runtime.train_step(x, y)
+            else:
+                x, y = x.chunk(topo.dp)[topo.dp_rank], y.chunk(topo.dp)[topo.dp_rank]
+                loss = _loss(model(input_ids=x).logits, y)
+                loss.backward()
+                loss = loss.detach().clone()
+                if topo.dp > 1:  # the global batch's loss, as every row reports
+                    dist.all_reduce(loss, group=topo.dp_group)
+                    loss /= topo.dp
+            opt.step()
+            opt.zero_grad()
+            return loss.detach()
+        return step
+    if system == "dtensor_tp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        _dtensor_plan(model, init_device_mesh("cpu", (world,)))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+        def step(x, y):
+            with loss_parallel():
+                loss = _loss(model(input_ids=x).logits, y)
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss.full_tensor().detach()
+        return step
+    if system == "ddp":
+        module = torch.nn.parallel.DistributedDataParallel(model)
+    elif system == "fsdp2":
+        _fsdp2(model)
+        module = model
+    else:
+        raise ValueError(f"unknown system {system!r}; known: {', '.join(SYSTEMS)}")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step(x, y):
+        x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+        loss = _loss(module(input_ids=x).logits, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        loss = loss.detach().clone()
+        dist.all_reduce(loss)  # the global batch's loss, as the other rows report
+        return loss / world
+    return step
+
+
+def _lightning_run(system: str, kw: dict, batches, rank: int, world: int):
+    """Lightning Trainer + ModelParallelStrategy inside the already initialized process group -> (step times, losses)."""
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world))
+    times, losses = [], []
+    tp = system == "lightning_tp"
+
+    class Module(pl.LightningModule):
+        def configure_model(self):
+            self.model = build_llama(kw)
+            if tp:
+                _dtensor_plan(self.model, self.device_mesh["tensor_parallel"])
+            else:
+                _fsdp2(self.model, self.device_mesh["data_parallel"])
+
+        def training_step(self, batch, _):
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            x, y = batch
+            if not tp:  # data parallel: this rank's half of the global batch
+                x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+            with loss_parallel() if tp else torch.enable_grad():
+                return _loss(self.model(input_ids=x).logits, y)
+
+        def backward(self, loss, *args, **kwargs):
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            with loss_parallel() if tp else torch.enable_grad():
+                loss.backward()
+
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            loss = outputs["loss"].detach()
+            loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss.clone()
+            if not tp:
+                torch.distributed.all_reduce(loss)
+                loss /= world
+            losses.append(float(loss))
+            times.append(time.perf_counter())
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+
+    strategy = ModelParallelStrategy(data_parallel_size=1 if tp else world, tensor_parallel_size=world if tp else 1)
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=len(batches), logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         num_sanity_val_steps=0, use_distributed_sampler=False)  # every rank: the global batch
+    times.append(time.perf_counter())
+    trainer.fit(Module(), train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
+    return [b - a for a, b in zip(times, times[1:])], losses
+
+
+def worker(rank: int, world: int, system: str, kw: dict, batch: int, warmup: int, steps: int) -> dict:
+    import warnings
+
+    import torch
+
+    warnings.filterwarnings("ignore")
+    g = torch.Generator().manual_seed(1)
+    batches = []
+    for _ in range(warmup + steps):
+        ids = torch.randint(0, kw["vocab"], (batch, kw["seq"] + 1), generator=g)
+        batches.append((ids[:, :-1].contiguous(), ids[:, 1:].contiguous()))
+    if system.startswith("lightning_"):
+        step_times, losses = _lightning_run(system, kw, batches, rank, world)
+    else:
+        step = _plain_step(system, build_llama(kw), rank, world)
+        step_times, losses = [], []
+        for x, y in batches:
+            t0 = time.perf_counter()
+            losses.append(float(step(x, y)))
+            step_times.append(time.perf_counter() - t0)
+    timed = step_times[warmup:] or step_times[-1:]
+    return {"step_s": statistics.median(timed), "peak_rss_mb": peak_rss_mb(), "loss0": losses[0],
+            "loss": losses[-1]}
+
+
+def _params_m(kw: dict) -> float:
+    h, v, m, L = kw["hidden"], kw["vocab"], kw["mlp"], kw["layers"]
+    kv = h * kw["kv_heads"] // kw["heads"]
+    return (2 * v * h + L * (2 * h * h + 2 * h * kv + 3 * h * m + 2 * h) + h) / 1e6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--batch", type=int, default=4, help="global sequences per step")
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated rows; ddp is always added")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds per (round, system) run")
+    args = ap.parse_args()
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    bad = [s for s in systems if s not in SYSTEMS]
+    if bad:
+        raise SystemExit(f"--systems: unknown {bad}; known: {', '.join(SYSTEMS)}")
+    if "ddp" not in systems:
+        systems.insert(0, "ddp")
+    kw = dict(vocab=args.vocab, hidden=args.hidden, mlp=args.hidden * 11 // 4, layers=args.layers,
+              heads=8, kv_heads=4, seq=args.seq)
+    kw["mlp"] = -(-kw["mlp"] // 64) * 64  # 512 -> 1408, Llama's rounding
+    from lightning_scale.testing import run_distributed
+
+    rounds, failed = [], {}
+    tokens = args.batch * args.seq
+    for r in range(args.rounds):
+        results = {}
+        order = systems[r % len(systems):] + systems[:r % len(systems)]
+        for name in order:
+            if name in failed:
+                continue
+            try:
+                out = run_distributed(worker, 2, (name, kw, args.batch, args.warmup, args.steps),
+                                      timeout=args.timeout)
+            except Exception as err:  # noqa: BLE001 - report why, keep going with the other rows
+                failed[name] = " | ".join([t.strip() for t in str(err).splitlines() if t.strip()][-3:])
+                print(f"round {r} {name:16s} FAILED: {failed[name]}", flush=True)
+                continue
+            results[name] = {"tokens_per_s": tokens / max(o["step_s"] for o in out),
+                             "peak_rss_mb": max(o["peak_rss_mb"] for o in out),
+                             "loss0": out[0]["loss0"], "loss": out[0]["loss"]}
+            print(f"round {r} {name:16s} {results[name]['tokens_per_s']:8.1f} tok/s  "
+                  f"rss {results[name]['peak_rss_mb']:6.0f} MB  loss {results[name]['loss0']:.4f} -> "
+                  f"{results[name]['loss']:.4f}", flush=True)
+        rounds.append(results)
+    if "ddp" in failed or not any(rounds):
+        raise SystemExit(f"the baseline failed: {failed.get('ddp')}")
+    ok = [s for s in systems if s not in failed]
+    rounds = [{k: r[k] for k in ok if k in r} for r in rounds]
+    print(f"\n## HF Llama {_params_m(kw):.1f}M ({datetime.date.today()}, 2 CPU ranks, {tokens} tokens/step, "
+          f"{args.rounds} rounds x {args.steps} timed steps)\n")
+    print(ratio_table(rounds, "ddp", extra=("peak_rss_mb",)))
+    print("\nfirst / last loss (round 0; same init and data for every row): "
+          + ", ".join(f"{k} {v['loss0']:.4f}/{v['loss']:.4f}" for k, v in rounds[0].items()))
+    pairs = [(ls, peer, target) for ls, peers in PEERS.items() if ls in ok for peer, target in peers]
+    print("\n### lightning_scale rows vs their named peer (same rounds)\n")
+    print(peer_table(rounds, pairs, failed))
+    for name, why in failed.items():
+        print(f"- {name} failed: {why}")
+
+
+if __name__ == "__main__":
+    main()
