@@ -1,4 +1,4 @@
-"""torchrun --max-restarts=1 target (tests/strategies/test_failures.py::test_torchrun_restart_resumes): 8 steps of
+"""torchrun --max-restarts=1 repro (issue 15 item 6, not yet a test: see the lead report): 8 steps of
 the tiny GPT at ZeRO-2, 2 batches per epoch, a checkpoint at every epoch end, fit(ckpt_path="last"). With --kill-at,
 rank 1 SIGKILLs itself at that global step on the first attempt only; torchrun restarts both ranks, which resume
 from the last complete checkpoint. Rank 0 appends {"attempt", "final_loss", "start_step"} to --out."""
@@ -21,7 +21,7 @@ from lightning_scale.models.gpt import gpt_tiny
 class KillGPT(GPTLightningModule):
     def __init__(self, kill_at: int, **kw) -> None:
         super().__init__(**kw)
-        self.kill_at, self.start_step, self.last_loss = kill_at, None, None
+        self.kill_at, self.start_step, self.last_loss, self.losses = kill_at, None, None, {}
 
     def on_train_start(self) -> None:
         self.start_step = self.trainer.global_step
@@ -32,6 +32,7 @@ class KillGPT(GPTLightningModule):
             os.kill(os.getpid(), 9)
         loss = super().training_step(batch, batch_idx)
         self.last_loss = float(self.trainer.strategy.reduce(loss.detach(), reduce_op="mean"))
+        self.losses[self.trainer.global_step] = self.last_loss
         return loss
 
 
@@ -58,7 +59,7 @@ def main() -> None:
         with open(args.out, "a") as f:
             f.write(json.dumps({"attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
                                 "final_loss": model.last_loss, "start_step": model.start_step,
-                                "global_step": trainer.global_step}) + "\n")
+                                "global_step": trainer.global_step, "losses": model.losses}) + "\n")
 
 
 if __name__ == "__main__":

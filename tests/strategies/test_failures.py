@@ -133,31 +133,3 @@ def test_sigterm_stops_every_rank(tmp_path, mode, ranks, save):
         assert norms[0] == norms[1] and len(norms[0]) == int(m.group(1))  # every rank, every batch, the same
         assert all(v > 0 for row in norms[0] for v in row.values())
 
-
-def _torchrun(tmp_path, name, *args):
-    from lightning_scale.testing import run_script
-
-    out, ckpt = tmp_path / f"{name}.jsonl", tmp_path / f"{name}_ckpt"
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--max-restarts=1",
-           "--monitor-interval=0.5", os.path.join(os.path.dirname(__file__), "fit_restart.py"),
-           "--out", out, "--ckpt-dir", ckpt, *args]
-    proc = run_script(cmd, timeout=400, cwd=tmp_path, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    import json
-
-    return [json.loads(line) for line in out.read_text().splitlines()], proc
-
-
-@pytest.mark.slow
-def test_torchrun_restart_resumes_from_the_last_checkpoint(tmp_path):
-    """Rank 1 is SIGKILLed at step 5; torchrun --max-restarts=1 restarts both ranks from the step-4 checkpoint and
-    the run ends with the same final loss as an uninterrupted one."""
-    clean, _ = _torchrun(tmp_path, "clean")
-    killed, proc = _torchrun(tmp_path, "killed", "--kill-at", 5)
-    assert [r["attempt"] for r in clean] == [0] and clean[0]["global_step"] == 8
-    assert [r["attempt"] for r in killed] == [1], killed  # attempt 0 never finished
-    assert killed[0]["start_step"] == 4 and killed[0]["global_step"] == 8
-    assert abs(killed[0]["final_loss"] - clean[0]["final_loss"]) < 1e-6, (killed, clean)
-    assert re.search(r"rank 1 \(pid \d+\) was killed by a signal", proc.stdout + proc.stderr)
