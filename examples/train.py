@@ -15,30 +15,22 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
-from typing import Any, Optional
 
 import hydra
 import lightning.pytorch as pl
 import torch
-from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 import lightning_scale  # noqa: F401  (registers the strategies)
 from lightning_scale.config import PRESETS
-from lightning_scale.hydra_config import TrainConfig, check_before_training, register_configs, resolve_devices
+from lightning_scale.config import HYDRA, speaking
+from lightning_scale.hydra_config import check_before_training, register_configs, resolve_devices
 from lightning_scale.lit import ByteCorpusDataModule, GPTLightningModule
 from lightning_scale.lit.callbacks import TokenThroughput
 from lightning_scale.models.gpt import GPTConfig
 
 register_configs()
-if "logger" not in TrainConfig.__dataclass_fields__:  # until the root schema has the `logger` group's key
-    @dataclass
-    class _TrainConfigWithLogger(TrainConfig):
-        logger: Optional[Any] = None  # a Lightning logger (_target_): conf/logger/{csv,tensorboard,wandb}.yaml
-
-    ConfigStore.instance().store(name="base_config", node=_TrainConfigWithLogger)
 
 
 class RunMetrics(pl.Callback):
@@ -118,21 +110,22 @@ def main(cfg: DictConfig) -> float:
     checkpoint = pl.callbacks.ModelCheckpoint(dirpath=os.path.join(out_dir, "checkpoints"), save_last=True,
                                               monitor="val_loss", save_top_k=1)
     logger = hydra.utils.instantiate(cfg.logger) if cfg.get("logger") is not None else False
-    trainer = pl.Trainer(
-        accelerator=accelerator, devices=devices, num_nodes=t.num_nodes, strategy=strategy,
-        precision=cfg.precision, max_steps=t.max_steps, max_time=t.max_time, val_check_interval=t.val_check_interval,
-        check_val_every_n_epoch=None, limit_val_batches=t.limit_val_batches,
-        accumulate_grad_batches=t.accumulate_grad_batches, gradient_clip_val=t.gradient_clip_val,
-        log_every_n_steps=t.log_every_n_steps, enable_progress_bar=t.enable_progress_bar,
-        default_root_dir=out_dir, logger=logger,
-        callbacks=[throughput, checkpoint, last_val, RunMetrics(t.log_every_n_steps)]
-        + ([pl.callbacks.LearningRateMonitor()] if logger else []),
-    )
-    trainer.fit(module, datamodule=data, ckpt_path=cfg.ckpt_path)
-    if last_val.step == trainer.global_step and "val_loss" in trainer.callback_metrics:
-        val_loss = float(trainer.callback_metrics["val_loss"])
-    else:  # fit stopped between validations (max_time, or max_steps off the val interval)
-        val_loss = trainer.validate(module, datamodule=data, verbose=False)[0]["val_loss"]
+    with speaking(HYDRA):  # a ConfigError raised at setup or in a step names the Hydra key (strategy.*)
+        trainer = pl.Trainer(
+            accelerator=accelerator, devices=devices, num_nodes=t.num_nodes, strategy=strategy,
+            precision=cfg.precision, max_steps=t.max_steps, max_time=t.max_time, val_check_interval=t.val_check_interval,
+            check_val_every_n_epoch=None, limit_val_batches=t.limit_val_batches,
+            accumulate_grad_batches=t.accumulate_grad_batches, gradient_clip_val=t.gradient_clip_val,
+            log_every_n_steps=t.log_every_n_steps, enable_progress_bar=t.enable_progress_bar,
+            default_root_dir=out_dir, logger=logger,
+            callbacks=[throughput, checkpoint, last_val, RunMetrics(t.log_every_n_steps)]
+            + ([pl.callbacks.LearningRateMonitor()] if logger else []),
+        )
+        trainer.fit(module, datamodule=data, ckpt_path=cfg.ckpt_path)
+        if last_val.step == trainer.global_step and "val_loss" in trainer.callback_metrics:
+            val_loss = float(trainer.callback_metrics["val_loss"])
+        else:  # fit stopped between validations (max_time, or max_steps off the val interval)
+            val_loss = trainer.validate(module, datamodule=data, verbose=False)[0]["val_loss"]
     if trainer.is_global_zero:
         if logger:
             logger.finalize("success")  # flush the files the plots read

@@ -20,13 +20,15 @@ import contextlib
 import dataclasses
 import difflib
 import re
+import math
 import typing
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Sequence, Tuple
 
 PRECISIONS = ("32-true", "64-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 OFFLOAD_DEVICES = ("none", "cpu")
+CHECKPOINT_FORMATS = ("sharded", "universal")
 
 
 class ConfigError(ValueError):
@@ -161,6 +163,69 @@ class TensorParallelConfig:
         return self
 
 
+# ---- diagnostics (issue 15): what happens when a run goes wrong (docs/failures.md)
+ON_NONFINITE = ("skip", "raise", "ignore")
+
+
+def _positive(name: str, value: Any, *, allow_zero: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or (value < 0 if allow_zero else value <= 0):
+        raise ConfigError(f"diagnostics.{name}={value!r} must be a finite number {'>= 0' if allow_zero else '> 0'}")
+
+
+def _count(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"diagnostics.{name}={value!r} must be an integer >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DiagnosticsConfig:
+    """What happens when a run goes wrong (see docs/failures.md).
+
+    watchdog: heartbeats through the c10d store (not the training process group).
+    hang_timeout: seconds a rank may wait inside one collective before every rank prints the diagnosis and exits.
+    first_step_grace: extra seconds allowed until the first optimizer step (compile, warm-up, first gather).
+    heartbeat_interval: seconds between heartbeats / checks of the store by the monitor thread.
+    debug_collectives: fingerprint every collective (op, bytes, per-group sequence number) and compare it
+        across the group; also turned on by ``LIGHTNING_SCALE_DEBUG_COLLECTIVES=1``. Slow: debugging only.
+    stop_timeout: seconds from a SIGTERM/SIGINT (or a peer's failure) until a rank that has not stopped
+        cleanly is ended anyway.
+    save_on_preempt: on SIGTERM/SIGINT, write a checkpoint at the step where every rank stops.
+    on_nonfinite: a non-finite loss or gradient norm: "skip" the step (logged), "raise" at once, or "ignore".
+    max_nonfinite_steps: this many skipped steps in a row (non-finite, or fp16 overflow) stop the run.
+    max_min_scale_steps: fp16: this many steps in a row at the minimum loss scale stop the run.
+    """
+
+    watchdog: bool = True
+    hang_timeout: float = 300.0
+    first_step_grace: float = 300.0
+    heartbeat_interval: float = 2.0
+    debug_collectives: bool = False
+    stop_timeout: float = 25.0
+    save_on_preempt: bool = False
+    on_nonfinite: str = "skip"
+    max_nonfinite_steps: int = 10
+    max_min_scale_steps: int = 20
+
+    def validate(self) -> "DiagnosticsConfig":
+        for name in ("watchdog", "debug_collectives", "save_on_preempt"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"diagnostics.{name}={getattr(self, name)!r} must be True or False")
+        _positive("hang_timeout", self.hang_timeout)
+        _positive("first_step_grace", self.first_step_grace, allow_zero=True)
+        _positive("heartbeat_interval", self.heartbeat_interval)
+        if self.heartbeat_interval > self.hang_timeout:
+            raise ConfigError(f"diagnostics.heartbeat_interval={self.heartbeat_interval} must be <= "
+                              f"diagnostics.hang_timeout={self.hang_timeout}")
+        _positive("stop_timeout", self.stop_timeout)
+        if self.on_nonfinite not in ON_NONFINITE:
+            raise ConfigError(f"diagnostics.on_nonfinite={self.on_nonfinite!r}: must be one of "
+                              f"{', '.join(ON_NONFINITE)}")
+        _count("max_nonfinite_steps", self.max_nonfinite_steps)
+        _count("max_min_scale_steps", self.max_min_scale_steps)
+        return self
+
+
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
     """Everything Zero3DStrategy needs to know about the layout, validated as a whole."""
@@ -176,6 +241,10 @@ class ParallelConfig:
     # configure_model on the meta device where the layout materializes only local pieces (zero.stage=3, tp > 1,
     # pp > 1). False: configure_model builds real weights (e.g. it loads pretrained ones), rank 0's are broadcast.
     meta_init: bool = True
+    # How save_checkpoint writes: "sharded" (per-rank files, resumes on the same layout only) or "universal"
+    # (layout-free, torch.distributed.checkpoint: resumes on any dp / stage; docs/checkpoints.md). Loading detects it.
+    checkpoint_format: str = "sharded"
+    diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
 
     def validate(self, world_size: Optional[int] = None) -> "ParallelConfig":
         for name in ("tp", "pp"):
@@ -189,8 +258,10 @@ class ParallelConfig:
         self.pipeline.validate(self.pp)
         self.tensor.validate(self.tp)
         self.loss_scale.validate()
+        self.diagnostics.validate()
         if not isinstance(self.meta_init, bool):
             raise ConfigError(f"meta_init={self.meta_init!r} must be True or False")
+        _check_choice("checkpoint_format", self.checkpoint_format, CHECKPOINT_FORMATS)
         if world_size is not None:
             if world_size % (self.tp * self.pp):
                 raise ConfigError(

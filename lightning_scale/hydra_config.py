@@ -114,6 +114,7 @@ class TrainConfig:
     optimizer: OptimizerConf = field(default_factory=OptimizerConf)
     trainer: TrainerConf = field(default_factory=TrainerConf)
     attention: Optional[Any] = None  # a lightning_scale.nn sparsity config (_target_), or null for dense
+    logger: Optional[Any] = None  # a Lightning logger (_target_): conf/logger/{csv,tensorboard,wandb}.yaml
     precision: str = "32-true"
     seed: int = 0
     ckpt_path: Optional[str] = None
@@ -123,8 +124,6 @@ def register_configs() -> None:
     """The root schema only: group yamls are typed through ``base_config``'s nodes (no ``base_<group>`` option)."""
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=TrainConfig)
-    # conf/data/*.yaml still name `- base_data` in their defaults: until they drop it, data= lists base_data.
-    cs.store(group="data", name="base_data", node=DataConf)
 
 
 def resolve_devices(accelerator: str, devices: Any):

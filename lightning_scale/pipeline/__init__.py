@@ -10,8 +10,8 @@ Typical use on each rank of a pipeline (see docs/pipeline.md)::
     optimizer.step(); optimizer.zero_grad()               # optimizer over stage.parameters()
 
 With data parallelism and ZeRO-1/2 per stage, :class:`ZeroPipeline` (``with_zero.py``) wraps the
-runtime and the stage's ``ZeroOptimizer`` engines: one reduce-scatter per step, global-norm clipping
-across stages, one overflow decision.
+runtime and the stage's ZeRO engines (built with ``cross_axis=pipeline_cross_axis(runtime)``): one
+reduce-scatter per step, global-norm clipping across stages, one overflow decision.
 """
 
 from lightning_scale.pipeline.layers import GPTEmbedding, GPTHead, gpt_pipeline_layers, pipeline_layers
@@ -27,16 +27,11 @@ from lightning_scale.pipeline.schedule import (
 )
 from lightning_scale.pipeline.stage import PipelineStage, TiedParameter, build_stage
 from lightning_scale.pipeline.validate import ScheduleStats, validate_schedule
-from lightning_scale.pipeline.with_zero import (
-    ZeroPipeline,
-    agree_overflow_across_stages,
-    clip_grad_norm_across_stages,
-    grad_sq_norm_across_stages,
-)
+from lightning_scale.pipeline.with_zero import ZeroPipeline, pipeline_cross_axis
 
 __all__ = [
     "Action", "GPTEmbedding", "GPTHead", "PARTITION_METHODS", "PipelineRuntime", "PipelineStage", "Schedule",
-    "ScheduleError", "ScheduleStats", "TiedParameter", "ZeroPipeline", "agree_overflow_across_stages",
-    "available_schedules", "build_schedule", "build_stage", "clip_grad_norm_across_stages", "describe_partition",
-    "gpt_pipeline_layers", "grad_sq_norm_across_stages", "partition_layers", "pipeline_layers", "validate_schedule",
+    "ScheduleError", "ScheduleStats", "TiedParameter", "ZeroPipeline", "available_schedules", "build_schedule",
+    "build_stage", "describe_partition", "gpt_pipeline_layers", "partition_layers", "pipeline_cross_axis",
+    "pipeline_layers", "validate_schedule",
 ]

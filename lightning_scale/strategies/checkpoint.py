@@ -17,8 +17,11 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Sequence
 
+import torch
+
 from lightning_scale.checkpoint import folder
 from lightning_scale.checkpoint.folder import CheckpointError
+from lightning_scale.config import ConfigError
 
 FORMAT_VERSION = folder.FORMAT_VERSION
 
@@ -64,3 +67,148 @@ def load_sharded(path: str, rank: int, world_size: int) -> Dict[str, Any]:
 
 def remove_sharded(path: str) -> None:
     folder.remove(path)
+
+
+# ---------------------------------------------------------------------------------------------- universal format
+# checkpoint_format="universal": the layout-free DCP format (lightning_scale.checkpoint.dcp_format). Each rank
+# writes its engines' pieces (model / master / optimizer shards) and the module tensors the engines do not own
+# (persistent buffers, frozen parameters); rank 0 adds Lightning's loop state as an extra. Loading on any layout
+# fills the new layout's pieces in place; Lightning's own model / optimizer restore calls are then no-ops.
+UNIVERSAL_KEY = "lightning_scale_universal"  # in the dict load_universal returns: where the state went
+_SKIP = ("state_dict", "optimizer_states")
+
+
+def param_names(module) -> Dict[int, str]:
+    """id(param) -> its first name in ``module`` (a tied parameter is checkpointed once, under that name)."""
+    names: Dict[int, str] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), name)
+    return names
+
+
+def _owned_ids(engines) -> set:
+    return {id(slot.param) for e in engines for st in e.reducer.states for slot in st.bucket.slots}
+
+
+def module_pieces(module, engines, tp_rank: int, names_only=None) -> List[Any]:
+    """``model/<name>`` pieces of what the engines do not hold: persistent buffers, frozen parameters. Another
+    pipeline stage's freed parameters (0 elements) are skipped: their owner writes them."""
+    from lightning_scale.checkpoint.engine_pieces import tensor_pieces
+
+    owned = _owned_ids(engines)
+    out = []
+    for name, t in module.state_dict(keep_vars=True).items():
+        if id(t) in owned or not torch.is_tensor(t) or t.numel() == 0 or t.is_meta:
+            continue
+        if names_only is None or name in names_only:
+            out.append(tensor_pieces(f"model/{name}", t, tp_rank))
+    return out
+
+
+def _layout(strategy) -> Dict[str, Any]:
+    cfg = strategy.config
+    return {"world_size": strategy.world_size, "dp": cfg.resolved_dp(strategy.world_size), "tp": cfg.tp,
+            "pp": cfg.pp, "stage": cfg.zero.stage, "offload": cfg.offload.optimizer,
+            "precision": getattr(strategy.precision_plugin, "precision", None)}
+
+
+def _tp_rank(strategy) -> int:
+    return strategy.topology.tp_rank if strategy.topology is not None and strategy.config.tp > 1 else 0
+
+
+def _check_engines(strategy) -> None:
+    if not strategy.engines:
+        raise ConfigError("checkpoint_format='universal': the checkpoint is written and read through the ZeRO "
+                          "engines, which exist while fitting (call trainer.fit first)")
+
+
+def save_universal(strategy, checkpoint: Dict[str, Any], path: str) -> None:
+    """Collective: Lightning's ``checkpoint`` (its state_dict / optimizer_states are not used: the engines' pieces
+    replace them) to the layout-free folder ``path``."""
+    from lightning_scale.checkpoint import dcp_format
+
+    _check_engines(strategy)
+    module, engines = strategy.lightning_module, strategy.engines
+    names = param_names(module)
+    weights_only = "optimizer_states" not in checkpoint  # ModelCheckpoint(save_weights_only=True)
+    pieces = [p for e in engines for p in e.named_pieces(names) if not (weights_only and p.key.startswith("optim/"))]
+    pieces += module_pieces(module, engines, _tp_rank(strategy))
+    extras = {"lightning": {k: v for k, v in checkpoint.items() if k not in _SKIP},
+              "engines": [{"loss_scaler": e.loss_scaler.state_dict(),
+                           "user_param_groups": [{k: v for k, v in g.items() if k != "params"}
+                                                 for g in e.optimizer.param_groups]} for e in engines]}
+    dcp_format.save(path, pieces, extras, meta={"step": checkpoint.get("global_step"), "layout": _layout(strategy),
+                                                "weights_only": weights_only})
+
+
+def read_lightning_state(path: str) -> Dict[str, Any]:
+    """Collective: the Lightning dict of a universal checkpoint, no tensor read (the pieces load later)."""
+    from lightning_scale.checkpoint import dcp_format
+
+    res = dcp_format.load(path, [], extra_keys=["lightning"])
+    return dict(res.extras["extra/lightning"], state_dict={}, optimizer_states=[])
+
+
+def _checkpoint_states(md) -> Dict[str, Any]:
+    """Optimizer state names the checkpoint holds -> (dtype, is 0-d), for the engines to allocate."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    states: Dict[str, Any] = {}
+    for key, tmd in md.state_dict_metadata.items():
+        if key.startswith("optim/") and isinstance(tmd, TensorStorageMetadata):
+            states.setdefault(key.rsplit("/", 1)[1], (tmd.properties.dtype, len(tmd.size) == 0))
+    return states
+
+
+def load_universal(strategy, path: str) -> Dict[str, Any]:
+    """Collective: fill this layout's engines (weights into the masters, optimizer state, loss scaler, param-group
+    hyperparameters) and module tensors from the universal checkpoint ``path`` (any layout wrote it); returns the
+    Lightning dict (loops, callbacks, lr schedulers...) with ``UNIVERSAL_KEY`` set."""
+    from lightning_scale.checkpoint import dcp_format
+
+    _check_engines(strategy)
+    module, engines = strategy.lightning_module, strategy.engines
+    path, meta, md = dcp_format.open_checkpoint(path)
+    names = param_names(module)
+    has_masters = any(k.startswith("master/") for k in md.state_dict_metadata)
+    weights_from = "master" if has_masters else "model"
+    for e in engines:
+        e.allocate_state_(_checkpoint_states(md))
+    pieces = [p for e in engines for p in e.named_pieces(names, weights_from)]
+    pieces += module_pieces(module, engines, _tp_rank(strategy))
+    res = dcp_format.load(path, pieces, extra_keys=["lightning", "engines"], strict=False)
+    buffers = [k for k in res.missing if k.startswith("model/") and k[len("model/"):] not in
+               {names[i] for i in _owned_ids(engines)}]
+    if buffers:
+        raise CheckpointError(f"{path} has no {buffers[:5]} ({len(buffers)} module tensors missing)")
+    for e in engines:
+        e.after_load_(res.missing, names)
+    saved = res.extras["extra/engines"]
+    if len(saved) != len(engines):
+        raise CheckpointError(f"{path} was written with {len(saved)} optimizer(s); this run has {len(engines)}")
+    for e, s in zip(engines, saved):
+        e.loss_scaler.load_state_dict(s["loss_scaler"])
+        for group, hyper in zip(e.optimizer.param_groups, s["user_param_groups"]):
+            group.update(hyper)
+    return dict(res.extras["extra/lightning"], state_dict={}, optimizer_states=[], **{UNIVERSAL_KEY: meta})
+
+
+def load_universal_weights(strategy, path: str) -> None:
+    """Collective, no engines (validate / test / predict with ``ckpt_path``): the weights into the whole module
+    (fp32 masters where the checkpoint kept them). zero.stage=3 and tp / pp hold only pieces outside a fit."""
+    from lightning_scale.checkpoint import dcp_format
+    from lightning_scale.checkpoint.engine_pieces import tensor_pieces
+
+    cfg = strategy.config
+    if cfg.zero.stage == 3 or cfg.tp > 1 or cfg.pp > 1:
+        raise ConfigError(f"a universal checkpoint outside trainer.fit loads into zero.stage < 3 without tp / pp "
+                          f"only (this run: zero.stage={cfg.zero.stage}, tp={cfg.tp}, pp={cfg.pp}); load it in "
+                          "a fit, or consolidate it (python -m lightning_scale.checkpoint consolidate)")
+    path, _, md = dcp_format.open_checkpoint(path)
+    have = md.state_dict_metadata
+    pieces = []
+    for name, t in strategy.lightning_module.state_dict(keep_vars=True).items():
+        if torch.is_tensor(t) and t.numel():
+            pieces.append(tensor_pieces(f"master/{name}" if f"master/{name}" in have else f"model/{name}", t))
+    with torch.no_grad():
+        dcp_format.load(path, pieces, strict=True)

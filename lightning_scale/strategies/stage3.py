@@ -1,14 +1,8 @@
-"""Zero3DStrategy glue for ZeRO stage 3 and offload: deferred init, sharding, engines, checkpoints.
+"""Zero3DStrategy glue for ZeRO stage 3 and offload: the meta-device init context and the sharded checkpoints.
 
-Order on every rank (``Zero3DStrategy.setup`` at ``zero.stage=3``)::
-
-    configure_model (under model_sharded_context: the meta device, rank 0's RNG state on every rank)
-    -> configure_optimizers (the optimizer sees the parameters; nothing is allocated yet)
-    (tp > 1: configure_model builds real weights instead; rank 0's are broadcast and the tp plan keeps each
-    rank's slices, which ZeRO-3 then shards over dp)
-    -> ShardedParameters over all optimizers' param groups: units chosen, each unit materialized,
-       initialized and cut to its shard one at a time
-    -> one Stage3Optimizer per optimizer (fp32 masters and state on the host under optimizer offload)
+``configure_model`` runs under :func:`meta_init_context` (the meta device, rank 0's RNG state on every rank);
+the sharding itself is a step of :func:`lightning_scale.parallelize.parallelize` (``apply_zero3``) and the
+engines come from :func:`lightning_scale.zero.engine.make_engine`.
 
 Checkpoints are sharded: each rank's file holds its parameter shards (+ fp32 masters) next to its
 optimizer shards; :func:`lightning_scale.zero.state_dict.consolidate_checkpoint` turns a checkpoint
@@ -18,14 +12,13 @@ folder into one plain ``state_dict``.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, Generator, List
+from typing import Any, Dict, Generator
 
 import torch
 import torch.distributed as dist
 
 from lightning_scale.config import ConfigError
 from lightning_scale.zero.param_shard import ShardedParameters
-from lightning_scale.zero.stage3_optimizer import Stage3Optimizer
 
 from lightning_scale.zero.state_dict import SHARD_KEY  # noqa: E402
 
@@ -63,99 +56,37 @@ def check_offload(strategy: Any) -> None:
                 raise ConfigError(f"offload device {dev!r}: this machine offloads to 'cpu' only")
 
 
-def setup_stage3(strategy: Any, trainer: Any, fitting: bool) -> None:
-    """Shard the (meta or real) model and wrap the optimizers. Idempotent across fit -> validate."""
-    cfg = strategy.config
-    module = strategy.model
-    plugin = strategy.precision_plugin
-    policy = plugin.policy
-    already = getattr(strategy, "sharded", None)
-    if already is not None and already.root is module:
-        if fitting:
-            raise ConfigError("zero.stage=3: fit() twice with the same strategy object is not supported; "
-                              "create a new Trainer/strategy")
-        return
-    if fitting:
-        strategy.setup_optimizers(trainer)
-        groups: List[List[torch.nn.Parameter]] = [list(g["params"]) for opt in strategy.optimizers
-                                                  for g in opt.param_groups]
-        owned = {id(p) for g in groups for p in g}
-        missing = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in owned]
-        if missing:
-            raise ConfigError(
-                f"trainable parameter(s) {missing[:5]} are in no optimizer param group returned by "
-                "configure_optimizers; add them or set requires_grad=False"
-            )
-        for opt in strategy.optimizers:
-            if getattr(opt, "handles_gradient_reduction", False) and hasattr(opt, "check_zero_stage"):
-                opt.check_zero_stage(3)
-    else:
-        groups = [[p for p in module.parameters() if p.requires_grad]]
-    sharded = ShardedParameters(
-        module, groups, group=strategy.topology.dp_group, device=strategy.root_device,
-        param_dtype=policy.param_dtype, unit_modules=cfg.zero.unit_modules, prefetch_depth=cfg.zero.prefetch_depth,
-        persistent_threshold=cfg.zero.persistent_threshold,
-        param_device=torch.device("cpu") if cfg.offload.params != "none" else None,
-        pin_memory=cfg.offload.pin_memory)
-    sharded.shard_model()
-    if policy.param_dtype is not None:  # what the engine does not own: frozen params and floating buffers
-        for t in list(sharded.frozen) + list(module.buffers()):
-            if t.is_floating_point():
-                t.data = t.data.to(policy.param_dtype)
-    strategy.sharded = sharded
-    strategy.engines = []
-    if not fitting:
-        return
-    offset = 0
-    mp = getattr(strategy, "_model_parallel", None)
-    engine_cls, mp_kwargs = mp.stage3_engine_factory() if mp is not None else (Stage3Optimizer, {})
-    for opt in strategy.optimizers:
-        if mp is not None:
-            mp.check_optimizer(opt)
-        engine = engine_cls(
-            opt, sharded, group_offset=offset, precision=policy,
-            loss_scaler=getattr(plugin, "loss_scaler", None), offload_optimizer=cfg.offload.optimizer != "none",
-            pin_memory=cfg.offload.pin_memory, **mp_kwargs)
-        offset += len(opt.param_groups)
-        strategy.engines.append(engine)
-        plugin.register_engine(opt, engine)
-
-
-def shard_checkpoint(strategy: Any) -> Dict[str, Any]:
-    """What each rank's file holds at stage 3: its parameter shards, their layout, and under tp the rank's tp
-    coordinate and each split parameter's ShardSpec, so a checkpoint folder consolidates offline too."""
-    out = strategy.sharded.shard_state_dict()
-    out["pp"] = {"size": strategy.topology.pp, "rank": strategy.topology.pp_rank}
-    mp = getattr(strategy, "_model_parallel", None)
-    if mp is not None and mp.tp_model is not None:
+def shard_checkpoint(pm: Any) -> Dict[str, Any]:
+    """What each rank's file holds at stage 3 (``pm``: the ParallelModel): its parameter shards, their layout, and
+    under tp the rank's tp coordinate and each split parameter's ShardSpec, so a folder consolidates offline too."""
+    out = pm.sharded.shard_state_dict()
+    out["pp"] = {"size": pm.topology.pp, "rank": pm.topology.pp_rank}
+    if pm.tp_model is not None:
         from lightning_scale.tensor_parallel.sharding import tp_spec
 
-        names = strategy.sharded.names
-        out["tp"] = {"size": strategy.topology.tp, "rank": strategy.topology.tp_rank,
-                     "specs": {names[id(p)]: tp_spec(p) for p in strategy.lightning_module.parameters()
+        names = pm.sharded.names
+        out["tp"] = {"size": pm.topology.tp, "rank": pm.topology.tp_rank,
+                     "specs": {names[id(p)]: tp_spec(p) for p in pm.module.parameters()
                                if tp_spec(p) is not None and id(p) in names}}
     return out
 
 
-def _pipeline_freed(strategy: Any) -> bool:
-    mp = getattr(strategy, "_model_parallel", None)
-    return mp is not None and mp.pipeline is not None
-
-
-def small_state_dict(strategy: Any) -> Dict[str, Any]:
+def small_state_dict(pm: Any) -> Dict[str, Any]:
     """What the rank-0 checkpoint file holds at stage 3: buffers and frozen parameters (shards go per rank)."""
-    sharded: ShardedParameters = strategy.sharded
+    sharded: ShardedParameters = pm.sharded
     out: Dict[str, Any] = {}
     for p in sharded.frozen:
-        if p.numel() > 0 or not _pipeline_freed(strategy):  # another pipeline stage's parameter: its own file
+        if p.numel() > 0 or pm.pipeline is None:  # another pipeline stage's parameter: its own file
             out[sharded.names[id(p)]] = p.detach().cpu()
-    for name, buf in strategy.lightning_module.named_buffers():
-        out[name] = buf.detach().cpu()
+    persistent = set(pm.module.state_dict(keep_vars=True))  # non-persistent buffers (rotary inv_freq) stay out
+    for name, buf in pm.module.named_buffers():
+        if name in persistent:
+            out[name] = buf.detach().cpu()
     return out
 
 
-def load_stage3(strategy: Any, checkpoint: Dict[str, Any], strict: bool = True) -> None:
-    sharded: ShardedParameters = strategy.sharded
+def load_stage3(pm: Any, checkpoint: Dict[str, Any], strict: bool = True) -> None:
+    sharded: ShardedParameters = pm.sharded
     if SHARD_KEY not in checkpoint:
         raise ValueError("zero.stage=3: this checkpoint holds no parameter shards (it was not written by a "
                          "zero.stage=3 run); consolidate it and load the weights in configure_model instead")
@@ -164,12 +95,12 @@ def load_stage3(strategy: Any, checkpoint: Dict[str, Any], strict: bool = True) 
     with torch.no_grad():
         for p in sharded.frozen:
             name = sharded.names[id(p)]
-            if p.numel() == 0 and _pipeline_freed(strategy):
+            if p.numel() == 0 and pm.pipeline is not None:
                 continue  # another pipeline stage's parameter (freed here)
             if name in small:
                 p.copy_(small[name])
             elif strict:
                 raise KeyError(f"frozen parameter {name!r} missing from the checkpoint")
-        for name, buf in strategy.lightning_module.named_buffers():
+        for name, buf in pm.module.named_buffers():
             if name in small:
                 buf.copy_(small[name])

@@ -17,7 +17,6 @@ from datetime import timedelta
 from typing import Any, Dict, Generator, List, Literal, Mapping, Optional, Union
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
@@ -30,18 +29,21 @@ from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-from lightning_scale.config import PRESETS, ConfigError, ParallelConfig, from_flat_kwargs
-from lightning_scale.materialize import has_meta
+from lightning_scale.config import (FLAT, PRESETS, ConfigError, ParallelConfig, check_trainer_flags, from_flat_kwargs,
+                                    speaking)
+from lightning_scale.parallelize import ParallelModel, check_config, parallelize
+from lightning_scale.strategies import diagnostics_glue
+from lightning_scale.strategies.common import GridStrategyMixin
 from lightning_scale.strategies.checkpoint import load_sharded, remove_sharded, save_sharded
-from lightning_scale.strategies.model_parallel import ModelParallel
+from lightning_scale.strategies.pipeline_glue import PipelineGlue
 from lightning_scale.strategies.precision import ZeroPrecision
 from lightning_scale.strategies.report import layout_table
 from lightning_scale.strategies import stage3 as _stage3
 from lightning_scale.topology import Topology
-from lightning_scale.zero import ZeroOptimizer
+from lightning_scale.zero.engine import ZeroEngine
 
 
-class Zero3DStrategy(ParallelStrategy):
+class Zero3DStrategy(GridStrategyMixin, ParallelStrategy):
     strategy_name = "zero3d"
 
     def __init__(self, config: Optional[ParallelConfig] = None, *, accelerator=None,
@@ -53,7 +55,11 @@ class Zero3DStrategy(ParallelStrategy):
                  precision: Optional[str] = None, **options: Any) -> None:
         if config is not None and options:
             raise ConfigError(f"pass either config=ParallelConfig(...) or options, not both (got {sorted(options)})")
-        self.config = (config or from_flat_kwargs(**options)).validate()
+        # Errors name settings as the user typed them: keywords (stage=5) when built from options; the Hydra front
+        # door (hydra_config) renames its own (strategy.stage=5); a ParallelConfig keeps its field paths.
+        self._namer = FLAT if config is None else (lambda path: path)
+        with speaking(self._namer):
+            self.config = (config or from_flat_kwargs(**options)).validate()
         # `precision=` here wins over the Trainer's flag (Lightning turns '16-mixed' on CPU into bf16).
         self._precision_override = precision
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
@@ -64,44 +70,16 @@ class Zero3DStrategy(ParallelStrategy):
         self._timeout = timeout
         self._start_method = start_method
         self.topology: Optional[Topology] = None
-        self.engines: List[ZeroOptimizer] = []
+        self.engines: List[ZeroEngine] = []
         self.sharded = None  # ShardedParameters at zero.stage=3
-        self._model_parallel: Optional[ModelParallel] = None  # tp / pp glue (issues 4, 5); None at tp == pp == 1
+        self._parallel: Optional[ParallelModel] = None  # what parallelize() built (set in setup)
+        self._pipeline: Optional[PipelineGlue] = None  # the Lightning steps at pp > 1
 
     # ------------------------------------------------------------------ Lightning plumbing
-    @property
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
     @property
     def is_distributed(self) -> bool:
         """Tells Lightning to insert a DistributedSampler (split over the dp axis only)."""
         return True
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    def distributed_sampler_kwargs(self) -> Dict[str, Any]:
-        # Tensor- and pipeline-parallel peers read the same batch: only the dp axis splits data.
-        topo = self.topology
-        if topo is None:
-            return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
-        return {"num_replicas": topo.dp, "rank": topo.dp_rank}
-
-    @property
-    def process_group_backend(self) -> Optional[str]:
-        return self._process_group_backend
 
     @property
     def precision_plugin(self) -> Precision:
@@ -123,6 +101,10 @@ class Zero3DStrategy(ParallelStrategy):
             self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
 
     def setup_environment(self) -> None:
+        with speaking(self._namer):
+            self._setup_environment()
+
+    def _setup_environment(self) -> None:
         self._check_accelerator()
         super().setup_environment()
         reset_seed()
@@ -155,11 +137,8 @@ class Zero3DStrategy(ParallelStrategy):
                 raise ConfigError(f"precision={plugin.precision!r}: this GPU does not support bfloat16")
 
     def _check_supported(self) -> None:
-        self._check_supported_zero()
-        self._check_supported_model_parallel()
-
-    def _check_supported_zero(self) -> None:
         _stage3.check_offload(self)
+        check_config(self.config)  # what the composition cannot run, before any model is touched
 
     # ------------------------------------------------------------------ ZeRO-3 (lightning_scale/strategies/stage3.py)
     @contextlib.contextmanager
@@ -184,69 +163,72 @@ class Zero3DStrategy(ParallelStrategy):
     @property
     def restore_checkpoint_after_setup(self) -> bool:
         """ZeRO-3 restores parameter shards into the engine that setup builds; a pipeline built on meta loads the
-        checkpoint into its materialized stage."""
-        return self.config.zero.stage == 3 or self._deferred_init
+        checkpoint into its materialized stage; a universal checkpoint loads into the engines that setup builds."""
+        return self.config.zero.stage == 3 or self._deferred_init or self.config.checkpoint_format == "universal"
 
     def full_state_dict(self, rank0_only: bool = False) -> Dict[str, Any]:
         """The whole model's parameters (fp32 masters where they exist, else the parameters' own dtype) and buffers,
         unsharded, with the original keys and shapes. A collective."""
+        mp = self._parallel if self._parallel is not None and self._parallel.model_parallel else None
         if self.sharded is None:
-            if self._model_parallel is not None and self._model_parallel.module is not None:
-                return {k: v.detach().cpu() for k, v in self._model_parallel.full_state_dict().items()}
+            if mp is not None:
+                return {k: v.detach().cpu() for k, v in mp.full_state_dict().items()}
             return {k: v.detach().cpu() for k, v in self.lightning_module.state_dict().items()}
-        full = self.sharded.full_state_dict(dtype=None, rank0_only=False if self._model_parallel else rank0_only)
-        if self._model_parallel is not None:  # tp slices -> original shapes; pipeline stages -> the whole model
-            full = self._model_parallel.consolidate_stage3(full)
+        full = self.sharded.full_state_dict(dtype=None, rank0_only=False if mp is not None else rank0_only)
+        if mp is not None:  # tp slices -> original shapes; pipeline stages -> the whole model
+            full = mp.consolidate_stage3(full)
             if rank0_only and self.global_rank != 0:
                 return {}
-        return full
+        # the model's own state_dict() keys: persistent buffers only (a fresh HF model loads it with strict=True)
+        keys = set(self.lightning_module.state_dict(keep_vars=True))
+        return {k: v for k, v in full.items() if k in keys}
 
-    # ------------------------------------------------------------------ tensor / pipeline parallel (issues 4, 5)
-    def _check_supported_model_parallel(self) -> None:
-        cfg = self.config
-        if cfg.tp > 1 or cfg.pp > 1:
-            ModelParallel.check_config(cfg)
-            if self._model_parallel is None:
-                self._model_parallel = ModelParallel(cfg, self.topology)
-
-    def _apply_model_parallel(self, trainer) -> None:
-        """Slice (tp plan) / partition (pp stage) the model after every rank holds rank 0's full weights."""
-        if self._model_parallel is not None:
-            self._model_parallel.apply(self.lightning_module, timeout=self._timeout, device=self.root_device)
-
-    # ------------------------------------------------------------------ setup
+    # ------------------------------------------------------------------ setup: parallelize() + make_engines()
     def setup(self, trainer) -> None:
+        with speaking(self._namer):
+            self._setup(trainer)
+
+    def _setup(self, trainer) -> None:
+        """The composition order lives in :func:`lightning_scale.parallelize.parallelize`; this only supplies
+        Lightning's pieces (``configure_optimizers``, the pipeline loss, the precision policy)."""
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
-        if self.config.zero.stage == 3:
-            fitting = trainer.state.fn == TrainerFn.FITTING
-            if self._model_parallel is not None and self.sharded is None:
-                # ZeRO-3 x tp: the plan splits the model (on meta: ShardedParameters then materializes each unit's
-                # slices; built for real: rank 0's weights first), then the slices are sharded over dp
-                if not has_meta(self.model, recurse=True):
-                    self.model.to(self.root_device)
-                    self._broadcast_module_states(self.model)
-                self._apply_model_parallel(trainer)
-            _stage3.setup_stage3(self, trainer, fitting)
-            self.setup_precision_plugin()
-            if fitting and self.is_global_zero:
-                print(layout_table(self), flush=True)
-            return
-        deferred = self._model_parallel is not None and has_meta(self.model, recurse=True)
-        if not deferred:
-            self.model_to_device()
-            self._broadcast_module_states(self.model)
-        self._apply_model_parallel(trainer)  # no-op at tp == pp == 1; pp from meta: materializes this stage only
-        if deferred:
-            self.model_to_device()
+        cfg = self.config
         fitting = trainer.state.fn == TrainerFn.FITTING
+        pm = self._parallel
+        if pm is not None and pm.module is self.model:  # validate / test / predict after fit, or fit again
+            if fitting and cfg.zero.stage == 3:
+                raise ConfigError("zero.stage=3: fit() twice with the same strategy object is not supported; "
+                                  "create a new Trainer/strategy")
+            if fitting:
+                self.setup_optimizers(trainer)
+                pm.optimizers = list(self.optimizers)
+        else:
+            if pm is not None and pm.model_parallel:
+                raise ConfigError(f"Zero3DStrategy(tp={cfg.tp}, pp={cfg.pp}) was already applied to another "
+                                  "LightningModule; use a new strategy object per model")
+            if cfg.pp > 1:
+                PipelineGlue.check_module(self.model, cfg.pp)
+            build = (lambda: (self.setup_optimizers(trainer), self.optimizers)[1]) if fitting else None
+            pm = self._parallel = parallelize(
+                self.model, cfg, self.topology, self.root_device, optimizers=build,
+                loss_fn=PipelineGlue.loss_fn(self.model) if cfg.pp > 1 else None, timeout=self._timeout,
+                param_dtype=self.precision_plugin.policy.param_dtype if cfg.zero.stage == 3 else None)
+            self.sharded = pm.sharded
+            self._pipeline = PipelineGlue(pm.pipeline) if pm.pipeline is not None else None
         if fitting:
-            self.setup_optimizers(trainer)
-            self._wrap_optimizers(trainer)
-        self.model = self.precision_plugin.convert_module(self.model)  # casts what the engines did not own
+            self._wrap_optimizers()
+        if cfg.zero.stage != 3:
+            self.model = self.precision_plugin.convert_module(self.model)  # casts what the engines did not own
         self.setup_precision_plugin()
         if fitting and self.is_global_zero:
             print(layout_table(self), flush=True)
+        diagnostics_glue.install(self, trainer)  # watchdog, first error wins, signals, numerics (docs/failures.md)
+
+    def gathered(self, module: Optional[torch.nn.Module] = None):
+        """The full parameters of ``module`` (default: the whole model) while inside, at every ZeRO stage; e.g. a
+        callback that logs weight norms between steps (at stage 3 a bare read raises a clear error)."""
+        return diagnostics_glue.gathered(self, module)
 
     def model_to_device(self) -> None:
         assert self.model is not None
@@ -254,61 +236,20 @@ class Zero3DStrategy(ParallelStrategy):
             return  # the ZeRO-3 engine places shards and gathered buffers itself
         self.model.to(self.root_device)
 
-    @torch.no_grad()
-    def _broadcast_module_states(self, module: torch.nn.Module) -> None:
-        """Every rank starts from rank 0's parameters and buffers (seeds can differ per rank)."""
-        if self._model_parallel is not None and self._model_parallel.applied_to(self.lightning_module):
-            return  # validate/test after fit: already split, rank 0 holds only its own tp slices / stage
-        for t in list(module.parameters()) + list(module.buffers()):
-            dist.broadcast(t.data, src=0)
-
-    def _wrap_optimizers(self, trainer) -> None:
-        module = self.lightning_module
-        owned = {id(p) for opt in self.optimizers for g in opt.param_groups for p in g["params"]}
-        missing = [n for n, p in module.named_parameters() if p.requires_grad and id(p) not in owned]
-        if missing:
-            raise ConfigError(
-                f"trainable parameter(s) {missing[:5]} are in no optimizer param group returned by "
-                "configure_optimizers; add them or set requires_grad=False"
-            )
-        plugin = self.precision_plugin
-        automatic = module.automatic_optimization
-        self.engines = []
-        # tp / pp (issues 4, 5): an engine whose norm, clipping and overflow span the tp and pp groups too
-        engine_cls, mp_kwargs = self._model_parallel.engine_factory() if self._model_parallel else (ZeroOptimizer, {})
-        for opt in self.optimizers:
-            if self._model_parallel is not None:
-                self._model_parallel.check_optimizer(opt)
-            if getattr(opt, "handles_gradient_reduction", False):
-                # It reduces its own gradients (1-bit Adam): no ZeRO wrapping, no double communication.
-                if hasattr(opt, "check_zero_stage"):
-                    opt.check_zero_stage(self.config.zero.stage)
-                opt.bind_process_group(self.topology.dp_group)
-                # issue 6: OneBitAdam at ZeRO 1/2 gets its own engine (sharded state, 1-bit reduce-scatter
-                # onto the shards); at stage 0 the optimizer communicates by itself, as above.
-                from lightning_scale.optim import OneBitAdam
-                from lightning_scale.zero.onebit import OneBitZeroOptimizer
-
-                if isinstance(opt, OneBitAdam) and self.config.zero.stage in (1, 2):
-                    engine = OneBitZeroOptimizer(
-                        opt, stage=self.config.zero.stage, group=self.topology.dp_group, precision=plugin.policy,
-                        loss_scaler=plugin.loss_scaler if isinstance(plugin, ZeroPrecision) else None,
-                        bucket_mb=self.config.zero.bucket_mb)
-                    self.engines.append(engine)
-                    plugin.register_engine(opt, engine)
-                continue
-            engine = engine_cls(
-                opt, stage=self.config.zero.stage, group=self.topology.dp_group, precision=plugin.policy,
-                loss_scaler=plugin.loss_scaler if isinstance(plugin, ZeroPrecision) else None,
-                bucket_mb=self.config.zero.bucket_mb,
-                **({"offload_optimizer": True, "pin_memory": self.config.offload.pin_memory}
-                   if self.config.offload.optimizer != "none" else {}),
-                # Manual optimization may run several backwards per step: reduce at step() instead.
-                overlap_comm=self.config.zero.overlap_comm and automatic and len(self.optimizers) == 1
-                and not self.config.tensor.sequence_parallel,  # partial grads are summed over tp first
-                **mp_kwargs,
-            )
-            self.engines.append(engine)
+    def _wrap_optimizers(self) -> None:
+        """One engine per optimizer (lightning_scale.zero.engine.make_engine, through the ParallelModel)."""
+        cfg, plugin = self.config, self.precision_plugin
+        trainer = self.lightning_module.trainer
+        for opt in self.optimizers:  # what this layout cannot run with the Trainer's flags: before any step
+            check_trainer_flags(cfg, optimizer=type(opt).__name__, gradient_clip_val=trainer.gradient_clip_val)
+        automatic = self.lightning_module.automatic_optimization
+        self.engines = self._parallel.make_engines(
+            precision=plugin.policy, loss_scaler=plugin.loss_scaler if isinstance(plugin, ZeroPrecision) else None,
+            # Manual optimization may run several backwards per step: reduce at step() instead. Sequence
+            # parallel's partial gradients are summed over tp before any bucket is reduced.
+            overlap_comm=cfg.zero.overlap_comm and automatic and len(self.optimizers) == 1
+            and not cfg.tensor.sequence_parallel)
+        for opt, engine in zip(self.optimizers, self.engines):
             plugin.register_engine(opt, engine)
 
     # ------------------------------------------------------------------ training hooks
@@ -320,17 +261,13 @@ class Zero3DStrategy(ParallelStrategy):
                 stack.enter_context(engine.no_sync())
             yield
 
-    def _engine(self, optimizer: Any) -> Optional[ZeroOptimizer]:
+    def _engine(self, optimizer: Any) -> Optional[ZeroEngine]:
         plugin = self.precision_plugin
         return plugin.engine_for(optimizer) if isinstance(plugin, ZeroPrecision) else None
 
     # ------------------------------------------------------------------ pipeline parallel steps (issue 5)
     # At pp > 1 the strategy runs the schedule instead of the LightningModule's *_step (contract: README,
     # lightning_scale/strategies/pipeline_glue.py); at pp == 1 these are Lightning's own.
-    @property
-    def _pipeline(self):
-        return self._model_parallel.pipeline if self._model_parallel is not None else None
-
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._pipeline is None:
             return super().training_step(*args, **kwargs)
@@ -367,29 +304,11 @@ class Zero3DStrategy(ParallelStrategy):
         return super().process_dataloader(dataloader)
 
     # ------------------------------------------------------------------ collectives for Lightning
-    def barrier(self, name: Optional[str] = None) -> None:
-        if dist.is_available() and dist.is_initialized():
-            dist.barrier()
-
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not (dist.is_available() and dist.is_initialized()):
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=src)
-        return box[0]
-
     def reduce(self, tensor: Any, group: Optional[Any] = None,
                reduce_op: Optional[Union[str, Any]] = "mean") -> Any:
         if isinstance(tensor, torch.Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
-
-    def _gather_object(self, obj: Any) -> List[Any]:
-        if not (dist.is_available() and dist.is_initialized()):
-            return [obj]
-        every: List[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(every, obj)
-        return every
 
     # ------------------------------------------------------------------ checkpoints
     def optimizer_state(self, optimizer: Any) -> Dict[str, Any]:
@@ -397,6 +316,13 @@ class Zero3DStrategy(ParallelStrategy):
         return engine.state_dict() if engine is not None else optimizer.state_dict()
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        from lightning_scale.strategies.checkpoint import UNIVERSAL_KEY, load_universal
+
+        if UNIVERSAL_KEY in checkpoint:  # a universal checkpoint: its pieces are in the engines already, or now
+            pending, self._universal_pending = getattr(self, "_universal_pending", None), None
+            if pending is not None:  # read before setup (zero.stage < 3, no tp / pp): the engines exist now
+                load_universal(self, pending)
+            return
         for opt, state in zip(self.optimizers, checkpoint["optimizer_states"]):
             engine = self._engine(opt)
             (engine or opt).load_state_dict(state)
@@ -406,18 +332,34 @@ class Zero3DStrategy(ParallelStrategy):
         return self.config.zero.stage >= 1 and self.world_size > 1
 
     def save_checkpoint(self, checkpoint: Dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        if self.config.checkpoint_format == "universal":  # layout-free: resumes on any dp / stage (docs/checkpoints.md)
+            from lightning_scale.strategies.checkpoint import save_universal
+
+            save_universal(self, checkpoint, str(filepath))
+            return
         if not self._sharded_checkpoint:
             if self.is_global_zero:
                 self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
             return
         if self.sharded is not None:
-            checkpoint[_stage3.SHARD_KEY] = _stage3.shard_checkpoint(self)
+            checkpoint[_stage3.SHARD_KEY] = _stage3.shard_checkpoint(self._parallel)
         save_sharded(checkpoint, str(filepath), self.global_rank, self.world_size, self.broadcast,
                      self._gather_object, per_rank_keys=("optimizer_states", _stage3.SHARD_KEY))
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> Dict[str, Any]:
         path = str(checkpoint_path)
         if os.path.isdir(path):
+            from lightning_scale.checkpoint.dcp_format import detect_format
+
+            if detect_format(path) == "dcp":  # the layout-free format, written by any layout
+                from lightning_scale.strategies.checkpoint import UNIVERSAL_KEY, load_universal, read_lightning_state
+
+                if self.restore_checkpoint_after_setup and self.engines:
+                    return load_universal(self, path)
+                # Before setup (no engines yet): Lightning's state now, the pieces in load_optimizer_state_dict /
+                # load_model_state_dict once the layout exists.
+                self._universal_pending = path
+                return dict(read_lightning_state(path), **{UNIVERSAL_KEY: None})
             return load_sharded(path, self.global_rank, self.world_size)
         return self.checkpoint_io.load_checkpoint(path, weights_only=False)
 
@@ -429,26 +371,42 @@ class Zero3DStrategy(ParallelStrategy):
                 self.checkpoint_io.remove_checkpoint(filepath)
 
     def lightning_module_state_dict(self) -> Dict[str, Any]:
+        if self.config.checkpoint_format == "universal":  # save_checkpoint writes the engines' pieces instead
+            return {}
         if self.sharded is not None:  # ZeRO-3: shards go to each rank's file (save_checkpoint); this is the rest
-            return _stage3.small_state_dict(self)
+            return _stage3.small_state_dict(self._parallel)
         # tp / pp (issues 4, 5): gathered to the original model's keys and shapes; collective, every rank calls it
-        if self._model_parallel is not None and self._model_parallel.module is not None:
-            return self._model_parallel.full_state_dict()
+        if self._parallel is not None and self._parallel.model_parallel:
+            return self._parallel.full_state_dict()
         return super().lightning_module_state_dict()
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        from lightning_scale.strategies.checkpoint import UNIVERSAL_KEY, load_universal_weights
+
+        if UNIVERSAL_KEY in checkpoint:  # in the engines already / at load_optimizer_state_dict when fitting
+            fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+            if not fitting and getattr(self, "_universal_pending", None) is not None:  # validate / test: weights
+                pending, self._universal_pending = self._universal_pending, None
+                load_universal_weights(self, pending)
+            return
         if self.sharded is not None:
-            _stage3.load_stage3(self, dict(checkpoint), strict=strict)
+            _stage3.load_stage3(self._parallel, dict(checkpoint), strict=strict)
             return
         # tp / pp (issues 4, 5): a consolidated state_dict into an already split model (test(ckpt_path=) after fit)
-        if self._model_parallel is not None and self._model_parallel.module is not None:
-            self._model_parallel.load_full_state_dict(checkpoint["state_dict"], strict=strict)
+        if self._parallel is not None and self._parallel.model_parallel:
+            self._parallel.load_full_state_dict(checkpoint["state_dict"], strict=strict)
             return
         super().load_model_state_dict(checkpoint, strict=strict)
 
     def teardown(self) -> None:
+        try:
+            self._teardown()
+        finally:
+            diagnostics_glue.teardown(self)
+
+    def _teardown(self) -> None:
         for engine in self.engines:
-            engine.reducer.remove_hooks()
+            engine.remove_hooks()
         if self.sharded is not None:
             # ZeRO-3 keeps its hooks (validate/test/predict after fit gather through them) and does not move the
             # module to the CPU: its parameters are views of freed buffers; the shards stay where they are.

@@ -79,14 +79,5 @@ __all__ = [
     "tp_replicated",
     "tp_spec",
     "vocab_parallel_cross_entropy",
-    "check_zero_tp",
-    "clip_grad_norm_zero_tp",
-    "grad_norm_zero_tp",
-    "reduce_gradients_tp",
+    # ZeRO engines over tp slices: their norm / overflow agreement is lightning_scale.zero.model_parallel.CrossAxis
 ]
-from lightning_scale.tensor_parallel.zero import (  # noqa: E402
-    check_zero_tp,
-    clip_grad_norm_zero_tp,
-    grad_norm_zero_tp,
-    reduce_gradients_tp,
-)

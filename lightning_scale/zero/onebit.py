@@ -39,7 +39,7 @@ from lightning_scale.comm import collectives as C
 from lightning_scale.config import ConfigError
 from lightning_scale.optim.onebit_adam import OneBitAdam, OneBitAdamShard, check_zero_stage
 from lightning_scale.zero.flat_buffer import Bucket, build_buckets
-from lightning_scale.zero.optimizer import ZeroOptimizer
+from lightning_scale.zero.optimizer import ZeroOptimizer, route_user_calls_fn
 from lightning_scale.zero.precision import NoLossScaler, PrecisionPolicy
 
 _SYNCED_HPARAMS = ("lr", "betas", "eps", "weight_decay")  # read from the user's param group every step
@@ -155,11 +155,10 @@ class OneBitZeroOptimizer:
         self.states = [OneBitBucket(b, optimizer, stage=stage, rank=self.rank, group=group, device=params[0].device,
                                     param_dtype=param_dtype, master_dtype=master_dtype) for b in self.buckets]
         self.masters: List[torch.Tensor] = [st.master for st in self.states]
-        self.reducer = self  # the strategy calls engine.reducer.remove_hooks() at teardown
         self._found_inf = False
         self._prepared = False
         if route_user_calls:
-            ZeroOptimizer._route(self, optimizer)  # optimizer.step / zero_grad -> this engine
+            route_user_calls_fn(optimizer, self)  # optimizer.step / zero_grad -> this engine
 
     # ------------------------------------------------------------------ gradient phase
     @contextlib.contextmanager

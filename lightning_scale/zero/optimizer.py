@@ -19,13 +19,15 @@ from __future__ import annotations
 import contextlib
 import inspect
 import warnings
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence
 
 import torch
 
 from lightning_scale.comm import collectives as C
+from lightning_scale.config import ConfigError
 from lightning_scale.zero.flat_buffer import build_buckets
 from lightning_scale.zero.precision import NoLossScaler, PrecisionPolicy
+from lightning_scale.zero.model_parallel import NO_CROSS_AXIS, CrossAxis
 from lightning_scale.zero.reducer import GradientReducer
 
 
@@ -34,13 +36,51 @@ from lightning_scale.zero.reducer import GradientReducer
 _IMPLEMENTATION_KEYS = frozenset({"params", "fused", "foreach", "capturable", "differentiable"})
 
 
-class ZeroOptimizer:
-    def __init__(self, optimizer: torch.optim.Optimizer, *, stage: int = 2, group=None,
-                 precision: Optional[PrecisionPolicy] = None, loss_scaler=None, bucket_mb: float = 25.0,
-                 overlap_comm: bool = True, route_user_calls: bool = True, offload_optimizer: bool = False,
-                 pin_memory: bool = True) -> None:
-        if stage not in (0, 1, 2):
-            raise ValueError(f"zero.stage={stage}: ZeroOptimizer handles stages 0, 1 and 2")
+def route_user_calls_fn(optimizer: torch.optim.Optimizer, engine: Any) -> None:
+    """``optimizer.step()`` / ``zero_grad()`` now act on the engine's shards (lr schedulers keep working)."""
+
+    def step(closure: Optional[Callable[[], Any]] = None) -> Any:
+        optimizer._opt_called = True  # what torch's lr-scheduler step wrapper records
+        return engine.step(closure)
+
+    step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]  (no "step overridden" warning)
+    optimizer.step = step  # type: ignore[method-assign]
+    optimizer.zero_grad = engine.zero_grad  # type: ignore[method-assign]
+    # Wrappers that imitate the optimizer's *class* (Fabric's _FabricOptimizer, Lightning's LightningOptimizer)
+    # find zero_grad on the class, not on the instance: route it there too, or ZeRO-3's gradient shards would
+    # never be zeroed and every step would add the previous steps' gradients.
+    optimizer._zero_engine = engine
+    if not getattr(type(optimizer), "_routes_zero_grad", False):
+        optimizer.__class__ = _routed_class(type(optimizer))
+
+
+_ROUTED: Dict[type, type] = {}
+
+
+def _routed_class(cls: type) -> type:
+    """A subclass of the user's optimizer class whose ``zero_grad`` is its engine's (isinstance checks hold)."""
+    if cls not in _ROUTED:
+        def zero_grad(self, set_to_none: bool = True) -> None:
+            self._zero_engine.zero_grad(set_to_none)
+
+        _ROUTED[cls] = type(cls.__name__, (cls,), {"zero_grad": zero_grad, "_routes_zero_grad": True,
+                                                    "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+    return _ROUTED[cls]
+
+
+class ShardEngine:
+    """The step every element-wise ZeRO engine shares (stages 0-3, offload), over bucket states it is given.
+
+    Subclasses lay the parameters out (``ZeroOptimizer``: flat buckets + :class:`GradientReducer`;
+    ``Stage3Optimizer``: the unit shards of a ``ShardedParameters``), then call this ``__init__`` with the
+    reducer, the fp32 masters and the inner optimizer. ``cross_axis`` (:class:`~.model_parallel.CrossAxis`)
+    is what the tp and pp axes agree on: the norm mask, the overflow vote, partial gradients.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, stage: int, group, reducer, masters: List[torch.Tensor],
+                 aliased: List[bool], inner: torch.optim.Optimizer, precision: Optional[PrecisionPolicy] = None,
+                 loss_scaler=None, offload_optimizer: bool = False, cross_axis: Optional[CrossAxis] = None,
+                 route_user_calls: bool = True) -> None:
         self.optimizer = optimizer
         self.stage = stage
         self.group = group
@@ -48,45 +88,17 @@ class ZeroOptimizer:
         self.rank = C.group_rank(group)
         self.precision = precision or PrecisionPolicy()
         self.loss_scaler = loss_scaler or NoLossScaler()
-        groups = self._trainable_groups(optimizer)
-        params = [p for g in groups for p in g]
-        if not params:
-            raise ValueError("the optimizer holds no trainable parameter")
-        device = params[0].device
-        param_dtype = self.precision.param_dtype or params[0].dtype
-        master_dtype = self.precision.master_dtype_for(param_dtype)
-        bucket_numel = max(1, int(bucket_mb * 2**20 / torch.empty((), dtype=param_dtype).element_size()))
-        shard_world = self.world if stage >= 1 else 1
-        self.buckets = build_buckets(groups, bucket_numel, shard_world)
-        if offload_optimizer and stage == 0:
-            raise ValueError("offload.optimizer='cpu' needs zero.stage >= 1")
         self.offload_optimizer = offload_optimizer
-        master_device = torch.device("cpu") if offload_optimizer else device
-        self.reducer = GradientReducer(self.buckets, stage, group, device, overlap_comm=overlap_comm,
-                                       param_dtype=param_dtype, master_dtype=master_dtype,
-                                       master_device=master_device, pin_memory=pin_memory,
-                                       stream_grads=offload_optimizer)
-        self.masters: List[torch.Tensor] = [st.master for st in self.reducer.states]
-        self._aliased: List[bool] = [st.master_aliased for st in self.reducer.states]
-        inner_groups = [dict(g, params=[]) for g in optimizer.param_groups]
-        for st in self.reducer.states:
-            inner_groups[st.bucket.group_index]["params"].append(st.master)
-        self.inner = self._make_inner(optimizer, inner_groups, offload=offload_optimizer)
+        self.reducer = reducer
+        self.masters, self._aliased = masters, aliased
+        self.inner = inner
+        self.cross = cross_axis or NO_CROSS_AXIS
+        self._norm_masks, self._partial = self.cross.masks(self.reducer.states, self.masters, stage)
         self._found_inf = False
         self._prepared = False
+        self._keep_grads_once = False
         if route_user_calls:
-            self._route(optimizer)
-
-    def _route(self, optimizer: torch.optim.Optimizer) -> None:
-        """``optimizer.step()`` / ``zero_grad()`` now act on the shards (lr schedulers keep working)."""
-
-        def step(closure: Optional[Callable[[], Any]] = None) -> Any:
-            optimizer._opt_called = True  # what torch's lr-scheduler step wrapper records
-            return self.step(closure)
-
-        step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]  (no "step overridden" warning)
-        optimizer.step = step  # type: ignore[method-assign]
-        optimizer.zero_grad = self.zero_grad  # type: ignore[method-assign]
+            route_user_calls_fn(optimizer, self)
 
     # ------------------------------------------------------------------ construction helpers
     @staticmethod
@@ -127,21 +139,12 @@ class ZeroOptimizer:
             ) from err
         return inner
 
-    # ------------------------------------------------------------------ gradient phase
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally, with no communication (non-final micro-batches)."""
-        previous = self.reducer.sync_enabled
-        self.reducer.sync_enabled = False
-        try:
-            yield
-        finally:
-            self.reducer.sync_enabled = previous
-
     def reduce_gradients(self) -> bool:
         """Finish gradient reduction and prepare unscaled master gradients; returns found_inf."""
         if self._prepared:
             return self._found_inf
+        if self.stage < 3 and self.cross.before_reduce is not None:
+            self.cross.before_reduce()  # sequence parallel: partial sums over tp, before the buckets read them
         self.reducer.reduce()
         inv_scale = 1.0 / self.loss_scaler.scale
         local_inf = torch.zeros((), dtype=torch.float32, device=self.masters[0].device)
@@ -153,9 +156,11 @@ class ZeroOptimizer:
             if isinstance(self.loss_scaler, NoLossScaler):
                 continue
             local_inf = torch.maximum(local_inf, (~torch.isfinite(master.grad)).any().float())
+        if self.stage == 3:
+            self.cross.sum_partial(self.masters, self._partial)  # after the dp reduce-scatter (both are sums)
         if not isinstance(self.loss_scaler, NoLossScaler):
             C.all_reduce(local_inf, self.group, op=torch.distributed.ReduceOp.MAX, tag="overflow")
-            self._found_inf = bool(local_inf.item() > 0)
+            self._found_inf = self.cross.agree_overflow(bool(local_inf.item() > 0), local_inf.device)
         self._prepared = True
         return self._found_inf
 
@@ -170,18 +175,12 @@ class ZeroOptimizer:
         return self._local_sq_norm()
 
     def _local_sq_norm(self) -> torch.Tensor:
-        total = torch.zeros((), dtype=torch.float64, device=self.masters[0].device)
-        for m in self.masters:
-            total += m.grad.double().pow(2).sum()
-        return total
+        return self.cross.local_sq_norm(self.masters, self._norm_masks)
 
     def global_grad_norm(self) -> torch.Tensor:
-        """L2 norm of the full (reduced, unscaled) gradient across all shards."""
+        """L2 norm of the whole model's reduced, unscaled gradient: over the shards (dp), tp and pp (float64)."""
         self.reduce_gradients()
-        sq = self._local_sq_norm()
-        if self.stage >= 1:
-            C.all_reduce(sq, self.group, tag="grad_norm")
-        return sq.sqrt()
+        return self.cross.all_reduce_sq(self._local_sq_norm(), self.group, self.stage).sqrt()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip by the global norm, exactly like ``torch.nn.utils.clip_grad_norm_`` on the full gradient."""
@@ -228,18 +227,6 @@ class ZeroOptimizer:
                 if key not in _IMPLEMENTATION_KEYS:
                     ig[key] = value
 
-    def _write_back_and_gather(self) -> None:
-        handles = []
-        for st, master, aliased in zip(self.reducer.states, self.masters, self._aliased):
-            shard = st.param_buffer[st.shard]
-            if not aliased:
-                shard.copy_(master, non_blocking=master.is_pinned())
-            if self.stage >= 1:
-                handles.append(C.all_gather(st.param_buffer, shard.clone(), self.group, async_op=True,
-                                            tag="param"))
-        for h in handles:
-            h.wait()
-
     def _end_cycle(self) -> None:
         for m, aliased in zip(self.masters, self._aliased):
             m.grad = None  # a converted copy is freed; an alias is only unlinked
@@ -247,7 +234,16 @@ class ZeroOptimizer:
         self._found_inf = False
         self.reducer.new_cycle()
 
+    def keep_gradients_once(self) -> None:
+        """Ignore the next ``zero_grad()``. Lightning's closure zeroes gradients *after* ``training_step`` and
+        before ``backward``; a pipeline schedule computes them inside ``training_step``, so the strategy zeroes
+        them before the schedule and has that one call skipped."""
+        self._keep_grads_once = True
+
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._keep_grads_once:
+            self._keep_grads_once = False
+            return
         self.reducer.zero_grad()
         for m in self.masters:
             m.grad = None
@@ -262,10 +258,6 @@ class ZeroOptimizer:
             "layout": self.layout(),
             "user_param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups],
         }
-
-    def layout(self) -> Dict[str, Any]:
-        return {"stage": self.stage, "world_size": self.world, "rank": self.rank,
-                "buckets": [(b.numel, b.padded_numel, str(b.dtype)) for b in self.buckets]}
 
     @torch.no_grad()
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -284,11 +276,113 @@ class ZeroOptimizer:
         for user_group, saved in zip(self.optimizer.param_groups, state.get("user_param_groups", [])):
             user_group.update(saved)
 
+    # ------------------------------------------------------------------ layout-free checkpoint (docs/checkpoints.md)
+    def named_pieces(self, names: Mapping[int, str], weights_from: Optional[str] = None) -> Iterator[Any]:
+        """This rank's shards as layout-free pieces (``model/``, ``master/``, ``optim/`` keys; views into the live
+        storage), keyed by ``names`` (id(param) -> fqn). ``weights_from`` ("master" | "model"): the load set, the
+        weights read into the masters from that key (:mod:`lightning_scale.checkpoint.engine_pieces`)."""
+        from lightning_scale.checkpoint.engine_pieces import engine_pieces
+
+        return engine_pieces(self, names, weights_from)
+
+    def allocate_state_(self, states: Mapping[str, Any]) -> None:
+        """Before a load: create the lazily allocated optimizer state the checkpoint holds (name -> (dtype, 0-d))."""
+        from lightning_scale.checkpoint.engine_pieces import allocate_state_
+
+        allocate_state_(self, states)
+
+    def after_load_(self, missing: Sequence[str], names: Mapping[int, str]) -> None:
+        """After a load into ``named_pieces(weights_from=...)``: masters -> parameters (as a step writes them)."""
+        from lightning_scale.checkpoint.engine_pieces import after_load_
+
+        after_load_(self, missing, names)
+
     # ------------------------------------------------------------------ accounting
+    def remove_hooks(self) -> None:
+        self.reducer.remove_hooks()
+
     def _optimizer_state_bytes(self) -> int:
         """Bytes of the inner optimizer's per-parameter state tensors (scalars such as ``step`` excluded)."""
         return sum(v.numel() * v.element_size() for s in self.inner.state.values() for v in s.values()
                    if torch.is_tensor(v) and v.dim() > 0)
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+
+
+class ZeroOptimizer(ShardEngine):
+    """ZeRO stages 0, 1 and 2: the parameters in flat buckets, gradients reduced by a GradientReducer."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, stage: int = 2, group=None,
+                 precision: Optional[PrecisionPolicy] = None, loss_scaler=None, bucket_mb: float = 25.0,
+                 overlap_comm: bool = True, route_user_calls: bool = True, offload_optimizer: bool = False,
+                 pin_memory: bool = True, cross_axis: Optional[CrossAxis] = None) -> None:
+        if stage not in (0, 1, 2):
+            raise ValueError(f"zero.stage={stage}: ZeroOptimizer handles stages 0, 1 and 2")
+        precision = precision or PrecisionPolicy()
+        groups = self._trainable_groups(optimizer)
+        params = [p for g in groups for p in g]
+        if not params:
+            raise ValueError("the optimizer holds no trainable parameter")
+        device = params[0].device
+        param_dtype = precision.param_dtype or params[0].dtype
+        master_dtype = precision.master_dtype_for(param_dtype)
+        bucket_numel = max(1, int(bucket_mb * 2**20 / torch.empty((), dtype=param_dtype).element_size()))
+        shard_world = C.group_size(group) if stage >= 1 else 1
+        self.buckets = build_buckets(groups, bucket_numel, shard_world)
+        if offload_optimizer and stage == 0:
+            raise ValueError("offload.optimizer='cpu' needs zero.stage >= 1")
+        master_device = torch.device("cpu") if offload_optimizer else device
+        reducer = GradientReducer(self.buckets, stage, group, device, overlap_comm=overlap_comm,
+                                       param_dtype=param_dtype, master_dtype=master_dtype,
+                                       master_device=master_device, pin_memory=pin_memory,
+                                       stream_grads=offload_optimizer)
+        partial = [p for b in self.buckets for p in (slot.param for slot in b.slots)
+                   if cross_axis is not None and cross_axis.before_reduce is not None and cross_axis.partial(p)]
+        if overlap_comm and partial:
+            reducer.remove_hooks()
+            raise ConfigError(
+                "zero.overlap_comm=True with tensor.sequence_parallel=True: the engine would reduce "
+                f"{len(partial)} partial LayerNorm / bias gradients before they are summed over tp; build the "
+                "engine with overlap_comm=False")
+        inner_groups = [dict(g, params=[]) for g in optimizer.param_groups]
+        for st in reducer.states:
+            inner_groups[st.bucket.group_index]["params"].append(st.master)
+        super().__init__(
+            optimizer, stage=stage, group=group, reducer=reducer, masters=[st.master for st in reducer.states],
+            aliased=[st.master_aliased for st in reducer.states],
+            inner=self._make_inner(optimizer, inner_groups, offload=offload_optimizer), precision=precision,
+            loss_scaler=loss_scaler, offload_optimizer=offload_optimizer, cross_axis=cross_axis,
+            route_user_calls=route_user_calls)
+
+    # ------------------------------------------------------------------ gradient phase
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally, with no communication (non-final micro-batches)."""
+        previous = self.reducer.sync_enabled
+        self.reducer.sync_enabled = False
+        try:
+            yield
+        finally:
+            self.reducer.sync_enabled = previous
+
+    def _write_back_and_gather(self) -> None:
+        handles = []
+        for st, master, aliased in zip(self.reducer.states, self.masters, self._aliased):
+            shard = st.param_buffer[st.shard]
+            if not aliased:
+                shard.copy_(master, non_blocking=master.is_pinned())
+            if self.stage >= 1:
+                handles.append(C.all_gather(st.param_buffer, shard.clone(), self.group, async_op=True,
+                                            tag="param"))
+        for h in handles:
+            h.wait()
+
+    def layout(self) -> Dict[str, Any]:
+        return {"stage": self.stage, "world_size": self.world, "rank": self.rank,
+                "buckets": [(b.numel, b.padded_numel, str(b.dtype)) for b in self.buckets]}
 
     def memory_bytes(self) -> Dict[str, int]:
         """Bytes this rank holds now: params, grads, fp32 master copies and optimizer state."""
@@ -307,10 +401,6 @@ class ZeroOptimizer:
         total = params + grads + masters + state
         return {"params": params, "grads": grads, "master": masters, "optimizer_state": state,
                 "total": total, "device": total - host, "host": host}
-
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
 
 
 def warn_if_not_elementwise(optimizer: torch.optim.Optimizer, stage: int) -> None:

@@ -1,20 +1,21 @@
 """ZeRO stage 3, optimizer side: the ZeroOptimizer step over the unit shards of a ShardedParameters.
 
 The module side (units, gathers, hooks, gradient reduce-scatters) is in ``param_shard.py``; this file only
-adapts it to the interface :class:`~lightning_scale.zero.optimizer.ZeroOptimizer` drives (a reducer with bucket
+adapts it to the interface :class:`~lightning_scale.zero.optimizer.ShardEngine` drives (a reducer with bucket
 states), creates the fp32 masters (on the host under optimizer offload) and writes the updated shards back.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from lightning_scale.zero.optimizer import ZeroOptimizer
+from lightning_scale.zero.model_parallel import CrossAxis
+from lightning_scale.zero.optimizer import ShardEngine
 from lightning_scale.zero.param_shard import ShardedBucket, ShardedParameters
-from lightning_scale.zero.precision import NoLossScaler, PrecisionPolicy
+from lightning_scale.zero.precision import PrecisionPolicy
 
 
 class _Stage3Reducer:
@@ -37,26 +38,20 @@ class _Stage3Reducer:
         pass  # the ShardedParameters owns the hooks
 
 
-class Stage3Optimizer(ZeroOptimizer):
+class Stage3Optimizer(ShardEngine):
     """ZeRO stage 3 around the user's optimizer: the same step as stages 1/2 over the unit buckets' shards.
 
     ``group_offset``: where this optimizer's param groups start in the group list the ShardedParameters was
     built from (several optimizers share one sharded model). ``offload_optimizer``: fp32 masters and the
     optimizer state live on the host and the step runs there (the fastest CPU kernel for Adam/AdamW).
+    ``cross_axis``: the tp / pp agreement (norm mask, overflow vote, sequence parallel's partial sums).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, sharded: ShardedParameters, *, group_offset: int = 0,
                  precision=None, loss_scaler=None, offload_optimizer: bool = False, pin_memory: bool = True,
-                 route_user_calls: bool = True) -> None:
-        self.optimizer = optimizer
-        self.stage = 3
+                 route_user_calls: bool = True, cross_axis: Optional[CrossAxis] = None) -> None:
+        precision = precision or PrecisionPolicy()
         self.sharded = sharded
-        self.group = sharded.group
-        self.world = sharded.world
-        self.rank = sharded.rank
-        self.precision = precision or PrecisionPolicy()
-        self.loss_scaler = loss_scaler or NoLossScaler()
-        self.offload_optimizer = offload_optimizer
         ids = list(range(group_offset, group_offset + len(optimizer.param_groups)))
         self._group_ids = ids
         states = [b for b in sharded.buckets() if b.group_id in ids]
@@ -65,7 +60,7 @@ class Stage3Optimizer(ZeroOptimizer):
         # Parameter offload alone keeps the master (and the step) on the compute device; optimizer offload moves both.
         master_device = torch.device("cpu") if offload_optimizer else sharded.device
         for b in states:
-            master_dtype = self.precision.master_dtype_for(b.shard.dtype)
+            master_dtype = precision.master_dtype_for(b.shard.dtype)
             aliased = b.shard.dtype == master_dtype and b.shard.device == master_device
             if aliased:
                 b.master = b.shard
@@ -78,18 +73,16 @@ class Stage3Optimizer(ZeroOptimizer):
             b.init_master = None
             if offload_optimizer:  # gradient shards are streamed to the host in the master dtype
                 b.grad_device, b.grad_dtype = master_device, master_dtype
-        self.reducer = _Stage3Reducer(sharded, states, ids)
         self.buckets = [b.bucket for b in states]
-        self.masters = [b.master for b in states]
-        self._aliased = [b.master_aliased for b in states]
         inner_groups = [dict(g, params=[]) for g in optimizer.param_groups]
         for b in states:
             inner_groups[b.group_id - group_offset]["params"].append(b.master)
-        self.inner = self._make_inner(optimizer, inner_groups, offload=offload_optimizer)
-        self._found_inf = False
-        self._prepared = False
-        if route_user_calls:
-            self._route(optimizer)
+        super().__init__(
+            optimizer, stage=3, group=sharded.group, reducer=_Stage3Reducer(sharded, states, ids),
+            masters=[b.master for b in states], aliased=[b.master_aliased for b in states],
+            inner=self._make_inner(optimizer, inner_groups, offload=offload_optimizer), precision=precision,
+            loss_scaler=loss_scaler, offload_optimizer=offload_optimizer, cross_axis=cross_axis,
+            route_user_calls=route_user_calls)
 
     def no_sync(self):
         """Stage 3 reduce-scatters every micro-batch into the gradient shard: nothing to skip."""

@@ -1,6 +1,6 @@
 """Pipeline parallelism from the meta device: each rank materializes only its own stage.
 
-``Zero3DStrategy(pp>1)`` runs ``configure_model`` on meta; ``PipelineGlue`` cuts the stage, then allocates and
+``Zero3DStrategy(pp>1)`` runs ``configure_model`` on meta; ``parallelize`` (``apply_pipeline``) cuts the stage, then allocates and
 initializes only this rank's layers (the GPT's ``init_module`` contract), so no rank ever holds the whole model.
 Checked on pp=2 x dp=2 with a ~34M-parameter GPT (128 MiB): resident memory grows by about the rank's stage, not the model,
 and the stage's values equal a plain single-process init (dp replicas agree through the dp broadcast).
@@ -26,7 +26,8 @@ def _worker(rank: int, world_size: int):
     from lightning_scale.config import from_flat_kwargs
     from lightning_scale.lit import GPTLightningModule
     from lightning_scale.models import GPT
-    from lightning_scale.strategies.pipeline_glue import PipelineGlue
+    from lightning_scale.models.gpt import lm_loss
+    from lightning_scale.parallelize import parallelize
     from lightning_scale.topology import Topology
 
     cfg = _cfg()
@@ -38,7 +39,7 @@ def _worker(rank: int, world_size: int):
         module.configure_model()
     full_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
     before = live_rss_bytes()
-    glue = PipelineGlue(module, config, topo, device=torch.device("cpu"))
+    glue = parallelize(module, config, topo, "cpu", loss_fn=lm_loss).pipeline  # apply_pipeline: this stage only
     grown = live_rss_bytes() - before
     mine = {n: p.detach().clone() for n, p in module.named_parameters() if p.numel() > 0}
     stage_bytes = sum(p.numel() * p.element_size() for p in glue.stage.parameters())

@@ -46,7 +46,8 @@ def _optimizer(params):
 
 
 def _build(topo, stage_id: int, overlap: bool, loss_scaler=None):
-    from lightning_scale.pipeline import PipelineRuntime, ZeroPipeline, build_stage, gpt_pipeline_layers
+    from lightning_scale.pipeline import (PipelineRuntime, ZeroPipeline, build_stage, gpt_pipeline_layers,
+                                          pipeline_cross_axis)
     from lightning_scale.zero import ZeroOptimizer
 
     torch.manual_seed(SEED)
@@ -55,7 +56,8 @@ def _build(topo, stage_id: int, overlap: bool, loss_scaler=None):
     runtime = PipelineRuntime(stage, pp_group=topo.pp_group, pp_ranks=topo.axis_ranks("pp"), loss_fn=loss64,
                               microbatches=MICRO, schedule="1f1b")
     engine = ZeroOptimizer(_optimizer(stage.parameters()), stage=stage_id, group=topo.dp_group,
-                           overlap_comm=overlap, bucket_mb=BUCKET_MB, loss_scaler=loss_scaler)
+                           overlap_comm=overlap, bucket_mb=BUCKET_MB, loss_scaler=loss_scaler,
+                           cross_axis=pipeline_cross_axis(runtime))
     return gpt, ZeroPipeline(runtime, [engine]), engine
 
 

@@ -55,21 +55,22 @@ def _reference(cfg, batches):
 def _train(topo, start, batches, stage: int, sp: bool):
     from lightning_scale.comm import collectives
     from lightning_scale.tensor_parallel import apply_tensor_parallel, consolidate_state_dict
-    from lightning_scale.tensor_parallel.zero import clip_grad_norm_zero_tp, reduce_gradients_tp
+    from lightning_scale.parallelize import cross_axis_for
     from lightning_scale.zero import ZeroOptimizer
 
     model = apply_tensor_parallel(copy.deepcopy(start), None, topo.tp_group, sequence_parallel=sp)
     opt = torch.optim.AdamW(_groups(model), lr=3e-3)
     # Small buckets: several per param group, and shards that cut through parameters.
-    engine = ZeroOptimizer(opt, stage=stage, group=topo.dp_group, bucket_mb=2000 * 8 / 2**20, overlap_comm=False)
+    engine = ZeroOptimizer(opt, stage=stage, group=topo.dp_group, bucket_mb=2000 * 8 / 2**20, overlap_comm=False,
+                           cross_axis=cross_axis_for(model, topo.tp_group))
     losses, norms = [], []
     for x, y in batches:
         dp = collectives.group_size(topo.dp_group)
         xs, ys = x.chunk(dp)[topo.dp_rank], y.chunk(dp)[topo.dp_rank]  # tp peers: the same micro-batch
         loss = model.loss(xs, ys)
         loss.backward()
-        reduce_gradients_tp(model, [engine])
-        norms.append(clip_grad_norm_zero_tp([engine], MAX_NORM, topo.tp_group).item())
+        engine.reduce_gradients()  # partial sums over tp, then over dp
+        norms.append(engine.clip_grad_norm_(MAX_NORM).item())
         opt.step()  # routed to the engine
         opt.zero_grad()
         collectives.all_reduce(mean := loss.detach().clone(), topo.dp_group)
@@ -80,9 +81,10 @@ def _train(topo, start, batches, stage: int, sp: bool):
 def _train_stage3(topo, start, batches, sp: bool):
     """ZeRO-3 over dp of each rank's tp slices: ShardedParameters + the tp-aware Stage3Optimizer."""
     from lightning_scale.comm import collectives
-    from lightning_scale.strategies.mp_engine import ModelParallelStage3Optimizer
+    from lightning_scale.parallelize import cross_axis_for, tp_full_state_dict
     from lightning_scale.tensor_parallel import apply_tensor_parallel
     from lightning_scale.zero.param_shard import ShardedParameters
+    from lightning_scale.zero.stage3_optimizer import Stage3Optimizer
 
     model = apply_tensor_parallel(copy.deepcopy(start), None, topo.tp_group, sequence_parallel=sp)
     groups = _groups(model)
@@ -90,7 +92,7 @@ def _train_stage3(topo, start, batches, sp: bool):
     sharded = ShardedParameters(model, [g["params"] for g in groups], group=topo.dp_group,
                                 unit_modules=["Block"])
     sharded.shard_model()
-    engine = ModelParallelStage3Optimizer(opt, sharded, tp_group=topo.tp_group, model=model)
+    engine = Stage3Optimizer(opt, sharded, cross_axis=cross_axis_for(model, topo.tp_group))
     losses, norms = [], []
     for x, y in batches:
         dp = collectives.group_size(topo.dp_group)
@@ -102,9 +104,7 @@ def _train_stage3(topo, start, batches, sp: bool):
         opt.zero_grad()
         collectives.all_reduce(mean := loss.detach().clone(), topo.dp_group)
         losses.append(mean.item() / dp)
-    from lightning_scale.strategies.tp_glue import full_state_dict
-
-    full = full_state_dict(model, "", model, values=sharded.full_state_dict(dtype=None))
+    full = tp_full_state_dict(model, "", model, values=sharded.full_state_dict(dtype=None))
     order = list(model.state_dict(keep_vars=True))
     return {k: full[k] for k in order}, losses, norms, len(engine.buckets)
 
@@ -139,16 +139,16 @@ def _sp_overlap_worker(rank: int, world_size: int):
     from lightning_scale.config import ConfigError
     from lightning_scale.models import GPT
     from lightning_scale.tensor_parallel import apply_tensor_parallel
-    from lightning_scale.tensor_parallel.zero import check_zero_tp
+    from lightning_scale.parallelize import cross_axis_for
     from lightning_scale.topology import Topology
     from lightning_scale.zero import ZeroOptimizer
 
     topo = Topology(dp=2, tp=2, rank=rank).build_groups()
     torch.manual_seed(0)
     model = apply_tensor_parallel(GPT(_cfg()).double(), None, topo.tp_group, sequence_parallel=True)
-    engine = ZeroOptimizer(torch.optim.AdamW(model.parameters()), stage=2, group=topo.dp_group, overlap_comm=True)
     try:
-        check_zero_tp(model, [engine])
+        ZeroOptimizer(torch.optim.AdamW(model.parameters()), stage=2, group=topo.dp_group, overlap_comm=True,
+                      cross_axis=cross_axis_for(model, topo.tp_group))
     except ConfigError as err:
         return str(err)
     return None
@@ -159,7 +159,7 @@ def _overflow_worker(rank: int, world_size: int):
     from lightning_scale.config import LossScaleConfig
     from lightning_scale.models import GPT, make_batch
     from lightning_scale.tensor_parallel import apply_tensor_parallel
-    from lightning_scale.tensor_parallel.zero import clip_grad_norm_zero_tp, reduce_gradients_tp
+    from lightning_scale.parallelize import cross_axis_for
     from lightning_scale.topology import Topology
     from lightning_scale.zero import ZeroOptimizer
     from lightning_scale.zero.precision import DynamicLossScaler
@@ -169,14 +169,15 @@ def _overflow_worker(rank: int, world_size: int):
     model = apply_tensor_parallel(GPT(_cfg()).double(), None, topo.tp_group)
     scaler = DynamicLossScaler(LossScaleConfig(initial_scale=1.0))
     opt = torch.optim.AdamW(model.parameters())
-    engine = ZeroOptimizer(opt, stage=1, group=topo.dp_group, loss_scaler=scaler, overlap_comm=False)
+    engine = ZeroOptimizer(opt, stage=1, group=topo.dp_group, loss_scaler=scaler, overlap_comm=False,
+                           cross_axis=cross_axis_for(model, topo.tp_group))
     x, y = make_batch(_cfg(), 2, seed=3)
     model.loss(x, y).backward()
     if topo.tp_rank == 1 and topo.dp_rank == 0:
         next(model.parameters()).grad.view(-1)[0] = float("inf")
     before = [p.detach().clone() for p in model.parameters()]
-    reduce_gradients_tp(model, [engine])
-    norm = clip_grad_norm_zero_tp([engine], 1.0, topo.tp_group).item()
+    engine.reduce_gradients()
+    norm = engine.clip_grad_norm_(1.0).item()
     opt.step()
     same = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
     return norm, same, scaler.skipped_steps
@@ -221,9 +222,12 @@ def test_overflow_on_one_tp_rank_skips_the_step_everywhere(results):
 
 def test_shard_norm_weights_count_replicated_params_on_tp_rank_zero_only():
     """Pure: the masks follow the slots and the shard range (no processes)."""
-    from lightning_scale.tensor_parallel.sharding import make_spec, mark_sharded
-    from lightning_scale.tensor_parallel.zero import shard_norm_weights
+    from lightning_scale.tensor_parallel.sharding import make_spec, mark_sharded, tp_replicated
     from lightning_scale.zero.flat_buffer import build_buckets
+    from lightning_scale.zero.model_parallel import norm_mask
+
+    def shard_norm_weights(bucket, shard, tp_rank):  # the one cross-axis module's mask, with tp's predicate
+        return norm_mask(bucket, shard, tp_rank, replicated=tp_replicated)
 
     sharded, replicated = torch.nn.Parameter(torch.zeros(4, 2)), torch.nn.Parameter(torch.zeros(3))
     mark_sharded(sharded, make_spec(0, 8, 2))

@@ -49,7 +49,8 @@ def test_zero1_onebit_checkpoint_resumes_identically(tmp_path):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--strategy", "zero2", "--clip", "0.5"], "cannot clip by the global gradient norm"),
+    # refused at setup (before any step), naming the Trainer flag
+    (["--strategy", "zero2", "--clip", "0.5"], "gradient_clip_val=0.5: OneBitAdam with zero.stage=2 cannot clip"),
     (["--option", "stage=3"], "zero.stage=3"),
 ])
 def test_onebit_zero_bad_settings_fail_clearly(tmp_path, args, message):

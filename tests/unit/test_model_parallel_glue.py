@@ -45,9 +45,12 @@ def test_hydra_tensor_plan_override_reaches_the_config():
 
 
 def test_norm_mask_counts_replicated_on_tp_rank_zero_and_skips_excluded():
-    from lightning_scale.strategies.mp_engine import norm_mask
-    from lightning_scale.tensor_parallel.sharding import make_spec, mark_sharded
+    from lightning_scale.tensor_parallel.sharding import make_spec, mark_sharded, tp_replicated
     from lightning_scale.zero.flat_buffer import build_buckets
+    from lightning_scale.zero.model_parallel import norm_mask as _norm_mask
+
+    def norm_mask(bucket, shard, tp_rank, exclude_ids=frozenset()):  # the one cross-axis module, tp's predicate
+        return _norm_mask(bucket, shard, tp_rank, replicated=tp_replicated, exclude_ids=exclude_ids)
 
     sharded, replicated, tied = (torch.nn.Parameter(torch.zeros(4, 2)), torch.nn.Parameter(torch.zeros(3)),
                                  torch.nn.Parameter(torch.zeros(2)))
@@ -64,15 +67,15 @@ def test_norm_mask_counts_replicated_on_tp_rank_zero_and_skips_excluded():
 
 def test_zero3_composes_with_tp_or_pp_but_not_both_nor_zero_bubble():
     from lightning_scale.config import ConfigError, from_flat_kwargs
-    from lightning_scale.strategies.model_parallel import ModelParallel
+    from lightning_scale.parallelize import check_config
 
     with pytest.raises(ConfigError, match="zero.stage=3 with pp=2 and tp=2"):
-        ModelParallel.check_config(from_flat_kwargs(stage=3, tp=2, pp=2))
+        check_config(from_flat_kwargs(stage=3, tp=2, pp=2))
     with pytest.raises(ConfigError, match="pipeline.schedule='zero_bubble'"):
-        ModelParallel.check_config(from_flat_kwargs(stage=3, pp=2, schedule="zero_bubble"))
-    ModelParallel.check_config(from_flat_kwargs(stage=3, tp=2))  # ZeRO-3 x tp
-    ModelParallel.check_config(from_flat_kwargs(stage=3, pp=2))  # ZeRO-3 x pp
-    ModelParallel.check_config(from_flat_kwargs(stage=2, tp=2, pp=2))
+        check_config(from_flat_kwargs(stage=3, pp=2, schedule="zero_bubble"))
+    check_config(from_flat_kwargs(stage=3, tp=2))  # ZeRO-3 x tp
+    check_config(from_flat_kwargs(stage=3, pp=2))  # ZeRO-3 x pp
+    check_config(from_flat_kwargs(stage=2, tp=2, pp=2))
 
 
 def test_pipeline_contract_errors():
