@@ -177,6 +177,7 @@ def apply_tp(pm: ParallelModel) -> None:
     """Split the module over the tp group with its plan (``tensor.plan`` or the model's built-in one)."""
     if pm.config.tp <= 1:
         return
+    import lightning_scale.models  # noqa: F401  (registers the model adapters: litgpt, Hugging Face)
     from lightning_scale.tensor_parallel import apply_tensor_parallel, find_plannable_module
 
     plan = pm.config.tensor.plan
@@ -193,6 +194,7 @@ def apply_pipeline(pm: ParallelModel, loss_fn: Optional[Callable] = None, timeou
     """Cut this rank's pipeline stage (and, on ``meta``, allocate only it)."""
     if pm.config.pp <= 1:
         return
+    import lightning_scale.models  # noqa: F401  (registers the model adapters' layer providers)
     from lightning_scale.pipeline.placement import PipelinePlacement
 
     pm.pipeline = PipelinePlacement(pm.module, pm.config, pm.topology, loss_fn=loss_fn, timeout=timeout,
