@@ -1,0 +1,42 @@
+"""fit_gpt.py with the training data in the same order on one device as on several.
+
+ByteCorpusDataModule(shuffle=False) inserts an unshuffled DistributedSampler only when world_size > 1; on one
+device under a distributed strategy Lightning then inserts its own, shuffled, one. A checkpoint resharded from dp=2
+to dp=1 must see the batches the uninterrupted dp=2 run saw, so this wrapper inserts the unshuffled sampler at
+world size 1 too (drop it once the data module does this itself).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from torch.utils.data import DataLoader, DistributedSampler
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import fit_gpt  # noqa: E402
+from lightning_scale.lit import ByteCorpusDataModule  # noqa: E402
+
+_original = ByteCorpusDataModule.train_dataloader
+
+
+def _train_dataloader(self) -> DataLoader:
+    trainer = self.trainer
+    if not self.shuffle and trainer is not None and trainer.world_size == 1 and \
+            type(trainer.strategy).__name__ != "SingleDeviceStrategy":
+        sampler = DistributedSampler(self.train_set, shuffle=False, **trainer.distributed_sampler_kwargs)
+        return DataLoader(self.train_set, batch_size=self.batch_size, sampler=sampler, drop_last=True,
+                          num_workers=self.num_workers)
+    return _original(self)
+
+
+ByteCorpusDataModule.train_dataloader = _train_dataloader
+
+if __name__ == "__main__":
+    fit_gpt.main()
+    import torch
+
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()

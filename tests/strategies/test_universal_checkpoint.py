@@ -1,0 +1,93 @@
+"""Zero3DStrategy(checkpoint_format="universal"): save on one layout, resume on another (issue 13, build 1-2).
+
+One saving run (zero.stage=2, dp=2, 6 steps, a checkpoint after every 2-step epoch) is shared by the tests: its
+step-2 checkpoint is resumed on the same layout (bit-identical losses), on dp=1 and at stage 3 dp=2; the stage-3
+run's own step-4 checkpoint is resumed at stage 1 dp=2. Every resumed loss is compared with the uninterrupted
+run's (float32; 1e-5 where the dp size changes the reduction order). 5 Trainer launches in all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+from lightning_scale import ConfigError, Zero3DStrategy
+from lightning_scale.checkpoint import dcp_format
+from lightning_scale.testing import run_script
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "fit_universal.py")
+ARGS = ["--steps", "6", "--epoch-batches", "2", "--no-predict", "--option", "checkpoint_format=universal"]
+TOL = 1e-5
+
+
+def fit(tmp, name, *args, timeout=240):
+    out = tmp / f"{name}.json"
+    proc = run_script([sys.executable, SCRIPT, "--out", str(out), *ARGS, *args], timeout=timeout, cwd=tmp)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """The uninterrupted zero.stage=2 dp=2 run and its checkpoint folder (steps 2, 4, 6)."""
+    tmp = tmp_path_factory.mktemp("universal")
+    run = fit(tmp, "full", "--devices", "2", "--option", "stage=2", "--ckpt-dir", str(tmp / "ckpt"))
+    assert len(run["losses"]) == 6
+    return tmp, run
+
+
+def _close(resumed, expected, tol=TOL):
+    assert len(resumed) == len(expected), (resumed, expected)
+    assert max(abs(a - b) for a, b in zip(resumed, expected)) <= tol, (resumed, expected)
+
+
+def test_saved_folder_is_the_layout_free_format(saved):
+    tmp, _ = saved
+    path = tmp / "ckpt" / "epoch=0-step=2.ckpt"
+    assert dcp_format.detect_format(str(path)) == "dcp"
+    _, meta, md = dcp_format.open_checkpoint(str(path))
+    assert meta["step"] == 2 and meta["layout"]["stage"] == 2 and meta["layout"]["dp"] == 2
+    keys = set(md.state_dict_metadata)
+    # original names and shapes, whole-model optimizer state, Lightning's loop state as an extra
+    assert tuple(md.state_dict_metadata["model/model.blocks.0.attn.qkv.weight"].size) == (96, 32)
+    assert {"optim/model.wte.weight/exp_avg", "optim/model.wte.weight/exp_avg_sq",
+            "optim/model.wte.weight/step", "extra/lightning", "extra/engines"} <= keys
+    assert not any(k.startswith("master/") for k in keys)  # 32-true: the masters are the weights
+
+
+def test_same_layout_resume_is_bit_identical(saved):
+    tmp, full = saved
+    resumed = fit(tmp, "same", "--devices", "2", "--option", "stage=2",
+                  "--resume", str(tmp / "ckpt" / "epoch=0-step=2.ckpt"))
+    assert resumed["losses"] == full["losses"][2:]
+
+
+def test_reshard_dp2_to_dp1(saved):
+    tmp, full = saved
+    resumed = fit(tmp, "dp1", "--devices", "1", "--option", "stage=2",
+                  "--resume", str(tmp / "ckpt" / "epoch=0-step=2.ckpt"))
+    assert resumed["world"] == 1
+    _close(resumed["losses"], full["losses"][2:])
+
+
+def test_reshard_stage2_to_stage3_and_stage3_to_stage1(saved):
+    tmp, full = saved
+    s3 = fit(tmp, "stage3", "--devices", "2", "--option", "stage=3", "--ckpt-dir", str(tmp / "ckpt3"),
+             "--resume", str(tmp / "ckpt" / "epoch=0-step=2.ckpt"))
+    assert s3["engines"] == ["Stage3Optimizer"]
+    _close(s3["losses"], full["losses"][2:])
+    step4 = tmp / "ckpt3" / "epoch=1-step=4.ckpt"
+    assert dcp_format.open_checkpoint(str(step4))[1]["layout"]["stage"] == 3
+    s1 = fit(tmp, "stage1", "--devices", "2", "--option", "stage=1", "--resume", str(step4))
+    assert s1["engines"] == ["ZeroOptimizer"]
+    _close(s1["losses"], full["losses"][4:])
+
+
+def test_bad_checkpoint_format_is_named():
+    with pytest.raises(ConfigError, match="checkpoint_format='dcp'"):
+        Zero3DStrategy(checkpoint_format="dcp")
+    assert Zero3DStrategy(stage=1, checkpoint_format="universal").restore_checkpoint_after_setup
+    assert not Zero3DStrategy(stage=1).restore_checkpoint_after_setup
