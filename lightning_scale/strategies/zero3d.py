@@ -312,6 +312,8 @@ class Zero3DStrategy(GridStrategyMixin, ParallelStrategy):
 
     # ------------------------------------------------------------------ checkpoints
     def optimizer_state(self, optimizer: Any) -> Dict[str, Any]:
+        if self.config.checkpoint_format == "universal":
+            return {}  # save_checkpoint streams the engines' pieces: no cloned copy of every master here
         engine = self._engine(optimizer)
         return engine.state_dict() if engine is not None else optimizer.state_dict()
 
