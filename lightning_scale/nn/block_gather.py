@@ -176,6 +176,7 @@ class _Blocks:
 
 
 def _write(dst: torch.Tensor, chunk: Chunk, src: torch.Tensor) -> None:
+    src = src.to(dst.dtype)  # e.g. bf16 / fp16 rows into the fp32 log-sum-exp buffer (index_copy_ needs one dtype)
     if chunk.start >= 0:
         dst[chunk.start : chunk.start + chunk.rows.numel()] = src
     else:

@@ -175,8 +175,5 @@ def test_every_option_trains_somewhere(tmp_path, combo):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.xfail(strict=True, reason="known bug (nn/block_gather.py _write): under bf16-mixed autocast the sparse "
-                   "attention's float32 output buffer receives bf16 blocks (index_copy_ dtype mismatch) at step 1; "
-                   "passes the pre-training checks, so it must train once fixed (then drop this mark)")
 def test_bf16_mixed_with_sparse_attention_trains(tmp_path):
     _train(tmp_path, ("zero2", "adamw", "bf16", "longformer", "gpt_tiny"))
