@@ -261,6 +261,10 @@ def _check_layout(config: ParallelConfig, model: GPTConfig, cfg: DictConfig) -> 
     split the per-rank batch."""
     if model.n_head % config.tp:
         raise ConfigError(f"tp={config.tp} does not divide model.n_head={model.n_head}")
+    if config.tp > 1 and cfg.attention is not None:
+        raise ConfigError(f"tp={config.tp} with a block-sparse attention layout: not supported yet (the layout covers "
+                          f"all {model.n_head} heads, each tp rank holds {model.n_head // config.tp}); use attention=dense "
+                          "with tensor parallelism, or strategy tp=1", settings=("tp",))
     stages, layers = config.pp * config.pipeline.virtual_stages, model.n_layer + 2  # embedding + blocks + head
     if config.pp > 1 and stages > layers:
         raise ConfigError(f"pp={config.pp} x pipeline.virtual_stages={config.pipeline.virtual_stages} = {stages} "
