@@ -69,7 +69,10 @@ def install(strategy: Any, trainer: "pl.Trainer", config: Optional[DiagnosticsCo
         wd = Watchdog(default_store(), dist.get_rank(), dist.get_world_size(), cfg,
                       children=_children(strategy)).start()
     strategy._ls_watchdog = wd
-    if not any(isinstance(cb, DiagnosticsCallback) for cb in trainer.callbacks):
+    existing = [cb for cb in trainer.callbacks if isinstance(cb, DiagnosticsCallback)]
+    if existing:  # installed again (validate after fit, or a subclass with its own config): the latest config wins
+        existing[0].strategy, existing[0].config = strategy, cfg
+    else:
         trainer.callbacks.append(DiagnosticsCallback(strategy, cfg))
     return wd
 
