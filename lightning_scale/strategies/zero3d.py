@@ -31,6 +31,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from lightning_scale.config import (FLAT, PRESETS, ConfigError, ParallelConfig, check_trainer_flags, from_flat_kwargs,
                                     speaking)
+from lightning_scale.materialize import has_meta
 from lightning_scale.parallelize import ParallelModel, check_config, parallelize
 from lightning_scale.strategies import diagnostics_glue
 from lightning_scale.strategies.common import GridStrategyMixin
@@ -409,7 +410,9 @@ class Zero3DStrategy(GridStrategyMixin, ParallelStrategy):
     def _teardown(self) -> None:
         for engine in self.engines:
             engine.remove_hooks()
-        if self.sharded is not None:
+        # A model still on meta (setup refused a setting before sharding) must not be moved: that secondary
+        # "Cannot copy out of meta tensor" would bury the first error.
+        if self.sharded is not None or (self.model is not None and has_meta(self.model, recurse=True)):
             # ZeRO-3 keeps its hooks (validate/test/predict after fit gather through them) and does not move the
             # module to the CPU: its parameters are views of freed buffers; the shards stay where they are.
             assert self.cluster_environment is not None

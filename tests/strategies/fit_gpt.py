@@ -48,6 +48,10 @@ class MissingParamGPT(GPTLightningModule):
 class NoLayersGPT(GPTLightningModule):
     pipeline_layers = None  # exposes no layer sequence for pipeline parallelism
 
+    def configure_model(self) -> None:
+        super().configure_model()
+        self.model.pipeline_layers = None  # nor does the GPT inside (layer discovery searches submodules)
+
 
 class FailingGPT(GPTLightningModule):
     def __init__(self, fail_rank: int, **kw) -> None:

@@ -50,8 +50,8 @@ def test_zero1_onebit_checkpoint_resumes_identically(tmp_path):
 
 @pytest.mark.parametrize("args,message", [
     # refused at setup (before any step), naming the Trainer flag
-    (["--strategy", "zero2", "--clip", "0.5"], "gradient_clip_val=0.5: OneBitAdam with zero.stage=2 cannot clip"),
-    (["--option", "stage=3"], "zero.stage=3"),
+    (["--strategy", "zero2", "--clip", "0.5"], "gradient_clip_val=0.5: OneBitAdam with stage=2 cannot clip"),
+    (["--option", "stage=3"], "stage=3: OneBitAdam supports ZeRO stages"),
 ])
 def test_onebit_zero_bad_settings_fail_clearly(tmp_path, args, message):
     proc, elapsed = fit(tmp_path, "bad", *ONEBIT, "--freeze-step", "1", *args, timeout=120, expect_ok=False)

@@ -75,7 +75,7 @@ def test_pp2_checkpoint_resume_gives_identical_losses(tmp_path):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("args,message", [
     (["--devices", "2", "--option", "pp=2", "--option", "virtual_stages=2", "--option", "schedule=interleaved_1f1b",
-      "--layers", "1"], "pp=2 x pipeline.virtual_stages=2 = 4 stages but the model exposes only 3 layers"),
+      "--layers", "1"], "pp=2 x virtual_stages=2 = 4 stages but the model exposes only 3 layers"),
     (["--devices", "2", "--option", "pp=2", "--option", "microbatches=3"],
      "pipeline.microbatches=3 does not divide the batch size 8"),
     (["--devices", "2", "--option", "pp=2", "--no-layers"], "exposes no layer sequence"),
