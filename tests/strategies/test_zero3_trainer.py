@@ -53,12 +53,12 @@ def test_stage3_resume_is_identical_and_consolidated_file_loads_into_plain_model
 
 
 @pytest.mark.parametrize("options,message", [
-    ({"stage": 3, "prefetch_depth": -1}, "zero.prefetch_depth=-1 must be >= 0"),
-    ({"stage": 3, "persistent_threshold": -5}, "zero.persistent_threshold=-5 must be >= 0"),
+    ({"stage": 3, "prefetch_depth": -1}, "prefetch_depth=-1 must be >= 0"),
+    ({"stage": 3, "persistent_threshold": -5}, "persistent_threshold=-5 must be >= 0"),
     ({"stage": 2, "offload": "nvme"}, "offload='nvme'"),
-    ({"stage": 2, "offload": {"optimizer": "cuda:7"}}, "offload.optimizer='cuda:7'"),
-    ({"stage": 2, "offload": "params"}, "offload.params='cpu' needs zero.stage=3"),
-    ({"stage": 0, "offload": "optimizer"}, "needs zero.stage >= 1"),
+    ({"stage": 2, "offload": {"optimizer": "cuda:7"}}, "offload='cuda:7': must be one of none, cpu"),
+    ({"stage": 2, "offload": "params"}, "parameter offload needs stage=3"),
+    ({"stage": 0, "offload": "optimizer"}, "optimizer offload needs stage >= 1"),
 ])
 def test_bad_stage3_and_offload_settings_raise_at_construction(options, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -70,6 +70,6 @@ def test_unit_class_matching_nothing_fails_fast_on_every_rank(tmp_path):
                         "--option", "unit_modules=('NoSuchBlock',)", timeout=120, expect_ok=False)
     assert proc.returncode != 0
     out = proc.stdout + proc.stderr
-    assert "zero.unit_modules entry 'NoSuchBlock' matches no module class or name" in out, out[-3000:]
+    assert "unit_modules entry 'NoSuchBlock' matches no module class or name" in out, out[-3000:]
     assert "Block" in out  # the message lists the classes it could have meant
     assert elapsed < 90
