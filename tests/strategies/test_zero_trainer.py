@@ -78,7 +78,7 @@ def test_errors_reach_every_rank_without_hang(tmp_path, args, message):
 
 @pytest.mark.parametrize("kwargs,message", [
     (dict(stgae=1), "unknown option 'stgae'"),
-    (dict(stage=7), "zero.stage=7"),
+    (dict(stage=7), "stage=7: must be one of 0, 1, 2, 3"),
     (dict(precision="8-mixed"), "precision='8-mixed'"),
     (dict(offload="nvme"), "offload='nvme'"),
 ])
