@@ -149,7 +149,7 @@ def _plan(args, kw, systems, world) -> str:
              f"  FLOPs/token {fpt / 1e9:.2f} GFLOP (6N + 12 L h T); MFU peak {args.peak_tflops:g} TFLOP/s per GPU",
              f"  rows: {', '.join(systems)}; {args.rounds} rounds x ({args.warmup} warmup + {args.steps} timed) steps, "
              f"order rotated per round",
-             f"  peers: " + ", ".join(f"{s} vs {p}" + (f" (>= {t}x)" if t else "") for s, (p, t) in PEERS.items()),
+             "  peers: " + ", ".join(f"{s} vs {p}" + (f" (>= {t}x)" if t else "") for s, (p, t) in PEERS.items()),
              f"  output: {args.out}/gpu_models.json, .md"]
     return "\n".join(lines)
 
