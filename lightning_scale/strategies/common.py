@@ -62,6 +62,16 @@ class GridStrategyMixin:
     def pp_rank(self) -> int:
         return self.topology.pp_rank if self.topology is not None else 0
 
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Every preset of ``lightning_scale.config.PRESETS`` under its name (the Trainer's or Fabric's registry)."""
+        from lightning_scale.config import PRESETS
+
+        for name, (kwargs, description) in PRESETS.items():
+            if name in strategy_registry:
+                continue
+            strategy_registry.register(name, cls, description=description, **kwargs)
+
     # ---------------------------------------------------------------- object collectives
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         if dist.is_available() and dist.is_initialized():

@@ -31,7 +31,7 @@ from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.precision import Precision as FabricPrecision
-from lightning.fabric.strategies import ParallelStrategy, _StrategyRegistry
+from lightning.fabric.strategies import ParallelStrategy
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.distributed import (
@@ -41,7 +41,7 @@ from lightning.fabric.utilities.distributed import (
 )
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 
-from lightning_scale.config import PRESETS, ConfigError, LossScaleConfig, ParallelConfig, from_flat_kwargs
+from lightning_scale.config import ConfigError, LossScaleConfig, ParallelConfig, from_flat_kwargs
 from lightning_scale.materialize import has_meta
 from lightning_scale.parallelize import ParallelModel, check_config, parallelize
 from lightning_scale.strategies import stage3 as _stage3
@@ -344,11 +344,4 @@ class Zero3DFabricStrategy(GridStrategyMixin, ParallelStrategy):
         for engine in self.engines:
             engine.remove_hooks()
         super().teardown()
-
-    @classmethod
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        for name, (kwargs, description) in PRESETS.items():
-            if name in strategy_registry:
-                continue
-            strategy_registry.register(name, cls, description=description, **kwargs)
 

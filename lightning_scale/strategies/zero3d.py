@@ -19,7 +19,6 @@ from typing import Any, Dict, Generator, List, Literal, Mapping, Optional, Union
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
 from lightning.fabric.utilities.distributed import _init_dist_connection, _sync_ddp_if_available
 from lightning.fabric.utilities.seed import reset_seed
@@ -29,7 +28,7 @@ from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-from lightning_scale.config import (FLAT, PRESETS, ConfigError, ParallelConfig, check_trainer_flags, from_flat_kwargs,
+from lightning_scale.config import (FLAT, ConfigError, ParallelConfig, check_trainer_flags, from_flat_kwargs,
                                     speaking)
 from lightning_scale.materialize import has_meta
 from lightning_scale.parallelize import ParallelModel, check_config, parallelize
@@ -423,10 +422,3 @@ class Zero3DStrategy(GridStrategyMixin, ParallelStrategy):
             self.checkpoint_io.teardown()
             return
         super().teardown()
-
-    @classmethod
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        for name, (kwargs, description) in PRESETS.items():
-            if name in strategy_registry:
-                continue
-            strategy_registry.register(name, cls, description=description, **kwargs)
