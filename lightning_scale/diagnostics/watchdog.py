@@ -175,14 +175,25 @@ class Watchdog:
         self._exiting = code
         try:
             self.store.set(f"bye/{self.rank}", "1")
+            deadline = time.monotonic() + _ACK_WAIT_S
             if self.rank == 0:
-                deadline = time.monotonic() + _ACK_WAIT_S
                 keys = [f"bye/{r}" for r in range(1, self.world)]
                 while keys and time.monotonic() < deadline and not self.store.check(keys):
                     time.sleep(0.05)
+            if code == EXIT_HANG and not trace.RECORD.wait_seq:
+                self._let_blocked_ranks_leave_first(deadline)
         except Exception:  # noqa: BLE001 - the store is gone: nothing left to wait for
             pass
         self._exit(code)
+
+    def _let_blocked_ranks_leave_first(self, deadline: float) -> None:
+        """A rank that is not inside a collective waits (until ``deadline``) for the ranks on this host that are
+        blocked in one to exit: its own exit would close their connections, and their main threads would then
+        fail with a transport error before their watchdogs exit with EXIT_HANG."""
+        blocked = [hb for r, hb in self._heartbeats().items() if r != self.rank and hb.get("wait_seq")]
+        for hb in blocked:
+            while time.monotonic() < deadline and report.pid_state(hb["pid"], hb["host"]) == "alive":
+                time.sleep(0.02)
 
     def _kill_unresponsive(self, hbs: Dict[int, Dict]) -> None:
         """Ranks on this host that never acknowledged (a frozen interpreter): SIGKILL, so nothing is left."""
@@ -241,6 +252,8 @@ class Watchdog:
         :class:`PeerFailedError` to raise instead (the survivors name the root cause, not the transport)."""
         if isinstance(exc, (PeerFailedError, KeyboardInterrupt, SystemExit)):
             return None
+        if self._hang_declared():
+            self._await_own_exit()  # a hang is being reported: this error is its consequence, the watchdog exits
         if getattr(exc, "raised_on_every_rank", False):  # an agreed decision (NumericsError): each rank reports it
             self._stop_deadline = time.monotonic() + self.config.stop_timeout
             return None
@@ -252,6 +265,20 @@ class Watchdog:
             return None
         self._stop_deadline = time.monotonic() + self.config.stop_timeout  # bounded teardown
         return PeerFailedError(f"{earlier} (rank {self.rank} stopped because of it)")
+
+    def _hang_declared(self) -> bool:
+        if self._exiting is not None:
+            return True
+        try:
+            return self.store.check(["abort"]) and (report.loads(self.store.get("abort")) or {}).get("kind") == "hang"
+        except Exception:  # noqa: BLE001 - the store is gone
+            return False
+
+    def _await_own_exit(self) -> None:
+        """Block the main thread while the monitor thread reports the hang and exits the process (bounded)."""
+        deadline = time.monotonic() + 3 * _ACK_WAIT_S + 2 * self.config.heartbeat_interval
+        while time.monotonic() < deadline and self._thread is not None and self._thread.is_alive():
+            time.sleep(0.05)
 
     @contextlib.contextmanager
     def guard(self) -> Iterator["Watchdog"]:
