@@ -180,3 +180,93 @@ def after_load_(engine, missing: Sequence[str], names: Mapping[int, str]) -> Non
     weights = [k for k in missing if k.split("/", 1)[0] in WEIGHT_SOURCES and k.split("/", 1)[1] in mine]
     if weights:
         raise CheckpointError(f"the checkpoint has no weights for {weights[:3]} ({len(weights)} missing)")
+
+
+# ----------------------------------------------------------------------------------------------- whole-model save / load
+# What the Trainer strategy (checkpoint_format="universal"), the Fabric strategy and a plain torch.distributed script
+# (parallelize + make_engines) all write: the engines' pieces, the module tensors no engine owns, and per engine its
+# loss scaler and param-group hyperparameters as ``extra/engines``. torch only.
+def param_names(module) -> Dict[int, str]:
+    """id(param) -> its first name in ``module`` (a tied parameter is checkpointed once, under that name)."""
+    names: Dict[int, str] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), name)
+    return names
+
+
+def owned_ids(engines) -> Set[int]:
+    return {id(slot.param) for e in engines for st in e.reducer.states for slot in st.bucket.slots}
+
+
+def module_pieces(module, engines, tp_rank: int = 0, names_only=None) -> list:
+    """``model/<name>`` pieces of what the engines do not hold: persistent buffers, frozen parameters. Another
+    pipeline stage's freed parameters (0 elements) are skipped: their owner writes them."""
+    owned = owned_ids(engines)
+    out = []
+    for name, t in module.state_dict(keep_vars=True).items():
+        if id(t) in owned or not torch.is_tensor(t) or t.numel() == 0 or t.is_meta:
+            continue
+        if names_only is None or name in names_only:
+            out.append(tensor_pieces(f"model/{name}", t, tp_rank))
+    return out
+
+
+def checkpoint_states(md) -> Dict[str, "tuple[torch.dtype, bool]"]:
+    """Optimizer state names a checkpoint's DCP metadata holds -> (dtype, is 0-d), for the engines to allocate."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    states: Dict[str, tuple] = {}
+    for key, tmd in md.state_dict_metadata.items():
+        if key.startswith("optim/") and isinstance(tmd, TensorStorageMetadata):
+            states.setdefault(key.rsplit("/", 1)[1], (tmd.properties.dtype, len(tmd.size) == 0))
+    return states
+
+
+def save_engines(path: str, module, engines, *, tp_rank: int = 0, extras: Optional[Mapping] = None,
+                 meta: Optional[Mapping] = None, with_optimizer: bool = True, group=None, saver=None) -> None:
+    """Collective: ``module``'s engines and unowned tensors (and rank 0's ``extras``) to the layout-free folder
+    ``path``. ``saver``: an :class:`~.async_save.AsyncSaver` (returns after the snapshot) instead of a blocking
+    write."""
+    from lightning_scale.checkpoint import dcp_format
+
+    names = param_names(module)
+    pieces = [p for e in engines for p in e.named_pieces(names) if with_optimizer or not p.key.startswith("optim/")]
+    pieces += module_pieces(module, engines, tp_rank)
+    extras = dict(extras or {})
+    extras["engines"] = [{"loss_scaler": e.loss_scaler.state_dict(),
+                          "user_param_groups": [{k: v for k, v in g.items() if k != "params"}
+                                                for g in e.optimizer.param_groups]} for e in engines]
+    if saver is not None:
+        saver.save(path, pieces, extras, meta=dict(meta or {}))
+    else:
+        dcp_format.save(path, pieces, extras, meta=dict(meta or {}), group=group)
+
+
+def load_engines(path: str, module, engines, *, tp_rank: int = 0, extra_keys: Sequence[str] = (), group=None):
+    """Collective: fill this layout's engines (weights into the masters, optimizer state, loss scaler, param-group
+    hyperparameters) and ``module``'s unowned tensors from the layout-free checkpoint ``path`` (any layout wrote
+    it). Returns the :class:`~.dcp_format.LoadResult` (``extras`` holds ``extra/<k>`` for ``extra_keys``)."""
+    from lightning_scale.checkpoint import dcp_format
+
+    path, _, md = dcp_format.open_checkpoint(path)
+    names = param_names(module)
+    weights_from = "master" if any(k.startswith("master/") for k in md.state_dict_metadata) else "model"
+    for e in engines:
+        e.allocate_state_(checkpoint_states(md))
+    pieces = [p for e in engines for p in e.named_pieces(names, weights_from)]
+    pieces += module_pieces(module, engines, tp_rank)
+    res = dcp_format.load(path, pieces, extra_keys=list(extra_keys) + ["engines"], strict=False, group=group)
+    trainable = {names[i] for i in owned_ids(engines)}
+    buffers = [k for k in res.missing if k.startswith("model/") and k[len("model/"):] not in trainable]
+    if buffers:
+        raise CheckpointError(f"{path} has no {buffers[:5]} ({len(buffers)} module tensors missing)")
+    for e in engines:
+        e.after_load_(res.missing, names)
+    saved = res.extras["extra/engines"]
+    if len(saved) != len(engines):
+        raise CheckpointError(f"{path} was written with {len(saved)} optimizer(s); this run has {len(engines)}")
+    for e, s in zip(engines, saved):
+        e.loss_scaler.load_state_dict(s["loss_scaler"])
+        for g, hyper in zip(e.optimizer.param_groups, s["user_param_groups"]):
+            g.update(hyper)
+    return res

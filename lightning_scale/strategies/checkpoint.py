@@ -79,30 +79,15 @@ _SKIP = ("state_dict", "optimizer_states")
 
 
 def param_names(module) -> Dict[int, str]:
-    """id(param) -> its first name in ``module`` (a tied parameter is checkpointed once, under that name)."""
-    names: Dict[int, str] = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), name)
-    return names
+    from lightning_scale.checkpoint.engine_pieces import param_names as names
 
-
-def _owned_ids(engines) -> set:
-    return {id(slot.param) for e in engines for st in e.reducer.states for slot in st.bucket.slots}
+    return names(module)
 
 
 def module_pieces(module, engines, tp_rank: int, names_only=None) -> List[Any]:
-    """``model/<name>`` pieces of what the engines do not hold: persistent buffers, frozen parameters. Another
-    pipeline stage's freed parameters (0 elements) are skipped: their owner writes them."""
-    from lightning_scale.checkpoint.engine_pieces import tensor_pieces
+    from lightning_scale.checkpoint.engine_pieces import module_pieces as pieces
 
-    owned = _owned_ids(engines)
-    out = []
-    for name, t in module.state_dict(keep_vars=True).items():
-        if id(t) in owned or not torch.is_tensor(t) or t.numel() == 0 or t.is_meta:
-            continue
-        if names_only is None or name in names_only:
-            out.append(tensor_pieces(f"model/{name}", t, tp_rank))
-    return out
+    return pieces(module, engines, tp_rank, names_only)
 
 
 def _layout(strategy) -> Dict[str, Any]:
@@ -125,20 +110,14 @@ def _check_engines(strategy) -> None:
 def save_universal(strategy, checkpoint: Dict[str, Any], path: str) -> None:
     """Collective: Lightning's ``checkpoint`` (its state_dict / optimizer_states are not used: the engines' pieces
     replace them) to the layout-free folder ``path``."""
-    from lightning_scale.checkpoint import dcp_format
+    from lightning_scale.checkpoint.engine_pieces import save_engines
 
     _check_engines(strategy)
-    module, engines = strategy.lightning_module, strategy.engines
-    names = param_names(module)
     weights_only = "optimizer_states" not in checkpoint  # ModelCheckpoint(save_weights_only=True)
-    pieces = [p for e in engines for p in e.named_pieces(names) if not (weights_only and p.key.startswith("optim/"))]
-    pieces += module_pieces(module, engines, _tp_rank(strategy))
-    extras = {"lightning": {k: v for k, v in checkpoint.items() if k not in _SKIP},
-              "engines": [{"loss_scaler": e.loss_scaler.state_dict(),
-                           "user_param_groups": [{k: v for k, v in g.items() if k != "params"}
-                                                 for g in e.optimizer.param_groups]} for e in engines]}
-    dcp_format.save(path, pieces, extras, meta={"step": checkpoint.get("global_step"), "layout": _layout(strategy),
-                                                "weights_only": weights_only})
+    save_engines(path, strategy.lightning_module, strategy.engines, tp_rank=_tp_rank(strategy),
+                 extras={"lightning": {k: v for k, v in checkpoint.items() if k not in _SKIP}},
+                 meta={"step": checkpoint.get("global_step"), "layout": _layout(strategy),
+                       "weights_only": weights_only}, with_optimizer=not weights_only)
 
 
 def read_lightning_state(path: str) -> Dict[str, Any]:
@@ -149,48 +128,16 @@ def read_lightning_state(path: str) -> Dict[str, Any]:
     return dict(res.extras["extra/lightning"], state_dict={}, optimizer_states=[])
 
 
-def _checkpoint_states(md) -> Dict[str, Any]:
-    """Optimizer state names the checkpoint holds -> (dtype, is 0-d), for the engines to allocate."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    states: Dict[str, Any] = {}
-    for key, tmd in md.state_dict_metadata.items():
-        if key.startswith("optim/") and isinstance(tmd, TensorStorageMetadata):
-            states.setdefault(key.rsplit("/", 1)[1], (tmd.properties.dtype, len(tmd.size) == 0))
-    return states
-
-
 def load_universal(strategy, path: str) -> Dict[str, Any]:
     """Collective: fill this layout's engines (weights into the masters, optimizer state, loss scaler, param-group
     hyperparameters) and module tensors from the universal checkpoint ``path`` (any layout wrote it); returns the
     Lightning dict (loops, callbacks, lr schedulers...) with ``UNIVERSAL_KEY`` set."""
-    from lightning_scale.checkpoint import dcp_format
+    from lightning_scale.checkpoint.engine_pieces import load_engines
 
     _check_engines(strategy)
-    module, engines = strategy.lightning_module, strategy.engines
-    path, meta, md = dcp_format.open_checkpoint(path)
-    names = param_names(module)
-    has_masters = any(k.startswith("master/") for k in md.state_dict_metadata)
-    weights_from = "master" if has_masters else "model"
-    for e in engines:
-        e.allocate_state_(_checkpoint_states(md))
-    pieces = [p for e in engines for p in e.named_pieces(names, weights_from)]
-    pieces += module_pieces(module, engines, _tp_rank(strategy))
-    res = dcp_format.load(path, pieces, extra_keys=["lightning", "engines"], strict=False)
-    buffers = [k for k in res.missing if k.startswith("model/") and k[len("model/"):] not in
-               {names[i] for i in _owned_ids(engines)}]
-    if buffers:
-        raise CheckpointError(f"{path} has no {buffers[:5]} ({len(buffers)} module tensors missing)")
-    for e in engines:
-        e.after_load_(res.missing, names)
-    saved = res.extras["extra/engines"]
-    if len(saved) != len(engines):
-        raise CheckpointError(f"{path} was written with {len(saved)} optimizer(s); this run has {len(engines)}")
-    for e, s in zip(engines, saved):
-        e.loss_scaler.load_state_dict(s["loss_scaler"])
-        for group, hyper in zip(e.optimizer.param_groups, s["user_param_groups"]):
-            group.update(hyper)
-    return dict(res.extras["extra/lightning"], state_dict={}, optimizer_states=[], **{UNIVERSAL_KEY: meta})
+    res = load_engines(path, strategy.lightning_module, strategy.engines, tp_rank=_tp_rank(strategy),
+                       extra_keys=["lightning"])
+    return dict(res.extras["extra/lightning"], state_dict={}, optimizer_states=[], **{UNIVERSAL_KEY: res.meta})
 
 
 def load_universal_weights(strategy, path: str) -> None:

@@ -1,0 +1,162 @@
+"""Universal checkpoints across tp, pp and offload, in a plain torch.distributed script (issue 13, reshard matrix).
+
+parallelize() + make_engines() on 2 gloo ranks, a float64 GPT: four saving layouts train 2 steps of AdamW and save
+with ``checkpoint.engine_pieces.save_engines`` (what ``checkpoint_format="universal"`` writes); six resuming
+layouts load one of them with ``load_engines`` and train 2 more steps. Every loss and the final parameters equal
+one process that trained the same 4 global batches (float64, 1e-10: tp and dp change the reduction order, nothing
+else). Saving layouts: dp2 ZeRO-2, tp2 ZeRO-1, pp2 ZeRO-1, dp2 ZeRO-2 with optimizer offload. Resumes: tp 2->1 and
+1->2, pp 2->1 and 1->2, offload on->off and off->on. One launch of 2 ranks for the whole module.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from lightning_scale.testing import run_distributed
+
+MODEL = dict(n_layer=2, vocab_size=64, seq_len=16)
+STEPS, SAVE_AT, BATCH, LR = 4, 2, 4, 3e-3
+TOL = 1e-10
+pytestmark = pytest.mark.slow  # one 2-rank launch, 10 layouts: 27 s on the shared 2-core box
+SAVES = {"dp2": dict(stage=2), "tp2": dict(tp=2, stage=1), "pp2": dict(pp=2, stage=1, microbatches=2),
+         "offload": dict(stage=2, offload="optimizer")}
+# resumed layout <- the saving layout whose step-2 checkpoint it loads
+RESUMES = {"tp2_to_tp1": ("tp2", dict(stage=2)), "tp1_to_tp2": ("dp2", dict(tp=2, stage=1)),
+           "pp2_to_pp1": ("pp2", dict(stage=1)), "pp1_to_pp2": ("dp2", dict(pp=2, stage=1, microbatches=2)),
+           "offload_on_to_off": ("offload", dict(stage=2)),
+           "offload_off_to_on": ("dp2", dict(stage=2, offload="optimizer"))}
+
+
+def _groups(model):
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    return [{"params": decay, "weight_decay": 0.1},
+            {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def _reference():
+    from lightning_scale.models.gpt import GPT, gpt_tiny, make_batch
+
+    torch.manual_seed(0)
+    model = GPT(gpt_tiny(**MODEL)).double()
+    opt = torch.optim.AdamW(_groups(model), lr=LR)
+    losses = []
+    for step in range(STEPS):
+        loss = model.loss(*make_batch(gpt_tiny(**MODEL), BATCH, seed=step))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+class _Run:
+    """One layout on this rank: the parallelized GPT, its engine, a step on the global batch."""
+
+    def __init__(self, rank, world, layout):
+        from lightning_scale.config import from_flat_kwargs
+        from lightning_scale.models.gpt import GPT, gpt_tiny, lm_loss
+        from lightning_scale.parallelize import local_topology, parallelize
+
+        self.config = from_flat_kwargs(**layout)
+        self.topo = local_topology(self.config, world, rank)
+        torch.manual_seed(0)
+        self.model = GPT(gpt_tiny(**MODEL)).double()
+        self.opt = torch.optim.AdamW(_groups(self.model), lr=LR)
+        if self.config.tp > 1:
+            from lightning_scale.tensor_parallel import tensor_parallel_state
+
+            loss_fn = lambda logits, y: tensor_parallel_state(self.model).cross_entropy(logits, y)  # noqa: E731
+        else:
+            loss_fn = lm_loss
+        self.pm = parallelize(self.model, self.config, self.topo, "cpu", optimizers=[self.opt], loss_fn=loss_fn)
+        (self.engine,) = self.pm.make_engines(overlap_comm=False)
+        self.tp_rank = self.topo.tp_rank if self.config.tp > 1 else 0
+
+    def step(self, step):
+        import torch.distributed as dist
+
+        from lightning_scale.models.gpt import gpt_tiny, make_batch
+
+        x, y = make_batch(gpt_tiny(**MODEL), BATCH, seed=step)
+        if self.pm.pipeline is not None:
+            with self.engine.no_sync():
+                loss = self.pm.pipeline.runtime.train_step(x, y)  # every pp rank: the batch's mean loss
+        else:
+            x, y = x.chunk(self.topo.dp)[self.topo.dp_rank], y.chunk(self.topo.dp)[self.topo.dp_rank]
+            loss = self.model.loss(x, y)
+            loss.backward()
+        self.opt.step()  # routed to the engine
+        self.opt.zero_grad()
+        loss = loss.detach().double().clone()
+        if self.topo.dp > 1:
+            dist.all_reduce(loss, group=self.topo.dp_group)
+            loss /= self.topo.dp
+        return loss.item()
+
+    def save(self, path):
+        from lightning_scale.checkpoint.engine_pieces import save_engines
+
+        save_engines(path, self.model, [self.engine], tp_rank=self.tp_rank, meta={"step": SAVE_AT})
+
+    def load(self, path):
+        from lightning_scale.checkpoint.engine_pieces import load_engines
+
+        return load_engines(path, self.model, [self.engine], tp_rank=self.tp_rank)
+
+    def full_state(self):
+        return {k: v.clone() for k, v in self.pm.full_state_dict().items()}
+
+
+def _matrix_worker(rank, world, root):
+    out = {"saves": {}, "resumes": {}}
+    for name, layout in SAVES.items():
+        run = _Run(rank, world, layout)
+        losses = [run.step(s) for s in range(SAVE_AT)]
+        run.save(os.path.join(root, name))
+        out["saves"][name] = {"losses": losses, "engine": type(run.engine).__name__,
+                              "host_bytes": run.engine.memory_bytes()["host"]}
+    for name, (source, layout) in RESUMES.items():
+        run = _Run(rank, world, layout)
+        res = run.load(os.path.join(root, source))
+        losses = [run.step(s) for s in range(SAVE_AT, STEPS)]
+        out["resumes"][name] = {"losses": losses, "state": run.full_state(), "step": res.meta["step"],
+                                "saved_layout": source}
+    return out
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("reshard"))
+    return _reference(), run_distributed(_matrix_worker, 2, args=(root,), timeout=240)
+
+
+def _check(matrix, name):
+    (ref_losses, ref_state), results = matrix
+    for rank, res in enumerate(results):
+        r = res["resumes"][name]
+        assert r["step"] == SAVE_AT
+        saved = res["saves"][r["saved_layout"]]["losses"]
+        got = saved + r["losses"]
+        assert max(abs(a - b) for a, b in zip(got, ref_losses)) <= TOL, (name, rank, got, ref_losses)
+        assert sorted(r["state"]) == sorted(ref_state)
+        worst = max((r["state"][k] - ref_state[k]).abs().max().item() for k in ref_state)
+        assert worst <= TOL, (name, rank, worst)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", list(RESUMES))
+def test_resume_on_another_layout_equals_one_process(matrix, name):
+    _check(matrix, name)
+
+
+@pytest.mark.timeout(300)
+def test_saving_layouts_are_the_ones_named(matrix):
+    (ref_losses, _), results = matrix
+    for res in results:
+        assert {n: s["engine"] for n, s in res["saves"].items()} == {n: "ZeroOptimizer" for n in SAVES}
+        assert res["saves"]["offload"]["host_bytes"] > 0 and res["saves"]["dp2"]["host_bytes"] == 0  # offloaded
+        for s in res["saves"].values():  # every saving layout itself trains as one process does
+            assert max(abs(a - b) for a, b in zip(s["losses"], ref_losses)) <= TOL
