@@ -182,7 +182,7 @@ def after_load_(engine, missing: Sequence[str], names: Mapping[int, str]) -> Non
         raise CheckpointError(f"the checkpoint has no weights for {weights[:3]} ({len(weights)} missing)")
 
 
-# ----------------------------------------------------------------------------------------------- whole-model save / load
+# ------------------------------------------------------------------------------------------ whole-model save / load
 # What the Trainer strategy (checkpoint_format="universal"), the Fabric strategy and a plain torch.distributed script
 # (parallelize + make_engines) all write: the engines' pieces, the module tensors no engine owns, and per engine its
 # loss scaler and param-group hyperparameters as ``extra/engines``. torch only.
