@@ -29,6 +29,7 @@ PRECISIONS = ("32-true", "64-true", "bf16-mixed", "16-mixed", "bf16-true", "16-t
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 OFFLOAD_DEVICES = ("none", "cpu")
 CHECKPOINT_FORMATS = ("sharded", "universal")
+ACTIVATION_CHECKPOINTING = ("full", "selective")  # None: off (docs/long_sequences.md)
 
 
 class ConfigError(ValueError):
@@ -245,6 +246,11 @@ class ParallelConfig:
     # (layout-free, torch.distributed.checkpoint: resumes on any dp / stage; docs/checkpoints.md). Loading detects it.
     checkpoint_format: str = "sharded"
     diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
+    # Activation checkpointing per unit (lightning_scale.activation_checkpointing; docs/long_sequences.md): None,
+    # "full" (keep only each unit's input, recompute it in backward) or "selective" (also keep matmul and attention
+    # outputs). Units: class names or name patterns as zero.unit_modules; None = every repeated block.
+    activation_checkpointing: Optional[str] = None
+    activation_checkpointing_units: Optional[tuple] = None
 
     def validate(self, world_size: Optional[int] = None) -> "ParallelConfig":
         for name in ("tp", "pp"):
@@ -262,6 +268,17 @@ class ParallelConfig:
         if not isinstance(self.meta_init, bool):
             raise ConfigError(f"meta_init={self.meta_init!r} must be True or False")
         _check_choice("checkpoint_format", self.checkpoint_format, CHECKPOINT_FORMATS)
+        if self.activation_checkpointing is not None:
+            if self.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
+                raise ConfigError(f"activation_checkpointing={self.activation_checkpointing!r}: must be 'full', "
+                                  "'selective' or None (off)")
+        units = self.activation_checkpointing_units
+        if units is not None and (isinstance(units, str) or not all(isinstance(u, str) and u for u in units)):
+            raise ConfigError(f"activation_checkpointing_units={units!r} must be a list of module class names or "
+                              "name patterns")
+        if units and self.activation_checkpointing is None:
+            raise ConfigError(f"activation_checkpointing_units={tuple(units)!r} needs activation_checkpointing="
+                              "'full' or 'selective'", settings=("activation_checkpointing",))
         if world_size is not None:
             if world_size % (self.tp * self.pp):
                 raise ConfigError(

@@ -9,8 +9,9 @@ the order. Each step is a small ``apply_*`` function on an unchanged model (torc
    on ``meta`` nothing is allocated).
 3. :func:`apply_pipeline` — the pipeline stage is cut from the (split) layers; on ``meta`` only this stage is
    allocated and initialized; the other stages' parameters are frozen and freed.
-4. *(activation checkpointing and sequence parallelism plug in here, as steps between the cut and the memory
-   placement: they wrap units of the local module.)*
+4. :func:`apply_ac` — activation checkpointing (``activation_checkpointing="full" | "selective"``) wraps each unit's
+   forward (:mod:`lightning_scale.activation_checkpointing`; the module tree is unchanged). *(Sequence parallelism
+   plugs in here too, as a step between the cut and the memory placement.)*
 5. :func:`materialize_local` (ZeRO stages 0-2) — a ``meta`` tp model gets only its slices allocated, initialized
    as slices of the full dense layers; dp replicas take dp rank 0's values.
 6. the optimizers: built now over the local parameters (a callable, e.g. Lightning's ``configure_optimizers``),
@@ -205,6 +206,13 @@ def apply_pipeline(pm: ParallelModel, loss_fn: Optional[Callable] = None, timeou
                           "embedding / head); untie them or use zero.stage 1 or 2")
 
 
+def apply_ac(pm: ParallelModel) -> None:
+    """Activation checkpointing on every unit of the (split, cut) module; before ZeRO-3 registers its unit hooks."""
+    from lightning_scale.activation_checkpointing import checkpoint_units
+
+    checkpoint_units(pm.module, pm.config.activation_checkpointing, pm.config.activation_checkpointing_units)
+
+
 @torch.no_grad()
 def materialize_local(pm: ParallelModel) -> None:
     """ZeRO 0-2: a module still on ``meta`` (tp without pp) allocates only its slices; then it is on the device."""
@@ -281,6 +289,7 @@ def parallelize(module: nn.Module, config: ParallelConfig, topology: Topology, d
         broadcast_from_rank0(module)
     apply_tp(pm)
     apply_pipeline(pm, loss_fn=loss_fn, timeout=timeout)
+    apply_ac(pm)
     if not stage3:
         materialize_local(pm)
     pm.optimizers = _resolve_optimizers(pm, optimizers, names)
@@ -334,5 +343,6 @@ def local_topology(config: ParallelConfig, world_size: int, rank: int) -> Topolo
     return topo
 
 
-__all__ = ["ParallelModel", "parallelize", "cross_axis_for", "apply_tp", "apply_pipeline", "materialize_local", "apply_zero3",
-           "broadcast_from_rank0", "check_config", "local_topology", "tp_full_state_dict", "tp_shard_full_state_dict"]
+__all__ = ["ParallelModel", "parallelize", "cross_axis_for", "apply_tp", "apply_pipeline", "apply_ac",
+           "materialize_local", "apply_zero3", "broadcast_from_rank0", "check_config", "local_topology",
+           "tp_full_state_dict", "tp_shard_full_state_dict"]

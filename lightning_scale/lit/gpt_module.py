@@ -98,19 +98,19 @@ class GPTLightningModule(pl.LightningModule):
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         x, y = batch
-        loss = self.pipeline_loss(self.model(x), y)
+        loss = self.model.loss(x, y)  # = pipeline_loss(model(x), y); chunked above model.loss_chunk
         self._log_loss("train", loss)
         return loss
 
     def validation_step(self, batch, batch_idx: int) -> torch.Tensor:
         x, y = batch
-        loss = self.pipeline_loss(self.model(x), y)
+        loss = self.model.loss(x, y)  # = pipeline_loss(model(x), y); chunked above model.loss_chunk
         self._log_loss("val", loss)
         return loss
 
     def test_step(self, batch, batch_idx: int) -> torch.Tensor:
         x, y = batch
-        loss = self.pipeline_loss(self.model(x), y)
+        loss = self.model.loss(x, y)  # = pipeline_loss(model(x), y); chunked above model.loss_chunk
         self._log_loss("test", loss)
         return loss
 

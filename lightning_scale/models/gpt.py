@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 import torch.nn as nn
@@ -30,11 +30,16 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = True
     tie_weights: bool = False
+    # loss() runs the head + cross-entropy in chunks of this many positions when the sequence is longer (the full
+    # (B, T, vocab) logits never exist; lightning_scale.nn.chunked_loss, docs/long_sequences.md). 0: never.
+    loss_chunk: int = 512
 
     def validate(self) -> "GPTConfig":
         for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "mlp_ratio"):
             if getattr(self, name) < 1:
                 raise ValueError(f"model.{name}={getattr(self, name)} must be >= 1")
+        if not isinstance(self.loss_chunk, int) or self.loss_chunk < 0:
+            raise ValueError(f"model.loss_chunk={self.loss_chunk!r} must be an integer >= 0 (0: never chunk)")
         if self.d_model % self.n_head:
             raise ValueError(f"model.n_head={self.n_head} does not divide model.d_model={self.d_model}")
         if not 0.0 <= self.dropout < 1.0:
@@ -161,6 +166,10 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """idx (B, T) int64 -> logits (B, T, vocab)."""
+        return self.lm_head(self.hidden(idx))
+
+    def hidden(self, idx: torch.Tensor) -> torch.Tensor:
+        """idx (B, T) int64 -> the final norm's output (B, T, C), the head's input."""
         B, T = idx.shape
         if T > self.cfg.seq_len:
             raise ValueError(f"sequence length {T} exceeds model.seq_len={self.cfg.seq_len}")
@@ -168,10 +177,23 @@ class GPT(nn.Module):
         x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
         for block in self.blocks:
             x = block(x)
-        return self.lm_head(self.ln_f(x))
+        return self.ln_f(x)
 
-    def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return lm_loss(self(idx), targets)
+    def loss(self, idx: torch.Tensor, targets: torch.Tensor, *, cross_entropy: Optional[Callable] = None,
+             chunk: Optional[int] = None) -> torch.Tensor:
+        """Mean next-token cross-entropy. Sequences longer than ``chunk`` (default ``cfg.loss_chunk``; 0: never)
+        take the chunked loss: the (B, T, vocab) logits never exist at once (lightning_scale.nn.chunked_loss).
+        ``cross_entropy(logits, targets, reduction)``: the loss of (a chunk of) logits, ``lm_loss`` by default
+        (tensor parallelism passes the vocabulary-parallel one)."""
+        cross_entropy = cross_entropy or lm_loss
+        chunk = self.cfg.loss_chunk if chunk is None else chunk
+        h = self.hidden(idx)  # (B, T, C)
+        if chunk and targets.shape[-1] > chunk:
+            from lightning_scale.nn.chunked_loss import chunked_cross_entropy
+
+            return chunked_cross_entropy(h, self.lm_head, targets, chunk_size=chunk,
+                                         loss_sum=lambda z, t: cross_entropy(z, t, reduction="sum"))
+        return cross_entropy(self.lm_head(h), targets)
 
     def layer_modules(self) -> List[nn.Module]:
         """The repeated units (transformer blocks): ZeRO-3 units and pipeline partitions start here."""
@@ -208,10 +230,11 @@ class GPT(nn.Module):
                              "'sequence_split' and 'blocks.*.attn': 'sequence_gather' (the built-in plan has them)")
 
 
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-    """Mean next-token cross-entropy, computed in at least fp32 (fp64 logits stay fp64)."""
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100, reduction: str = "mean"
+            ) -> torch.Tensor:
+    """Mean (or ``reduction="sum"``) next-token cross-entropy, computed in at least fp32 (fp64 logits stay fp64)."""
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=ignore_index)
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=ignore_index, reduction=reduction)
 
 
 def gpt_small(**overrides) -> GPTConfig:

@@ -39,7 +39,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, targets, group, vocab_start, vocab_size, ignore_index, tag, inplace):
+    def forward(ctx, logits, targets, group, vocab_start, vocab_size, ignore_index, tag, inplace, mean=True):
         # logits (N, V_local), targets (N,)
         dtype = torch.promote_types(logits.dtype, torch.float32)
         n_rows, n_local = logits.shape
@@ -86,7 +86,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         else:
             scale = torch.exp(shift)
         keep = targets != ignore_index
-        count = keep.sum()
+        count = keep.sum() if mean else torch.ones((), dtype=torch.long, device=logits.device)  # "sum": no division
         loss = ((torch.log(sum_exp) - picked) * keep).sum() / count
         ctx.save_for_backward(exp, scale / sum_exp, local_t, in_range, keep, count)
         ctx.logits_dtype, ctx.n_local = logits.dtype, n_local
@@ -104,12 +104,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             g[rows, local_t] -= coef * in_range.to(g.dtype)  # - one-hot(target) * coef on the owner
         if g.shape[1] < ctx.n_local:  # zero gradient for the vocabulary padding
             g = torch.cat([g, g.new_zeros(g.shape[0], ctx.n_local - g.shape[1])], dim=1)
-        return g.to(ctx.logits_dtype), None, None, None, None, None, None, None
+        return g.to(ctx.logits_dtype), None, None, None, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, group, *,
                                  vocab_size: Optional[int] = None, ignore_index: int = -100,
-                                 tag: str = "tp/cross_entropy", inplace: bool = False) -> torch.Tensor:
+                                 tag: str = "tp/cross_entropy", inplace: bool = False, reduction: str = "mean"
+                                 ) -> torch.Tensor:
     """Mean cross-entropy of ``targets`` under vocabulary-parallel ``logits``.
 
     ``logits``: ``(..., V_pad / tp)``, this rank's contiguous slice of the padded vocabulary (the output
@@ -118,7 +119,10 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, gr
     Equals ``F.cross_entropy(full_logits, targets)`` on every rank, in at least float32 (like ``lm_loss``).
     ``inplace=True``: the caller will not read ``logits`` again, so their buffer is reused for the
     exponentials and the gradient (saves one logits-sized buffer; the head's backward never reads them).
+    ``reduction="sum"``: the summed loss (a chunk of the chunked loss, ``lightning_scale.nn.chunked_loss``).
     """
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction={reduction!r}: use 'mean' or 'sum'")
     tp = collectives.group_size(group)
     n_local = logits.shape[-1]
     vocab_size = tp * n_local if vocab_size is None else vocab_size
@@ -127,4 +131,4 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, gr
     start = collectives.group_rank(group) * n_local
     flat = logits.reshape(-1, n_local)
     return _VocabParallelCrossEntropy.apply(flat, targets.reshape(-1), group, start, vocab_size, ignore_index, tag,
-                                            inplace)
+                                            inplace, reduction == "mean")

@@ -354,8 +354,13 @@ def _patch_gpt_loss(model: nn.Module, state: TensorParallelState) -> None:
     """A model that declares ``vocab_parallel_loss`` (the project GPT) computes ``loss(idx, targets)`` from its
     logits: with a 'vocab_colwise' head they are split, so the loss becomes the vocabulary-parallel one."""
     if getattr(model, "vocab_parallel_loss", False) and state.vocab_size is not None:
-        def loss(idx, targets):  # the logits live only here: the loss may overwrite them
-            return vocab_parallel_cross_entropy(model(idx), targets, state.group, vocab_size=state.vocab_size,
-                                                inplace=True)
+        def cross_entropy(logits, targets, reduction="mean"):  # the logits live only here: the loss may overwrite them
+            return vocab_parallel_cross_entropy(logits, targets, state.group, vocab_size=state.vocab_size,
+                                                inplace=True, reduction=reduction)
+
+        def loss(idx, targets):  # chunked above the model's loss_chunk, except under sequence parallelism (the
+            # head's input is then split over the sequence, which the chunks would cut across)
+            return type(model).loss(model, idx, targets, cross_entropy=cross_entropy,
+                                    chunk=0 if state.sequence_parallel else None)
 
         model.loss = loss

@@ -56,12 +56,14 @@ def _in_backward() -> bool:
 
 
 # ---------------------------------------------------------------------------------------------- units
-def resolve_units(root: nn.Module, spec: Optional[Sequence[str]] = None) -> List[Tuple[str, nn.Module]]:
+def resolve_units(root: nn.Module, spec: Optional[Sequence[str]] = None, setting: str = "zero.unit_modules"
+                  ) -> List[Tuple[str, nn.Module]]:
     """The modules that become ZeRO-3 units, outermost matches only, in registration order.
 
     ``spec`` entries are module class names (``"Block"``) or fnmatch patterns on qualified module
     names (``"model.blocks.*"``). ``None``: the model's ``layer_modules()`` when some submodule defines
-    it, else the children of every ``nn.ModuleList`` whose children share one class.
+    it, else the children of every ``nn.ModuleList`` whose children share one class. ``setting``: the option an
+    unknown entry is reported under (activation checkpointing uses the same discovery).
     """
     named = list(root.named_modules())
     if spec:
@@ -72,8 +74,8 @@ def resolve_units(root: nn.Module, spec: Optional[Sequence[str]] = None) -> List
                 classes = sorted({type(m).__name__ for _, m in named})
                 names = [n for n, _ in named if n][:30]
                 raise ConfigError(
-                    f"zero.unit_modules entry {entry!r} matches no module class or name; classes: "
-                    f"{', '.join(classes)}; names (first 30): {', '.join(names)}"
+                    f"{setting} entry {entry!r} matches no module class or name; classes: "
+                    f"{', '.join(classes)}; names (first 30): {', '.join(names)}", settings=(setting,)
                 )
             picked.extend(hits)
     else:
