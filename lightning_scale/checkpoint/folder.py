@@ -266,10 +266,10 @@ def fault_point(point: str, rank: Optional[int] = None) -> None:
         return
     where, _, rest = spec.partition("@")
     count, _, only_rank = rest.partition(":")
+    if point == "after_rank_file":  # every save passes it first: counted once per save, whatever POINT is armed
+        _saves_seen[point] = _saves_seen.get(point, 0) + 1
     if where != point:
         return
-    if point == "after_rank_file":  # counted once per save, at its first point
-        _saves_seen[point] = _saves_seen.get(point, 0) + 1
     seen = _saves_seen.get("after_rank_file", 0)
     if seen != int(count or 1) or (only_rank and rank is not None and int(only_rank) != rank):
         return
