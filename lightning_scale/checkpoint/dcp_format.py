@@ -36,6 +36,7 @@ import contextlib
 import dataclasses
 import os
 import warnings
+import zlib
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
@@ -54,7 +55,6 @@ from lightning_scale.checkpoint.dcp_planners import (
     PieceLoadPlanner,
     PieceSavePlanner,
     VerifiedReader,
-    _crc_stream,
 )
 from lightning_scale.checkpoint.folder import CheckpointError
 from lightning_scale.checkpoint.layout import Chunk, Piece
@@ -113,7 +113,8 @@ def _unwrap(exc: CheckpointException) -> BaseException:
 
 # ----------------------------------------------------------------------------------------------- save
 def _file_records(staging: str, md: Metadata, rank: int, with_metadata: bool):
-    """Size + CRC32 of this rank's files and a CRC32 of each of its storage items (read back from the page cache)."""
+    """Size + CRC32 of this rank's files and a CRC32 of each of its storage items, in one read of each file (from
+    the page cache) that feeds the file's CRC and the CRC of the item each byte belongs to."""
     prefix = f"__{rank}_"
     spans: Dict[str, List[Tuple[int, int]]] = {}
     for info in md.storage_data.values():
@@ -125,13 +126,37 @@ def _file_records(staging: str, md: Metadata, rank: int, with_metadata: bool):
     files, items = {}, {}
     for name in sorted(names):
         full = os.path.join(staging, name)
+        size = os.path.getsize(full)
         with open(full, "rb") as f:
-            files[name] = {"size": os.path.getsize(full), "crc32": _crc_stream(f, os.path.getsize(full))}
-            items[name] = {}
-            for offset, length in sorted(spans.get(name, ())):
-                f.seek(offset)
-                items[name][offset] = (length, _crc_stream(f, length))
+            files[name], items[name] = _crc_file_and_items(f, size, sorted(spans.get(name, ())))
     return files, items
+
+
+def _crc_file_and_items(f, size: int, spans: List[Tuple[int, int]]):
+    """({size, crc32} of the file, {offset: (length, crc32)} of each span), reading the file once."""
+    buf = bytearray(1 << 20)
+    view = memoryview(buf)
+    crc, pos = 0, 0
+    item_crc = {off: 0 for off, _ in spans}
+    i = 0  # the first span that may still overlap [pos, ...)
+    while pos < size:
+        n = f.readinto(view[:min(len(buf), size - pos)])
+        if not n:
+            break
+        block = view[:n]
+        crc = zlib.crc32(block, crc)
+        end = pos + n
+        j = i
+        while j < len(spans) and spans[j][0] < end:
+            off, length = spans[j]
+            a, b = max(off, pos), min(off + length, end)
+            if a < b:
+                item_crc[off] = zlib.crc32(block[a - pos:b - pos], item_crc[off])
+            if off + length <= end:
+                i = j + 1  # done with it
+            j += 1
+        pos = end
+    return {"size": size, "crc32": crc}, {off: (length, item_crc[off]) for off, length in spans}
 
 
 def save(path: str, pieces: Iterable[Piece], extras: Optional[Dict[str, Any]] = None, *, group=None,
