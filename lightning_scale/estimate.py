@@ -29,7 +29,9 @@ Device bytes per rank (no offload); ``M = b_m + k*b_s`` (master + optimizer stat
 stage  params    grads       master+state gathered units          transient (largest of)
 =====  ========  ==========  ===========  ======================  ==================================
 0      P*b_p     P*b_g       P*M          -                       fp32 grad copy P*b_m (mixed only)
-1      P*b_p     P*b_g       P*M/N        -                       fp32 grad copy P*b_m/N
+1      P*b_p     P*b_g/N     P*M/N        -                       the full grads P*b_g (backward to the
+                                                                  step boundary), or the fp32 grad copy
+                                                                  P*b_m/N
 2      P*b_p     P*b_g/N     P*M/N        -                       one staging bucket (bucket_mb MiB of
                                                                   grads, stage 2 reduce-scatter input;
                                                                   a parameter larger than that is a
@@ -39,8 +41,10 @@ stage  params    grads       master+state gathered units          transient (lar
                                                                   or the fp32 grad copy P*b_m/N
 =====  ========  ==========  ===========  ======================  ==================================
 
-Stage 1 keeps the *full* gradient buffer (this engine reduce-scatters into a slice of it; the params'
-``.grad`` are views), so only the master weights and optimizer state are divided by N. With mixed
+Stage 1 holds the full gradients only from backward to the step boundary (flat buffers, the params' ``.grad``
+are views), reduce-scatters them into a gradient shard and frees them: between steps it holds what stage 2
+holds (ZeRO-1's footprint with the gradients reduced into the shard, as DeepSpeed's stage 1), and its peak is
+that plus the full gradients, counted as its transient. With mixed
 precision the engine makes an fp32 copy of the reduced gradient shard for the step (``master.grad``):
 that is the "fp32 grad copy" transient. The total column adds the gathered peak and the larger
 transient, an upper bound (they do not all peak at the same moment).
@@ -54,8 +58,8 @@ Offload (``offload=``, the names of ``Zero3DStrategy(offload=...)``):
   (so 2P + 2P/N bytes for stage 2 bf16-mixed); no fp32 grad copy on the device. With
   ``offload_grads=True`` (stages 2-3) the gradient shards stream to the host as they are reduced and the
   device keeps none (only the transient bucket / unit): DeepSpeed's ZeRO-Offload does this, and it is
-  what fits 13B parameters (2P = 26 GB of bf16 params) on one 32 GB device at stage 2. Stage 1 always
-  keeps its full gradient buffer on the device.
+  what fits 13B parameters (2P = 26 GB of bf16 params) on one 32 GB device at stage 2. Stage 1 keeps its
+  gradient shard (and, during backward, the full gradients) on the device.
 * ``"params"`` (stage 3 only): the parameter shards ``P*b_p/N`` rest on the host and move to the
   device only when their unit is gathered; the master / optimizer state stay on the device (without
   mixed precision the device step needs a working copy of the shard, ``P*b_p/N``, counted as master).
@@ -69,7 +73,7 @@ buffers) in flight during backward, so the table counts two staging buckets.
 
 What this engine does with gradients under optimizer offload (the default of ``offload_grads``): stages 2
 and 3 stream each reduced gradient shard to the host (fp32) as soon as its reduce-scatter finishes (the
-device keeps no gradient shard); stage 1 keeps its full gradient buffer on the device. Stage 3 keeps one
+device keeps no gradient shard); stage 1 keeps its gradient shard on the device. Stage 3 keeps one
 unit's reduce-scatter (and its staging gradients) in flight while the next unit's gradients are copied.
 """
 
@@ -116,7 +120,7 @@ class Breakdown:
     master: float = 0.0
     optimizer_state: float = 0.0
     gathered: float = 0.0  # stage 3: peak of gathered units (+ persistent params)
-    transient: float = 0.0  # stage-2 staging bucket / three units' full grads / fp32 grad copy
+    transient: float = 0.0  # stage-1 full grads / stage-2 staging bucket / three units' full grads / fp32 grad copy
 
     @property
     def total(self) -> float:
@@ -211,7 +215,7 @@ def estimate(params, *, dp: int, stage: int, offload: str = "none", precision: s
     P, N, U, Q = float(params), dp, float(largest_unit_params), float(persistent_params)
     opt_off = offload in ("optimizer", "all")
     par_off = offload in ("params", "all")
-    grads_full = stage <= 1
+    grads_full = stage == 0
     shard = P / N if stage >= 1 else P  # elements of master / state this rank owns
     # Mixed precision keeps a separate fp32 master; otherwise the param shard is the master unless it
     # moved to the other memory space (then that space needs its own copy).
@@ -238,7 +242,9 @@ def estimate(params, *, dp: int, stage: int, offload: str = "none", precision: s
         if U == 0:
             notes.append("largest unit unknown (0): the gathered-unit peak is not counted")
     backward = 0.0
-    if stage == 2:
+    if stage == 1:
+        backward = P * b_g  # the full gradients, from backward until they are reduced into the shard
+    elif stage == 2:
         bucket_numel = min(P, bucket_mb * 2**20 / b_p)
         backward = min(P, 2 * bucket_numel) * b_g  # at most two staging buckets in flight
     elif stage == 3:

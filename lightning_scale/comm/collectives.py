@@ -47,6 +47,10 @@ class Handle:
             self._finish()
         self._done = True
 
+    def is_completed(self) -> bool:
+        """Whether the collective has finished, without waiting (``wait()`` still runs the post-processing)."""
+        return self._done or self._work is None or self._work.is_completed()
+
 
 _DONE = Handle()
 _DONE._done = True

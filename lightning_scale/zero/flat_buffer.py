@@ -12,7 +12,7 @@ ordinary tensors.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -61,11 +61,13 @@ def _pad_to(n: int, multiple: int) -> int:
 
 
 def build_buckets(param_groups: Sequence[Sequence[torch.nn.Parameter]], bucket_numel: int,
-                  world_size: int, align: int = 1) -> List[Bucket]:
+                  world_size: int, align: int = 1, first_bucket_numel: Optional[int] = None) -> List[Bucket]:
     """Split each group's trainable params (reverse order) into buckets of about ``bucket_numel``.
 
     A parameter larger than ``bucket_numel`` gets a bucket of its own. ``align`` pads each bucket so its
-    shard size is a multiple of ``align`` elements (useful for vectorized kernels).
+    shard size is a multiple of ``align`` elements (useful for vectorized kernels). ``first_bucket_numel``: a
+    smaller cap for the very first bucket (DDP's trick: the first gradients of backward are reduced at once,
+    overlapping the rest of backward, instead of waiting for a full bucket).
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be >= 1")
@@ -80,7 +82,8 @@ def build_buckets(param_groups: Sequence[Sequence[torch.nn.Parameter]], bucket_n
     for gi, params in enumerate(param_groups):
         current = None
         for p in reversed(list(params)):
-            if current is not None and (current.dtype != p.dtype or current.numel + p.numel() > bucket_numel):
+            cap = first_bucket_numel if (first_bucket_numel and not buckets) else bucket_numel
+            if current is not None and (current.dtype != p.dtype or current.numel + p.numel() > cap):
                 close(current)
                 current = None
             if current is None:

@@ -6,7 +6,8 @@ One step reads as four parts (the fairscale OSS shape):
 2. unscale, check overflow (agreed by all ranks), clip by the global norm across shards;
 3. step the local shard: an optimizer of the user's class runs over this rank's master shards
    (fp32 under mixed precision), so its state is 1/N of the model;
-4. write the updated shard back into the low-precision parameters and all-gather them.
+4. write the updated shard back into the low-precision parameters and all-gather them (stages 1-2: in the
+   background, bucket by bucket; a parameter's first read waits for its bucket, :mod:`.param_gather`).
 
 The user's optimizer object stays the one Lightning and lr schedulers see: its ``param_groups``
 still hold the model's parameters and their hyperparameters (lr, weight decay...), which are copied
@@ -28,12 +29,16 @@ from lightning_scale.config import ConfigError
 from lightning_scale.zero.flat_buffer import build_buckets
 from lightning_scale.zero.precision import NoLossScaler, PrecisionPolicy
 from lightning_scale.zero.model_parallel import NO_CROSS_AXIS, CrossAxis
+from lightning_scale.zero.param_gather import ParamGathers
 from lightning_scale.zero.reducer import GradientReducer
 
 
 # Group keys that choose a kernel rather than a hyperparameter: the inner optimizer keeps its own
 # (offload picks the fastest CPU implementation).
 _IMPLEMENTATION_KEYS = frozenset({"params", "fused", "foreach", "capturable", "differentiable"})
+# The first bucket in backward order is capped at DDP's 1 MiB (torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES):
+# its reduction starts with the first gradients instead of after a whole bucket's worth of backward.
+_FIRST_BUCKET_MB = 1.0
 
 
 def route_user_calls_fn(optimizer: torch.optim.Optimizer, engine: Any) -> None:
@@ -210,11 +215,19 @@ class ShardEngine:
         found_inf = self.reduce_gradients()
         if not found_inf:
             self._sync_hyperparameters()
+            self.wait_params()  # the last step's gathers write the buffers the (aliased) masters view
             self.inner.step()
-            self._write_back_and_gather()
+            self._gather_after_step()
         self.loss_scaler.update(found_inf)
         self._end_cycle()
         return loss
+
+    def _gather_after_step(self) -> None:
+        self._write_back_and_gather()
+
+    def wait_params(self) -> None:
+        """Block until every parameter holds the last step's values (stages 1-2 gather them in the background;
+        any torch op on a parameter waits for its own bucket by itself, see :mod:`.param_gather`)."""
 
     def _sync_hyperparameters(self) -> None:
         """Copy lr, weight decay... from the user-visible groups (lr schedulers change those)."""
@@ -251,6 +264,7 @@ class ShardEngine:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> Dict[str, Any]:
+        self.wait_params()
         return {
             "inner": self.inner.state_dict(),
             "masters": [None if a else m.detach().clone() for m, a in zip(self.masters, self._aliased)],
@@ -261,6 +275,7 @@ class ShardEngine:
 
     @torch.no_grad()
     def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.wait_params()  # an in-flight gather would overwrite the loaded weights
         mine, theirs = self.layout(), state["layout"]
         if {k: v for k, v in mine.items() if k != "rank"} != {k: v for k, v in theirs.items() if k != "rank"}:
             raise ValueError(
@@ -283,22 +298,26 @@ class ShardEngine:
         weights read into the masters from that key (:mod:`lightning_scale.checkpoint.engine_pieces`)."""
         from lightning_scale.checkpoint.engine_pieces import engine_pieces
 
+        self.wait_params()  # the pieces are views of the parameter buffers
         return engine_pieces(self, names, weights_from)
 
     def allocate_state_(self, states: Mapping[str, Any]) -> None:
         """Before a load: create the lazily allocated optimizer state the checkpoint holds (name -> (dtype, 0-d))."""
         from lightning_scale.checkpoint.engine_pieces import allocate_state_
 
+        self.wait_params()
         allocate_state_(self, states)
 
     def after_load_(self, missing: Sequence[str], names: Mapping[int, str]) -> None:
         """After a load into ``named_pieces(weights_from=...)``: masters -> parameters (as a step writes them)."""
         from lightning_scale.checkpoint.engine_pieces import after_load_
 
+        self.wait_params()
         after_load_(self, missing, names)
 
     # ------------------------------------------------------------------ accounting
     def remove_hooks(self) -> None:
+        self.wait_params()
         self.reducer.remove_hooks()
 
     def _optimizer_state_bytes(self) -> int:
@@ -318,7 +337,10 @@ class ZeroOptimizer(ShardEngine):
     def __init__(self, optimizer: torch.optim.Optimizer, *, stage: int = 2, group=None,
                  precision: Optional[PrecisionPolicy] = None, loss_scaler=None, bucket_mb: float = 25.0,
                  overlap_comm: bool = True, route_user_calls: bool = True, offload_optimizer: bool = False,
-                 pin_memory: bool = True, cross_axis: Optional[CrossAxis] = None) -> None:
+                 pin_memory: bool = True, cross_axis: Optional[CrossAxis] = None,
+                 overlap_param_gather: bool = True) -> None:
+        """``overlap_param_gather`` (stages 1-2): leave the post-step all-gathers in flight, each parameter's first
+        read waiting for its bucket (:mod:`.param_gather`); False waits for all of them inside ``step()``."""
         if stage not in (0, 1, 2):
             raise ValueError(f"zero.stage={stage}: ZeroOptimizer handles stages 0, 1 and 2")
         precision = precision or PrecisionPolicy()
@@ -329,9 +351,11 @@ class ZeroOptimizer(ShardEngine):
         device = params[0].device
         param_dtype = precision.param_dtype or params[0].dtype
         master_dtype = precision.master_dtype_for(param_dtype)
-        bucket_numel = max(1, int(bucket_mb * 2**20 / torch.empty((), dtype=param_dtype).element_size()))
+        element = torch.empty((), dtype=param_dtype).element_size()
+        bucket_numel = max(1, int(bucket_mb * 2**20 / element))
         shard_world = C.group_size(group) if stage >= 1 else 1
-        self.buckets = build_buckets(groups, bucket_numel, shard_world)
+        self.buckets = build_buckets(groups, bucket_numel, shard_world,
+                                     first_bucket_numel=min(bucket_numel, int(_FIRST_BUCKET_MB * 2**20 / element)))
         if offload_optimizer and stage == 0:
             raise ValueError("offload.optimizer='cpu' needs zero.stage >= 1")
         master_device = torch.device("cpu") if offload_optimizer else device
@@ -356,6 +380,8 @@ class ZeroOptimizer(ShardEngine):
             inner=self._make_inner(optimizer, inner_groups, offload=offload_optimizer), precision=precision,
             loss_scaler=loss_scaler, offload_optimizer=offload_optimizer, cross_axis=cross_axis,
             route_user_calls=route_user_calls)
+        self.overlap_param_gather = overlap_param_gather
+        self.gathers = ParamGathers([b.params for b in self.buckets])
 
     # ------------------------------------------------------------------ gradient phase
     @contextlib.contextmanager
@@ -368,17 +394,25 @@ class ZeroOptimizer(ShardEngine):
         finally:
             self.reducer.sync_enabled = previous
 
-    def _write_back_and_gather(self) -> None:
-        handles = []
-        for st, master, aliased in zip(self.reducer.states, self.masters, self._aliased):
+    def wait_params(self) -> None:
+        self.gathers.wait_all()
+
+    def _gather_after_step(self) -> None:
+        self._write_back_and_gather(wait=not self.overlap_param_gather)
+
+    def _write_back_and_gather(self, wait: bool = True) -> None:
+        """Updated master shards -> the parameter buffers, then (stages 1-2) one in-place all-gather per bucket,
+        in forward order (the buckets are in backward order). ``wait=False``: leave them in flight."""
+        self.wait_params()
+        for bi in reversed(range(len(self.reducer.states))):
+            st, master, aliased = self.reducer.states[bi], self.masters[bi], self._aliased[bi]
             shard = st.param_buffer[st.shard]
             if not aliased:
                 shard.copy_(master, non_blocking=master.is_pinned())
             if self.stage >= 1:
-                handles.append(C.all_gather(st.param_buffer, shard.clone(), self.group, async_op=True,
-                                            tag="param"))
-        for h in handles:
-            h.wait()
+                handle = C.all_gather(st.param_buffer, shard, self.group, async_op=True, tag="param")
+                self.gathers.launch(bi, handle, background=not wait)
+        self.gathers.settle(background=not wait)
 
     def layout(self) -> Dict[str, Any]:
         return {"stage": self.stage, "world_size": self.world, "rank": self.rank,

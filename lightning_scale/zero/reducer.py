@@ -3,7 +3,10 @@
 Per bucket, once every parameter in it has its gradient (``register_post_accumulate_grad_hook``):
 
 * stage 0: all-reduce the bucket's flat gradient buffer (DDP);
-* stage 1: reduce-scatter the full gradient buffer; the reduced shard lands in this rank's slice;
+* stage 1: reduce-scatter the bucket's full gradient buffer (the params' ``.grad`` are views of it) into a
+  persistent shard-sized gradient. The full buffers live from the bucket's first gradient of a step to the end of
+  the reduction at the step boundary (:meth:`GradientReducer.reduce`), then are freed: between steps a rank
+  holds only its gradient shard (ZeRO-1's footprint: params + grad shard + optimizer shard);
 * stage 2: copy the gradients into a transient staging buffer, free them, reduce-scatter the staging
   buffer into a persistent shard-sized gradient, then free the staging buffer - each rank keeps only
   its gradient shard.
@@ -57,10 +60,13 @@ class BucketState:
             if pin_memory and master_device.type == "cpu" and torch.device(device).type == "cuda":
                 self.master = self.master.pin_memory()
         del flat
-        self.grad_buffer: Optional[torch.Tensor] = None  # stages 0/1: full gradients, params' .grad are views
-        self.shard_grad: Optional[torch.Tensor] = None  # stage 2: the reduced gradient shard
+        # Stage 0: persistent full gradients, the params' .grad are views. Stage 1: the same, but only from the
+        # bucket's first gradient of a step until the reduction ends (ensure_grad_buffer / release_grad_buffer).
+        self.grad_buffer: Optional[torch.Tensor] = None
+        self.shard_grad: Optional[torch.Tensor] = None  # stages 1-2: the reduced gradient shard
         self.staging: Optional[torch.Tensor] = None  # stage 2: transient, only while reducing
-        if stage <= 1:
+        self._grad_dtype, self._device = dtype, device
+        if stage == 0:
             self.grad_buffer = torch.zeros(bucket.padded_numel, dtype=dtype, device=device)
         elif not stream_grads:
             self.shard_grad = torch.zeros(hi - lo, dtype=dtype, device=device)
@@ -80,6 +86,26 @@ class BucketState:
         """Put an (updated or loaded) master shard back into this rank's slice of the parameters."""
         self.param_buffer[self.shard].copy_(master)
 
+    def ensure_grad_buffer(self) -> None:
+        """Stage 1: allocate the bucket's full gradient buffer (at its first gradient of a step) and make the
+        params' ``.grad`` views of it; gradients autograd already made (``no_sync`` micro-batches) are folded in."""
+        if self.grad_buffer is not None:
+            return
+        self.grad_buffer = torch.zeros(self.bucket.padded_numel, dtype=self._grad_dtype, device=self._device)
+        for i, slot in enumerate(self.bucket.slots):
+            grad, view = slot.param.grad, self.grad_view(i)
+            if grad is not None:
+                view.copy_(grad)
+            slot.param.grad = view
+
+    def release_grad_buffer(self) -> None:
+        """Stage 1, once the shard is reduced: free the full gradients (the params' ``.grad`` become None)."""
+        if self.stage != 1:
+            return
+        for slot in self.bucket.slots:
+            slot.param.grad = None
+        self.grad_buffer = None
+
     def grad_view(self, i: int) -> torch.Tensor:
         slot = self.bucket.slots[i]
         return self.grad_buffer[slot.offset:slot.offset + slot.numel].view(slot.shape)
@@ -94,8 +120,6 @@ class BucketState:
         """This rank's reduced gradient (the whole bucket at stage 0, the shard otherwise)."""
         if self.stage == 0:
             return self.grad_buffer
-        if self.stage == 1:
-            return self.grad_buffer[self.shard]
         if self.stream_grads:
             if self.host_grad is None:  # nothing reduced this cycle
                 self.host_grad = torch.zeros(self.shard.stop - self.shard.start, dtype=self.master_dtype,
@@ -158,8 +182,10 @@ class GradientReducer:
     def _consume(self, st: BucketState, si: int) -> None:
         """Move parameter si's accumulated gradient into the bucket's buffer."""
         slot = st.bucket.slots[si]
+        if st.stage == 1:
+            st.ensure_grad_buffer()
         grad = slot.param.grad
-        if st.grad_buffer is not None:  # stages 0/1: the gradient should already be the view
+        if st.stage <= 1:  # the gradient should already be the view
             view = st.grad_view(si)
             if grad is None:
                 view.zero_()
@@ -193,14 +219,7 @@ class GradientReducer:
             st.handle = C.all_reduce(st.grad_buffer, self.group, async_op=True, tag="grad")
         elif self.stage == 1:
             st.grad_buffer.div_(self.world)
-            out = torch.empty_like(st.grad_buffer[st.shard])
-            handle = C.reduce_scatter(out, st.grad_buffer, self.group, async_op=True, tag="grad")
-
-            def finish(st=st, out=out, handle=handle) -> None:
-                handle.wait()
-                st.grad_buffer[st.shard].copy_(out)
-
-            st.handle = C.Handle(None, finish)
+            st.handle = C.reduce_scatter(st.shard_grad, st.grad_buffer, self.group, async_op=True, tag="grad")
         else:
             st.staging.div_(self.world)
             out = st.shard_grad if not st.stream_grads else torch.empty(
@@ -235,6 +254,7 @@ class GradientReducer:
             if st.handle is not None:
                 st.handle.wait()
                 st.handle = None  # drops the temporaries its completion callback held
+            st.release_grad_buffer()
         self.reduced = True
 
     def new_cycle(self) -> None:
@@ -247,10 +267,11 @@ class GradientReducer:
 
     def zero_grad(self) -> None:
         for st in self.states:
-            if st.grad_buffer is not None:
+            if st.stage == 0:
                 st.grad_buffer.zero_()
                 st.attach_grad_views()
             else:
+                st.release_grad_buffer()
                 for slot in st.bucket.slots:
                     slot.param.grad = None
                 if st.shard_grad is not None:

@@ -36,11 +36,12 @@ def test_stage0_mixed_everything_full():
     assert e.device.gathered == 0 and e.host.total == 0
 
 
-def test_stage1_keeps_full_gradient_buffer():
-    e = dev(1)
-    assert (e.device.params, e.device.grads) == (2 * P, 2 * P)
+def test_stage1_holds_a_gradient_shard_between_steps():
+    e = dev(1)  # the full gradients live from backward to the step boundary only: the transient
+    assert (e.device.params, e.device.grads) == (2 * P, 2 * P / N)
     assert (e.device.master, e.device.optimizer_state) == (4 * P / N, 8 * P / N)
-    assert e.device.total - e.device.transient == 4 * P + 12 * P / N
+    assert e.device.total - e.device.transient == 2 * P + 14 * P / N
+    assert e.device.transient == 2 * P
 
 
 def test_stage2_shards_grads_and_two_bucket_transient():
@@ -77,9 +78,9 @@ def test_fp32_stage0_is_16_bytes_per_param():
 
 
 def test_matches_measured_gpt_small_state_from_bench():
-    # bench/RESULTS.md, 2 ranks, fp32 AdamW, GPT small (7.4M): 112.7 / 84.5 / 70.5 MB measured.
+    # bench/RESULTS.md, 2 ranks, fp32 AdamW, GPT small (7.4M): 112.7 / 70.5 / 70.5 MB measured.
     model = GPT(gpt_small())
-    for stage, measured_mb in ((0, 112.7), (1, 84.5), (2, 70.5)):
+    for stage, measured_mb in ((0, 112.7), (1, 70.5), (2, 70.5)):
         e = estimate_for_model(model, dp=2, stage=stage, precision="32-true")
         steady = e.device.total - e.device.transient
         assert abs(steady / 2**20 - measured_mb) < 0.1
@@ -93,10 +94,10 @@ def test_optimizer_offload_mixed():
     assert e.host.total == 16 * P / N
 
 
-def test_optimizer_offload_stage1_keeps_full_grads_on_device():
+def test_optimizer_offload_stage1_keeps_grads_on_device():
     e = dev(1, "optimizer")
-    assert (e.device.params, e.device.grads) == (2 * P, 2 * P)
-    assert e.device.transient == 0
+    assert (e.device.params, e.device.grads) == (2 * P, 2 * P / N)
+    assert e.device.transient == 2 * P  # the full gradients until the step boundary
 
 
 def test_optimizer_offload_fp32_needs_host_master_copy():

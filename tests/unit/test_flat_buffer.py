@@ -34,6 +34,14 @@ def test_dtype_change_starts_new_bucket_and_big_param_alone():
     assert buckets[1].dtype == torch.float64
 
 
+def test_small_first_bucket_then_full_buckets():
+    g0, g1 = params((3,), (3,), (3,), (3,), (3,)), params((3,), (3,))
+    buckets = build_buckets([g0, g1], bucket_numel=9, world_size=1, first_bucket_numel=4)
+    # only the very first bucket in backward order is capped (DDP's small first bucket)
+    assert [b.numel for b in buckets] == [3, 9, 3, 6]
+    assert buckets[0].params[0] is g0[-1]
+
+
 def test_shard_overlap():
     g = params((6,), (6,))
     b = build_buckets([g], bucket_numel=100, world_size=3)[0]
