@@ -109,15 +109,39 @@ def _check_engines(strategy) -> None:
 
 def save_universal(strategy, checkpoint: Dict[str, Any], path: str) -> None:
     """Collective: Lightning's ``checkpoint`` (its state_dict / optimizer_states are not used: the engines' pieces
-    replace them) to the layout-free folder ``path``."""
+    replace them) to the layout-free folder ``path``. ``checkpoint_async=True``: returns after the snapshot."""
     from lightning_scale.checkpoint.engine_pieces import save_engines
 
     _check_engines(strategy)
     weights_only = "optimizer_states" not in checkpoint  # ModelCheckpoint(save_weights_only=True)
+    saver = _async_saver(strategy) if strategy.config.checkpoint_async else None
     save_engines(path, strategy.lightning_module, strategy.engines, tp_rank=_tp_rank(strategy),
                  extras={"lightning": {k: v for k, v in checkpoint.items() if k not in _SKIP}},
                  meta={"step": checkpoint.get("global_step"), "layout": _layout(strategy),
-                       "weights_only": weights_only}, with_optimizer=not weights_only)
+                       "weights_only": weights_only}, with_optimizer=not weights_only, saver=saver)
+    if saver is not None:
+        strategy._async_path = path
+
+
+def _async_saver(strategy):
+    """The strategy's AsyncSaver, made at the first save (collective: its own gloo group, on every rank)."""
+    saver = getattr(strategy, "_async", None)
+    if saver is None:
+        import torch.distributed as dist
+
+        from lightning_scale.checkpoint.async_save import AsyncSaver
+
+        group = dist.new_group(backend="gloo") if dist.is_available() and dist.is_initialized() else None
+        saver = strategy._async = AsyncSaver(group=group)  # never the training group (async_save's docstring)
+    return saver
+
+
+def wait_async_save(strategy, path: Any = None) -> None:
+    """Block until the save in flight is written (raising its error); with ``path``: only if it writes there."""
+    saver = getattr(strategy, "_async", None)
+    if saver is None or (path is not None and str(path) != getattr(strategy, "_async_path", None)):
+        return
+    saver.wait()
 
 
 def read_lightning_state(path: str) -> Dict[str, Any]:

@@ -34,7 +34,7 @@ from lightning_scale.materialize import has_meta
 from lightning_scale.parallelize import ParallelModel, check_config, parallelize
 from lightning_scale.strategies import diagnostics_glue
 from lightning_scale.strategies.common import GridStrategyMixin
-from lightning_scale.strategies.checkpoint import load_sharded, remove_sharded, save_sharded
+from lightning_scale.strategies.checkpoint import load_sharded, remove_sharded, save_sharded, wait_async_save
 from lightning_scale.strategies.pipeline_glue import PipelineGlue
 from lightning_scale.strategies.precision import ZeroPrecision
 from lightning_scale.strategies.report import layout_table
@@ -350,6 +350,7 @@ class Zero3DStrategy(GridStrategyMixin, ParallelStrategy):
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> Dict[str, Any]:
         path = str(checkpoint_path)
+        wait_async_save(self)  # checkpoint_async: a save still in flight is written first
         if os.path.isdir(path):
             from lightning_scale.checkpoint.dcp_format import detect_format
 
@@ -366,6 +367,7 @@ class Zero3DStrategy(GridStrategyMixin, ParallelStrategy):
         return self.checkpoint_io.load_checkpoint(path, weights_only=False)
 
     def remove_checkpoint(self, filepath: Any) -> None:
+        wait_async_save(self, filepath)  # only when the save in flight writes that very folder
         if self.is_global_zero:
             if os.path.isdir(str(filepath)):
                 remove_sharded(str(filepath))
@@ -402,7 +404,10 @@ class Zero3DStrategy(GridStrategyMixin, ParallelStrategy):
 
     def teardown(self) -> None:
         try:
-            self._teardown()
+            try:
+                wait_async_save(self)  # checkpoint_async: the last save is complete when fit returns (or raises)
+            finally:
+                self._teardown()
         finally:
             diagnostics_glue.teardown(self)
 

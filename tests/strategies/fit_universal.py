@@ -33,6 +33,44 @@ def _train_dataloader(self) -> DataLoader:
 
 ByteCorpusDataModule.train_dataloader = _train_dataloader
 
+
+def _probe_async_saves(out: str) -> None:
+    """LS_TEST_ASYNC_PROBE=FILE: every write of the layout-free format sleeps 1 s first and records when it started
+    and ended; every training batch records when it started. Rank r writes them to FILE.r.json at exit."""
+    import atexit
+    import json
+    import threading
+    import time
+
+    import lightning.pytorch as pl
+
+    from lightning_scale.checkpoint import dcp_format
+
+    record = {"writes": [], "batches": []}
+    real_save = dcp_format.save
+
+    def slow_save(path, *args, **kw):
+        start = time.time()
+        time.sleep(1.0)
+        real_save(path, *args, **kw)
+        record["writes"].append({"path": os.path.basename(path), "start": start, "end": time.time(),
+                                 "thread": threading.current_thread().name})
+
+    def on_train_batch_start(self, batch, batch_idx):
+        record["batches"].append({"step": self.trainer.global_step, "start": time.time()})
+
+    dcp_format.save = slow_save
+    pl.LightningModule.on_train_batch_start = on_train_batch_start
+
+    def dump():
+        with open(f"{out}.{os.environ.get('LOCAL_RANK', '0')}.json", "w") as f:
+            json.dump(record, f)
+    atexit.register(dump)
+
+
+if os.environ.get("LS_TEST_ASYNC_PROBE"):
+    _probe_async_saves(os.environ["LS_TEST_ASYNC_PROBE"])
+
 if __name__ == "__main__":
     fit_gpt.main()
     import torch

@@ -13,6 +13,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 from lightning_scale import ConfigError, Zero3DStrategy
 from lightning_scale.checkpoint import dcp_format
@@ -23,9 +24,10 @@ ARGS = ["--steps", "6", "--epoch-batches", "2", "--no-predict", "--option", "che
 TOL = 1e-5
 
 
-def fit(tmp, name, *args, timeout=240):
+def fit(tmp, name, *args, timeout=240, env=None):
     out = tmp / f"{name}.json"
-    proc = run_script([sys.executable, SCRIPT, "--out", str(out), *ARGS, *args], timeout=timeout, cwd=tmp)
+    proc = run_script([sys.executable, SCRIPT, "--out", str(out), *ARGS, *args], timeout=timeout, cwd=tmp,
+                      env=None if env is None else dict(os.environ, **env))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return json.loads(out.read_text())
 
@@ -86,8 +88,49 @@ def test_reshard_stage2_to_stage3_and_stage3_to_stage1(saved):
     _close(s1["losses"], full["losses"][4:])
 
 
+def _tensors(path, tmp):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = tmp / (os.path.basename(os.path.dirname(path)) + os.path.basename(path) + ".pt")
+    dcp_to_torch_save(str(path), str(out))
+    return torch.load(str(out), weights_only=False)
+
+
+@pytest.mark.slow
+def test_async_save_trains_on_during_the_write_and_writes_the_sync_state(saved):
+    """checkpoint_async=True: every write sleeps 1 s first (LS_TEST_ASYNC_PROBE in fit_universal.py). The step after
+    each save starts before its write ends; the losses, and every tensor of the three checkpoints, equal the
+    synchronous run's (rank 1's data file byte for byte; rank 0's also holds ModelCheckpoint's own dirpath)."""
+    tmp, full = saved
+    probe = tmp / "probe"
+    run = fit(tmp, "async", "--devices", "2", "--option", "stage=2", "--option", "checkpoint_async=True",
+              "--ckpt-dir", str(tmp / "ckpt_async"), env={"LS_TEST_ASYNC_PROBE": str(probe)})
+    assert run["losses"] == full["losses"]
+    record = json.loads((tmp / "probe.0.json").read_text())
+    writes = {w["path"]: w for w in record["writes"]}
+    names = ["epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt", "epoch=2-step=6.ckpt"]
+    assert sorted(writes) == names and {w["thread"] for w in writes.values()} == {"lightning_scale-async-save"}
+    for name in names[:2]:
+        step = int(name.split("step=")[1].split(".")[0])
+        after = min(b["start"] for b in record["batches"] if b["step"] >= step)  # the next step's first batch
+        print(f"{name}: write {writes[name]['end'] - writes[name]['start']:.2f} s; the next step started "
+              f"{writes[name]['end'] - after:.2f} s before it ended")
+        assert after < writes[name]["end"]
+    for name in names:
+        sync, asyn = tmp / "ckpt" / name, tmp / "ckpt_async" / name
+        assert (sync / "__1_0.distcp").read_bytes() == (asyn / "__1_0.distcp").read_bytes()
+        a, b = _tensors(sync, tmp), _tensors(asyn, tmp)
+        keys = sorted(k for k, v in a.items() if torch.is_tensor(v))
+        assert keys and keys == sorted(k for k, v in b.items() if torch.is_tensor(v))
+        assert all(torch.equal(a[k], b[k]) for k in keys)
+        assert a["extra/lightning"]["global_step"] == b["extra/lightning"]["global_step"]
+    assert not [n for n in os.listdir(tmp / "ckpt_async") if n.startswith(".")]  # no staging left behind
+
+
 def test_bad_checkpoint_format_is_named():
     with pytest.raises(ConfigError, match="checkpoint_format='dcp'"):
         Zero3DStrategy(checkpoint_format="dcp")
     assert Zero3DStrategy(stage=1, checkpoint_format="universal").restore_checkpoint_after_setup
     assert not Zero3DStrategy(stage=1).restore_checkpoint_after_setup
+    with pytest.raises(ConfigError, match="checkpoint_async=True needs checkpoint_format='universal'"):
+        Zero3DStrategy(stage=2, checkpoint_async=True)
