@@ -23,7 +23,31 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import Any, Callable, List, Optional, Sequence, Set
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set
+
+from lightning_scale import testing_zygote
+
+# What the forked processes have imported before a test needs them (see lightning_scale/testing_zygote.py):
+# run_distributed's ranks import torch; scripts run with ``ranks=`` import Lightning (and Hydra for examples/).
+RANK_PRELOAD = ("torch", "torch.distributed")
+SCRIPT_PRELOAD = ("torch", "torch.distributed", "lightning.pytorch", "lightning.fabric", "lightning_scale.strategies",
+                  "hydra", "omegaconf")
+
+
+def _use_zygote() -> bool:
+    """Fork ranks from a pre-imported interpreter; ``LIGHTNING_SCALE_TEST_ZYGOTE=0`` starts fresh ones instead."""
+    return os.environ.get("LIGHTNING_SCALE_TEST_ZYGOTE", "1") != "0"
+
+
+def _forward_output(paths: Sequence[str], fd: int) -> None:
+    for path in paths:
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            continue
+        while data:
+            data = data[os.write(fd, data):]
 
 # Process groups (one per rank / launched script, each the leader of its own session) that are running now.
 # kill_live_groups() ends them all: conftest calls it when pytest is interrupted, timed out or terminated.
@@ -198,17 +222,28 @@ def run_distributed(fn: Callable, world_size: int, args: Sequence[Any] = (), *, 
                      LIGHTNING_SCALE_RANK_WORKER="1")
     child_env.update(env or {})
     code = "from lightning_scale.testing import _entry; _entry()"
-    procs: List[subprocess.Popen] = []
+    procs: List[Any] = []
+    fork = _use_zygote()
     try:
         for r in range(world_size):
-            procs.append(subprocess.Popen([sys.executable, "-c", code, job, str(r)], env=child_env,
-                                          start_new_session=True))
+            if fork:
+                out, err = os.path.join(tmp, f"stdout_{r}"), os.path.join(tmp, f"stderr_{r}")
+                procs.append(testing_zygote.zygote(RANK_PRELOAD).fork(
+                    "entry", [job, str(r)], child_env, os.getcwd(), out, err, os.path.join(tmp, f"exit_{r}")))
+            else:
+                procs.append(subprocess.Popen([sys.executable, "-c", code, job, str(r)], env=child_env,
+                                              start_new_session=True))
             _LIVE_GROUPS.add(procs[-1].pid)
     except BaseException:
         for p in procs:
             _kill_group(p.pid)
         raise
-    wait_for_ranks(procs, timeout)
+    try:
+        wait_for_ranks(procs, timeout)
+    finally:
+        if fork:  # what the ranks printed, where a launched rank's output goes: this process's stdout / stderr
+            _forward_output([os.path.join(tmp, f"stdout_{r}") for r in range(world_size)], 1)
+            _forward_output([os.path.join(tmp, f"stderr_{r}") for r in range(world_size)], 2)
     results = collect_results(tmp, procs, timeout)
     shutil.rmtree(tmp, ignore_errors=True)
     return results
@@ -237,11 +272,21 @@ def _supervise() -> None:
 
 
 def run_script(cmd: Sequence[str], *, timeout: float, cwd: Optional[str] = None, env: Optional[dict] = None,
-               merge_stderr: bool = False) -> subprocess.CompletedProcess:
+               merge_stderr: bool = False, ranks: Optional[int] = None,
+               preload: Sequence[str] = SCRIPT_PRELOAD) -> subprocess.CompletedProcess:
     """``subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)`` for scripts that start
     processes of their own (Lightning's ranks): the script runs in its own session, and its whole process
     group is SIGKILLed on timeout (``subprocess.TimeoutExpired`` is raised), on any exception while waiting
-    (Ctrl-C, pytest-timeout), when the launcher itself dies, and after it exits (stragglers)."""
+    (Ctrl-C, pytest-timeout), when the launcher itself dies, and after it exits (stragglers).
+
+    ``ranks=N`` (``cmd`` = ``[sys.executable, SCRIPT, *args]``): launch the N ranks as torchrun does instead —
+    every rank runs the script with RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set, so Lightning
+    sees processes created externally and does not start its own — each forked from a process that imported
+    Lightning once (see :mod:`lightning_scale.testing_zygote`). stdout / stderr are the ranks' in rank order;
+    the return code is the first non-zero one in rank order. ``ranks=1`` runs the script without those
+    variables (a plain single-process run). ``preload``: the modules imported once before the forks."""
+    if ranks is not None and _use_zygote():
+        return _run_script_forked(list(map(str, cmd)), ranks, timeout, cwd, env, merge_stderr, tuple(preload))
     stderr = subprocess.STDOUT if merge_stderr else subprocess.PIPE
     code = "from lightning_scale.testing import _supervise; _supervise()"
     proc = subprocess.Popen([sys.executable, "-c", code, *map(str, cmd)], cwd=cwd, env=env, text=True,
@@ -260,6 +305,81 @@ def run_script(cmd: Sequence[str], *, timeout: float, cwd: Optional[str] = None,
     # the supervisor reports a signal death of the script as 128 + signal, like a shell
     rc = proc.returncode if proc.returncode < 128 else -(proc.returncode - 128)
     return subprocess.CompletedProcess(list(cmd), rc, out, err)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _run_script_forked(cmd: List[str], ranks: int, timeout: float, cwd: Optional[str], env: Optional[dict],
+                       merge_stderr: bool, preload: Sequence[str]) -> subprocess.CompletedProcess:
+    if len(cmd) < 2 or os.path.realpath(cmd[0]) != os.path.realpath(sys.executable) or not cmd[1].endswith(".py"):
+        raise ValueError(f"run_script(ranks=...) runs `python SCRIPT.py ARGS`, got {cmd[:2]}")
+    tmp = tempfile.mkdtemp(prefix="ls_script_")
+    base: Dict[str, str] = dict(os.environ if env is None else env)
+    port = str(_free_port())
+    procs: List[Any] = []
+    outs, errs = [], []
+    try:
+        z = testing_zygote.zygote(preload)
+        for r in range(ranks):
+            rank_env = dict(base)
+            if ranks > 1:  # what torchrun sets
+                rank_env.update(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks),
+                                NODE_RANK="0", GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+            outs.append(os.path.join(tmp, f"stdout_{r}"))
+            errs.append(outs[-1] if merge_stderr else os.path.join(tmp, f"stderr_{r}"))
+            procs.append(z.fork("script", cmd[1:], rank_env, os.path.abspath(cwd or os.getcwd()), outs[-1], errs[-1],
+                                os.path.join(tmp, f"exit_{r}")))
+            _LIVE_GROUPS.add(procs[-1].pid)
+        timed_out = _wait_script_ranks(procs, timeout)
+    finally:
+        for p in procs:
+            _kill_group(p.pid)
+        for p in procs:
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def read(paths):
+        text = []
+        for path in paths:
+            try:
+                with open(path, errors="replace") as f:
+                    text.append(f.read())
+            except FileNotFoundError:
+                pass
+        return "".join(text)
+
+    out, err = read(outs), (None if merge_stderr else read(errs))
+    shutil.rmtree(tmp, ignore_errors=True)
+    if timed_out:
+        raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err)
+    codes = [p.poll() for p in procs]
+    rc = next((c for c in codes if c), 0)
+    return subprocess.CompletedProcess(cmd, rc, out, err)
+
+
+def _wait_script_ranks(procs: List[Any], timeout: float, grace: float = 60.0) -> bool:
+    """Wait for every rank; True when the timeout ran out first. After a rank fails the others get ``grace``
+    seconds to report it and end (the strategy's diagnostics name the failed rank), then they are killed."""
+    deadline, failed_at = time.monotonic() + timeout, None
+    while True:
+        codes = [p.poll() for p in procs]
+        if all(c is not None for c in codes):
+            return False
+        if failed_at is None and any(c not in (None, 0) for c in codes):
+            failed_at = time.monotonic()
+        if failed_at is not None and time.monotonic() - failed_at > grace:
+            return False
+        if time.monotonic() > deadline:
+            return True
+        time.sleep(0.02)
 
 
 def live_rss_bytes() -> int:

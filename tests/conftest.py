@@ -42,3 +42,4 @@ def pytest_runtest_teardown(item, nextitem):  # noqa: ARG001
 
 def pytest_sessionfinish(session, exitstatus):  # noqa: ARG001
     _testing.kill_live_groups()
+    _testing.testing_zygote.close_all()

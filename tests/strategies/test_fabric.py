@@ -30,7 +30,7 @@ TP2 = [("tp2_stage1", dict(stage=1, tp=2), False), ("tp2_stage3", dict(stage=3, 
 def _launch(tmp, *args, devices=2, timeout=300, expect_ok=True):
     out = tmp / "result.json"
     proc = run_script([sys.executable, SCRIPT, "--out", str(out), "--tmp", str(tmp), "--devices", str(devices),
-                       *args], timeout=timeout, cwd=str(tmp), merge_stderr=True)
+                       *args], timeout=timeout, cwd=str(tmp), merge_stderr=True, ranks=devices)
     if not expect_ok:
         return proc
     assert proc.returncode == 0, proc.stdout[-6000:]

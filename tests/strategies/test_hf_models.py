@@ -15,13 +15,15 @@ import sys
 import pytest
 
 from lightning_scale.testing import run_script
+from test_zero_trainer import script_ranks
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "fit_hf.py")
 
 
 def _fit(tmp_path, name, *args):
     out = tmp_path / f"{name}.json"
-    proc = run_script([sys.executable, SCRIPT, "--out", str(out), *args], timeout=240, cwd=tmp_path)
+    proc = run_script([sys.executable, SCRIPT, "--out", str(out), *args], timeout=240, cwd=tmp_path,
+                      ranks=script_ranks(args))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return json.loads(out.read_text())
 

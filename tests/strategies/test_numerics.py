@@ -25,7 +25,7 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "fit_numerics.py")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("numerics")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
-    proc = run_script([sys.executable, SCRIPT, "--out", str(tmp / "n.json")], timeout=400, cwd=tmp, env=env)
+    proc = run_script([sys.executable, SCRIPT, "--out", str(tmp / "n.json")], timeout=400, cwd=tmp, env=env, ranks=2)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads((tmp / "n.json").read_text()), proc.stdout
 

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from lightning_scale.testing import run_script
+from test_zero_trainer import script_ranks
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "fit_gpt.py")
 ONEBIT = ["--devices", "2", "--optimizer", "onebit_adam"]
@@ -18,7 +19,8 @@ ONEBIT = ["--devices", "2", "--optimizer", "onebit_adam"]
 def fit(tmp_path, name, *args, timeout=120, expect_ok=True):
     out = tmp_path / f"{name}.json"
     start = time.monotonic()
-    proc = run_script([sys.executable, SCRIPT, "--out", str(out), *args], timeout=timeout, cwd=tmp_path)
+    proc = run_script([sys.executable, SCRIPT, "--out", str(out), *args], timeout=timeout, cwd=tmp_path,
+                      ranks=script_ranks(args))
     if expect_ok:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
         return json.loads(out.read_text())

@@ -17,11 +17,21 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "fit_gpt.py")
 COMMON = ["--steps", "4", "--accumulate", "2", "--clip", "0.5"]
 
 
-def fit(tmp_path, name, *args, timeout=240, expect_ok=True):
+def script_ranks(args, default=2):
+    """The number of ranks a fit_*.py command line asks for (its --devices, else the script's default)."""
+    args = [str(a) for a in args]
+    return int(args[args.index("--devices") + 1]) if "--devices" in args else default
+
+
+def fit(tmp_path, name, *args, timeout=240, expect_ok=True, launcher="torchrun"):
+    """One run of fit_gpt.py. ``launcher="torchrun"``: every rank started as torchrun does (forked from a
+    pre-imported interpreter, see lightning_scale.testing.run_script); ``"lightning"``: the script alone, as a
+    user types it, and Lightning starts the other ranks."""
     out = tmp_path / f"{name}.json"
     cmd = [sys.executable, SCRIPT, "--out", str(out), *args]
     start = time.monotonic()
-    proc = run_script(cmd, timeout=timeout, cwd=tmp_path)  # kills the script's ranks too on timeout
+    ranks = script_ranks(args) if launcher == "torchrun" else None
+    proc = run_script(cmd, timeout=timeout, cwd=tmp_path, ranks=ranks)  # kills the script's ranks too on timeout
     elapsed = time.monotonic() - start
     if expect_ok:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -70,7 +80,10 @@ def test_bf16_mixed_within_2_percent_of_fp32(tmp_path):
     (["--fail-rank", "1", "--strategy", "zero2"], "boom: injected failure in training_step"),
 ])
 def test_errors_reach_every_rank_without_hang(tmp_path, args, message):
-    proc, elapsed = fit(tmp_path, "bad", "--devices", "2", *args, timeout=120, expect_ok=False)
+    # The injected failure is launched as a user does (Lightning starts rank 1): it must reach every rank on that
+    # path too; the others as torchrun does.
+    launcher = "lightning" if "--fail-rank" in args else "torchrun"
+    proc, elapsed = fit(tmp_path, "bad", "--devices", "2", *args, timeout=120, expect_ok=False, launcher=launcher)
     assert proc.returncode != 0
     assert message in proc.stdout + proc.stderr
     assert elapsed < 90  # includes two interpreter + Lightning start-ups; the failure itself is immediate
@@ -114,7 +127,7 @@ def test_gan_two_optimizers_manual_optimization(tmp_path, strategy):
     for name, devices in (("single", "1"), (strategy, "2")):
         out = tmp_path / f"{name}.pt"
         proc = run_script([sys.executable, gan, "--strategy", name, "--devices", devices, "--out", str(out)],
-                          timeout=240, cwd=tmp_path)
+                          timeout=240, cwd=tmp_path, ranks=int(devices))
         assert proc.returncode == 0, proc.stderr[-4000:]
         outs[name] = torch.load(out)
     for key, ref in outs["single"].items():

@@ -46,6 +46,9 @@ INNER = textwrap.dedent("""
 
     def test_ranks():
         run_distributed(hang, world_size=2, args=(os.environ["PIDS"],), timeout=600)
+
+    def test_forked():  # two ranks forked from the zygote, as torchrun would start them; each starts a grandchild
+        run_script([sys.executable, os.environ["JOB"], os.environ["PIDS"]], timeout=600, ranks=2, preload=("json",))
 """)
 
 
@@ -107,16 +110,17 @@ def _inner_pytest(tmp_path, job, test, *extra, timeout=3):
 
 # thread x ranks is left out: the ranks' own parent-death SIGKILL is the same mechanism as thread x script
 @pytest.mark.parametrize("test,method", [("test_script", "signal"), ("test_ranks", "signal"),
-                                         ("test_script", "thread")])
+                                         ("test_script", "thread"), ("test_forked", "signal"),
+                                         ("test_forked", "thread")])
 def test_pytest_timeout_leaves_no_orphan(tmp_path, job, test, method):
     """"signal": pytest-timeout raises inside the wait (the helpers kill their groups); "thread": it ends
     pytest with os._exit, and the parent-death signal of each script / rank does the cleaning."""
     # ranks import torch before they write their pid: give them longer to start on a loaded machine
-    seconds = 8 if test == "test_ranks" else 3
+    seconds = {"test_ranks": 8, "test_forked": 5}.get(test, 3)
     inner = _inner_pytest(tmp_path, job, test, f"--timeout-method={method}", timeout=seconds)
     out, _ = inner.communicate(timeout=120)
     assert "Timeout" in out, out[-2000:]
-    n = 2  # script + grandchild, or two ranks
+    n = 4 if test == "test_forked" else 2  # script + grandchild, or two ranks, or two ranks + their grandchildren
     _assert_all_gone(_pids(tmp_path / f"pids_{test}", n, within=0))
 
 
@@ -127,3 +131,31 @@ def test_ctrl_c_leaves_no_orphan(tmp_path, job):
     out, _ = inner.communicate(timeout=60)
     assert "KeyboardInterrupt" in out, out[-2000:]
     _assert_all_gone(started)
+
+
+RANKS = textwrap.dedent("""
+    import os, sys
+    rank = int(os.environ["RANK"])
+    print(f"rank {rank} of {os.environ['WORLD_SIZE']} local {os.environ['LOCAL_RANK']} "
+          f"port {os.environ['MASTER_PORT']} argv {sys.argv[1:]} here {sys.path[0] == os.path.dirname(__file__)} "
+          f"extra {os.environ['EXTRA'] in sys.path} cwd {os.getcwd()}")
+    print(f"err {rank}", file=sys.stderr)
+    if __name__ == "__main__" and rank == 1:
+        sys.exit(3)
+""")
+
+
+def test_run_script_ranks_start_like_torchrun(tmp_path):
+    """ranks=2: each rank runs the script with torchrun's variables, one MASTER_PORT, the script's folder first on
+    sys.path and the request's PYTHONPATH; output in rank order; the return code is the first non-zero one."""
+    script = tmp_path / "ranks.py"
+    script.write_text(RANKS)
+    extra = str(tmp_path / "extra")
+    env = dict(os.environ, EXTRA=extra, PYTHONPATH=os.pathsep.join([extra, os.environ.get("PYTHONPATH", "")]))
+    proc = run_script([sys.executable, str(script), "a", "b"], timeout=120, cwd=str(tmp_path), env=env, ranks=2,
+                      preload=("json",))
+    lines = proc.stdout.splitlines()
+    assert [ln.split(" port ")[0] for ln in lines] == ["rank 0 of 2 local 0", "rank 1 of 2 local 1"], proc.stdout
+    assert len({ln.split(" port ")[1].split()[0] for ln in lines}) == 1  # one MASTER_PORT for both
+    assert all(f"argv ['a', 'b'] here True extra True cwd {tmp_path}" in ln for ln in lines), proc.stdout
+    assert (proc.returncode, proc.stderr) == (3, "err 0\nerr 1\n")
