@@ -1,0 +1,461 @@
+"""Checkpoint save / load: lightning_scale's universal and sharded formats vs torch DCP and Lightning, 2 CPU ranks.
+
+    python bench/checkpoint.py                       # 2 interleaved rounds, HF Llama 56M (bench/models.py's model)
+    python bench/checkpoint.py --rounds 1 --layers 4 # quick look
+    python bench/checkpoint.py --systems ls_universal,dcp_fsdp2
+
+Every row trains the same unchanged ``LlamaForCausalLM`` (bench/models.py: hidden 512, 8 layers, vocabulary 32000,
+fp32, AdamW) one step on 2 ranks (dp=2), then, each in the same fresh pair of processes:
+
+    save            the whole training state (weights, Adam exp_avg / exp_avg_sq / step) to a new folder
+    load            into a fresh model + optimizer of the same layout
+    reshard load    into a fresh model + optimizer of another layout: dp=2 -> tp=2 (2 ranks)
+
+ls_universal also saves the same state through ``AsyncSaver`` (twice: the first allocates the host buffers; the
+second is timed): "async save blocks" is how long ``save`` held the training thread (the snapshot), "async save
+total" until the folder was in place. After each load the run takes 2 more steps, and their losses are compared
+with the 2 steps the saving model took right after the save (same batches): "resume dloss" is the largest
+difference (0 = bit for bit; tp changes the reduction order, so ~1e-6 there). The loads into a fresh optimizer
+(every row but lightning_fsdp2) allocate its Adam state inside the timed call: the rank's own shards of it are part
+of their peak growth (~215 MiB per rank here); lightning_fsdp2 loads into the live model and optimizer.
+
+    ls_universal     lightning_scale parallelize(stage=2) + make_engines; checkpoint.engine_pieces.save_engines /
+                     load_engines (the layout-free DCP format of checkpoint_format="universal"); reshard: tp=2
+                     stage 1 (the model's own tp_plan)
+    ls_sharded       the same engines, checkpoint_format="sharded" (format 2: rank 0 the module state_dict, each
+                     rank its engine.state_dict(); strategies.checkpoint.save_sharded / load_sharded); cannot
+                     reshard (it refuses another layout)
+    dcp_fsdp2        torch fully_shard per decoder layer + root; torch.distributed.checkpoint.state_dict
+                     get_state_dict -> dcp.save; dcp.load -> set_state_dict; reshard: DTensor parallelize_module
+                     tp=2 (bench/models.py's torchtitan plan)
+    lightning_fsdp2  Lightning Trainer + ModelParallelStrategy(data_parallel_size=2) with the fsdp2 row's
+                     fully_shard: trainer.save_checkpoint / strategy.load_checkpoint (Lightning's DCP save);
+                     checked by the restored local shards' checksum, no reshard row
+
+DeepSpeed (save_checkpoint + ds_to_universal + load) is a row of the issue's table but is not installed here
+(``pip install deepspeed``, see ../shared/PEERS.md): its row reads "not run". Times are seconds of the slower rank;
+bytes are the folder's size on disk; peak growth is each rank's RSS high-water mark above its live RSS just before
+the call (max over ranks). Each (round, system) runs in fresh processes, the order rotated every round. Not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from models import _dtensor_plan, _fsdp2, _loss, build_llama  # noqa: E402
+
+SYSTEMS = ["ls_universal", "ls_sharded", "dcp_fsdp2", "lightning_fsdp2"]
+PEERS = {"ls_universal": ["dcp_fsdp2", "lightning_fsdp2", "ls_sharded"]}
+AFTER = 2  # steps taken after a save / each load
+# the resharded load's layout: "tp" (dp=2 -> tp=2, 2+ ranks) or "stage3" (one rank: ZeRO-2 -> ZeRO-3 / FSDP2 -> a
+# plain module), for lightning_scale and for torch DCP
+RESHARD_LS = {"tp": lambda world: dict(tp=world, stage=1), "stage3": lambda world: dict(stage=3)}
+RESHARD_DCP = {"tp": "tp", "stage3": "plain"}
+
+
+# ------------------------------------------------------------------------------------------------ measurement
+def _live_rss() -> int:
+    from lightning_scale.testing import live_rss_bytes
+
+    return live_rss_bytes()
+
+
+def _timed(fn):
+    """(result, seconds, peak RSS growth in MiB over the live RSS just before): the kernel's high-water mark is
+    reset right before the call."""
+    import gc
+
+    import torch.distributed as dist
+
+    import torch
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    gc.collect()
+    sync()
+    dist.barrier()
+    base = _live_rss()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    t0 = time.perf_counter()
+    out = fn()
+    sync()
+    dist.barrier()
+    dt = time.perf_counter() - t0
+    with open("/proc/self/status") as f:
+        hwm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
+    return out, dt, (hwm - base) / 2**20
+
+
+def _folder_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
+# ------------------------------------------------------------------------------------------------ lightning_scale
+def _ls_build(kw, rank, world, device="cpu", **layout):
+    import torch
+
+    import lightning_scale.models  # noqa: F401  (registers the HF adapters; no Lightning import)
+    from lightning_scale.config import from_flat_kwargs
+    from lightning_scale.parallelize import local_topology, parallelize
+
+    config = from_flat_kwargs(**layout)
+    topo = local_topology(config, world, rank)
+    model = build_llama(kw)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    pm = parallelize(model, config, topo, device, optimizers=[opt], loss_fn=_loss)
+    (engine,) = pm.make_engines()
+    tp_rank = topo.tp_rank if config.tp > 1 else 0
+
+    def step(x, y):
+        import torch.distributed as dist
+
+        x, y = x.to(device), y.to(device)
+        if topo.dp > 1:
+            x, y = x.chunk(topo.dp)[topo.dp_rank], y.chunk(topo.dp)[topo.dp_rank]
+        loss = _loss(model(input_ids=x).logits, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        loss = loss.detach().clone()
+        if topo.dp > 1:
+            dist.all_reduce(loss, group=topo.dp_group)
+            loss /= topo.dp
+        return float(loss)
+
+    return model, engine, tp_rank, step
+
+
+def _ls_run(system, kw, batches, rank, world, root, device="cpu", reshard=None):
+    import torch
+    import torch.distributed as dist
+
+    from lightning_scale.checkpoint.engine_pieces import load_engines, save_engines
+
+    model, engine, tp_rank, step = _ls_build(kw, rank, world, device, stage=2)
+    step(*batches[0])
+    path = os.path.join(root, "ckpt")
+    out = {}
+    if system == "ls_universal":
+        save = lambda: save_engines(path, model, [engine], tp_rank=tp_rank)  # noqa: E731
+    else:
+        from lightning_scale.strategies.checkpoint import load_sharded, save_sharded
+
+        def bcast(obj):
+            box = [obj]
+            dist.broadcast_object_list(box, src=0)
+            return box[0]
+
+        def gather(obj):
+            box = [None] * world
+            dist.all_gather_object(box, obj)
+            return box
+
+        def save():
+            ck = {"state_dict": model.state_dict(), "optimizer_states": [engine.state_dict()]}
+            save_sharded(ck, path, rank, world, bcast, gather)
+    _, out["save_s"], out["save_mb"] = _timed(save)
+    out["bytes"] = _folder_bytes(path)
+    if system == "ls_universal":  # the same save through AsyncSaver: how long it blocks, how long until written
+        from lightning_scale.checkpoint.async_save import AsyncSaver
+
+        saver = AsyncSaver(group=dist.new_group(backend="gloo"))  # a group of its own (async_save's docstring)
+        apath = os.path.join(root, "async")
+        save_engines(apath, model, [engine], tp_rank=tp_rank, saver=saver)  # the first save allocates the buffers
+        saver.wait()
+        _, out["async_block_s"], _ = _timed(lambda: save_engines(apath, model, [engine], tp_rank=tp_rank,
+                                                                 saver=saver))
+        _, wait_s, _ = _timed(saver.wait)
+        out["async_total_s"] = out["async_block_s"] + wait_s
+        shutil.rmtree(apath, ignore_errors=True) if rank == 0 else None
+    expected = [step(*b) for b in batches[1:1 + AFTER]]
+    del model, engine, step
+    model, engine, tp_rank, step = _ls_build(kw, rank, world, device, stage=2)
+    if system == "ls_universal":
+        load = lambda: load_engines(path, model, [engine], tp_rank=tp_rank)  # noqa: E731
+    else:
+        def load():
+            ck = load_sharded(path, rank, world)
+            with torch.no_grad():
+                model.load_state_dict(ck["state_dict"])
+            engine.load_state_dict(ck["optimizer_states"][0])
+    _, out["load_s"], out["load_mb"] = _timed(load)
+    out["dloss"] = max(abs(a - b) for a, b in zip(expected, [step(*b) for b in batches[1:1 + AFTER]]))
+    if system == "ls_universal":
+        del model, engine, step
+        model, engine, tp_rank, step = _ls_build(kw, rank, world, device, **RESHARD_LS[reshard](world))
+        _, out["reshard_s"], out["reshard_mb"] = _timed(lambda: load_engines(path, model, [engine], tp_rank=tp_rank))
+        out["reshard_dloss"] = max(abs(a - b) for a, b in zip(expected, [step(*b) for b in batches[1:1 + AFTER]]))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ torch DCP
+def _dcp_build(kw, mode: str, device="cpu"):
+    """mode: "fsdp2" (the saving layout), "tp" (DTensor tp over every rank) or "plain" (an unsharded module)."""
+    import torch
+    import torch.distributed as dist
+
+    device = torch.device(device)
+    model = build_llama(kw).to(device)
+    tp = mode == "tp"
+    if tp:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        _dtensor_plan(model, init_device_mesh(device.type, (dist.get_world_size(),)))
+    elif mode == "fsdp2":
+        _fsdp2(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def step(x, y):
+        x, y = x.to(device), y.to(device)
+        if tp:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            with loss_parallel():
+                loss = _loss(model(input_ids=x).logits, y)
+                loss.backward()
+            loss = loss.full_tensor().detach()
+        else:
+            loss = _loss(model(input_ids=x.chunk(world)[rank]).logits, y.chunk(world)[rank])
+            loss.backward()
+            loss = loss.detach().clone()
+            dist.all_reduce(loss)
+            loss /= world
+        opt.step()
+        opt.zero_grad()
+        return float(loss)
+
+    return model, opt, step
+
+
+def _dcp_run(kw, batches, root, device="cpu", reshard="tp"):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, opt, step = _dcp_build(kw, "fsdp2", device)
+    step(*batches[0])
+    path = os.path.join(root, "ckpt")
+    out = {}
+
+    def save():
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+
+    def load_into(m, o):
+        def load():
+            msd, osd = get_state_dict(m, o)  # allocates the optimizer state (a zero-lr step), DTensor-shaped
+            sd = {"model": msd, "optim": osd}
+            dcp.load(sd, checkpoint_id=path)
+            set_state_dict(m, o, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        return load
+
+    _, out["save_s"], out["save_mb"] = _timed(save)
+    out["bytes"] = _folder_bytes(path)
+    expected = [step(*b) for b in batches[1:1 + AFTER]]
+    del model, opt, step
+    model, opt, step = _dcp_build(kw, "fsdp2", device)
+    _, out["load_s"], out["load_mb"] = _timed(load_into(model, opt))
+    out["dloss"] = max(abs(a - b) for a, b in zip(expected, [step(*b) for b in batches[1:1 + AFTER]]))
+    del model, opt, step
+    model, opt, step = _dcp_build(kw, RESHARD_DCP[reshard], device)
+    _, out["reshard_s"], out["reshard_mb"] = _timed(load_into(model, opt))
+    out["reshard_dloss"] = max(abs(a - b) for a, b in zip(expected, [step(*b) for b in batches[1:1 + AFTER]]))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ Lightning
+def _lightning_run(kw, batches, rank, world, root):
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world))
+
+    class Module(pl.LightningModule):
+        def configure_model(self):
+            self.model = build_llama(kw)
+            _fsdp2(self.model, self.device_mesh["data_parallel"])
+
+        def training_step(self, batch, _):
+            x, y = batch
+            return _loss(self.model(input_ids=x.chunk(world)[rank]).logits, y.chunk(world)[rank])
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=ModelParallelStrategy(data_parallel_size=world,
+                         tensor_parallel_size=1),
+                         max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0, use_distributed_sampler=False)
+    module = Module()
+    trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches[:1], batch_size=None))
+    path = os.path.join(root, "ckpt")
+    out = {}
+    _, out["save_s"], out["save_mb"] = _timed(lambda: trainer.save_checkpoint(path))
+    out["bytes"] = _folder_bytes(path)
+
+    def local_sum():
+        vals = [p.to_local().double().sum() for p in module.model.parameters()]
+        vals += [v.to_local().double().sum() for s in trainer.optimizers[0].state.values() for v in s.values()
+                 if hasattr(v, "to_local")]
+        return float(sum(vals))
+
+    before = local_sum()
+    with torch.no_grad():  # the load must bring the values back
+        for p in module.model.parameters():
+            p.to_local().zero_()
+        for s in trainer.optimizers[0].state.values():
+            for v in s.values():
+                if hasattr(v, "to_local"):
+                    v.to_local().zero_()
+    _, out["load_s"], out["load_mb"] = _timed(lambda: trainer.strategy.load_checkpoint(path))
+    out["dloss"] = abs(local_sum() - before)  # a checksum difference for this row (see the docstring)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ driver
+def worker(rank: int, world: int, system: str, kw: dict, batch: int, root: str, device: str = "cpu",
+           reshard: str = "tp") -> dict:
+    import warnings
+
+    import torch
+
+    warnings.filterwarnings("ignore")
+    g = torch.Generator().manual_seed(1)
+    batches = []
+    for _ in range(1 + AFTER):
+        ids = torch.randint(0, kw["vocab"], (batch, kw["seq"] + 1), generator=g)
+        batches.append((ids[:, :-1].contiguous(), ids[:, 1:].contiguous()))
+    if system.startswith("ls_"):
+        out = _ls_run(system, kw, batches, rank, world, root, device, reshard)
+    elif system == "dcp_fsdp2":
+        out = _dcp_run(kw, batches, root, device, reshard)
+    elif system == "lightning_fsdp2":
+        out = _lightning_run(kw, batches, rank, world, root)
+    else:
+        raise ValueError(f"unknown system {system!r}; known: {', '.join(SYSTEMS)}")
+    from common import peak_rss_mb
+
+    out["peak_rss_mb"] = peak_rss_mb()
+    return out
+
+
+def _merge(outs):
+    """Slower rank's time, larger rank's memory, rank 0's folder size."""
+    res = {"bytes": outs[0]["bytes"]}
+    for k in outs[0]:
+        if k.endswith("_s") or k.endswith("_mb") or k.endswith("dloss"):
+            res[k] = max(o[k] for o in outs)
+    return res
+
+
+def _med(rounds, name, key):
+    vals = [r[name][key] for r in rounds if name in r and key in r[name]]
+    return statistics.median(vals) if vals else None
+
+
+def _table(rounds, systems, failed) -> str:
+    cols = [("save_s", "save s", "{:.2f}"), ("load_s", "load s", "{:.2f}"), ("reshard_s", "reshard load s", "{:.2f}"),
+            ("bytes", "MiB on disk", None), ("save_mb", "save peak +MiB", "{:.0f}"),
+            ("load_mb", "load peak +MiB", "{:.0f}"), ("reshard_mb", "reshard peak +MiB", "{:.0f}"),
+            ("dloss", "resume dloss", "{:.1e}"), ("reshard_dloss", "reshard dloss", "{:.1e}"),
+            ("async_block_s", "async save blocks s", "{:.3f}"), ("async_total_s", "async save total s", "{:.2f}"),
+            ("peak_rss_mb", "peak RSS MB", "{:.0f}")]
+    lines = ["| system | " + " | ".join(c[1] for c in cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    for name in systems:
+        if name in failed:
+            lines.append(f"| {name} | failed: {failed[name][:100]} |")
+            continue
+        cells = []
+        for key, _, fmt in cols:
+            v = _med(rounds, name, key)
+            cells.append("n/a" if v is None else (f"{v / 2**20:,.1f}" if fmt is None else fmt.format(v)))
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines.append("| deepspeed | not run: deepspeed is not installed here |")
+    return "\n".join(lines)
+
+
+def _ratios(rounds, failed) -> str:
+    lines = ["| system | peer | save time ratio | load time ratio | reshard load time ratio | bytes ratio |",
+             "|---|---|---|---|---|---|"]
+    for name, peers in PEERS.items():
+        for peer in peers:
+            both = [r for r in rounds if name in r and peer in r]
+            if not both:
+                lines.append(f"| {name} | {peer} | n/a ({'failed' if peer in failed else 'not run'}) | | | |")
+                continue
+            cells = []
+            for key in ("save_s", "load_s", "reshard_s", "bytes"):
+                rs = [r[name][key] / r[peer][key] for r in both if key in r[name] and key in r[peer]]
+                cells.append(f"{statistics.median(rs):.2f} ({min(rs):.2f}-{max(rs):.2f})" if rs else "n/a")
+            lines.append(f"| {name} | {peer} | " + " | ".join(cells) + " |")
+    blocks = [r["ls_universal"]["async_block_s"] / r["ls_universal"]["save_s"] for r in rounds
+              if "async_block_s" in r.get("ls_universal", {})]
+    tail = (f"\n\nasync save: blocks {statistics.median(blocks):.1%} of the synchronous save's time (median; "
+            "target <= 10%)") if blocks else ""
+    return "\n".join(lines) + "\n\n(ratio = lightning_scale / peer in the same round: < 1 is faster / smaller)" + tail
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=4, help="global sequences per step")
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--dir", default=None, help="where checkpoints are written (default: a temporary folder)")
+    ap.add_argument("--timeout", type=float, default=900)
+    args = ap.parse_args()
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    bad = [s for s in systems if s not in SYSTEMS]
+    if bad:
+        raise SystemExit(f"--systems: unknown {bad}; known: {', '.join(SYSTEMS)}")
+    kw = dict(vocab=args.vocab, hidden=args.hidden, mlp=-(-(args.hidden * 11 // 4) // 64) * 64, layers=args.layers,
+              heads=8, kv_heads=4, seq=args.seq)
+    from lightning_scale.testing import run_distributed
+
+    base = tempfile.mkdtemp(prefix="bench_ckpt_", dir=args.dir)
+    rounds, failed = [], {}
+    try:
+        for r in range(args.rounds):
+            results = {}
+            for name in systems[r % len(systems):] + systems[:r % len(systems)]:
+                if name in failed:
+                    continue
+                root = os.path.join(base, f"{r}_{name}")
+                os.makedirs(root)
+                try:
+                    outs = run_distributed(worker, 2, (name, kw, args.batch, root), timeout=args.timeout)
+                except Exception as err:  # noqa: BLE001 - report why, keep going with the other rows
+                    failed[name] = " | ".join([t.strip() for t in str(err).splitlines() if t.strip()][-3:])
+                    print(f"round {r} {name:16s} FAILED: {failed[name]}", flush=True)
+                    continue
+                finally:
+                    shutil.rmtree(root, ignore_errors=True)
+                results[name] = _merge(outs) | {"peak_rss_mb": max(o["peak_rss_mb"] for o in outs)}
+                print(f"round {r} {name:16s} " + "  ".join(
+                    f"{k} {v:.3g}" for k, v in results[name].items()), flush=True)
+            rounds.append(results)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    from models import _params_m
+
+    print(f"\n## checkpoint save / load, HF Llama {_params_m(kw):.1f}M + AdamW state ({datetime.date.today()}, "
+          f"2 CPU ranks, dp=2 -> dp=2 / tp=2, {args.rounds} rounds, medians)\n")
+    print(_table(rounds, systems, failed))
+    print("\n### lightning_scale universal vs peers (same rounds)\n")
+    print(_ratios(rounds, failed))
+
+
+if __name__ == "__main__":
+    main()
