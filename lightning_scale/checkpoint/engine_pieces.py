@@ -195,7 +195,17 @@ def param_names(module) -> Dict[int, str]:
 
 
 def owned_ids(engines) -> Set[int]:
-    return {id(slot.param) for e in engines for st in e.reducer.states for slot in st.bucket.slots}
+    from lightning_scale.zero.engine import SelfReducingEngine
+    from lightning_scale.zero.onebit import OneBitZeroOptimizer
+
+    out: Set[int] = set()
+    for e in engines:
+        if isinstance(e, SelfReducingEngine):  # OneBitAdam at stage 0: the optimizer's trainable parameters
+            out |= {id(p) for g in e.optimizer.param_groups for p in g["params"] if p.requires_grad}
+        else:
+            states = e.states if isinstance(e, OneBitZeroOptimizer) else e.reducer.states
+            out |= {id(slot.param) for st in states for slot in st.bucket.slots}
+    return out
 
 
 def module_pieces(module, engines, tp_rank: int = 0, names_only=None) -> list:

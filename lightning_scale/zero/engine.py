@@ -81,7 +81,7 @@ class ZeroEngine(Protocol):
     def remove_hooks(self) -> None:
         ...
 
-    # The layout-free checkpoint (lightning_scale.checkpoint.engine_pieces; OneBit engines: not supported yet).
+    # The layout-free checkpoint (lightning_scale.checkpoint.engine_pieces; OneBit engines: .onebit_pieces).
     def named_pieces(self, names: Mapping[int, str], weights_from: Optional[str] = None) -> Iterator[Any]:
         """This rank's ``model/`` / ``master/`` / ``optim/`` pieces, views into live storage; ``weights_from``
         ("master" | "model") gives the load set (weights read into the masters from that key)."""
@@ -160,30 +160,29 @@ class SelfReducingEngine:
     def remove_hooks(self) -> None:
         pass
 
+    # The layout-free checkpoint: lightning_scale.checkpoint.onebit_pieces (error-feedback buffers per rank).
     def named_pieces(self, names: Mapping[int, str], weights_from: Optional[str] = None) -> Iterator[Any]:
-        raise NotImplementedError(_ONEBIT_UNIVERSAL)
+        from lightning_scale.checkpoint.onebit_pieces import self_reducing_pieces
+
+        return self_reducing_pieces(self, names, weights_from)
 
     def allocate_state_(self, states: Mapping[str, Any]) -> None:
-        raise NotImplementedError(_ONEBIT_UNIVERSAL)
+        """The state is allocated by ``named_pieces(weights_from=...)`` (OneBitAdam's own, per parameter)."""
 
     def after_load_(self, missing: Sequence[str], names: Mapping[int, str]) -> None:
-        raise NotImplementedError(_ONEBIT_UNIVERSAL)
+        from lightning_scale.checkpoint.onebit_pieces import self_reducing_after_load
+
+        self_reducing_after_load(self, missing)
 
     @property
     def param_groups(self):
         return self.optimizer.param_groups
 
 
-_ONEBIT_UNIVERSAL = ("checkpoint_format='universal' is not supported yet for OneBitAdam (its error-feedback "
-                     "buffers are per rank); use checkpoint_format='sharded'")
-
-
 def check_engine_supported(optimizer: torch.optim.Optimizer, config, *, model_parallel: bool = False) -> None:
     """The ConfigError :func:`make_engine` would raise for this optimizer, raised before anything is built."""
     if isinstance(optimizer, OneBitAdam):
         check_zero_stage(config.zero.stage)  # ConfigError at stage 3, naming it
-        if getattr(config, "checkpoint_format", "sharded") == "universal":
-            raise ConfigError(_ONEBIT_UNIVERSAL, settings=("checkpoint_format",))
         if model_parallel:
             raise ConfigError(f"{type(optimizer).__name__} reduces its own gradients over dp only; with tp="
                               f"{config.tp}, pp={config.pp} use an optimizer the ZeRO engine wraps (e.g. AdamW)")

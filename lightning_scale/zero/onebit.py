@@ -283,6 +283,20 @@ class OneBitZeroOptimizer:
         for user_group, saved in zip(self.optimizer.param_groups, state.get("user_param_groups", [])):
             user_group.update(saved)
 
+    # The layout-free checkpoint: lightning_scale.checkpoint.onebit_pieces (error-feedback buffers per rank).
+    def named_pieces(self, names, weights_from: Optional[str] = None):
+        from lightning_scale.checkpoint.onebit_pieces import zero_pieces
+
+        return zero_pieces(self, names, weights_from)
+
+    def allocate_state_(self, states) -> None:
+        """Nothing to allocate: the shard state (m, v, counters) exists from construction."""
+
+    def after_load_(self, missing, names) -> None:
+        from lightning_scale.checkpoint.onebit_pieces import zero_after_load
+
+        zero_after_load(self, missing)
+
     # ------------------------------------------------------------------ accounting
     def memory_bytes(self) -> Dict[str, int]:
         """Bytes this rank holds now. ``optimizer_state`` counts m, v and the worker error buffer
