@@ -18,6 +18,7 @@ import torch
 from lightning_scale import ConfigError, Zero3DStrategy
 from lightning_scale.checkpoint import dcp_format
 from lightning_scale.testing import run_script
+from test_zero_trainer import script_ranks
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "fit_universal.py")
 ARGS = ["--steps", "6", "--epoch-batches", "2", "--no-predict", "--option", "checkpoint_format=universal"]
@@ -27,7 +28,7 @@ TOL = 1e-5
 def fit(tmp, name, *args, timeout=240, env=None):
     out = tmp / f"{name}.json"
     proc = run_script([sys.executable, SCRIPT, "--out", str(out), *ARGS, *args], timeout=timeout, cwd=tmp,
-                      env=None if env is None else dict(os.environ, **env))
+                      env=None if env is None else dict(os.environ, **env), ranks=script_ranks(args))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return json.loads(out.read_text())
 
