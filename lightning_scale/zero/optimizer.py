@@ -212,6 +212,9 @@ class ShardEngine:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # The user's optimizer (the one its LR scheduler holds) did step, also when the Trainer calls the engine
+        # directly: what torch's scheduler check reads (no "lr_scheduler.step() before optimizer.step()").
+        self.optimizer._opt_called = True
         found_inf = self.reduce_gradients()
         if not found_inf:
             self._sync_hyperparameters()

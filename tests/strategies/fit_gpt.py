@@ -24,10 +24,12 @@ class LossRecorder(pl.Callback):
         self.record_batches = record_batches
         self.batch_sums = []  # per micro-batch: every rank's sum of its input tokens (which batch it read)
         self.logged = []  # per micro-batch: every rank's logged train_loss
+        self.lrs = []  # per micro-batch: the lr of the user's optimizer's first group (what its scheduler set)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         loss = outputs["loss"].detach().float().clone() if isinstance(outputs, dict) else outputs.detach().float()
         self.losses.append(float(trainer.strategy.reduce(loss, reduce_op="mean")))
+        self.lrs.append(float(trainer.optimizers[0].param_groups[0]["lr"]))
         if self.record_batches and trainer.world_size > 1:
             mine = batch[0].double().sum().reshape(1)
             every = [torch.zeros_like(mine) for _ in range(trainer.world_size)]
@@ -182,7 +184,7 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump({"losses": recorder.losses, "val": val, "test": test, "n_predict": len(predictions),
                        "pred0": predictions[0][0].tolist() if predictions else None,
-                       "batch_sums": recorder.batch_sums, "logged": recorder.logged, "held": held, "probe": probe,
+                       "batch_sums": recorder.batch_sums, "logged": recorder.logged, "lrs": recorder.lrs, "held": held, "probe": probe,
                    "world": trainer.world_size,
                    "cores": sorted({type(b.attn.core).__name__ for b in model.model.blocks}),
                        "precision": str(trainer.precision),

@@ -74,6 +74,22 @@ def test_bf16_mixed_within_2_percent_of_fp32(tmp_path):
     assert abs(tail(bf16) - tail(fp32)) / tail(fp32) < 0.02, (tail(bf16), tail(fp32))
 
 
+def test_lr_schedule_steps_as_under_ddp_without_the_scheduler_warning(tmp_path):
+    """Issue 18 item 6: the optimizer the user's LR scheduler holds is the one that steps, so torch does not warn
+    `lr_scheduler.step() before optimizer.step()` and the warm-up + cosine schedule equals DDP's step for step."""
+    runs = {}
+    layouts = {"ddp": ["--strategy", "ddp"], "zero1": ["--strategy", "zero1"], "zero3": ["--strategy", "zero3"],
+               "tp2": ["--option", "tp=2", "--option", "stage=1"],
+               "pp2": ["--option", "pp=2", "--option", "stage=1", "--option", "microbatches=2"]}
+    for name, layout in layouts.items():
+        proc, _ = fit(tmp_path, name, *layout, "--devices", "2", "--steps", "6", expect_ok=False)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        assert "before `optimizer.step()`" not in proc.stderr and "before optimizer.step()" not in proc.stderr, name
+        runs[name] = json.loads((tmp_path / f"{name}.json").read_text())["lrs"]
+    assert len(runs["ddp"]) == 6 and len(set(runs["ddp"])) >= 4, runs["ddp"]  # the schedule moves
+    assert all(lrs == runs["ddp"] for lrs in runs.values()), runs
+
+
 @pytest.mark.parametrize("args,message", [
     (["--option", "stage=1", "--option", "tp=3"], "tp=3 x pp=1 does not divide the world size 2"),
     (["--strategy", "zero2", "--missing-param"], "are in no optimizer param group"),
