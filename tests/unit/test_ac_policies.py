@@ -1,4 +1,5 @@
-"""Activation checkpointing units and policies in one process (parity: tests/dist/test_activation_checkpointing.py; a different basename: the test folders share one module namespace).
+"""Activation checkpointing units and policies in one process (parity: tests/dist/test_activation_checkpointing.py;
+this file has another basename because the test folders share one module namespace).
 
 * What the backward recomputes: "full" runs every block op again, matrix multiplies included; "selective" runs the
   cheap ops again but keeps the matmul outputs (no matmul of the forward is repeated); both give the same gradients.
