@@ -84,6 +84,10 @@ def checkpoint_units(module: nn.Module, mode: Optional[str], units: Optional[Seq
         raise ConfigError(f"activation_checkpointing={mode!r}: the model has no repeated block to checkpoint (no "
                           f"layer_modules(), no ModuleList of one class); name the units in {setting}",
                           settings=(setting,))
+    for m in module.modules():  # a Hugging Face model: its KV cache grows again in the recompute (transformers
+        cfg = getattr(m, "config", None)  # turns it off for its own gradient checkpointing too)
+        if getattr(cfg, "use_cache", False) is True and hasattr(m, "base_model_prefix"):
+            cfg.use_cache = False
     for _, unit in found:
         if getattr(unit, "_activation_checkpointing", None) is not None:
             raise ConfigError(f"activation_checkpointing={mode!r}: {type(unit).__name__} is checkpointed already")

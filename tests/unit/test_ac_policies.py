@@ -3,6 +3,7 @@ this file has another basename because the test folders share one module namespa
 
 * What the backward recomputes: "full" runs every block op again, matrix multiplies included; "selective" runs the
   cheap ops again but keeps the matmul outputs (no matmul of the forward is repeated); both give the same gradients.
+* An unchanged Hugging Face Llama: selective checkpointing of its decoder layers gives the same gradients.
 * Bad settings are ConfigErrors naming the option as typed (keyword and Hydra), before any model exists.
 """
 
@@ -86,3 +87,20 @@ def test_bad_settings_name_the_option():
             checkpoint_units(GPT(gpt_tiny()), "full", ["Blok"])
     with pytest.raises(ConfigError, match="no repeated block"):
         checkpoint_units(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU()), "full")
+
+
+def test_hugging_face_llama_selective_equals_plain():
+    """An unchanged HF model: its decoder layers are the units; its KV cache is turned off (it would grow again in
+    the recompute, which selective checkpointing detects as a different op sequence)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    plain = transformers.LlamaForCausalLM(cfg).double()
+    model = copy.deepcopy(plain)
+    assert checkpoint_units(model, "selective") == ["model.layers.0", "model.layers.1"]
+    assert model.config.use_cache is False
+    x = torch.randint(0, 64, (2, 12))
+    for m in (plain, model):
+        m(input_ids=x, labels=x).loss.backward()
+    assert max((a.grad - b.grad).abs().max().item() for a, b in zip(plain.parameters(), model.parameters())) < 1e-12
