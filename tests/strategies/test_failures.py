@@ -36,8 +36,10 @@ def launch(tmp_path, *args, timeout: float, signal_after_step=None, signal_ranks
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir(exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, SCRIPT, "--pid-dir", str(pid_dir), *map(str, args)], cwd=tmp_path,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    # Under run_script's supervisor (PR_SET_PDEATHSIG): if pytest itself is killed, the job's group goes with it
+    supervise = [sys.executable, "-c", "from lightning_scale.testing import _supervise; _supervise()"]
+    proc = subprocess.Popen([*supervise, sys.executable, SCRIPT, "--pid-dir", str(pid_dir), *map(str, args)],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
         deadline = time.monotonic() + timeout
