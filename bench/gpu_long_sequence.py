@@ -10,7 +10,9 @@ The GPU counterpart of ``bench/long_sequence.py``: the project GPT at d 2048, 16
 parameters and AdamW (16 bytes per parameter of model state, ~15 GiB), forward under ``torch.autocast(bfloat16)``;
 batch 1; one rank (a world-1 NCCL group through ``parallelize()`` at ZeRO stage 0). Systems as in the CPU script:
 ``dense`` (no checkpointing, unchunked loss), ``ac``, ``ac_selective``, ``chunked``, ``ac_chunked``, ``sparse``
-and ``sparse_ac_chunked`` (Triton block-sparse attention, BSLongformer block 64).
+and ``sparse_ac_chunked`` (Triton block-sparse attention, BSLongformer block 64); ``ac_offload_chunked`` and
+``sparse_ac_offload_chunked`` add ``offload_activations=True`` (block inputs in pinned host memory; not counted in
+the device peak).
 
 Memory: ``torch.cuda.max_memory_allocated()`` over building the model + one training step (reset before each
 probe); a probe that raises ``torch.OutOfMemoryError`` does not fit. A length fits when the peak is <= the budget
@@ -41,6 +43,8 @@ SYSTEMS: Dict[str, dict] = {
     "ac_chunked": dict(ac="full", chunk=1024, sparse=False),
     "sparse": dict(ac=None, chunk=0, sparse=True),
     "sparse_ac_chunked": dict(ac="full", chunk=1024, sparse=True),
+    "ac_offload_chunked": dict(ac="full", chunk=1024, sparse=False, offload=True),
+    "sparse_ac_offload_chunked": dict(ac="full", chunk=1024, sparse=True, offload=True),
 }
 GIB = 2**30
 
@@ -81,7 +85,8 @@ def one_step(args, name: str, length: int, topo, device, timed: bool = False) ->
             layout = BSLongformerSparsityConfig(num_heads=cfg.n_head, block=64, num_sliding_window_blocks=3,
                                                 global_block_indices=(0,))
             swap_gpt_attention(model, layout)
-        config = from_flat_kwargs(stage=0, activation_checkpointing=spec["ac"])
+        config = from_flat_kwargs(stage=0, activation_checkpointing=spec["ac"],
+                                  offload_activations=spec.get("offload", False))
         pm = parallelize(model, config, topo, device, optimizers=lambda m=model: [torch.optim.AdamW(m.parameters())])
         (engine,) = pm.make_engines()
         idx = torch.randint(0, cfg.vocab_size, (1, length + 1), device=device)

@@ -62,16 +62,37 @@ def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if not torch.is_grad_enabled():  # evaluation: nothing is saved anyway
         return inner(*args, **kwargs)
     extra = {"context_fn": _selective_contexts} if self._activation_checkpointing == "selective" else {}
-    return checkpoint(inner, *args, use_reentrant=False, **extra, **kwargs)
+    offloader = self.__dict__.get("_ac_offloader")
+    moved = [i for i, a in enumerate(args) if offloader is not None and offloader.movable(a)]
+    if not moved:
+        return checkpoint(inner, *args, use_reentrant=False, **extra, **kwargs)
+    # offload_activations: the region gets stubs; its inputs wait on the host (lightning_scale.activation_offload)
+    slot, stubs = offloader.stash([args[i] for i in moved])
+    first = [[args[i] for i in moved]]  # the forward itself uses the device inputs; dropped right after
+
+    def run(*region_args: Any) -> Any:
+        values = first.pop() if first else offloader.fetch(slot)
+        region_args = list(region_args)
+        for i, v in zip(moved, offloader.attach(slot, [region_args[i] for i in moved], values)):
+            region_args[i] = v
+        return inner(*region_args, **kwargs)
+
+    outer = list(args)
+    for i, stub in zip(moved, stubs):
+        outer[i] = stub
+    del args
+    return checkpoint(run, *outer, use_reentrant=False, **extra)
 
 
 def checkpoint_units(module: nn.Module, mode: Optional[str], units: Optional[Sequence[str]] = None,
-                     setting: str = "activation_checkpointing_units") -> List[str]:
+                     setting: str = "activation_checkpointing_units", offload: Any = False) -> List[str]:
     """Checkpoint every unit of ``module`` (``mode``: "full" | "selective"; None does nothing); returns their names.
 
     ``units``: module class names or fnmatch patterns on qualified names (as ``zero.unit_modules``); None: every
     repeated block (the model's ``layer_modules()``, else the children of a ``ModuleList`` of one class). An entry
-    that matches nothing, or a model with no repeated block, is a ``ConfigError`` naming ``setting``.
+    that matches nothing, or a model with no repeated block, is a ``ConfigError`` naming ``setting``. ``offload``:
+    True (or an :class:`~lightning_scale.activation_offload.ActivationOffloader`): the units' inputs wait on the host
+    between forward and backward (``offload_activations``).
     """
     if mode is None:
         return []
@@ -88,11 +109,17 @@ def checkpoint_units(module: nn.Module, mode: Optional[str], units: Optional[Seq
         cfg = getattr(m, "config", None)  # turns it off for its own gradient checkpointing too)
         if getattr(cfg, "use_cache", False) is True and hasattr(m, "base_model_prefix"):
             cfg.use_cache = False
+    offloader = None
+    if offload:
+        from lightning_scale.activation_offload import ActivationOffloader
+
+        offloader = offload if isinstance(offload, ActivationOffloader) else ActivationOffloader()
     for _, unit in found:
         if getattr(unit, "_activation_checkpointing", None) is not None:
             raise ConfigError(f"activation_checkpointing={mode!r}: {type(unit).__name__} is checkpointed already")
         unit._activation_checkpointing = mode
         unit._ac_inner_forward = unit.__dict__.get("forward")  # None: the class' forward
+        unit._ac_offloader = offloader  # one for all units: it fetches the unit before ahead of its backward
         unit.forward = types.MethodType(_checkpointed_forward, unit)  # an instance attribute: the class is untouched
     return [name for name, _ in found]
 

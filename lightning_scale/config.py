@@ -254,6 +254,9 @@ class ParallelConfig:
     # outputs). Units: class names or name patterns as zero.unit_modules; None = every repeated block.
     activation_checkpointing: Optional[str] = None
     activation_checkpointing_units: Optional[tuple] = None
+    # The checkpointed units' inputs wait in (pinned) host memory between forward and backward, fetched back one
+    # unit ahead (lightning_scale.activation_offload). Needs activation_checkpointing; nothing to move on a CPU.
+    offload_activations: bool = False
 
     def validate(self, world_size: Optional[int] = None) -> "ParallelConfig":
         for name in ("tp", "pp"):
@@ -285,6 +288,12 @@ class ParallelConfig:
         if units is not None and (isinstance(units, str) or not all(isinstance(u, str) and u for u in units)):
             raise ConfigError(f"activation_checkpointing_units={units!r} must be a list of module class names or "
                               "name patterns")
+        if not isinstance(self.offload_activations, bool):
+            raise ConfigError(f"offload_activations={self.offload_activations!r} must be True or False")
+        if self.offload_activations and self.activation_checkpointing is None:
+            raise ConfigError("offload_activations=True needs activation_checkpointing='full' or 'selective' (the "
+                              "offloaded tensors are the checkpointed units' inputs)",
+                              settings=("activation_checkpointing",))
         if units and self.activation_checkpointing is None:
             raise ConfigError(f"activation_checkpointing_units={tuple(units)!r} needs activation_checkpointing="
                               "'full' or 'selective'", settings=("activation_checkpointing",))

@@ -210,7 +210,8 @@ def apply_ac(pm: ParallelModel) -> None:
     """Activation checkpointing on every unit of the (split, cut) module; before ZeRO-3 registers its unit hooks."""
     from lightning_scale.activation_checkpointing import checkpoint_units
 
-    checkpoint_units(pm.module, pm.config.activation_checkpointing, pm.config.activation_checkpointing_units)
+    checkpoint_units(pm.module, pm.config.activation_checkpointing, pm.config.activation_checkpointing_units,
+                     offload=pm.config.offload_activations)
 
 
 @torch.no_grad()

@@ -104,3 +104,38 @@ def test_hugging_face_llama_selective_equals_plain():
     for m in (plain, model):
         m(input_ids=x, labels=x).loss.backward()
     assert max((a.grad - b.grad).abs().max().item() for a, b in zip(plain.parameters(), model.parameters())) < 1e-12
+
+
+def _block_inputs_alive_after_forward(offload):
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    torch.manual_seed(0)
+    cfg = gpt_tiny(n_layer=3)
+    model = GPT(cfg).double()
+    checkpoint_units(model, "full", offload=offload)
+    refs = []
+    for block in model.blocks:
+        block.register_forward_pre_hook(lambda m, a: refs.append(StorageWeakRef(a[0].untyped_storage())))
+    x, y = make_batch(cfg, 2, seed=0)
+    loss = model.loss(x, y)
+    alive = sum(not r.expired() for r in refs)
+    loss.backward()
+    return alive, {n: p.grad for n, p in model.named_parameters()}
+
+
+def test_activation_offload_moves_the_unit_inputs_and_fetches_one_ahead():
+    from lightning_scale.activation_offload import ActivationOffloader
+
+    kept, plain = _block_inputs_alive_after_forward(False)
+    offloader = ActivationOffloader(force=True)  # on the CPU nothing has to move: force the copies
+    freed, grads = _block_inputs_alive_after_forward(offloader)
+    assert kept == 3 and freed == 0  # without offload the checkpoint holds each block input; with it, the host does
+    assert offloader.events == [("fetch", 2), ("prefetch", 1), ("use_prefetched", 1), ("prefetch", 0),
+                                ("use_prefetched", 0)]
+    assert offloader.host == {} and offloader.grads == {} and offloader.prefetched == {}
+    assert max((grads[n] - plain[n]).abs().max().item() for n in plain) == 0.0
+    with pytest.raises(ConfigError, match=r"offload_activations=True needs activation_checkpointing="):
+        from_flat_kwargs(offload_activations=True)
+    with pytest.raises(ConfigError, match=r"strategy\.offload_activations=True needs strategy\.activation_checkpoint"):
+        with speaking(HYDRA):
+            config_from_flat({"offload_activations": True}).validate()
