@@ -44,7 +44,8 @@ stage  params    grads       master+state gathered units          transient (lar
 Stage 1 holds the full gradients only from backward to the step boundary (flat buffers, the params' ``.grad``
 are views), reduce-scatters them into a gradient shard and frees them: between steps it holds what stage 2
 holds (ZeRO-1's footprint with the gradients reduced into the shard, as DeepSpeed's stage 1), and its peak is
-that plus the full gradients, counted as its transient. With mixed
+that plus the full gradients, counted as its transient (OneBitAdam's stage 1 keeps its full gradient buffer
+between steps: counted as grads, no transient). With mixed
 precision the engine makes an fp32 copy of the reduced gradient shard for the step (``master.grad``):
 that is the "fp32 grad copy" transient. The total column adds the gathered peak and the larger
 transient, an upper bound (they do not all peak at the same moment).
@@ -215,7 +216,9 @@ def estimate(params, *, dp: int, stage: int, offload: str = "none", precision: s
     P, N, U, Q = float(params), dp, float(largest_unit_params), float(persistent_params)
     opt_off = offload in ("optimizer", "all")
     par_off = offload in ("params", "all")
-    grads_full = stage == 0
+    # OneBitAdam's stage-1 engine keeps its full gradient buffer (the compressed exchange reads it at the step)
+    onebit = str(optimizer).lower().replace("_", "").replace("-", "") == "onebitadam"
+    grads_full = stage == 0 or (stage == 1 and onebit)
     shard = P / N if stage >= 1 else P  # elements of master / state this rank owns
     # Mixed precision keeps a separate fp32 master; otherwise the param shard is the master unless it
     # moved to the other memory space (then that space needs its own copy).
@@ -242,7 +245,7 @@ def estimate(params, *, dp: int, stage: int, offload: str = "none", precision: s
         if U == 0:
             notes.append("largest unit unknown (0): the gathered-unit peak is not counted")
     backward = 0.0
-    if stage == 1:
+    if stage == 1 and not onebit:
         backward = P * b_g  # the full gradients, from backward until they are reduced into the shard
     elif stage == 2:
         bucket_numel = min(P, bucket_mb * 2**20 / b_p)
