@@ -167,7 +167,6 @@ def _suite(rank: int, world_size: int):
         "bad": _bad_unit(rank, world_size), "vocab_parallel_chunked": _vocab_parallel_chunked(rank, world_size)}
 
 
-@pytest.mark.slow  # one 2-rank launch, 10 layouts: 21 s (+6 s reference) on the loaded shared 2-core box
 @pytest.mark.timeout(300)
 def test_activation_checkpointing_parity_gathers_and_bad_unit(reference):
     results = run_distributed(_suite, 2, timeout=240)

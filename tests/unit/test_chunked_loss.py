@@ -66,7 +66,6 @@ def _loss_step_peak(chunk: int) -> int:
     return mem.peak
 
 
-@pytest.mark.slow  # two loss steps over 131M logits: 22 s on the loaded shared 2-core box
 def test_loss_step_memory_at_4096_by_32k_is_under_a_quarter():
     logits = 4096 * 32000 * 4
     plain = _loss_step_peak(0)
