@@ -103,11 +103,21 @@ class Watchdog:
                 if self._exiting is not None:  # already reporting: the host left first
                     self._exit(self._exiting)
                     return
+                if self._stop_deadline is not None:  # stopping already (an agreed error, a signal): rank 0 may
+                    self._bound_exit()  # just have finished first; keep only the bound on this rank's exit
+                    return
                 self._print(f"{report.PREFIX} rank {self.rank}: lost the c10d store ({type(err).__name__}: "
                             f"{err}); the rank hosting it (rank 0) is gone. Exiting.")
                 self._exit(EXIT_PEER_FAILED)
                 return
             self._wait(interval)
+
+    def _bound_exit(self) -> None:
+        """Without the store: exit with EXIT_STOP_TIMEOUT if this process is still alive at the stop deadline."""
+        while not self._stop_thread.is_set() and time.monotonic() < self._stop_deadline:
+            self._stop_thread.wait(0.2)
+        if not self._stop_thread.is_set():
+            self._exit(EXIT_STOP_TIMEOUT)
 
     def _wait(self, seconds: float) -> None:
         if self._wakeup_r is None:

@@ -53,6 +53,9 @@ def _name_groups(strategy: Any) -> None:
         trace.name_group(group, axis)
 
 
+_LAST: Optional[Watchdog] = None  # the watchdog of the latest run in this process
+
+
 def install(strategy: Any, trainer: "pl.Trainer", config: Optional[DiagnosticsConfig] = None) -> Optional[Watchdog]:
     """After the process group and the engines exist (end of ``Strategy.setup``); every rank calls it."""
     cfg = _config(strategy, config)
@@ -60,15 +63,15 @@ def install(strategy: Any, trainer: "pl.Trainer", config: Optional[DiagnosticsCo
     if hasattr(plugin, "configure_numerics"):
         plugin.configure_numerics(on_nonfinite=cfg.on_nonfinite, max_nonfinite_steps=cfg.max_nonfinite_steps,
                                   max_min_scale_steps=cfg.max_min_scale_steps)
-    old = getattr(strategy, "_ls_watchdog", None)
-    if old is not None:
-        old.close()
+    global _LAST
+    for old in {id(w): w for w in (getattr(strategy, "_ls_watchdog", None), _LAST) if w is not None}.values():
+        old.close()  # this strategy's, or a kept one of an earlier run in this process (the script went on)
     wd = None
     if cfg.watchdog and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         _name_groups(strategy)
         wd = Watchdog(default_store(), dist.get_rank(), dist.get_world_size(), cfg,
                       children=_children(strategy)).start()
-    strategy._ls_watchdog = wd
+    strategy._ls_watchdog = _LAST = wd
     existing = [cb for cb in trainer.callbacks if isinstance(cb, DiagnosticsCallback)]
     if existing:  # installed again (validate after fit, or a subclass with its own config): the latest config wins
         existing[0].strategy, existing[0].config = strategy, cfg
