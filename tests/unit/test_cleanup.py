@@ -128,7 +128,13 @@ def test_ctrl_c_leaves_no_orphan(tmp_path, job):
     inner = _inner_pytest(tmp_path, job, "test_script", timeout=120)
     started = _pids(tmp_path / "pids_test_script", 2)
     inner.send_signal(signal.SIGINT)  # what Ctrl-C delivers to pytest (the job runs in its own session)
-    out, _ = inner.communicate(timeout=60)
+    try:
+        out, _ = inner.communicate(timeout=120)
+    except subprocess.TimeoutExpired:  # say what was still running and what pytest printed
+        alive = [(p, psutil.Process(p).cmdline()) for p in started if psutil.pid_exists(p)]
+        inner.kill()
+        out, _ = inner.communicate()
+        raise AssertionError(f"pytest did not end within 120 s of SIGINT; job processes alive: {alive}\n{out[-3000:]}")
     assert "KeyboardInterrupt" in out, out[-2000:]
     _assert_all_gone(started)
 
