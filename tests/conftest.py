@@ -38,6 +38,11 @@ signal.signal(signal.SIGHUP, _terminate)
 
 def pytest_runtest_teardown(item, nextitem):  # noqa: ARG001
     _testing.kill_live_groups()
+    # Lightning's in-process KeyboardInterrupt path sets SIGINT to SIG_IGN and leaves it: every process started
+    # afterwards would inherit it and ignore Ctrl-C (test_ctrl_c_leaves_no_orphan's inner pytest hung 120 s in a
+    # full run), and so would this pytest. Give Python's handler back.
+    if signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, signal.SIG_DFL):
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_sessionfinish(session, exitstatus):  # noqa: ARG001
