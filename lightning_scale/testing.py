@@ -146,18 +146,21 @@ def _worker(target: str, rank: int, world_size: int, tmp: str, args: Sequence[An
         os._exit(1)
 
 
-def wait_for_ranks(procs: List[subprocess.Popen], timeout: float) -> None:
-    """Wait for every rank; after the first failure give the others 5 s, then kill what is left."""
+def wait_for_ranks(procs: List[Any], timeout: float, grace: float = 5.0) -> bool:
+    """Wait for every rank; after the first failure give the others ``grace`` s, then kill what is left.
+    True when the timeout ran out first."""
     deadline, failed_at = time.monotonic() + timeout, None
     try:
         while True:
             codes = [p.poll() for p in procs]
             if all(c is not None for c in codes):
-                return
+                return False
             if failed_at is None and any(c not in (None, 0) for c in codes):
                 failed_at = time.monotonic()  # do not wait for the others to time out in a collective
-            if (failed_at is not None and time.monotonic() - failed_at > 5.0) or time.monotonic() > deadline:
-                return
+            if failed_at is not None and time.monotonic() - failed_at > grace:
+                return False
+            if time.monotonic() > deadline:
+                return True
             time.sleep(0.02)
     finally:
         # Each rank leads its own process group: killing the group also ends what the rank started
@@ -336,15 +339,12 @@ def _run_script_forked(cmd: List[str], ranks: int, timeout: float, cwd: Optional
             procs.append(z.fork("script", cmd[1:], rank_env, os.path.abspath(cwd or os.getcwd()), outs[-1], errs[-1],
                                 os.path.join(tmp, f"exit_{r}")))
             _LIVE_GROUPS.add(procs[-1].pid)
-        timed_out = _wait_script_ranks(procs, timeout)
-    finally:
+    except BaseException:
         for p in procs:
             _kill_group(p.pid)
-        for p in procs:
-            try:
-                p.wait(5)
-            except subprocess.TimeoutExpired:
-                pass
+        raise
+    # after a rank fails the others get 60 s to report it (the strategy's diagnostics name the failed rank)
+    timed_out = wait_for_ranks(procs, timeout, grace=60.0)
 
     def read(paths):
         text = []
@@ -363,23 +363,6 @@ def _run_script_forked(cmd: List[str], ranks: int, timeout: float, cwd: Optional
     codes = [p.poll() for p in procs]
     rc = next((c for c in codes if c), 0)
     return subprocess.CompletedProcess(cmd, rc, out, err)
-
-
-def _wait_script_ranks(procs: List[Any], timeout: float, grace: float = 60.0) -> bool:
-    """Wait for every rank; True when the timeout ran out first. After a rank fails the others get ``grace``
-    seconds to report it and end (the strategy's diagnostics name the failed rank), then they are killed."""
-    deadline, failed_at = time.monotonic() + timeout, None
-    while True:
-        codes = [p.poll() for p in procs]
-        if all(c is not None for c in codes):
-            return False
-        if failed_at is None and any(c not in (None, 0) for c in codes):
-            failed_at = time.monotonic()
-        if failed_at is not None and time.monotonic() - failed_at > grace:
-            return False
-        if time.monotonic() > deadline:
-            return True
-        time.sleep(0.02)
 
 
 def live_rss_bytes() -> int:
