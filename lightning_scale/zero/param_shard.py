@@ -22,9 +22,9 @@ A gathered buffer is freed by resizing its storage to zero bytes; the parameters
 optimizer keeps the parameters the user gave it. Gradient accumulation reduce-scatters every
 micro-batch into the shard (the full gradient never outlives one unit's backward).
 
-Deferred initialization: when the model was built on the ``meta`` device (``configure_model`` under the
-strategy), each unit is materialized on the device, initialized and cut to its shard one unit at a time,
-so no rank ever holds the whole model. Initialization calls, per module, the nearest ancestor's
+Deferred initialization (:mod:`.shard_init`): when the model was built on the ``meta`` device
+(``configure_model`` under the strategy), each unit is materialized on the device, initialized and cut to
+its shard one unit at a time, so no rank ever holds the whole model. Initialization calls, per module, the nearest ancestor's
 ``init_module(name, module)`` when a model defines one (the project's GPT does: its values depend only
 on a seed and the module name, so they equal a single-process init), else the module's own
 ``reset_parameters()``. A model built for real is sharded unit by unit from rank 0's values.
@@ -43,8 +43,7 @@ from torch.utils._pytree import tree_flatten
 
 from lightning_scale.comm import collectives as C
 from lightning_scale.config import ConfigError
-from lightning_scale.materialize import allocate_, init_one, init_owners, swap_in
-from lightning_scale.zero import param_guard
+from lightning_scale.zero import param_guard, shard_init, shard_state
 from lightning_scale.zero.flat_buffer import Bucket, build_buckets
 
 _HUGE = 1 << 62
@@ -281,122 +280,9 @@ class ShardedParameters:
         return ShardedBucket(bucket=b, unit=unit, group_id=b.group_index, shard=shard, full=full, rank=self.rank)
 
     # ------------------------------------------------------------------ materialize + shard
-    @torch.no_grad()
     def shard_model(self) -> None:
-        """Fill every shard from the model (materializing ``meta`` units one at a time) and free full copies.
-
-        Each unit's values are broadcast from rank 0 (one bucket at a time), so ranks agree even when
-        their random states differ; rank 0's values are what a single-process run with the same seed builds.
-        """
-        init_owners = self._init_owners()
-        by_module = self._modules_by_unit()
-        param_guard.name_params(self.names, (p for u in self.units for p in u.params))
-        for unit in self.units:
-            modules = by_module.get(unit.index, [])
-            was_meta = {id(m) for _, m in modules if self._has_meta(m)}
-            tmps = []
-            for b in unit.buckets:
-                # The unit's flat buffer in the parameters' own dtype: meta parameters are materialized straight
-                # into it as views (initialized in place), real ones are copied in. No other full copy exists.
-                src_dtype = b.bucket.slots[0].param.dtype
-                if src_dtype == b.full.dtype:
-                    self._alloc(b)
-                    tmp = b.full
-                else:
-                    tmp = torch.empty(b.bucket.padded_numel, dtype=src_dtype, device=self.device)
-                tmp[b.bucket.numel:].zero_()
-                for slot in b.bucket.slots:
-                    view = tmp[slot.offset:slot.offset + slot.numel].view(slot.shape)
-                    p = slot.param
-                    if p.is_meta:
-                        # A real (empty) tensor first, then `.data` = the view: the parameter keeps a version
-                        # counter of its own, so writes into the flat buffer (gathers) never look like in-place
-                        # changes of a tensor autograd saved.
-                        swap_in(p, torch.empty(0, dtype=p.dtype, device=self.device))
-                    else:
-                        view.copy_(p.detach())
-                    p.data = view
-                tmps.append(tmp)
-            # Buffers / frozen parameters of the unit's modules, then the initializer (rank 0 only).
-            self._materialize(modules, init_owners, init=self.rank == 0, was_meta=was_meta)
-            for b, tmp in zip(unit.buckets, tmps):
-                C.broadcast(tmp, src=self._group_src(), group=self.group, tag="init")
-                lo, hi = b.bucket.shard_range(self.rank)
-                b.shard.copy_(tmp[lo:hi])
-                # Mixed precision: the fp32 master shard starts from the exact values, not the cast ones.
-                b.init_master = tmp[lo:hi].clone() if tmp.dtype != b.shard.dtype else None
-                if tmp is not b.full:
-                    self._alloc(b)  # views can only be cut from allocated storage; freed again below
-                    if unit.kind == "persistent":
-                        b.full.copy_(tmp)
-                    for slot in b.bucket.slots:
-                        slot.param.data = b.full[slot.offset:slot.offset + slot.numel].view(slot.shape)
-            del tmps, tmp
-            unit.gathered = True
-            if unit.kind != "persistent":
-                self._free(unit)
-        # Modules holding only frozen parameters or buffers; then frozen params and buffers: full, identical.
-        self._materialize(by_module.get(-1, []), init_owners, init=self.rank == 0)
-        for name, buf in self.root.named_buffers():
-            if buf.is_meta:
-                raise ConfigError(f"zero.stage=3: buffer {name!r} is still on the meta device after materialization; "
-                                  "create buffers on a real device in configure_model or compute them in "
-                                  "reset_parameters()")
-        for t in list(self.frozen) + list(self.root.buffers()):
-            if t.device != self.device:
-                t.data = t.data.to(self.device)
-            C.broadcast(t.data, src=self._group_src(), group=self.group, tag="init")
-        self._register_hooks()
-
-    def _group_src(self) -> int:
-        import torch.distributed as dist
-
-        if self.world == 1:
-            return 0
-        return dist.get_global_rank(self.group, 0) if self.group is not None else 0
-
-    @staticmethod
-    def _has_meta(module: nn.Module) -> bool:
-        return any(t.is_meta for t in module.parameters(recurse=False)) or any(
-            t.is_meta for t in module.buffers(recurse=False))
-
-    def _modules_by_unit(self) -> Dict[int, List[Tuple[str, nn.Module]]]:
-        """Each module with direct parameters/buffers, assigned to the unit that owns its first parameter."""
-        out: Dict[int, List[Tuple[str, nn.Module]]] = {}
-        for name, m in self.root.named_modules():
-            own = list(m.parameters(recurse=False))
-            if not own and not list(m.buffers(recurse=False)):
-                continue
-            units = [self._where[id(p)] for p in own if id(p) in self._where]
-            if units:
-                out.setdefault(units[0].index, []).append((name, m))
-            else:
-                out.setdefault(-1, []).append((name, m))
-        return out
-
-    def _init_owners(self) -> List[Tuple[str, nn.Module]]:
-        return init_owners(self.root)
-
-    @staticmethod
-    def _init_one(name: str, module: nn.Module, owners: List[Tuple[str, nn.Module]]) -> None:
-        init_one(name, module, owners)
-
-    def _materialize(self, modules: List[Tuple[str, nn.Module]], owners, init: bool = True,
-                     was_meta: Optional[set] = None) -> None:
-        """Allocate meta tensors on the device; ``init``: run the initializer (rank 0; the others receive
-        rank 0's values by broadcast, so their random state never matters and the work is done once).
-        ``was_meta``: modules that were on meta before their bucketed parameters were materialized."""
-        for name, m in modules:
-            if self._has_meta(m) or (was_meta is not None and id(m) in was_meta):
-                # Swap contents instead of Module.to_empty (which makes new Parameter objects): the optimizer
-                # and the buckets keep the parameters they were given.
-                allocate_(m, self.device)
-                if init:
-                    self._init_one(name, m, owners)
-            else:
-                for t in list(m.parameters(recurse=False)):
-                    if t.device != self.device:
-                        t.data = t.data.to(self.device)
+        """Fill every shard from the model (``meta`` units materialized one at a time): :mod:`.shard_init`."""
+        shard_init.shard_model(self)
 
     # ------------------------------------------------------------------ gather / free
     def _alloc(self, b: ShardedBucket) -> None:
@@ -639,60 +525,19 @@ class ShardedParameters:
         return [b for u in self.units for b in u.buckets]
 
     def layout(self) -> Dict[str, Any]:
-        return {"world_size": self.world, "units": [
-            {"name": u.name, "kind": u.kind, "buckets": [
-                {"group": b.group_id, "padded_numel": b.bucket.padded_numel, "numel": b.bucket.numel,
-                 "dtype": str(b.full.dtype),
-                 "slots": [(self.names[id(s.param)], s.offset, s.numel, tuple(s.shape)) for s in b.bucket.slots]}
-                for b in u.buckets]} for u in self.units]}
+        return shard_state.layout(self)
 
     def shard_state_dict(self) -> Dict[str, Any]:
-        """This rank's parameter shards (+ fp32 masters when separate) and the layout to consolidate them."""
-        return {"rank": self.rank, "layout": self.layout(),
-                "shards": [b.shard.detach().cpu().clone() for b in self.buckets()],
-                "masters": [None if (b.master is None or b.master_aliased) else b.master.detach().cpu().clone()
-                            for b in self.buckets()]}
+        """This rank's parameter shards (+ fp32 masters when separate) and the layout: :mod:`.shard_state`."""
+        return shard_state.shard_state_dict(self)
 
-    @torch.no_grad()
     def load_shard_state_dict(self, state: Dict[str, Any]) -> None:
-        mine, theirs = self.layout(), state["layout"]
-        if mine != theirs:
-            raise ValueError("zero.stage=3 checkpoint layout does not match this run (different model, units, "
-                             "param groups or data-parallel size); resume with the same configuration")
-        for b, shard, master in zip(self.buckets(), state["shards"], state["masters"]):
-            b.shard.copy_(shard)
-            if master is not None and b.master is not None and not b.master_aliased:
-                b.master.copy_(master)
-        for u in self.units:
-            if u.kind == "persistent":
-                u.gathered = False
-                for b in u.buckets:
-                    self._alloc(b)
-                self._gather(u)
-            else:
-                self._free(u)
+        shard_state.load_shard_state_dict(self, state)
 
-    @torch.no_grad()
     def full_state_dict(self, dtype: Optional[torch.dtype] = torch.float32, rank0_only: bool = False
                         ) -> Dict[str, torch.Tensor]:
         """All parameters (fp32 masters where they exist) and buffers, unsharded; a collective."""
-        out: Dict[str, torch.Tensor] = {}
-        for b in self.buckets():
-            src = b.master if (b.master is not None and not b.master_aliased) else b.shard
-            src = src.to(self.device, dtype=dtype or src.dtype)
-            full = torch.empty(b.bucket.padded_numel, dtype=src.dtype, device=self.device)
-            C.all_gather(full, src, self.group, tag="consolidate")
-            if rank0_only and self.rank != 0:
-                continue
-            for s in b.bucket.slots:
-                out[self.names[id(s.param)]] = full[s.offset:s.offset + s.numel].view(s.shape).cpu().clone()
-        if rank0_only and self.rank != 0:
-            return {}
-        for p in self.frozen:
-            out[self.names[id(p)]] = p.detach().cpu().clone()
-        for n, buf in self.root.named_buffers():
-            out[n] = buf.detach().cpu().clone()
-        return out
+        return shard_state.full_state_dict(self, dtype=dtype, rank0_only=rank0_only)
 
     # ------------------------------------------------------------------ accounting
     def memory_bytes(self) -> Dict[str, int]:
