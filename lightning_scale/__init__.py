@@ -13,10 +13,9 @@ a second of imports. Registration happens as soon as Lightning is in the process
 from __future__ import annotations
 
 import importlib
-import importlib.abc
 import os as _os
-import sys as _sys
 
+from lightning_scale._import_hook import run_after_import
 from lightning_scale.config import (
     ConfigError,
     LossScaleConfig,
@@ -60,44 +59,11 @@ def __dir__():
     return sorted(set(globals()) | set(_LAZY))
 
 
-def _register_strategies() -> None:
+def _register_strategies(_module=None) -> None:
     importlib.import_module("lightning_scale.strategies")  # its import registers (idempotent)
-
-
-class _RegisterAfterLightning(importlib.abc.MetaPathFinder):
-    """Runs ``_register_strategies`` right after ``lightning.pytorch`` finishes executing.
-
-    Lightning has no entry point for strategies, and importing it here would cost every CLI ~5 s. The finder
-    asks the finders behind it for the real spec and wraps only that spec's loader, once."""
-
-    target = "lightning.pytorch"
-
-    def find_spec(self, name, path, target=None):
-        if name != self.target:
-            return None
-        if self in _sys.meta_path:
-            _sys.meta_path.remove(self)  # one shot; also keeps the lookup below from finding this finder
-        spec = None
-        for finder in list(_sys.meta_path):
-            find = getattr(finder, "find_spec", None)
-            spec = find(name, path, target) if find is not None else None
-            if spec is not None:
-                break
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        exec_module = spec.loader.exec_module
-
-        def exec_then_register(module):
-            exec_module(module)
-            _register_strategies()
-
-        spec.loader.exec_module = exec_then_register  # this spec's own loader instance
-        return spec
 
 
 # Worker processes of the pure-torch tests set this to skip Lightning altogether.
 if not _os.environ.get("LIGHTNING_SCALE_SKIP_REGISTER"):
-    if "lightning.pytorch" in _sys.modules:
-        _register_strategies()
-    elif not any(isinstance(f, _RegisterAfterLightning) for f in _sys.meta_path):
-        _sys.meta_path.insert(0, _RegisterAfterLightning())
+    # Lightning has no entry point for strategies, and importing it here would cost every CLI ~5 s.
+    run_after_import("lightning.pytorch", _register_strategies)

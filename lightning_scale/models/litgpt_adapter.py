@@ -36,13 +36,13 @@ that one method when ``litgpt.model`` is (or gets) imported -- nothing here impo
 
 from __future__ import annotations
 
-import importlib.abc
 import sys
 from typing import Dict, Optional, Tuple
 
 import torch
 import torch.nn as nn
 
+from lightning_scale._import_hook import run_after_import
 from lightning_scale.config import ConfigError
 from lightning_scale.pipeline.layers import register_layer_provider
 
@@ -224,39 +224,8 @@ def _install(module) -> None:
         gpt.tensor_parallel_plan = _tensor_parallel_plan
 
 
-class _InstallAfterLitgpt(importlib.abc.MetaPathFinder):
-    """One shot: runs :func:`_install` right after ``litgpt.model`` executes (lightning_scale's own pattern for
-    registering with Lightning, see ``lightning_scale/__init__.py``), so importing this module costs no litgpt."""
-
-    target = "litgpt.model"
-
-    def find_spec(self, name, path, target=None):
-        if name != self.target:
-            return None
-        if self in sys.meta_path:
-            sys.meta_path.remove(self)
-        spec = None
-        for finder in list(sys.meta_path):
-            find = getattr(finder, "find_spec", None)
-            spec = find(name, path, target) if find is not None else None
-            if spec is not None:
-                break
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        exec_module = spec.loader.exec_module
-
-        def exec_then_install(module):
-            exec_module(module)
-            _install(module)
-
-        spec.loader.exec_module = exec_then_install
-        return spec
-
-
-if "litgpt.model" in sys.modules:
-    _install(sys.modules["litgpt.model"])
-elif not any(isinstance(f, _InstallAfterLitgpt) for f in sys.meta_path):
-    sys.meta_path.insert(0, _InstallAfterLitgpt())
+# One shot, right after ``litgpt.model`` executes, so importing this module costs no litgpt.
+run_after_import("litgpt.model", _install)
 
 __all__ = ["LitGPTBlock", "LitGPTEmbedding", "LitGPTHead", "is_litgpt_gpt", "litgpt_pipeline_layers",
            "litgpt_tp_plan"]
