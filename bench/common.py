@@ -88,3 +88,23 @@ def peer_table(rounds: Sequence[Dict[str, Dict[str, float]]], pairs: Sequence[tu
                      f"{'-' if target is None else f'>= {target:.2f}'} | {met} | {rss_s:,.0f} / {rss_p:,.0f} | "
                      f"{'yes' if rss_s <= rss_p else 'no'} |")
     return "\n".join(lines)
+
+
+def round_ratios(rounds: Sequence[Dict[str, Dict[str, float]]], baseline: str, metric: str = "tokens_per_s"
+                 ) -> Dict[str, List[float]]:
+    """{system: [its metric / the baseline's, one per round in which both ran]}."""
+    systems = list(dict.fromkeys(k for r in rounds for k in r))
+    return {s: [r[s][metric] / r[baseline][metric] for r in rounds if s in r and baseline in r] for s in systems}
+
+
+def write_plot(path: str, ratios: Dict[str, List[float]], *, title: str, baseline: str,
+               targets: Dict[str, float] = None) -> None:
+    """The ``--plot PATH`` option of the benchmarks: a bar chart of the ratios (lightning_scale.plot.plot_ratios)."""
+    from lightning_scale.plot import plot_ratios
+
+    try:
+        drawn = plot_ratios(ratios, path, title=title, baseline=baseline, targets=targets)
+    except ImportError as err:
+        print(f"--plot: {err.name or err} is not installed (pip install matplotlib); no figure written")
+        return
+    print(f"\nwrote {path}: " + ", ".join(f"{k} {v[0]:.2f}" for k, v in drawn.items()))

@@ -38,7 +38,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import peak_rss_mb, peer_table, ratio_table  # noqa: E402
+from common import peak_rss_mb, peer_table, ratio_table, round_ratios, write_plot  # noqa: E402
 
 SYSTEMS = ["ddp", "ls_z2", "ls_z3", "ls_tp2", "ls_pp2", "fsdp2", "dtensor_tp", "lightning_fsdp2", "lightning_tp"]
 PEERS = {"ls_z3": [("lightning_fsdp2", 1.05), ("fsdp2", 1.05)], "ls_tp2": [("lightning_tp", 1.3),
@@ -255,6 +255,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated rows; ddp is always added")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per (round, system) run")
+    ap.add_argument("--plot", default=None, metavar="PATH", help="also write the ratios vs DDP as a bar chart (PNG)")
     args = ap.parse_args()
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     bad = [s for s in systems if s not in SYSTEMS]
@@ -303,6 +304,9 @@ def main() -> None:
     print(peer_table(rounds, pairs, failed))
     for name, why in failed.items():
         print(f"- {name} failed: {why}")
+    if args.plot:
+        write_plot(args.plot, round_ratios(rounds, "ddp"), baseline="ddp",
+                   title=f"HF Llama {_params_m(kw):.0f}M, tokens/s (2 CPU ranks, {datetime.date.today()})")
 
 
 if __name__ == "__main__":

@@ -211,6 +211,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8, help="global sequences per step (x 128 tokens)")
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     parser.add_argument("--smoke", action="store_true", help="1 round, 2 timed steps, small model")
+    parser.add_argument("--plot", default=None, metavar="PATH", help="also write the ratios vs DTensor as a bar chart")
     args = parser.parse_args()
 
     from lightning_scale.models import gpt_small
@@ -233,6 +234,13 @@ def main() -> None:
                                  "loss": statistics.mean(x["loss"] for x in res)})
             print(f"round {r} {system:16s} {runs[system][-1]['tps']:8.0f} tokens/s", flush=True)
     _print_table(runs, systems, cfg, args)
+    if args.plot and "dtensor" in runs:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from common import write_plot
+
+        ratios = {s: [a["tps"] / b["tps"] for a, b in zip(runs[s], runs["dtensor"])] for s in systems}
+        write_plot(args.plot, ratios, baseline="dtensor", targets={"lightning_scale": 1.5},
+                   title=f"tensor parallel tp=2, tokens/s (2 CPU ranks, {args.rounds} rounds)")
 
 
 def _print_table(runs, systems, cfg, args) -> None:

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import live_tensor_mb, peak_rss_mb, peer_table, ratio_table  # noqa: E402
+from common import live_tensor_mb, peak_rss_mb, peer_table, ratio_table, round_ratios, write_plot  # noqa: E402
 
 from lightning_scale.models.gpt import GPT, gpt_small, lm_loss, make_batch  # noqa: E402
 from lightning_scale.testing import run_distributed  # noqa: E402
@@ -204,6 +204,7 @@ def main() -> None:
     ap.add_argument("--systems", default="all",
                     help=f"comma-separated rows and/or groups ({', '.join(GROUPS)}); ddp is always added")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per (round, system) run")
+    ap.add_argument("--plot", default=None, metavar="PATH", help="also write the ratios vs DDP as a bar chart (PNG)")
     args = ap.parse_args()
     systems = _expand(args.systems)
     try:
@@ -255,6 +256,9 @@ def main() -> None:
     if pairs:
         print("\n### lightning_scale rows vs their named peer (same rounds)\n")
         print(peer_table(rounds, pairs, failed))
+    if args.plot:
+        write_plot(args.plot, round_ratios(rounds, "ddp"), baseline="ddp",
+                   title=f"ZeRO vs peers, tokens/s ({args.world} CPU ranks, {datetime.date.today()})")
     if failed:
         print("\nRows that failed (not in the tables):")
         for name, why in failed.items():

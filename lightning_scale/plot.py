@@ -8,7 +8,8 @@ RUN_DIR and writes PNGs to ``RUN_DIR/plots/``:
 * ``memory.png``      resident memory of every rank (``memory/rank{r}_MiB``)
 * ``loss_scale.png``  the fp16 dynamic loss scale (``perf/loss_scale``; only fp16 runs log it)
 
-A figure whose metrics are absent is skipped. Needs matplotlib (``pip install matplotlib``, the ``plot``
+A figure whose metrics are absent is skipped. :func:`plot_ratios` draws a benchmark's ratios against its peers
+(the ``--plot PATH`` option of ``bench/zero.py``, ``bench/tensor_parallel.py``, ``bench/models.py``). Needs matplotlib (``pip install matplotlib``, the ``plot``
 extra); TensorBoard event files also need ``tensorboard``. Nothing here imports torch or Lightning.
 """
 
@@ -122,6 +123,45 @@ def plot_run(run_dir: str, out_dir: Optional[str] = None) -> Dict[str, Dict[str,
                          for line in ax.get_lines()}
         plt.close(fig)
     return written
+
+
+def plot_ratios(ratios: Dict[str, Sequence[float]], path: str, *, title: str, baseline: str,
+                targets: Optional[Dict[str, float]] = None) -> Dict[str, Tuple[float, float, float]]:
+    """A benchmark's figure: one bar per system, the median over rounds of its ratio to ``baseline`` measured in the
+    same round, with a min-max whisker; a dashed line at 1 (the baseline) and a tick per system's target.
+    Used by the ``bench/*.py --plot PATH`` options. Returns {system: (median, min, max) as drawn}."""
+    import statistics
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    drawn = {name: (statistics.median(v), min(v), max(v)) for name, v in ratios.items() if v}
+    if not drawn:
+        raise ValueError(f"{path}: no ratios to plot")
+    names = list(drawn)
+    med = [drawn[n][0] for n in names]
+    err = [[drawn[n][0] - drawn[n][1] for n in names], [drawn[n][2] - drawn[n][0] for n in names]]
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.1 * len(names) + 2), 4), dpi=100)
+    bars = ax.bar(range(len(names)), med, yerr=err, capsize=4, color="tab:blue", alpha=0.8)
+    ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label=f"{baseline} = 1")
+    for i, name in enumerate(names):
+        if targets and name in targets:
+            ax.plot([i - 0.4, i + 0.4], [targets[name]] * 2, color="tab:red", linewidth=2,
+                    label="target" if i == min(j for j, n in enumerate(names) if n in targets) else None)
+    for bar, m in zip(bars, med):
+        ax.annotate(f"{m:.2f}", (bar.get_x() + bar.get_width() / 2, m), ha="center", va="bottom", fontsize=8,
+                    xytext=(0, 2), textcoords="offset points")
+    ax.set_xticks(range(len(names)), names, rotation=20, ha="right")
+    ax.set(title=title, ylabel=f"ratio vs {baseline} (median, min-max over rounds)")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return drawn
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
