@@ -3,6 +3,7 @@
 Pure torch + stdlib; the Lightning side is ``lightning_scale.strategies.diagnostics_glue``.
 """
 
+from lightning_scale.diagnostics.batch_check import BatchMismatchError, check_same_batch
 from lightning_scale.diagnostics.config import ON_NONFINITE, DiagnosticsConfig
 from lightning_scale.diagnostics.trace import CollectiveMismatchError
 from lightning_scale.diagnostics.watchdog import (
@@ -16,6 +17,7 @@ from lightning_scale.diagnostics.watchdog import (
 )
 
 __all__ = [
-    "ON_NONFINITE", "DiagnosticsConfig", "CollectiveMismatchError", "EXIT_HANG", "EXIT_PEER_FAILED",
-    "EXIT_STOP_TIMEOUT", "PeerFailedError", "Watchdog", "default_store", "start_watchdog",
+    "BatchMismatchError", "check_same_batch", "ON_NONFINITE", "DiagnosticsConfig", "CollectiveMismatchError",
+    "EXIT_HANG", "EXIT_PEER_FAILED", "EXIT_STOP_TIMEOUT", "PeerFailedError", "Watchdog", "default_store",
+    "start_watchdog",
 ]

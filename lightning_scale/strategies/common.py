@@ -46,12 +46,16 @@ class GridStrategyMixin:
         return {"num_replicas": topo.dp, "rank": topo.dp_rank}
 
     # ---------------------------------------------------------------- the grid (for users who shard data by hand)
+    # A sampler splits over dp only: DistributedSampler(ds, num_replicas=strategy.dp_size, rank=strategy.dp_rank).
+    # Tensor- and pipeline-parallel peers must read the same batch; check_batch verifies it (docs/models.md).
     @property
     def dp_rank(self) -> int:
+        """This rank's index on the data-parallel axis (what a sampler splits over)."""
         return self.topology.dp_rank if self.topology is not None else self.global_rank
 
     @property
     def dp_size(self) -> int:
+        """The number of data-parallel replicas (world size / (tp * pp))."""
         return self.topology.dp if self.topology is not None else self.world_size
 
     @property
@@ -59,8 +63,66 @@ class GridStrategyMixin:
         return self.topology.tp_rank if self.topology is not None else 0
 
     @property
+    def tp_size(self) -> int:
+        return self.topology.tp if self.topology is not None else 1
+
+    @property
     def pp_rank(self) -> int:
+        """This rank's pipeline stage (0 = the first)."""
         return self.topology.pp_rank if self.topology is not None else 0
+
+    @property
+    def pp_size(self) -> int:
+        return self.topology.pp if self.topology is not None else 1
+
+    # ---------------------------------------------------------------- the data contract (tp / pp peers, same batch)
+    def batch_to_device(self, batch: Any, *args: Any, **kwargs: Any) -> Any:
+        """Lightning moves every train / val / test / predict batch through here: check it after the move."""
+        batch = super().batch_to_device(batch, *args, **kwargs)
+        self.check_batch(batch)
+        return batch
+
+    def check_batch(self, batch: Any, stage: Optional[str] = None) -> None:
+        """Raise :class:`~lightning_scale.diagnostics.BatchMismatchError` on every rank when tp / pp peers hold
+        different batches: on the first batch of each run (stage) always, on every batch in debug mode
+        (``diagnostics.debug_collectives`` / ``LIGHTNING_SCALE_DEBUG_COLLECTIVES=1``). A collective: every rank
+        calls it once per batch (the Trainer does, through ``batch_to_device``; a Fabric loop may)."""
+        from lightning_scale.diagnostics import check_same_batch, trace
+
+        topo = self.topology
+        if topo is None or (topo.tp == 1 and topo.pp == 1):
+            return
+        trainer = getattr(getattr(self, "lightning_module", None), "_trainer", None)
+        if stage is None:
+            stage = trainer.state.stage.value if trainer is not None and trainer.state.stage is not None else "run"
+        seen = self.__dict__.setdefault("_batches_checked", {})
+        n = seen[stage] = seen.get(stage, -1) + 1
+        diagnostics = getattr(getattr(self, "config", None), "diagnostics", None)
+        debug = bool(getattr(diagnostics, "debug_collectives", False)) or trace.debug_env()
+        if n == 0 or debug:
+            step = f"step {trainer.global_step} ({stage} batch {n})" if trainer is not None else f"{stage} batch {n}"
+            check_same_batch(batch, topo, where=step, device=self.root_device)
+
+    def _new_run(self, *stages: str) -> None:
+        checked = self.__dict__.get("_batches_checked", {})
+        for stage in stages:  # the first batch of this run is checked again
+            checked.pop(stage, None)
+
+    def on_train_start(self) -> None:
+        self._new_run("train")
+        super().on_train_start()
+
+    def on_validation_start(self) -> None:
+        self._new_run("validate", "sanity_check")
+        super().on_validation_start()
+
+    def on_test_start(self) -> None:
+        self._new_run("test")
+        super().on_test_start()
+
+    def on_predict_start(self) -> None:
+        self._new_run("predict")
+        super().on_predict_start()
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
