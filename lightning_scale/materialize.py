@@ -91,14 +91,28 @@ def has_meta(module: nn.Module, recurse: bool = False) -> bool:
 @torch.no_grad()
 def materialize_(root: nn.Module, device: torch.device, keep: Callable[[str, nn.Module], bool]) -> int:
     """Allocate on ``device`` and initialize every module under ``root`` that still holds meta tensors and for
-    which ``keep(name, module)`` is true; returns the number of elements materialized. Others stay on meta."""
+    which ``keep(name, module)`` is true; returns the number of elements materialized. Others stay on meta.
+
+    A module under a recorded pretrained source (:mod:`lightning_scale.pretrained`) is read from its directory
+    instead of initialized: only the tensors it holds here (a tp layer: its slice)."""
+    from lightning_scale.pretrained import weight_reader
+
     owners = init_owners(root)
+    reader = weight_reader(root)
     total = 0
-    for name, m in root.named_modules():
-        if not has_meta(m) or not keep(name, m):
-            continue
-        total += allocate_(m, device)
-        init_one(name, m, owners)
+    try:
+        for name, m in root.named_modules():
+            if not has_meta(m) or not keep(name, m):
+                continue
+            total += allocate_(m, device)
+            if reader is not None and reader.covers(f"{name}." if name else ""):
+                reader.fill_module_(name, m, owners)
+                reader.release()  # the file pages mapped for this module are let go
+            else:
+                init_one(name, m, owners)
+    finally:
+        if reader is not None:
+            reader.release()
     return total
 
 

@@ -218,7 +218,9 @@ def apply_ac(pm: ParallelModel) -> None:
 def materialize_local(pm: ParallelModel) -> None:
     """ZeRO 0-2: a module still on ``meta`` (tp without pp) allocates only its slices; then it is on the device."""
     if has_meta(pm.module, recurse=True):
-        if pm.tp_model is None:
+        from lightning_scale.pretrained import weight_sources
+
+        if pm.tp_model is None and not weight_sources(pm.module):  # pretrained: every dp replica reads it whole
             raise ConfigError("the module is on the meta device, but only zero.stage=3, tp > 1 or pp > 1 "
                               "materialize it piece by piece; build it for real or pick one of those layouts")
         materialize_(pm.module, pm.device, lambda name, m: True)
@@ -282,6 +284,9 @@ def parallelize(module: nn.Module, config: ParallelConfig, topology: Topology, d
     (ZeRO-3 shards in it). Collective: every rank of ``topology`` calls it with the same arguments.
     """
     check_config(config)
+    from lightning_scale.pretrained import check_weight_sources
+
+    check_weight_sources(module)  # pretrained weights recorded on meta: directory, architecture, every tensor
     pm = ParallelModel(module, config, topology, torch.device(device))
     names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
     stage3 = config.zero.stage == 3

@@ -173,11 +173,14 @@ def load_hf_weights_(module: nn.Module, directory: str, *, rename: Optional[Dict
 
 
 @torch.no_grad()
-def load_hf_pieces_(directory: str, pieces: Iterable[Piece], *, rename: Optional[Dict[str, str]] = None,
+def load_hf_pieces_(directory, pieces: Iterable[Piece], *, rename: Optional[Dict[str, str]] = None,
                     strip: str = "model/") -> List[str]:
-    """Fill each destination piece (key ``model/<fqn>``; ``strip`` removed) region by region from an HF directory:
-    a rank reads only the rectangles it holds. Padding rows are zeroed. Returns the keys not found."""
-    ckpt = HFCheckpoint(directory)
+    """Fill each destination piece (key ``model/<fqn>``; ``strip`` removed) region by region from an HF directory
+    (or an open :class:`HFCheckpoint`, left open): a rank reads only the rectangles it holds. Padding rows are
+    zeroed. Returns the keys not found."""
+    owned = not isinstance(directory, HFCheckpoint)
+    ckpt = HFCheckpoint(directory) if owned else directory
+    directory = ckpt.directory
     missing = []
     try:
         for p in pieces:
@@ -192,7 +195,8 @@ def load_hf_pieces_(directory: str, pieces: Iterable[Piece], *, rename: Optional
                 view.copy_(ckpt.read_chunk(src, chunk, view.dtype))
             p.zero_padding_()
     finally:
-        ckpt.close()
+        if owned:
+            ckpt.close()
     return missing
 
 

@@ -40,8 +40,10 @@ def sync_rng_from_rank0(device: torch.device) -> None:
 
 @contextlib.contextmanager
 def meta_init_context(device: torch.device) -> Generator[None, None, None]:
+    from lightning_scale.pretrained import meta_from_pretrained
+
     sync_rng_from_rank0(device)
-    with torch.device("meta"):
+    with torch.device("meta"), meta_from_pretrained():  # from_pretrained(dir) records the weights instead
         yield
 
 

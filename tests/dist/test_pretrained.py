@@ -1,0 +1,309 @@
+"""Pretrained Hugging Face weights into a model built on meta, through ``parallelize`` (plain torch, 2 ranks, gloo).
+
+A tiny ``LlamaForCausalLM`` (sharded safetensors + index) and ``GPT2LMHeadModel`` (tied head, ``Conv1D`` layers,
+vocabulary 63: padded at tp=2) are saved with ``save_pretrained`` in float64 with their weights scaled, so a fresh
+init is told apart. Each rank builds the model on meta with ``lightning_scale.from_pretrained`` (or ``from_config`` +
+``load_pretrained``) and ``parallelize`` reads only what the rank keeps. Checked:
+
+* zero3 (dp=2), tp=2 (stage 1) and pp=2 (Llama; GPT-2 has no automatic pipeline adapter): 3 SGD steps of
+  losses equal one process that called ``AutoModelForCausalLM.from_pretrained`` on the same directory (float64,
+  1e-10), and the bytes each rank read from the files are its share (< 0.62 of the file), not the model;
+* bad input (a missing directory, another architecture's directory, a tensor missing from the file): a
+  ConfigError naming it on every rank, before anything is allocated;
+* memory: a 76 MiB float32 Llama under zero3 and tp=2: each rank's peak memory growth during ``parallelize`` is
+  at most its share + the largest tensor + 8 MiB, a bound the whole model breaks (``VmHWM`` reset after
+  ``malloc_trim``; file pages mapped while reading count too).
+
+All checks share one 2-rank run (module fixture): starting ranks and importing transformers is the slow part.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import warnings
+
+import pytest
+import torch
+
+from lightning_scale.testing import live_rss_bytes, run_distributed
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers")
+
+STEPS, LR, BATCH, SEQ = 3, 0.5, 4, 12
+CASES = [("llama", "zero3"), ("gpt2", "zero3"), ("llama", "tp2"), ("gpt2", "tp2"), ("llama", "pp2"),
+         ("llama", "zero3_config")]
+
+
+def _configs():
+    llama = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                     tie_word_embeddings=False)
+    gpt2 = transformers.GPT2Config(vocab_size=63, n_positions=32, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0,
+                                   embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return {"llama": (transformers.LlamaForCausalLM, llama), "gpt2": (transformers.GPT2LMHeadModel, gpt2)}
+
+
+def _scaled_(model, seed):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.5).add_(0.02 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return model
+
+
+def _batches(vocab):
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, vocab, (STEPS, BATCH, SEQ + 1), generator=g)
+    return [(b[:, :-1].contiguous(), b[:, 1:].contiguous()) for b in ids]
+
+
+def _loss(logits, targets):
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _reference(directory):
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory)  # float64: the config's dtype
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for x, y in _batches(model.config.vocab_size):
+        loss = _loss(model(input_ids=x).logits, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    warnings.filterwarnings("ignore")
+    root = tmp_path_factory.mktemp("pretrained")
+    for i, (name, (cls, cfg)) in enumerate(_configs().items()):
+        torch.manual_seed(i)
+        model = _scaled_(cls(cfg).double(), 10 + i)
+        model.save_pretrained(root / name, max_shard_size="40KB" if name == "llama" else "5GB")
+    # the same Llama with one tensor left out of its files
+    from safetensors.torch import load_file, save_file
+
+    cls, cfg = _configs()["llama"]
+    torch.manual_seed(0)
+    model = cls(cfg).double()
+    model.save_pretrained(root / "holey")
+    tensors = load_file(str(root / "holey" / "model.safetensors"))
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, str(root / "holey" / "model.safetensors"), metadata={"format": "pt"})
+    _save_big(root / "big")
+    refs = {name: _reference(str(root / name)) for name in ("llama", "gpt2")}
+    torch.manual_seed(0)
+    fresh = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(root / "llama"),
+                                                          dtype=torch.float64)
+    x, y = _batches(64)[0]
+    refs["fresh_llama"] = _loss(fresh(input_ids=x).logits, y).item()
+    return {"root": str(root), "refs": refs}
+
+
+# ----------------------------------------------------------------------------------------------- workers
+def _count_reads():
+    """Bytes this process reads through HFCheckpoint.read_chunk (every region read of the loaders)."""
+    from lightning_scale.checkpoint.hf import HFCheckpoint
+
+    counter = {"bytes": 0}
+    original = HFCheckpoint.read_chunk
+
+    def counted(self, name, chunk, dtype=None):
+        out = original(self, name, chunk, dtype)
+        counter["bytes"] += out.numel() * out.element_size()  # float64 file into float64 tensors
+        return out
+
+    HFCheckpoint.read_chunk = counted
+    return counter, lambda: setattr(HFCheckpoint, "read_chunk", original)
+
+
+def _file_bytes(directory):
+    return sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory) if f.endswith(".safetensors"))
+
+
+def _build(directory, how):
+    import lightning_scale.pretrained as P
+
+    with torch.device("meta"):
+        if how == "config":
+            model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(directory),
+                                                                  dtype=torch.float64)
+            P.load_pretrained(model, directory)
+        else:
+            model = P.from_pretrained(transformers.AutoModelForCausalLM, directory)
+    return model
+
+
+def _run_case(rank, world, root, arch, mode):
+    from lightning_scale.comm import collectives as C
+    from lightning_scale.config import from_flat_kwargs
+    from lightning_scale.parallelize import local_topology, parallelize
+
+    directory = os.path.join(root, arch)
+    kwargs = {"zero3": dict(stage=3), "zero3_config": dict(stage=3), "tp2": dict(stage=1, tp=2),
+              "pp2": dict(stage=1, pp=2, microbatches=2)}[mode]
+    config = from_flat_kwargs(overlap_comm=False, **kwargs)
+    topo = local_topology(config, world, rank)
+    model = _build(directory, "config" if mode.endswith("_config") else "helper")
+    assert next(model.parameters()).is_meta
+    opt = torch.optim.SGD(model.parameters(), lr=LR)  # over the meta parameters: remapped by name
+    counter, restore = _count_reads()
+    try:
+        pm = parallelize(model, config, topo, "cpu", optimizers=[opt], loss_fn=_loss)
+    finally:
+        restore()
+    pm.make_engines(overlap_comm=False)
+    losses = []
+    for x, y in _batches(model.config.vocab_size):
+        if pm.pipeline is not None:
+            loss = pm.pipeline.runtime.train_step(x, y)
+        else:
+            xs, ys = x.chunk(topo.dp)[topo.dp_rank], y.chunk(topo.dp)[topo.dp_rank]
+            loss = _loss(model(input_ids=xs).logits, ys)
+            loss.backward()
+        opt.step()  # routed to the engine
+        opt.zero_grad()
+        mean = loss.detach().clone().double()
+        C.all_reduce(mean, topo.dp_group)
+        losses.append(mean.item() / topo.dp)
+    return {"losses": losses, "read": counter["bytes"], "file": _file_bytes(directory)}
+
+
+def _bad_inputs(root):
+    """Each bad input's error on this rank (type: message), raised before training."""
+    from lightning_scale.config import from_flat_kwargs
+    from lightning_scale.parallelize import local_topology, parallelize
+    import lightning_scale.pretrained as P
+
+    config = from_flat_kwargs(stage=3)
+    topo = local_topology(config, 2, torch.distributed.get_rank())
+    out = {}
+    attempts = {
+        "missing_dir": lambda: _build(os.path.join(root, "nowhere"), "helper"),
+        "architecture": lambda: P.from_pretrained(transformers.LlamaForCausalLM, os.path.join(root, "gpt2")),
+        "load_architecture": lambda: _build_config_other(root),
+        "missing_tensor": lambda: parallelize(_build(os.path.join(root, "holey"), "helper"), config, topo, "cpu"),
+    }
+    for name, attempt in attempts.items():
+        try:
+            with torch.device("meta"):
+                attempt()
+            out[name] = None
+        except Exception as err:  # noqa: BLE001  (the type is the result)
+            out[name] = f"{type(err).__name__}: {err}"
+    return out
+
+
+def _build_config_other(root):
+    import lightning_scale.pretrained as P
+
+    cls, cfg = _configs()["llama"]
+    with torch.device("meta"):
+        model = cls(cfg)
+    P.load_pretrained(model, os.path.join(root, "gpt2"))
+
+
+def worker(rank, world, root):
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    out = {"memory": memory(rank, world, os.path.join(root, "big"))}  # first: nothing else allocated yet
+    out.update({case: _run_case(rank, world, root, *case) for case in CASES})
+    out["bad"] = _bad_inputs(root)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(hf_dirs):
+    """One 2-rank run for every check of this module (starting ranks and importing transformers is the slow part)."""
+    return run_distributed(worker, 2, (hf_dirs["root"],), timeout=240)
+
+
+@pytest.mark.timeout(300)
+def test_pretrained_under_zero3_tp_pp_equals_from_pretrained(hf_dirs, results):
+    refs = hf_dirs["refs"]
+    for rank, res in enumerate(results):
+        for (arch, mode) in CASES:
+            got = res[(arch, mode)]
+            diff = max(abs(a - b) for a, b in zip(got["losses"], refs[arch]))
+            assert diff < 1e-10, (rank, arch, mode, got["losses"], refs[arch])
+            # each rank read its share of the files, not the model (replicated norms / biases count whole)
+            assert got["read"] < 0.62 * got["file"], (rank, arch, mode, got["read"], got["file"])
+        assert abs(res[("llama", "zero3")]["losses"][0] - refs["fresh_llama"]) > 1e-3  # a fresh init is told apart
+        bad = res["bad"]
+        assert bad["missing_dir"].startswith("ConfigError") and "nowhere" in bad["missing_dir"], bad
+        assert bad["architecture"].startswith("ConfigError") and "'gpt2'" in bad["architecture"], bad
+        assert bad["load_architecture"].startswith("ConfigError") and "'gpt2'" in bad["load_architecture"], bad
+        assert bad["missing_tensor"].startswith("ConfigError"), bad
+        assert "model.layers.1.mlp.up_proj.weight" in bad["missing_tensor"], bad
+
+
+# ----------------------------------------------------------------------------------------------- memory
+def _hwm_reset() -> int:
+    """Live memory now, and the peak-RSS mark (VmHWM) reset to it."""
+    now = live_rss_bytes()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return now
+
+
+def _hwm() -> int:
+    with open("/proc/self/status") as f:
+        return int(re.search(r"VmHWM:\s+(\d+)", f.read()).group(1)) * 1024
+
+
+def memory(rank, world, directory):
+    import gc
+
+    from lightning_scale.config import from_flat_kwargs
+    from lightning_scale.parallelize import local_topology, parallelize
+
+    out = {}
+    for mode, kwargs in (("zero3", dict(stage=3)), ("tp2", dict(stage=1, tp=2))):
+        config = from_flat_kwargs(**kwargs)
+        topo = local_topology(config, world, rank)
+        model = _build(directory, "helper")
+        whole = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        largest = max(t.numel() * t.element_size() for t in model.state_dict().values())
+        before = _hwm_reset()
+        pm = parallelize(model, config, topo, "cpu")
+        peak = _hwm() - before
+        if pm.sharded is not None:
+            share = sum(b.shard.numel() * b.shard.element_size() + (b.full.numel() * b.full.element_size()
+                        if u.kind == "persistent" else 0) for u in pm.sharded.units for b in u.buckets)
+        else:
+            share = sum(p.numel() * p.element_size() for p in model.parameters())
+        share += sum(b.numel() * b.element_size() for b in model.buffers())
+        out[mode] = dict(peak=peak, share=share, largest=largest, whole=whole)
+        del pm, model
+        gc.collect()
+    return out
+
+
+def _save_big(directory):
+    """A 76 MiB float32 Llama (8 MiB embedding and head, 6 layers) with random weights, as one safetensors file."""
+    from safetensors.torch import save_file
+
+    cfg = transformers.LlamaConfig(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=6,
+                                   num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=64,
+                                   tie_word_embeddings=False)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg)
+    g = torch.Generator().manual_seed(0)
+    tensors = {k: torch.randn(t.shape, generator=g) * 0.02 for k, t in model.state_dict().items()}
+    os.makedirs(directory)
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    cfg.save_pretrained(directory)
+
+
+@pytest.mark.timeout(300)
+def test_pretrained_materialization_peak_memory_is_the_rank_share(results):
+    slack = 8 << 20
+    for rank, res in enumerate(results):
+        for mode, r in res["memory"].items():
+            bound = r["share"] + r["largest"] + slack
+            assert r["whole"] > bound, (mode, r)  # the model whole on a rank would break the bound
+            assert r["peak"] <= bound, (rank, mode, {k: v / 2**20 for k, v in r.items()}, bound / 2**20)
