@@ -30,7 +30,8 @@ __version__ = "0.1.0"
 
 # name -> module that defines it; imported on first attribute access (PEP 562)
 _LAZY = {"Topology": "lightning_scale.topology", "Zero3DStrategy": "lightning_scale.strategies",
-         "ZeroPrecision": "lightning_scale.strategies"}
+         "ZeroPrecision": "lightning_scale.strategies", "from_pretrained": "lightning_scale.pretrained",
+         "load_pretrained": "lightning_scale.pretrained"}
 
 __all__ = [
     "ConfigError",
@@ -44,6 +45,8 @@ __all__ = [
     "__version__",
     "Zero3DStrategy",
     "ZeroPrecision",
+    "from_pretrained",
+    "load_pretrained",
 ]
 
 
