@@ -231,9 +231,12 @@ class DiagnosticsConfig:
 class ParallelConfig:
     """Everything Zero3DStrategy needs to know about the layout, validated as a whole."""
 
-    dp: Optional[int] = None  # None: world_size / (pp * tp)
+    dp: Optional[int] = None  # None: world_size / (pp * tp * sp)
     tp: int = 1
     pp: int = 1
+    # Ulysses sequence parallelism (lightning_scale.sequence_parallel; docs/long_sequences.md): each of sp ranks holds
+    # 1/sp of every sequence; attention all-to-alls to heads/sp over the full sequence. ZeRO shards over dp x sp.
+    sp: int = 1
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
@@ -259,9 +262,9 @@ class ParallelConfig:
     offload_activations: bool = False
 
     def validate(self, world_size: Optional[int] = None) -> "ParallelConfig":
-        for name in ("tp", "pp"):
+        for name in ("tp", "pp", "sp"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name}={value!r} must be a positive integer")
         if self.dp is not None and (not isinstance(self.dp, int) or self.dp < 1):
             raise ConfigError(f"dp={self.dp!r} must be a positive integer")
@@ -298,20 +301,21 @@ class ParallelConfig:
             raise ConfigError(f"activation_checkpointing_units={tuple(units)!r} needs activation_checkpointing="
                               "'full' or 'selective'", settings=("activation_checkpointing",))
         if world_size is not None:
-            if world_size % (self.tp * self.pp):
+            spx = f" x sp={self.sp}" if self.sp > 1 else ""
+            if world_size % (self.tp * self.pp * self.sp):
                 raise ConfigError(
-                    f"tp={self.tp} x pp={self.pp} does not divide the world size {world_size} (devices x nodes)"
+                    f"tp={self.tp} x pp={self.pp}{spx} does not divide the world size {world_size} (devices x nodes)"
                 )
             dp = self.resolved_dp(world_size)
-            if dp * self.tp * self.pp != world_size:
+            if dp * self.tp * self.pp * self.sp != world_size:
                 raise ConfigError(
-                    f"dp={dp} x tp={self.tp} x pp={self.pp} = {dp * self.tp * self.pp} does not equal the "
-                    f"world size {world_size} (devices x nodes)"
+                    f"dp={dp} x tp={self.tp} x pp={self.pp}{spx} = {dp * self.tp * self.pp * self.sp} does not equal "
+                    f"the world size {world_size} (devices x nodes)"
                 )
         return self
 
     def resolved_dp(self, world_size: int) -> int:
-        return self.dp if self.dp is not None else max(1, world_size // (self.tp * self.pp))
+        return self.dp if self.dp is not None else max(1, world_size // (self.tp * self.pp * self.sp))
 
 
 # ---------------------------------------------------------------------------------------------- the flat schema

@@ -261,6 +261,9 @@ def _check_layout(config: ParallelConfig, model: GPTConfig, cfg: DictConfig) -> 
     split the per-rank batch."""
     if model.n_head % config.tp:
         raise ConfigError(f"tp={config.tp} does not divide model.n_head={model.n_head}")
+    if model.n_head % config.sp or model.seq_len % config.sp:  # Ulysses: heads / sp per rank, seq_len / sp positions
+        what = f"model.n_head={model.n_head}" if model.n_head % config.sp else f"model.seq_len={model.seq_len}"
+        raise ConfigError(f"sp={config.sp} does not divide {what}")
     if config.tp > 1 and cfg.attention is not None:
         raise ConfigError(f"tp={config.tp} with a block-sparse attention layout: not supported yet (the layout covers "
                           f"all {model.n_head} heads, each tp rank holds {model.n_head // config.tp}); use attention=dense "

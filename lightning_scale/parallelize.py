@@ -9,9 +9,11 @@ the order. Each step is a small ``apply_*`` function on an unchanged model (torc
    on ``meta`` nothing is allocated).
 3. :func:`apply_pipeline` — the pipeline stage is cut from the (split) layers; on ``meta`` only this stage is
    allocated and initialized; the other stages' parameters are frozen and freed.
-4. :func:`apply_ac` — activation checkpointing (``activation_checkpointing="full" | "selective"``) wraps each unit's
-   forward (:mod:`lightning_scale.activation_checkpointing`; the module tree is unchanged). *(Sequence parallelism
-   plugs in here too, as a step between the cut and the memory placement.)*
+4. :func:`apply_sp` — Ulysses sequence parallelism (``sp > 1``): each attention runs between two all-to-alls over
+   the sp group, positions and the loss see the whole sequence (:mod:`lightning_scale.sequence_parallel`; instances
+   changed, the module tree is not). ZeRO (steps 7 and the engines) then shards over dp x sp.
+   :func:`apply_ac` — activation checkpointing (``activation_checkpointing="full" | "selective"``) wraps each unit's
+   forward (:mod:`lightning_scale.activation_checkpointing`; the module tree is unchanged).
 5. :func:`materialize_local` (ZeRO stages 0-2) — a ``meta`` tp model gets only its slices allocated, initialized
    as slices of the full dense layers; dp replicas take dp rank 0's values.
 6. the optimizers: built now over the local parameters (a callable, e.g. Lightning's ``configure_optimizers``),
@@ -76,7 +78,8 @@ class ParallelModel:
         """One engine per optimizer (:func:`lightning_scale.zero.engine.make_engine`), in order."""
         cross, engines, offset = self.cross_axis(), [], 0
         for opt in self.optimizers:
-            engines.append(make_engine(opt, self.config, self.topology, self.sharded, precision=precision,
+            engines.append(make_engine(opt, self.config, self.topology, self.sharded, group=self.topology.dp_sp_group,
+                                       precision=precision,
                                        loss_scaler=loss_scaler, cross_axis=cross, group_offset=offset,
                                        overlap_comm=overlap_comm))
             offset += len(opt.param_groups)
@@ -150,6 +153,11 @@ def check_config(config: ParallelConfig) -> None:
     if config.pp > 1 and config.tp > 1 and config.zero.stage == 3:
         raise ConfigError(f"zero.stage=3 with pp={config.pp} and tp={config.tp}: ZeRO-3 composes with tp or with "
                           "pp, not with both yet; use zero.stage 1 or 2 for 3D")
+    if config.sp > 1 and (config.tp > 1 or config.pp > 1):
+        other = f"tp={config.tp}" if config.tp > 1 else f"pp={config.pp}"
+        raise ConfigError(f"sp={config.sp} with {other}: Ulysses sequence parallelism composes with data parallelism "
+                          "and ZeRO 0-3, not yet with tensor or pipeline parallelism (docs/long_sequences.md)",
+                          settings=("sp", "tp" if config.tp > 1 else "pp"))
     if config.pp > 1 and config.zero.stage == 3 and config.pipeline.schedule == "zero_bubble":
         raise ConfigError("zero.stage=3 with pipeline.schedule='zero_bubble': ZeRO-3 reduce-scatters each unit's "
                           "gradient when its backward ends, which the deferred weight gradients of the zero-bubble "
@@ -206,6 +214,15 @@ def apply_pipeline(pm: ParallelModel, loss_fn: Optional[Callable] = None, timeou
                           "embedding / head); untie them or use zero.stage 1 or 2")
 
 
+def apply_sp(pm: ParallelModel) -> None:
+    """Ulysses sequence parallelism over the sp group (a ConfigError naming ``sp`` for a model it cannot swap)."""
+    if pm.config.sp <= 1:
+        return
+    from lightning_scale.sequence_parallel import apply_sequence_parallel
+
+    apply_sequence_parallel(pm.module, pm.topology.sp_group)
+
+
 def apply_ac(pm: ParallelModel) -> None:
     """Activation checkpointing on every unit of the (split, cut) module; before ZeRO-3 registers its unit hooks."""
     from lightning_scale.activation_checkpointing import checkpoint_units
@@ -224,7 +241,7 @@ def materialize_local(pm: ParallelModel) -> None:
             raise ConfigError("the module is on the meta device, but only zero.stage=3, tp > 1 or pp > 1 "
                               "materialize it piece by piece; build it for real or pick one of those layouts")
         materialize_(pm.module, pm.device, lambda name, m: True)
-        dp = pm.topology.dp_group
+        dp = pm.topology.dp_sp_group  # every dp and sp replica holds the same values
         if C.group_size(dp) > 1:
             src = dist.get_global_rank(dp, 0)
             for t in list(pm.module.parameters()) + list(pm.module.buffers()):
@@ -238,7 +255,7 @@ def apply_zero3(pm: ParallelModel, groups: List[List[nn.Parameter]], param_dtype
 
     cfg = pm.config
     sharded = ShardedParameters(
-        pm.module, groups, group=pm.topology.dp_group, device=pm.device, param_dtype=param_dtype,
+        pm.module, groups, group=pm.topology.dp_sp_group, device=pm.device, param_dtype=param_dtype,
         unit_modules=cfg.zero.unit_modules, prefetch_depth=cfg.zero.prefetch_depth,
         persistent_threshold=cfg.zero.persistent_threshold,
         param_device=torch.device("cpu") if cfg.offload.params != "none" else None, pin_memory=cfg.offload.pin_memory)
@@ -295,6 +312,7 @@ def parallelize(module: nn.Module, config: ParallelConfig, topology: Topology, d
         broadcast_from_rank0(module)
     apply_tp(pm)
     apply_pipeline(pm, loss_fn=loss_fn, timeout=timeout)
+    apply_sp(pm)
     apply_ac(pm)
     if not stage3:
         materialize_local(pm)
@@ -344,11 +362,11 @@ def tp_shard_full_state_dict(full: Dict[str, torch.Tensor], name: str, target: n
 def local_topology(config: ParallelConfig, world_size: int, rank: int) -> Topology:
     """The Topology for ``config`` on ``world_size`` ranks, groups built (a collective)."""
     config.validate(world_size)
-    topo = Topology(dp=config.resolved_dp(world_size), pp=config.pp, tp=config.tp, rank=rank)
+    topo = Topology(dp=config.resolved_dp(world_size), pp=config.pp, tp=config.tp, sp=config.sp, rank=rank)
     topo.build_groups()
     return topo
 
 
-__all__ = ["ParallelModel", "parallelize", "cross_axis_for", "apply_tp", "apply_pipeline", "apply_ac",
+__all__ = ["ParallelModel", "parallelize", "cross_axis_for", "apply_tp", "apply_pipeline", "apply_sp", "apply_ac",
            "materialize_local", "apply_zero3", "broadcast_from_rank0", "check_config", "local_topology",
            "tp_full_state_dict", "tp_shard_full_state_dict"]

@@ -1,11 +1,14 @@
-"""Rank arithmetic for dp x pp x tp layouts, and the process groups of each axis.
+"""Rank arithmetic for dp x pp x sp x tp layouts, and the process groups of each axis.
 
-Order (documented contract): ``tp`` varies fastest, then ``dp``, then ``pp``::
+Order (documented contract): ``tp`` varies fastest, then ``sp`` (Ulysses sequence parallelism), then ``dp``,
+then ``pp``::
 
-    rank = (pp_index * dp + dp_index) * tp + tp_index
+    rank = ((pp_index * dp + dp_index) * sp + sp_index) * tp + tp_index
 
-so tensor-parallel peers are neighbours (same host / NVLink domain) and pipeline stages are the
-outermost split (the axis that crosses slow links). This module is the only place that does rank
+so tensor-parallel peers are neighbours (same host / NVLink domain), sequence-parallel peers (an all-to-all in
+every attention) next, and pipeline stages are the outermost split (the axis that crosses slow links). With
+``sp == 1`` this is ``(pp_index * dp + dp_index) * tp + tp_index``. ZeRO shards over dp x sp together (as
+DeepSpeed does: every parameter is replicated over sp): ``dp_sp_group``. This module is the only place that does rank
 arithmetic and the only caller of ``torch.distributed.new_group``.
 """
 
@@ -17,7 +20,7 @@ from typing import Dict, List, Optional
 
 import torch.distributed as dist
 
-AXES = ("pp", "dp", "tp")  # outermost first
+AXES = ("pp", "dp", "sp", "tp")  # outermost first
 
 
 @dataclass(frozen=True)
@@ -25,11 +28,12 @@ class Coords:
     pp: int
     dp: int
     tp: int
+    sp: int = 0
 
 
 @dataclass
 class Topology:
-    """A dp x pp x tp grid over ``world_size = dp * pp * tp`` ranks.
+    """A dp x pp x sp x tp grid over ``world_size = dp * pp * sp * tp`` ranks.
 
     The pure methods (``coords``, ``rank_of``, ``axis_ranks``, ``all_axis_ranks``) work without
     processes. ``build_groups()`` creates one process group per axis instance (every rank must
@@ -39,6 +43,7 @@ class Topology:
     dp: int = 1
     pp: int = 1
     tp: int = 1
+    sp: int = 1
     rank: int = 0
     _groups: Dict[str, object] = field(default_factory=dict, repr=False)
 
@@ -48,11 +53,11 @@ class Topology:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r}: each axis size must be a positive integer")
         if not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank={self.rank} is outside world_size={self.world_size} (dp*pp*tp)")
+            raise ValueError(f"rank={self.rank} is outside world_size={self.world_size} (dp*pp*sp*tp)")
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.dp * self.pp * self.sp * self.tp
 
     # ----------------------------------------------------------------- pure rank arithmetic
     def coords(self, rank: Optional[int] = None) -> Coords:
@@ -60,15 +65,16 @@ class Topology:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank={rank} is outside world_size={self.world_size}")
         tp_index = rank % self.tp
-        dp_index = (rank // self.tp) % self.dp
-        pp_index = rank // (self.tp * self.dp)
-        return Coords(pp=pp_index, dp=dp_index, tp=tp_index)
+        sp_index = (rank // self.tp) % self.sp
+        dp_index = (rank // (self.tp * self.sp)) % self.dp
+        pp_index = rank // (self.tp * self.sp * self.dp)
+        return Coords(pp=pp_index, dp=dp_index, tp=tp_index, sp=sp_index)
 
-    def rank_of(self, *, pp: int = 0, dp: int = 0, tp: int = 0) -> int:
-        for name, value in (("pp", pp), ("dp", dp), ("tp", tp)):
+    def rank_of(self, *, pp: int = 0, dp: int = 0, tp: int = 0, sp: int = 0) -> int:
+        for name, value in (("pp", pp), ("dp", dp), ("sp", sp), ("tp", tp)):
             if not 0 <= value < getattr(self, name):
                 raise ValueError(f"{name} index {value} is outside {name}={getattr(self, name)}")
-        return (pp * self.dp + dp) * self.tp + tp
+        return ((pp * self.dp + dp) * self.sp + sp) * self.tp + tp
 
     def axis_ranks(self, axis: str, rank: Optional[int] = None) -> List[int]:
         """Ranks that share every coordinate with ``rank`` except ``axis`` (ordered by that axis)."""
@@ -76,7 +82,7 @@ class Topology:
         c = self.coords(rank)
         out = []
         for i in range(getattr(self, axis)):
-            kw = {"pp": c.pp, "dp": c.dp, "tp": c.tp, axis: i}
+            kw = {"pp": c.pp, "dp": c.dp, "sp": c.sp, "tp": c.tp, axis: i}
             out.append(self.rank_of(**kw))
         return out
 
@@ -89,6 +95,15 @@ class Topology:
             fixed = dict(zip(others, values))
             groups.append([self.rank_of(**{**fixed, axis: i}) for i in range(getattr(self, axis))])
         return groups
+
+    def all_dp_sp_ranks(self) -> List[List[int]]:
+        """The groups ZeRO shards over: ranks sharing pp and tp (dp x sp together, ordered by rank)."""
+        return [[self.rank_of(pp=pp, dp=d, sp=s, tp=tp) for d in range(self.dp) for s in range(self.sp)]
+                for pp in range(self.pp) for tp in range(self.tp)]
+
+    @property
+    def dp_sp_ranks(self) -> List[int]:
+        return next(g for g in self.all_dp_sp_ranks() if self.rank in g)
 
     def axis_index(self, axis: str, rank: Optional[int] = None) -> int:
         self._check_axis(axis)
@@ -107,6 +122,10 @@ class Topology:
         return self.coords().tp
 
     @property
+    def sp_rank(self) -> int:
+        return self.coords().sp
+
+    @property
     def dp_ranks(self) -> List[int]:
         return self.axis_ranks("dp")
 
@@ -118,6 +137,10 @@ class Topology:
     def tp_ranks(self) -> List[int]:
         return self.axis_ranks("tp")
 
+    @property
+    def sp_ranks(self) -> List[int]:
+        return self.axis_ranks("sp")
+
     @staticmethod
     def _check_axis(axis: str) -> None:
         if axis not in AXES:
@@ -128,13 +151,14 @@ class Topology:
         """Create one process group per axis instance. Collective: all ranks call it.
 
         Axes of size 1 get no group of their own (``group(axis)`` returns a 1-rank group only
-        when needed); the dp axis of a pure data-parallel layout reuses the world group.
+        when needed); the dp axis of a pure data-parallel layout reuses the world group. With sp > 1 the
+        dp x sp group (``dp_sp_group``, what ZeRO shards over) is built too; at sp == 1 it is the dp group.
         """
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("Topology.build_groups() needs torch.distributed to be initialized")
         if dist.get_world_size() != self.world_size:
             raise ValueError(
-                f"dp*pp*tp = {self.dp}*{self.pp}*{self.tp} = {self.world_size} does not equal the "
+                f"dp*pp*sp*tp = {self.dp}*{self.pp}*{self.sp}*{self.tp} = {self.world_size} does not equal the "
                 f"world size {dist.get_world_size()}"
             )
         if dist.get_rank() != self.rank:
@@ -149,6 +173,16 @@ class Topology:
                 group = dist.new_group(ranks, backend=backend)
                 if self.rank in ranks:
                     self._groups[axis] = group
+        if self.sp > 1:
+            if self.dp == 1:
+                self._groups["dp_sp"] = self._groups["sp"]
+            elif self.dp * self.sp == self.world_size:
+                self._groups["dp_sp"] = dist.group.WORLD
+            else:
+                for ranks in self.all_dp_sp_ranks():
+                    group = dist.new_group(ranks, backend=backend)
+                    if self.rank in ranks:
+                        self._groups["dp_sp"] = group
         return self
 
     def group(self, axis: str):
@@ -170,3 +204,16 @@ class Topology:
     @property
     def tp_group(self):
         return self.group("tp")
+
+    @property
+    def sp_group(self):
+        return self.group("sp")
+
+    @property
+    def dp_sp_group(self):
+        """The group ZeRO shards parameters, gradients and optimizer state over: dp x sp (the dp group at sp == 1)."""
+        if self.sp == 1:
+            return self.dp_group
+        if "dp_sp" not in self._groups:
+            raise RuntimeError("call Topology.build_groups() before asking for process groups")
+        return self._groups["dp_sp"]

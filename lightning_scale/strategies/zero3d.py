@@ -115,7 +115,8 @@ class Zero3DStrategy(GridStrategyMixin, ParallelStrategy):
         kwargs: Dict[str, Any] = {"timeout": self._timeout}
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
         cfg = self.config
-        self.topology = Topology(dp=cfg.resolved_dp(self.world_size), pp=cfg.pp, tp=cfg.tp, rank=self.global_rank)
+        self.topology = Topology(dp=cfg.resolved_dp(self.world_size), pp=cfg.pp, tp=cfg.tp, sp=cfg.sp,
+                                 rank=self.global_rank)
         self.topology.build_groups()
         self._check_supported()
 
@@ -297,6 +298,18 @@ class Zero3DStrategy(GridStrategyMixin, ParallelStrategy):
         if self._pipeline is None:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         return self._pipeline.backward(self, closure_loss)  # the schedule already ran it
+
+    def batch_to_device(self, batch: Any, *args: Any, **kwargs: Any) -> Any:
+        """Under sequence parallelism (sp > 1) each sp rank keeps its 1/sp of every sequence (dimension 1 of every
+        tensor with two or more dimensions); the sampler split the data over dp only."""
+        batch = super().batch_to_device(batch, *args, **kwargs)
+        topo = self.topology
+        if topo is None or topo.sp == 1:
+            return batch
+        from lightning_scale.sequence_parallel import shard_sequence
+
+        with speaking(self._namer):
+            return shard_sequence(batch, topo.sp_rank, topo.sp)
 
     def process_dataloader(self, dataloader: Any) -> Any:
         if self._pipeline is not None:

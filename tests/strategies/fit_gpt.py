@@ -129,8 +129,8 @@ def main() -> None:
             except (ValueError, SyntaxError):
                 pass
         opts[k] = v
-    model_parallel = opts.get("tp", 1) * opts.get("pp", 1)
-    # tp / pp peers read the same batch: the global batch splits over the data-parallel ranks only
+    model_parallel = opts.get("tp", 1) * opts.get("pp", 1) * opts.get("sp", 1)
+    # tp / pp / sp peers read the same batch: the global batch splits over the data-parallel ranks only
     per_rank = args.global_batch // max(1, args.devices // model_parallel)
     data = ByteCorpusDataModule(seq_len=cfg.seq_len, batch_size=per_rank, source=args.source,
                                 vocab_size=cfg.vocab_size, random_length=256, shuffle=False, max_bytes=2**20)

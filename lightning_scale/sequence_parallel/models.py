@@ -1,0 +1,269 @@
+"""Ulysses on unchanged models: the project GPT and Hugging Face models through transformers' attention interface.
+
+:func:`apply_sequence_parallel` finds what it knows in a module tree and changes instances only (no class, no module
+tree and no parameter name changes, as activation checkpointing does):
+
+* **the project GPT** (``lightning_scale.models.gpt.GPT``): every ``attn.core`` runs on the head-split side of the
+  all-to-all (the dense SDPA core as it is; a block-sparse ``SparseSelfAttention`` core over this rank's heads of
+  its layout, which covers the full sequence per head); ``wpe`` reads the global positions of this rank's slice;
+  ``GPT.loss`` is the mean over the whole sequence (chunked above ``loss_chunk`` as before).
+* **a Hugging Face PreTrainedModel**: an attention function registered with ``transformers.AttentionInterface``
+  wraps the model's own implementation (``eager`` or ``sdpa``) between the all-to-alls; the base model gets the
+  global ``position_ids`` of this rank's slice (rotary or learned positions); ``loss_function`` (what
+  ``model(input_ids, labels=...)`` uses) shifts the labels across slice boundaries and takes the whole-sequence
+  mean; ``use_cache`` is turned off (a training layout).
+
+A model with neither is a ConfigError naming ``sp``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import sys
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from lightning_scale.comm import collectives as C
+from lightning_scale.config import ConfigError
+from lightning_scale.nn.sparse_attention import SparseSelfAttention
+from lightning_scale.nn.sparsity_config import SparsityConfig
+from lightning_scale.sequence_parallel.ulysses import (heads_to_sequence, next_token_labels, sequence_mean,
+                                                        sequence_to_heads)
+
+HF_PREFIX = "lightning_scale_ulysses"
+
+
+def apply_sequence_parallel(module: nn.Module, group) -> nn.Module:
+    """Make ``module`` (or the GPT / Hugging Face model inside it) run on this rank's ``1/sp`` of each sequence."""
+    sp = C.group_size(group)
+    if sp == 1:
+        return module
+    from lightning_scale.models.gpt import GPT
+
+    gpts = [m for m in module.modules() if isinstance(m, GPT)]
+    hfs = [m for m in module.modules() if _is_hf_causal_model(m)]
+    hfs = [m for m in hfs if not any(o is not m and m in set(o.modules()) for o in hfs)]  # outermost only
+    if not gpts and not hfs:
+        raise ConfigError(f"sp={sp}: {type(module).__name__} holds no attention that sequence parallelism can swap "
+                          "(the project GPT's attn.core, or a Hugging Face PreTrainedModel's attention interface)",
+                          settings=("sp",))
+    for gpt in gpts:
+        _sp_gpt(gpt, group)
+    for hf in hfs:
+        _sp_hf(hf, group)
+    return module
+
+
+def _mark(model: nn.Module, sp: int) -> None:
+    if getattr(model, "_lightning_scale_sp", 1) > 1:
+        raise ConfigError(f"sp={sp}: {type(model).__name__} is sequence-parallel already (apply it once)",
+                          settings=("sp",))
+    model._lightning_scale_sp = sp
+
+
+# --------------------------------------------------------------------------------------------- the project GPT
+def _sp_gpt(gpt: nn.Module, group) -> None:
+    from lightning_scale.models.gpt import CausalSelfAttention
+
+    sp, rank = C.group_size(group), C.group_rank(group)
+    cfg = gpt.cfg
+    if cfg.n_head % sp:
+        raise ConfigError(f"sp={sp} does not divide model.n_head={cfg.n_head} (each sp rank attends over "
+                          f"n_head / sp heads)", settings=("sp",))
+    if cfg.seq_len % sp:
+        raise ConfigError(f"sp={sp} does not divide model.seq_len={cfg.seq_len} (each sp rank holds seq_len / sp "
+                          "positions)", settings=("sp",))
+    _mark(gpt, sp)
+    for attn in (m for m in gpt.modules() if isinstance(m, CausalSelfAttention)):
+        _wrap_core(attn.core, attn.n_head, group)
+    wpe_forward = gpt.wpe.forward
+
+    def global_positions(pos: torch.Tensor) -> torch.Tensor:  # hidden() asks for arange(L / sp)
+        return wpe_forward(pos + rank * pos.shape[-1])
+
+    gpt.wpe.forward = global_positions
+    gpt.loss = functools.partial(_gpt_loss, gpt, group)
+
+
+def _wrap_core(core: nn.Module, heads: int, group) -> None:
+    """``core(q, k, v)`` on (B, H, L/sp, D) -> the same core on (B, H/sp, L, D) between the all-to-alls."""
+    inner = _local_heads(core, heads, group).forward
+
+    def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        q, k, v = heads_to_sequence((q, k, v), group)  # 3x (B, H/sp, L, D)
+        return sequence_to_heads(inner(q, k, v, *args, **kwargs), group)  # (B, H, L/sp, D)
+
+    core.forward = forward
+
+
+def _local_heads(core: nn.Module, heads: int, group) -> nn.Module:
+    """The module that runs on this rank's heads: ``core`` itself, or for a block-sparse core one over this rank's
+    heads of the same layout (kept off the module tree: it has no parameters)."""
+    if not isinstance(core, SparseSelfAttention):
+        return core
+    sp, rank = C.group_size(group), C.group_rank(group)
+    local = heads // sp
+    cfg = HeadRange(num_heads=local, block=core.sparsity_config.block, parent=core.sparsity_config,
+                    start=rank * local)
+    return SparseSelfAttention(cfg, key_padding_mask_mode=core.key_padding_mask_mode,
+                               attn_mask_mode=core.attn_mask_mode, max_seq_length=core.max_seq_length,
+                               causal=core.causal, auto_pad=core.auto_pad, backend=core.backend,
+                               chunk_bytes=core.chunk_bytes, tile=core.tile)
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadRange(SparsityConfig):
+    """Heads ``[start, start + num_heads)`` of ``parent``'s layout: a sequence-parallel rank's heads."""
+
+    parent: Optional[SparsityConfig] = None
+    start: int = 0
+
+    def make_layout(self, seq_len: int) -> torch.Tensor:
+        return self.parent.make_layout(seq_len)[self.start:self.start + self.num_heads]
+
+    @property
+    def causal(self) -> bool:
+        return self.parent.causal
+
+
+def _gpt_loss(gpt: nn.Module, group, idx: torch.Tensor, targets: torch.Tensor, *, cross_entropy=None,
+              chunk: Optional[int] = None, ignore_index: int = -100) -> torch.Tensor:
+    """``GPT.loss`` on this rank's slice: the summed cross-entropy of its positions (chunked as ``GPT.loss``
+    chunks), combined over sp into the mean over the whole sequence."""
+    from lightning_scale.models.gpt import lm_loss
+
+    cross_entropy = cross_entropy or lm_loss
+    chunk = gpt.cfg.loss_chunk if chunk is None else chunk
+    h = gpt.hidden(idx)  # (B, L/sp, C)
+    loss_sum = lambda z, t: cross_entropy(z, t, reduction="sum")  # noqa: E731
+    if chunk and targets.shape[-1] > chunk:
+        from torch.utils.checkpoint import checkpoint
+
+        from lightning_scale.nn.chunked_loss import _chunk_loss
+
+        run = functools.partial(_chunk_loss, gpt.lm_head, loss_sum)
+        parts = [checkpoint(run, a, b, use_reentrant=False, preserve_rng_state=False) if torch.is_grad_enabled()
+                 else run(a, b) for a, b in zip(h.split(chunk, dim=1), targets.split(chunk, dim=1))]
+        total = torch.stack(parts).sum()
+    else:
+        total = loss_sum(gpt.lm_head(h), targets)
+    return sequence_mean(total, (targets != ignore_index).sum(), group)
+
+
+# --------------------------------------------------------------------------------------------- Hugging Face
+def _is_hf_causal_model(m: nn.Module) -> bool:
+    return hasattr(m, "set_attn_implementation") and hasattr(m, "config") and hasattr(m, "base_model") and \
+        getattr(m.config, "num_attention_heads", None) is not None
+
+
+def _hf_kv_repeat(heads: int, kv_heads: int, sp: int) -> int:
+    """How many times each key/value head is repeated so that sp divides them (1: it does already). With sp and
+    kv_heads dividing heads, lcm(kv_heads, sp) divides heads: every rank's query heads keep their own k/v heads."""
+    return 1 if kv_heads % sp == 0 else sp // math.gcd(kv_heads, sp)
+
+
+class _LocalHeads:
+    """The attention module as the wrapped implementation sees it when key/value heads were repeated."""
+
+    def __init__(self, module: nn.Module, groups: int) -> None:
+        self._module, self.num_key_value_groups = module, groups
+
+    def __getattr__(self, name: str):
+        return getattr(self._module, name)
+
+
+def _sp_hf(model: nn.Module, group) -> None:
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    sp = C.group_size(group)
+    cfg = model.config
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    if heads % sp:
+        raise ConfigError(f"sp={sp} does not divide num_attention_heads={heads} of {type(model).__name__}",
+                          settings=("sp",))
+    repeat = _hf_kv_repeat(heads, kv_heads, sp)
+    inner_name = cfg._attn_implementation
+    if inner_name not in ("eager", "sdpa"):
+        raise ConfigError(f"sp={sp} with attn_implementation={inner_name!r}: sequence parallelism wraps 'eager' or "
+                          "'sdpa' attention (block-sparse Hugging Face attention under sp is not supported yet; the "
+                          "project GPT's block-sparse core is)", settings=("sp",))
+    _mark(model, sp)
+    # eager attention is each modeling file's own function (the interface's default), sdpa a registered one
+    inner = getattr(sys.modules[type(model).__module__], "eager_attention_forward", None) \
+        if inner_name == "eager" else ALL_ATTENTION_FUNCTIONS[inner_name]
+    if inner is None:
+        raise ConfigError(f"sp={sp}: {type(model).__name__}'s modeling module has no eager_attention_forward to wrap; "
+                          "use attn_implementation='sdpa'", settings=("sp",))
+    name = f"{HF_PREFIX}_{inner_name}_{id(model)}"  # the interface is global: one entry per model and group
+    attention = functools.partial(_hf_attention, inner=inner, eager=inner_name == "eager", repeat=repeat, group=group)
+    AttentionInterface.register(name, attention)
+    AttentionMaskInterface.register(name, sdpa_mask)  # None for a plain causal mask: the full one is built here
+    model.set_attn_implementation(name)
+    cfg.use_cache = False
+    model.base_model.register_forward_pre_hook(functools.partial(_global_position_ids, group), with_kwargs=True)
+    model.loss_function = functools.partial(_hf_causal_lm_loss, group)
+
+
+def _hf_attention(module, query, key, value, attention_mask, *, inner, eager: bool, repeat: int, group, **kwargs):
+    """transformers attention function: (B, H, L/sp, D) q and (B, Hkv, L/sp, D) k, v -> ((B, L/sp, H, D), None)."""
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    if attention_mask is not None:
+        raise ConfigError(f"sp={C.group_size(group)}: a padding / packed-sequence attention mask is not supported "
+                          "under sequence parallelism yet (pass full-length sequences without attention_mask)",
+                          settings=("sp",))
+    seen = module
+    if repeat > 1:
+        key, value = repeat_kv(key, repeat), repeat_kv(value, repeat)
+        seen = _LocalHeads(module, module.num_key_value_groups // repeat)
+    query, = heads_to_sequence((query,), group)  # (B, H/sp, L, D)
+    key, value = heads_to_sequence((key, value), group)
+    mask = None
+    if eager:  # eager attention applies only the mask it is given: the full causal one
+        L = query.shape[2]
+        mask = torch.full((L, L), torch.finfo(query.dtype).min, dtype=query.dtype, device=query.device).triu(1)
+        mask = mask.view(1, 1, L, L)
+    out, _ = inner(seen, query, key, value, mask, **kwargs)  # (B, L, H/sp, D)
+    return sequence_to_heads(out, group, head_dim=2, seq_dim=1), None  # (B, L/sp, H, D)
+
+
+def _global_position_ids(group, module, args, kwargs):
+    """Forward pre-hook of the base model: this rank's slice keeps its global positions."""
+    if kwargs.get("position_ids") is not None:
+        return None
+    x = kwargs.get("input_ids")
+    if x is None:
+        x = args[0] if args else kwargs.get("inputs_embeds")
+    if x is None:
+        return None
+    length = x.shape[1]
+    start = C.group_rank(group) * length
+    kwargs["position_ids"] = torch.arange(start, start + length, device=x.device).unsqueeze(0)
+    return args, kwargs
+
+
+def _hf_causal_lm_loss(group, logits, labels, vocab_size: int, num_items_in_batch=None, ignore_index: int = -100,
+                       shift_labels=None, **kwargs):
+    """``ForCausalLMLoss`` for this rank's slice: labels shifted across the slice boundary, the mean over the whole
+    sequence (or the sum over it / ``num_items_in_batch``). Logits stay in their dtype when wider than fp32."""
+    if shift_labels is None:
+        shift_labels = next_token_labels(labels, group, ignore_index)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    shift_labels = shift_labels.to(logits.device)
+    total = F.cross_entropy(logits.reshape(-1, vocab_size), shift_labels.reshape(-1), ignore_index=ignore_index,
+                            reduction="sum")
+    if num_items_in_batch is not None:
+        count = torch.as_tensor(num_items_in_batch, device=logits.device) / C.group_size(group)
+        return sequence_mean(total, count, group)
+    return sequence_mean(total, (shift_labels != ignore_index).sum(), group)
+
+
+__all__ = ["apply_sequence_parallel", "HeadRange"]

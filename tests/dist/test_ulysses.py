@@ -1,0 +1,233 @@
+"""Ulysses sequence parallelism (issue 16, items 3 and 4) through parallelize() on gloo ranks, float64, 3 AdamW steps.
+
+* sp=2 (2 ranks), sp=4 and dp=2 x sp=2 (4 ranks), at ZeRO 0 and 3, for the project GPT (chunked loss, ignored
+  targets unevenly spread over the slices) and a tiny Hugging Face Llama (rotary positions, grouped-query attention
+  whose 2 key/value heads are repeated at sp=4, sdpa and eager, ``labels=`` through the model's loss_function):
+  losses and parameters equal one process on the full sequences within 1e-10.
+* Block-sparse attention (Variable and BigBird layouts, different per head) as the GPT's core under sp=2 equals sp=1.
+* Bad input is a ConfigError naming the setting: heads / sequence not divisible, a model with no swappable
+  attention, sp with tp or pp, a batch whose length sp does not divide.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_scale.testing import run_distributed
+
+STEPS, BATCH, LR = 3, 4, 3e-3
+GPT_MODEL = dict(n_layer=2, vocab_size=64, seq_len=16, loss_chunk=4)  # sp=2: 8 local positions, 2 chunks
+SPARSE_MODEL = dict(n_layer=2, vocab_size=64, seq_len=64, loss_chunk=0)  # 4 blocks of 16
+LLAMA_SEQ = 16
+
+
+def _sparsity(kind: str):
+    """Per-head layouts whose two halves differ: each sp rank must attend with its own heads' layout."""
+    from lightning_scale.nn import BigBirdSparsityConfig, VariableSparsityConfig
+
+    if kind == "variable":
+        return VariableSparsityConfig(num_heads=4, block=16, num_random_blocks=1, local_window_blocks=(1,),
+                                      global_block_indices=(0,), different_layout_per_head=True,
+                                      attention="unidirectional")
+    return BigBirdSparsityConfig(num_heads=4, block=16, num_random_blocks=1, num_sliding_window_blocks=3,
+                                 num_global_blocks=1, different_layout_per_head=True, attention="unidirectional",
+                                 seed=3)
+
+
+def _build(family: str, meta: bool = False):
+    torch.manual_seed(0)
+    if family.startswith("llama"):
+        from lightning_scale.models import hf_families as F
+
+        return F.build("llama", family.split("-")[1], dtype=torch.float64).train()
+    from lightning_scale.models.gpt import GPT, gpt_tiny
+
+    sparse = family.startswith("sparse")
+    cfg = gpt_tiny(**(SPARSE_MODEL if sparse else GPT_MODEL))
+    if meta:
+        with torch.device("meta"):
+            model = GPT(cfg).double()
+    else:
+        model = GPT(cfg).double()
+    if sparse:
+        from lightning_scale.nn import swap_gpt_attention
+
+        swap_gpt_attention(model, _sparsity(family.split("-")[1]))
+    return model
+
+
+def _batch(family: str, step: int):
+    """(inputs, targets): GPT targets are shifted ids, some ignored (row 0's first 5: one slice has fewer);
+    Llama's are the unshifted labels of ``model(input_ids, labels=...)``, some ignored."""
+    g = torch.Generator().manual_seed(step)
+    if family.startswith("llama"):
+        x = torch.randint(0, 96, (BATCH, LLAMA_SEQ), generator=g)
+        y = x.clone()
+        y[0, 3:9] = -100
+        return x, y
+    seq = (SPARSE_MODEL if family.startswith("sparse") else GPT_MODEL)["seq_len"]
+    data = torch.randint(0, 64, (BATCH, seq + 1), generator=g)
+    x, y = data[:, :-1], data[:, 1:].clone()
+    y[0, :5] = -100
+    return x, y
+
+
+def _loss(family: str, model, x, y):
+    if family.startswith("llama"):
+        return model(input_ids=x, labels=y).loss
+    return model.loss(x, y)
+
+
+def _reference_loss(family: str, model, x, y):
+    """One process, the full sequence; the Llama loss in float64 (transformers' own casts the logits to fp32)."""
+    if family.startswith("llama"):
+        logits = model(input_ids=x).logits
+        return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                                 y[:, 1:].reshape(-1), ignore_index=-100)
+    return model.loss(x, y)
+
+
+def _reference(family: str, dp: int):
+    """Mean over dp replicas of each replica's whole-sequence loss: what averaging gradients over dp trains."""
+    model = _build(family)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for step in range(STEPS):
+        x, y = _batch(family, step)
+        loss = sum(_reference_loss(family, model, a, b) for a, b in zip(x.chunk(dp), y.chunk(dp))) / dp
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _train_one(rank: int, world_size: int, family: str, sp: int, stage: int):
+    from lightning_scale.config import from_flat_kwargs
+    from lightning_scale.parallelize import local_topology, parallelize
+    from lightning_scale.sequence_parallel import shard_sequence
+
+    config = from_flat_kwargs(sp=sp, stage=stage)
+    topo = local_topology(config, world_size, rank)
+    model = _build(family, meta=stage == 3 and not family.startswith("llama"))
+    pm = parallelize(model, config, topo, "cpu", optimizers=lambda: [torch.optim.AdamW(model.parameters(), lr=LR)])
+    (engine,) = pm.make_engines()
+    losses = []
+    for step in range(STEPS):
+        x, y = _batch(family, step)
+        x, y = x.chunk(topo.dp)[topo.dp_rank], y.chunk(topo.dp)[topo.dp_rank]
+        x, y = shard_sequence((x, y), topo.sp_rank, topo.sp)
+        loss = _loss(family, model, x, y)
+        loss.backward()
+        engine.step()
+        engine.zero_grad()
+        every = [torch.zeros(1, dtype=torch.float64) for _ in range(world_size)]
+        torch.distributed.all_gather(every, loss.detach().reshape(1))
+        losses.append(sum(float(t) for t in every) / world_size)  # the dp mean (equal on sp peers)
+        assert all(abs(float(t) - float(every[rank - rank % sp])) < 1e-12 for t in every[rank - rank % sp:][:sp])
+    state = pm.sharded.full_state_dict(dtype=None) if pm.sharded is not None else model.state_dict()
+    keys = set(model.state_dict(keep_vars=True))
+    return losses, {k: v.detach().clone() for k, v in state.items() if k in keys}
+
+
+def _train(rank: int, world_size: int, cases):
+    return {case: _train_one(rank, world_size, *case) for case in cases}
+
+
+CASES_2 = [("gpt", 2, 0), ("gpt", 2, 3), ("llama-sdpa", 2, 0), ("llama-eager", 2, 3),
+           ("sparse-variable", 2, 0), ("sparse-bigbird", 2, 3)]
+CASES_4 = [("gpt", 4, 0), ("gpt", 4, 3), ("gpt", 2, 0), ("gpt", 2, 3),
+           ("llama-sdpa", 4, 0), ("llama-eager", 4, 3), ("llama-sdpa", 2, 3)]
+
+
+@pytest.fixture(scope="module")
+def references():
+    cache = {}
+
+    def get(family: str, dp: int):
+        if (family, dp) not in cache:
+            cache[family, dp] = _reference(family, dp)
+        return cache[family, dp]
+
+    return get
+
+
+def _compare(results, cases, world_size, references):
+    for case in cases:
+        family, sp, stage = case
+        losses, state = results[case]
+        ref_losses, ref_state = references(family, world_size // sp)
+        assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-10, (case, losses, ref_losses)
+        assert sorted(state) == sorted(ref_state), case
+        worst = max((state[k] - ref_state[k]).abs().max().item() for k in ref_state)
+        assert worst < 1e-10, (case, worst)
+
+
+@pytest.mark.timeout(240)
+def test_sp2_gpt_llama_sparse_match_one_process(references):
+    results = run_distributed(_train, 2, args=(CASES_2,), timeout=200)[0]
+    _compare(results, CASES_2, 2, references)
+
+
+@pytest.mark.timeout(300)
+def test_sp4_and_dp2_sp2_match_one_process(references):
+    results = run_distributed(_train, 4, args=(CASES_4,), timeout=260)[0]
+    _compare(results, CASES_4, 4, references)
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+def _bad(rank: int, world_size: int):
+    from lightning_scale.config import ConfigError
+    from lightning_scale.models.gpt import GPT, gpt_tiny
+    from lightning_scale.parallelize import apply_sp
+    from lightning_scale.sequence_parallel import apply_sequence_parallel
+
+    group = torch.distributed.group.WORLD
+    messages = []
+    for model in (GPT(gpt_tiny(n_head=3, d_model=24)), GPT(gpt_tiny(seq_len=15)), torch.nn.Linear(2, 2)):
+        try:
+            apply_sequence_parallel(model, group)
+            messages.append(None)
+        except ConfigError as err:
+            messages.append(str(err))
+    assert apply_sp.__name__ == "apply_sp"
+    return messages
+
+
+@pytest.mark.timeout(120)
+def test_bad_models_are_config_errors_on_every_rank():
+    for messages in run_distributed(_bad, 2, timeout=100):
+        heads, seq, linear = messages
+        assert heads.startswith("sp=2 does not divide model.n_head=3"), heads
+        assert seq.startswith("sp=2 does not divide model.seq_len=15"), seq
+        assert linear.startswith("sp=2: Linear holds no attention that sequence parallelism can swap"), linear
+
+
+def test_config_errors_name_the_settings():
+    from lightning_scale.config import ConfigError, ParallelConfig, from_flat_kwargs
+    from lightning_scale.parallelize import check_config
+
+    with pytest.raises(ConfigError, match=r"^sp=0 must be a positive integer"):
+        from_flat_kwargs(sp=0)
+    with pytest.raises(ConfigError, match=r"tp=1 x pp=1 x sp=3 does not divide the world size 4"):
+        from_flat_kwargs(sp=3).validate(4)
+    assert from_flat_kwargs(sp=2).validate(4).resolved_dp(4) == 2
+    with pytest.raises(ConfigError, match=r"^sp=2 with tp=2: Ulysses .* not yet with tensor or pipeline"):
+        check_config(ParallelConfig(sp=2, tp=2))
+    with pytest.raises(ConfigError, match=r"^sp=2 with pp=2: "):
+        check_config(ParallelConfig(sp=2, pp=2))
+
+
+def test_shard_sequence_and_kv_heads():
+    from lightning_scale.config import ConfigError
+    from lightning_scale.sequence_parallel import shard_sequence
+    from lightning_scale.sequence_parallel.models import _hf_kv_repeat
+
+    x, y = torch.arange(24).view(2, 12), torch.arange(2)
+    a, b = shard_sequence({"input_ids": x, "n": y}, 1, 3).values()
+    assert a.tolist() == [[4, 5, 6, 7], [16, 17, 18, 19]] and b is y
+    with pytest.raises(ConfigError, match=r"^sp=5 does not divide the batch's sequence length 12"):
+        shard_sequence((x,), 0, 5)
+    # key/value heads repeated so that sp divides them (every rank's query heads keep their own)
+    assert _hf_kv_repeat(4, 2, 2) == 1 and _hf_kv_repeat(4, 2, 4) == 2 and _hf_kv_repeat(12, 3, 4) == 4
