@@ -30,6 +30,8 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 OFFLOAD_DEVICES = ("none", "cpu")
 CHECKPOINT_FORMATS = ("sharded", "universal")
 ACTIVATION_CHECKPOINTING = ("full", "selective")  # None: off (docs/long_sequences.md)
+# The torch.compile keyword arguments a compile={...} dict may set (lightning_scale.compile).
+COMPILE_OPTIONS = ("backend", "mode", "fullgraph", "dynamic", "options", "disable")
 
 
 class ConfigError(ValueError):
@@ -49,6 +51,22 @@ class ConfigError(ValueError):
         err = ConfigError(_rename(str(self), namer, self.settings), settings=[namer(s) for s in self.settings])
         err.spoken = True
         return err
+
+
+def _check_compile(value: Any) -> None:
+    if isinstance(value, bool) or value is None:
+        return
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"compile={value!r} must be True, False or a dict of torch.compile options "
+                          f"({', '.join(COMPILE_OPTIONS)})")
+    for key in value:
+        if key not in COMPILE_OPTIONS:
+            close = difflib.get_close_matches(str(key), COMPILE_OPTIONS, n=1, cutoff=0.5)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"compile: unknown torch.compile option {key!r}{hint}; known: "
+                              f"{', '.join(COMPILE_OPTIONS)}")
+    if value.get("mode") is not None and value.get("options") is not None:
+        raise ConfigError("compile: torch.compile takes either 'mode' or 'options', not both")
 
 
 def _check_choice(name: str, value: Any, choices) -> None:
@@ -260,6 +278,9 @@ class ParallelConfig:
     # The checkpointed units' inputs wait in (pinned) host memory between forward and backward, fetched back one
     # unit ahead (lightning_scale.activation_offload). Needs activation_checkpointing; nothing to move on a CPU.
     offload_activations: bool = False
+    # torch.compile per unit (lightning_scale.compile; the units are zero.unit_modules' or every repeated block):
+    # False, True (torch.compile's defaults: inductor) or a dict of torch.compile options ({"backend": "aot_eager"}).
+    compile: Any = False
 
     def validate(self, world_size: Optional[int] = None) -> "ParallelConfig":
         for name in ("tp", "pp", "sp"):
@@ -300,6 +321,7 @@ class ParallelConfig:
         if units and self.activation_checkpointing is None:
             raise ConfigError(f"activation_checkpointing_units={tuple(units)!r} needs activation_checkpointing="
                               "'full' or 'selective'", settings=("activation_checkpointing",))
+        _check_compile(self.compile)
         if world_size is not None:
             spx = f" x sp={self.sp}" if self.sp > 1 else ""
             if world_size % (self.tp * self.pp * self.sp):

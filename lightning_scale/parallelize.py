@@ -20,6 +20,9 @@ the order. Each step is a small ``apply_*`` function on an unchanged model (torc
    or given ones remapped by parameter name onto the local parameters (Fabric, plain scripts).
 7. :func:`apply_zero3` (ZeRO stage 3) — the module's units are materialized, initialized and cut to their dp
    shards one at a time (``ShardedParameters``); the optimizers' param groups decide the flat buckets.
+8. :func:`apply_compile` (``compile=True`` or torch.compile options) — each unit's forward is compiled
+   (:mod:`lightning_scale.compile`): the ZeRO-3 hooks, the activation checkpoint and every collective stay eager at
+   the unit boundaries (collectives are deliberate graph breaks); identical blocks share one compiled graph.
 
 The returned :class:`ParallelModel` holds what the front doors need: the local module, the tp-split submodule,
 the pipeline placement (stage, runtime, schedule), the ``ShardedParameters``, the optimizers, and
@@ -150,6 +153,10 @@ def cross_axis_for(tp_model: Optional[nn.Module], tp_group=None, pp_group=None, 
 # ---------------------------------------------------------------------------------------------------- checks
 def check_config(config: ParallelConfig) -> None:
     """What the composition cannot run yet, rejected on every rank before any model is touched."""
+    if config.compile:
+        from lightning_scale.compile import compile_options
+
+        compile_options(config.compile)  # the backend exists
     if config.pp > 1 and config.tp > 1 and config.zero.stage == 3:
         raise ConfigError(f"zero.stage=3 with pp={config.pp} and tp={config.tp}: ZeRO-3 composes with tp or with "
                           "pp, not with both yet; use zero.stage 1 or 2 for 3D")
@@ -232,6 +239,15 @@ def apply_ac(pm: ParallelModel) -> None:
 
 
 @torch.no_grad()
+def apply_compile(pm: ParallelModel) -> None:
+    """torch.compile per unit, last: after the ZeRO-3 hooks and the activation checkpoint that stay around it."""
+    if not pm.config.compile:
+        return
+    from lightning_scale.compile import compile_units
+
+    compile_units(pm.module, pm.config.compile, pm.config.zero.unit_modules)
+
+
 def materialize_local(pm: ParallelModel) -> None:
     """ZeRO 0-2: a module still on ``meta`` (tp without pp) allocates only its slices; then it is on the device."""
     if has_meta(pm.module, recurse=True):
@@ -325,6 +341,7 @@ def parallelize(module: nn.Module, config: ParallelConfig, topology: Topology, d
         groups = [list(g["params"]) for opt in pm.optimizers for g in opt.param_groups] or \
             [[p for p in module.parameters() if p.requires_grad]]
         apply_zero3(pm, groups, param_dtype)
+    apply_compile(pm)
     return pm
 
 

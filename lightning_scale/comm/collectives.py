@@ -5,6 +5,11 @@ Every function takes an explicit ``group`` (``None`` means the default world gro
 backend lacks ``reduce_scatter_tensor`` / ``all_gather_into_tensor`` (older gloo builds, some
 third-party backends) the same result is produced through ``all_to_all`` (reduce-scatter) or the
 list form of ``all_gather``; both move the same number of bytes, so accounting stays exact.
+
+Under ``torch.compile`` every collective here (and ``Handle.wait``) is a deliberate graph break
+(``torch.compiler.disable``): the collective, its accounting and the hang watchdog's trace run eagerly between
+compiled regions, instead of Dynamo tracing the bookkeeping and recompiling on its counters (about 1 us per call
+in eager mode).
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ import torch.distributed as dist
 
 from lightning_scale.comm.accounting import record
 from lightning_scale.diagnostics import trace as _trace
+
+_eager = torch.compiler.disable  # a graph break under torch.compile: see the module docstring
 
 # (backend, op) -> True when the native collective failed once and the fallback is used.
 _NATIVE_BROKEN: Dict[Tuple[str, str], bool] = {}
@@ -33,6 +40,7 @@ class Handle:
         self._done = False
         self._seq = seq  # diagnostics: the watchdog sees which collective this rank is blocked in
 
+    @_eager
     def wait(self) -> None:
         if self._done:
             return
@@ -89,6 +97,7 @@ def _result(work, async_op: bool, finish: Optional[Callable[[], None]] = None, s
     return None
 
 
+@_eager
 def all_reduce(buf: torch.Tensor, group=None, *, op=dist.ReduceOp.SUM, async_op: bool = False, tag: str = ""):
     """In-place all-reduce of ``buf`` over ``group``."""
     n = group_size(group)
@@ -100,6 +109,7 @@ def all_reduce(buf: torch.Tensor, group=None, *, op=dist.ReduceOp.SUM, async_op:
     return _result(work, async_op, seq=seq)
 
 
+@_eager
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group=None, *, async_op: bool = False,
                    tag: str = "", fallback: Optional[bool] = None):
     """Sum ``inp`` (numel = N * out.numel()) over the group; rank r receives chunk r in ``out``."""
@@ -129,6 +139,7 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group=None, *, async_op
     return _result(work, async_op, finish, seq=seq)
 
 
+@_eager
 def all_gather(out: torch.Tensor, inp: torch.Tensor, group=None, *, async_op: bool = False,
                tag: str = "", fallback: Optional[bool] = None):
     """Concatenate every rank's ``inp`` into ``out`` (numel = N * inp.numel()), in rank order."""
@@ -153,6 +164,7 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group=None, *, async_op: bo
     return _result(work, async_op, seq=seq)
 
 
+@_eager
 def all_to_all(out: torch.Tensor, inp: torch.Tensor, group=None, *, async_op: bool = False, tag: str = ""):
     """Chunk j of ``inp`` goes to rank j; chunk i of ``out`` comes from rank i."""
     n = group_size(group)
@@ -165,6 +177,7 @@ def all_to_all(out: torch.Tensor, inp: torch.Tensor, group=None, *, async_op: bo
     return _result(work, async_op, seq=seq)
 
 
+@_eager
 def broadcast(buf: torch.Tensor, src: int, group=None, *, async_op: bool = False, tag: str = ""):
     """Broadcast ``buf`` from global rank ``src``."""
     n = group_size(group)

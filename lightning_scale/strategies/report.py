@@ -120,6 +120,15 @@ def attention_in_effect(module: Any) -> Optional[str]:
             f"{float(layout.sum()) / causal:.1%} of causal dense; {len(sparse)} layers")
 
 
+def _compile_row(value: Any, module: Any) -> str:
+    from lightning_scale.compile import compiled_units
+
+    options = {} if value is True else dict(value)
+    units = len(compiled_units(module)) if module is not None else 0
+    extra = ", ".join(f"{k}={v}" for k, v in options.items() if k != "backend")
+    return f"per unit ({units} units), backend {options.get('backend', 'inductor')}" + (f", {extra}" if extra else "")
+
+
 def compile_and_checkpointing(strategy: Any, module: Any) -> List[Tuple[str, str]]:
     """torch.compile and activation checkpointing when the run uses them (config options or wrapped modules)."""
     rows = []
@@ -127,7 +136,7 @@ def compile_and_checkpointing(strategy: Any, module: Any) -> List[Tuple[str, str
     for option, label in (("compile", "torch.compile"), ("activation_checkpointing", "activation checkpointing")):
         value = getattr(cfg, option, None)
         if value not in (None, False, "none"):
-            rows.append((label, str(value)))
+            rows.append((label, _compile_row(value, module) if option == "compile" else str(value)))
     if module is not None and not rows:
         names = {type(m).__name__ for m in module.modules()}
         if "OptimizedModule" in names:

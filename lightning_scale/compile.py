@@ -1,0 +1,94 @@
+"""torch.compile per unit: ``compile_units(module, True | {torch.compile options}, units)``. Torch only.
+
+Each unit (every repeated block by default: the modules ZeRO-3 makes its units and activation checkpointing wraps,
+found by the same :func:`~lightning_scale.zero.param_shard.resolve_units`) gets its forward compiled, torchtitan
+style, so everything that happens *at* unit boundaries stays eager and outside the graphs:
+
+* ZeRO-3's gathers, frees, prefetches and gradient reduce-scatters are module hooks around the unit's ``forward``
+  (``Module.__call__`` runs them, then the compiled forward);
+* activation checkpointing wraps the unit's forward: the compiled function is the *inner* forward that the
+  checkpoint runs (and runs again in the backward), so the recompute is compiled code too;
+* inside a unit, tensor parallelism's collectives (and every collective of :mod:`lightning_scale.comm`) are
+  deliberate graph breaks (``torch.compiler.disable``): a tp block compiles to a few graphs between its
+  all-reduces, and the collectives' byte accounting and hang watchdog keep working.
+
+All units share one code object (``Block.forward``), and parameters are graph inputs (torch >= 2.5 inlines
+``nn.Module`` s), so N identical blocks compile once, not N times. The module tree is unchanged (parameter names,
+state-dict keys, checkpoints and plans are the eager run's). In ``parallelize()`` this is the last step.
+
+:func:`compile_stats` reads Dynamo's counters (graphs compiled, graph breaks by reason) for the startup report and
+for tests that check no recompilation happens after the first steps.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
+
+import torch
+import torch.nn as nn
+
+from lightning_scale.config import COMPILE_OPTIONS, ConfigError, _check_compile
+
+CompileSetting = Union[bool, Mapping[str, Any], None]
+
+
+def compile_options(setting: CompileSetting) -> Optional[Dict[str, Any]]:
+    """``False`` / ``None`` -> None (off); ``True`` -> {} (torch.compile's defaults: inductor); a dict -> its
+    options (checked as ``ParallelConfig.validate`` does, and the backend against Dynamo's registry)."""
+    _check_compile(setting)
+    if setting is None or setting is False:
+        return None
+    if setting is True:
+        return {}
+    backend = setting.get("backend", "inductor")
+    if isinstance(backend, str):
+        import torch._dynamo
+
+        known = sorted(set(torch._dynamo.list_backends(exclude_tags=()) + ["inductor", "eager"]))
+        if backend not in known:
+            raise ConfigError(f"compile: unknown torch.compile backend {backend!r}; known: {', '.join(known)}")
+    return dict(setting)
+
+
+def compile_units(module: nn.Module, setting: CompileSetting, units: Optional[Sequence[str]] = None,
+                  setting_units: str = "zero.unit_modules") -> List[str]:
+    """Compile the forward of every unit of ``module`` (``setting``: True or torch.compile options; off: nothing
+    happens); returns the units' names. ``units`` as ``zero.unit_modules`` (None: every repeated block)."""
+    options = compile_options(setting)
+    if options is None:
+        return []
+    from lightning_scale.zero.param_shard import resolve_units
+
+    found = resolve_units(module, list(units) if units else None, setting=setting_units)
+    if not found:
+        raise ConfigError("compile=True: the model has no repeated block to compile per unit (no layer_modules(), "
+                          f"no ModuleList of one class); name the units in {setting_units}",
+                          settings=("compile", setting_units))
+    for _, unit in found:
+        if getattr(unit, "_ls_compiled", False):
+            raise ConfigError(f"compile: {type(unit).__name__} is compiled already")
+        if getattr(unit, "_activation_checkpointing", None) is not None:
+            # The checkpoint stays eager around the compiled inner forward (and its recompute).
+            inner = unit.__dict__.get("_ac_inner_forward") or types.MethodType(type(unit).forward, unit)
+            unit._ac_inner_forward = torch.compile(inner, **options)
+        else:
+            unit.forward = torch.compile(unit.forward, **options)  # an instance attribute: the class is untouched
+        unit._ls_compiled = True
+    return [name for name, _ in found]
+
+
+def compiled_units(module: nn.Module) -> List[str]:
+    return [n for n, m in module.named_modules() if getattr(m, "_ls_compiled", False)]
+
+
+def compile_stats() -> Dict[str, Any]:
+    """Dynamo's process-wide counters: graphs compiled so far, graph breaks in total and by (shortened) reason."""
+    from torch._dynamo.utils import counters
+
+    breaks = {reason.split("\n")[0][:120]: n for reason, n in counters["graph_break"].items()}
+    return {"graphs": int(counters["stats"].get("unique_graphs", 0)),
+            "graph_breaks": int(sum(counters["graph_break"].values())), "break_reasons": breaks}
+
+
+__all__ = ["COMPILE_OPTIONS", "compile_options", "compile_stats", "compile_units", "compiled_units"]
