@@ -23,6 +23,14 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests", "dist"))
 TOL = 1e-7
 
 
+PRETRAINED = ("Pretrained weights: `AutoModelForCausalLM.from_pretrained(dir)` inside `configure_model` (or "
+              "`lightning_scale.from_pretrained` / `load_pretrained`) under zero3, tp=2 and pp=2 reads each rank's "
+              "shard / slices / stage from the safetensors files; tested on Llama (zero3, tp2, pp2) and GPT-2 (zero3, "
+              "tp2) against one process's `from_pretrained`, float64 1e-10 (`tests/dist/test_pretrained.py`; recipe "
+              "in the README, details in [checkpoints.md](checkpoints.md#hugging-face-in-and-out)). The other "
+              "families of the table were not tested with pretrained weights.")
+
+
 def _cell(r) -> str:
     if r is None:
         return "n/a"
@@ -100,6 +108,7 @@ def main() -> None:
     lines += ["", "Not supported by the automatic pipeline adapter (no `base_model_pp_plan`): GPT-2, OPT, Falcon "
               "-> `ConfigError` asking for `pipeline_layers()`. Tensor parallel: GPT-2 has a built-in plan; OPT and "
               "Falcon declare no `tp_plan` -> `ConfigError` asking for `tensor.plan`."]
+    lines += ["", PRETRAINED]
     lines += _litgpt_lines() + [""]
     with open(args.out, "w") as f:
         f.write("\n".join(lines))
