@@ -180,6 +180,11 @@ class Zero3DStrategy(GridStrategyMixin, ParallelStrategy):
             full = mp.consolidate_stage3(full)
             if rank0_only and self.global_rank != 0:
                 return {}
+        from lightning_scale.zero.shard_state import aliases
+
+        for alias, name in aliases(self.sharded).items():  # a tied head under its own name too (lm_head.weight)
+            if name in full:
+                full.setdefault(alias, full[name])
         # the model's own state_dict() keys: persistent buffers only (a fresh HF model loads it with strict=True)
         keys = set(self.lightning_module.state_dict(keep_vars=True))
         return {k: v for k, v in full.items() if k in keys}

@@ -28,9 +28,16 @@ def layout(sp: "ShardedParameters") -> Dict[str, Any]:
             for b in u.buckets]} for u in sp.units]}
 
 
+def aliases(sp: "ShardedParameters") -> Dict[str, str]:
+    """The other names of tied parameters (a Hugging Face ``lm_head.weight`` tied to the embedding) -> the name
+    their shard is stored under: the model's own ``state_dict()`` lists both, so a consolidated one does too."""
+    return {n: sp.names[id(p)] for n, p in sp.root.named_parameters(remove_duplicate=False)
+            if sp.names.get(id(p), n) != n}
+
+
 def shard_state_dict(sp: "ShardedParameters") -> Dict[str, Any]:
     """This rank's parameter shards (+ fp32 masters when separate) and the layout to consolidate them."""
-    return {"rank": sp.rank, "layout": layout(sp),
+    return {"rank": sp.rank, "layout": layout(sp), "aliases": aliases(sp),
             "shards": [b.shard.detach().cpu().clone() for b in sp.buckets()],
             "masters": [None if (b.master is None or b.master_aliased) else b.master.detach().cpu().clone()
                         for b in sp.buckets()]}

@@ -65,6 +65,10 @@ def consolidate_checkpoint(path: str, *, strip_prefix: str = "", dtype: Optional
 
                 for name, spec in groups[(s, 0)][0]["tp"]["specs"].items():
                     state[name] = merge_shards([local[t][name] for t in range(tp)], spec)
+        for sh in shards:  # tied parameters under every name the model's state_dict() uses
+            for alias, name in sh.get("aliases", {}).items():
+                if name in state:
+                    state.setdefault(alias, state[name])
     if dtype is not None:
         state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in state.items()}
     if strip_prefix:
