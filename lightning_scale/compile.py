@@ -18,12 +18,16 @@ state-dict keys, checkpoints and plans are the eager run's). In ``parallelize()`
 
 :func:`compile_stats` reads Dynamo's counters (graphs compiled, graph breaks by reason) for the startup report and
 for tests that check no recompilation happens after the first steps.
+
+A user's own ``torch.compile(submodule)`` inside ``configure_model`` (:func:`unwrap_compiled`): the wrapper is removed
+(names without ``_orig_mod.``) and the units are compiled with the user's backend and options instead, the same
+per-unit placement as ``compile=True``; whatever lies outside the units (embeddings, head, loss) then runs eagerly.
 """
 
 from __future__ import annotations
 
 import types
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
@@ -51,13 +55,32 @@ def compile_options(setting: CompileSetting) -> Optional[Dict[str, Any]]:
     return dict(setting)
 
 
+def unwrap_compiled(module: nn.Module) -> Optional[Callable]:
+    """A user's own ``torch.compile(submodule)`` (e.g. ``self.model = torch.compile(GPT(...))`` in
+    ``configure_model``): each such wrapper is replaced by the module it wraps, so parameter names, plans and
+    checkpoints are the plain model's (no ``_orig_mod.``), and its Dynamo context (the backend and options the user
+    chose) is returned, for :func:`compile_units` to compile the units with instead. None: nothing was compiled."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    found = None
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, OptimizedModule):
+                setattr(parent, name, child._orig_mod)
+                found = found or getattr(child, "dynamo_ctx", None) or torch.compile
+    return found
+
+
 def compile_units(module: nn.Module, setting: CompileSetting, units: Optional[Sequence[str]] = None,
-                  setting_units: str = "zero.unit_modules") -> List[str]:
+                  setting_units: str = "zero.unit_modules", compiler: Optional[Callable] = None) -> List[str]:
     """Compile the forward of every unit of ``module`` (``setting``: True or torch.compile options; off: nothing
-    happens); returns the units' names. ``units`` as ``zero.unit_modules`` (None: every repeated block)."""
+    happens); returns the units' names. ``units`` as ``zero.unit_modules`` (None: every repeated block).
+    ``compiler``: a callable that compiles a function (a user's own torch.compile context, :func:`unwrap_compiled`),
+    used when ``setting`` is off."""
     options = compile_options(setting)
-    if options is None:
+    if options is None and compiler is None:
         return []
+    wrap = (lambda fn: torch.compile(fn, **options)) if options is not None else compiler
     from lightning_scale.zero.param_shard import resolve_units
 
     found = resolve_units(module, list(units) if units else None, setting=setting_units)
@@ -71,9 +94,9 @@ def compile_units(module: nn.Module, setting: CompileSetting, units: Optional[Se
         if getattr(unit, "_activation_checkpointing", None) is not None:
             # The checkpoint stays eager around the compiled inner forward (and its recompute).
             inner = unit.__dict__.get("_ac_inner_forward") or types.MethodType(type(unit).forward, unit)
-            unit._ac_inner_forward = torch.compile(inner, **options)
+            unit._ac_inner_forward = wrap(inner)
         else:
-            unit.forward = torch.compile(unit.forward, **options)  # an instance attribute: the class is untouched
+            unit.forward = wrap(unit.forward)  # an instance attribute: the class is untouched
         unit._ls_compiled = True
     return [name for name, _ in found]
 
@@ -91,4 +114,4 @@ def compile_stats() -> Dict[str, Any]:
             "graph_breaks": int(sum(counters["graph_break"].values())), "break_reasons": breaks}
 
 
-__all__ = ["COMPILE_OPTIONS", "compile_options", "compile_stats", "compile_units", "compiled_units"]
+__all__ = ["COMPILE_OPTIONS", "compile_options", "compile_stats", "compile_units", "compiled_units", "unwrap_compiled"]

@@ -239,13 +239,15 @@ def apply_ac(pm: ParallelModel) -> None:
 
 
 @torch.no_grad()
-def apply_compile(pm: ParallelModel) -> None:
-    """torch.compile per unit, last: after the ZeRO-3 hooks and the activation checkpoint that stay around it."""
-    if not pm.config.compile:
+def apply_compile(pm: ParallelModel, user_compile: Optional[Callable] = None) -> None:
+    """torch.compile per unit, last: after the ZeRO-3 hooks and the activation checkpoint that stay around it.
+    ``user_compile``: the Dynamo context of a ``torch.compile`` the user applied to a submodule (used when the
+    ``compile`` option is off)."""
+    if not pm.config.compile and user_compile is None:
         return
     from lightning_scale.compile import compile_units
 
-    compile_units(pm.module, pm.config.compile, pm.config.zero.unit_modules)
+    compile_units(pm.module, pm.config.compile, pm.config.zero.unit_modules, compiler=user_compile)
 
 
 def materialize_local(pm: ParallelModel) -> None:
@@ -320,6 +322,9 @@ def parallelize(module: nn.Module, config: ParallelConfig, topology: Topology, d
     from lightning_scale.pretrained import check_weight_sources
 
     check_weight_sources(module)  # pretrained weights recorded on meta: directory, architecture, every tensor
+    from lightning_scale.compile import unwrap_compiled
+
+    user_compile = unwrap_compiled(module)  # a user's torch.compile(submodule): compiled per unit at the end instead
     pm = ParallelModel(module, config, topology, torch.device(device))
     names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
     stage3 = config.zero.stage == 3
@@ -341,7 +346,7 @@ def parallelize(module: nn.Module, config: ParallelConfig, topology: Topology, d
         groups = [list(g["params"]) for opt in pm.optimizers for g in opt.param_groups] or \
             [[p for p in module.parameters() if p.requires_grad]]
         apply_zero3(pm, groups, param_dtype)
-    apply_compile(pm)
+    apply_compile(pm, user_compile)
     return pm
 
 

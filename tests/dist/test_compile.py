@@ -3,7 +3,8 @@
 For each layout the same ranks train 3 AdamW steps eagerly and then with ``compile=...`` from the same init and data:
 * ``aot_eager`` (Dynamo + AOTAutograd, no code generation: the capture path without the C++ compile time), float64,
   at ZeRO 0 / 2 / 3, ZeRO-3 + optimizer offload, ZeRO-3 + full activation checkpointing, tp=2 (its collectives
-  are graph breaks) and pp=2: losses and parameters equal the eager run (1e-12), no graph is compiled after step 1,
+  are graph breaks) and pp=2, and a user's own ``torch.compile(model)`` at ZeRO-3 (unwrapped, the units compiled
+  with the user's backend): losses and parameters equal the eager run (1e-12), no graph is compiled after step 1,
   and the units really ran compiled (Dynamo captured graphs while they ran).
 * ``inductor`` (the default backend, generated C++), float32, ZeRO-3: losses within 1e-5 of eager, parameters within
   1e-4 after 3 Adam steps (slow: compiles).
@@ -28,6 +29,7 @@ VARIANTS = [
     ("z3_ac", dict(stage=3, activation_checkpointing="full")),
     ("tp2", dict(tp=2)),
     ("pp2", dict(pp=2, stage=1, microbatches=2)),
+    ("z3_user_compile", dict(stage=3, user_compile=True)),  # torch.compile(model) by the user, unwrapped per unit
 ]
 
 
@@ -36,14 +38,22 @@ def _run(rank: int, world_size: int, options: dict, dtype: torch.dtype):
     from lightning_scale.models.gpt import GPT, gpt_tiny, lm_loss, make_batch
     from lightning_scale.parallelize import local_topology, parallelize
 
+    options = dict(options)
+    user = options.pop("user_compile", None)  # the user's own torch.compile(model), as in a configure_model
     config = from_flat_kwargs(**options)
     topo = local_topology(config, world_size, rank)
     torch.manual_seed(0)
     meta = config.zero.stage == 3 or config.tp > 1 or config.pp > 1
     with torch.device("meta" if meta else "cpu"):
         model = GPT(gpt_tiny(**MODEL)).to(dtype)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    pm = parallelize(model, config, topo, "cpu", optimizers=[opt], loss_fn=lm_loss)
+    root = model
+    if user is not None:
+        root = torch.nn.Module()  # a LightningModule holding self.model = torch.compile(GPT(...))
+        root.model = torch.compile(model, **user)
+    opt = torch.optim.AdamW(root.parameters(), lr=3e-3)
+    pm = parallelize(root, config, topo, "cpu", optimizers=[opt], loss_fn=lm_loss)
+    if user is not None:
+        assert root.model is model  # unwrapped: names without _orig_mod.
     (engine,) = pm.make_engines()
     from lightning_scale.compile import compile_stats
 
@@ -63,6 +73,8 @@ def _run(rank: int, world_size: int, options: dict, dtype: torch.dtype):
         losses.append(float(loss.detach()) if loss is not None else None)
         graphs.append(compile_stats()["graphs"])
     state = pm.full_state_dict() if pm.sharded is None else pm.consolidate_stage3(pm.sharded.full_state_dict(None))
+    if user is not None:
+        state = {k.removeprefix("model."): v for k, v in state.items()}
     return {"losses": losses, "graphs": graphs, "state": {k: v.detach().clone() for k, v in state.items()},
             "compiled": __import__("lightning_scale.compile", fromlist=["x"]).compiled_units(model)}
 
@@ -70,10 +82,12 @@ def _run(rank: int, world_size: int, options: dict, dtype: torch.dtype):
 def _pairs(rank: int, world_size: int, variants, compile_setting, dtype):
     out = {}
     for name, options in variants:
-        eager = _run(rank, world_size, options, dtype)
+        plain = {k: v for k, v in options.items() if k != "user_compile"}
+        eager = _run(rank, world_size, plain, dtype)
         torch._dynamo.reset()  # each layout compiles from scratch (identical blocks of earlier layouts would match)
         before = __import__("lightning_scale.compile", fromlist=["x"]).compile_stats()["graphs"]
-        compiled = _run(rank, world_size, dict(options, compile=compile_setting), dtype)
+        how = {"user_compile": compile_setting} if options.get("user_compile") else {"compile": compile_setting}
+        compiled = _run(rank, world_size, dict(plain, **how), dtype)
         out[name] = (eager, compiled, before)
     return out
 
