@@ -4,7 +4,10 @@ Rank 0 writes to ``--out-dir``: ``full.pt`` (``strategy.full_state_dict()``), ``
 (``strategy.lightning_module_state_dict()``, except at ZeRO-3 where it is only the rest beside the shards) and
 the sharded checkpoint folder ``ckpt`` (``trainer.save_checkpoint``) for the consolidation CLI. ``--strategy
 single`` is the one-process reference (one ``full.pt``). The LightningModule has no model-specific code.
-``--frozen`` trains hand-written low-rank adapters on q/v with the base frozen (see ``lora.py``).
+``--lora`` freezes the model and trains hand-written low-rank adapters on every q_proj / v_proj (``LoRALinear``;
+the optimizer is given every parameter, frozen ones included, as user code often does); rank 0 then also writes
+each step's loss, the engine's ``memory_bytes()`` and the bytes the collectives moved during fit
+(``CommCounter``) to ``info.json``.
 """
 
 from __future__ import annotations
@@ -16,12 +19,38 @@ import warnings
 
 import lightning.pytorch as pl
 import torch
+import torch.nn as nn
 
 import lightning_scale  # noqa: F401  (registers the strategies)
 from lightning_scale import Zero3DStrategy
 from lightning_scale.models.gpt import lm_loss
 
 VOCAB, SEQ, BATCH, STEPS = 97, 12, 4, 2  # 97: not divisible by tp=2, so a padded vocabulary would show
+
+
+class LoRALinear(nn.Module):
+    """A frozen ``nn.Linear`` plus a trainable low-rank update: ``base(x) + B(A(x)) * alpha / r``."""
+
+    def __init__(self, base: nn.Linear, r: int = 4, alpha: float = 8.0) -> None:
+        super().__init__()
+        self.base, self.scale = base, alpha / r
+        self.lora_A = nn.Linear(base.in_features, r, bias=False, dtype=base.weight.dtype)
+        self.lora_B = nn.Linear(r, base.out_features, bias=False, dtype=base.weight.dtype)
+        nn.init.normal_(self.lora_A.weight, std=0.2)
+        nn.init.normal_(self.lora_B.weight, std=0.2)  # not zero: both factors get gradients from the first step
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.lora_B(self.lora_A(x)) * self.scale
+
+
+def add_lora(model: nn.Module) -> nn.Module:
+    """Freeze every parameter of ``model``, then put trainable adapters on each attention's q_proj and v_proj."""
+    model.requires_grad_(False)
+    torch.manual_seed(1)
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        attn.q_proj, attn.v_proj = LoRALinear(attn.q_proj), LoRALinear(attn.v_proj)
+    return model
 
 
 def llama(vocab: int = VOCAB, tied: bool = False):
@@ -42,20 +71,39 @@ def batches(vocab: int = VOCAB):
 
 
 class LlamaModule(pl.LightningModule):
-    def __init__(self, tied: bool = False, optimizer: str = "sgd") -> None:
+    def __init__(self, tied: bool = False, optimizer: str = "sgd", lora: bool = False) -> None:
         super().__init__()
-        self.model = llama(tied=tied)
-        self.optimizer = optimizer
+        self.model = add_lora(llama(tied=tied)) if lora else llama(tied=tied)
+        self.optimizer, self.lora = optimizer, lora
 
     def training_step(self, batch, batch_idx):  # not called under pp: the strategy runs the schedule
         x, y = batch
         return lm_loss(self.model(input_ids=x).logits, y)
 
     def configure_optimizers(self):
-        params = [p for p in self.parameters() if p.requires_grad]
+        params = list(self.parameters()) if self.lora else [p for p in self.parameters() if p.requires_grad]
         if self.optimizer == "adam":
             return torch.optim.Adam(params, lr=1e-2)
         return torch.optim.SGD(params, lr=0.5)
+
+
+class Record(pl.Callback):
+    """Each step's loss (mean over ranks) and what the collectives moved from the first step to the last."""
+
+    def __init__(self) -> None:
+        from lightning_scale.comm.accounting import CommCounter
+
+        self.losses, self.comm = [], CommCounter()
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.comm.__enter__()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        self.losses.append(float(trainer.strategy.reduce(loss.detach(), reduce_op="mean")))
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.comm.__exit__(None, None, None)
 
 
 def main() -> None:
@@ -67,17 +115,21 @@ def main() -> None:
     ap.add_argument("--option", action="append", default=[])
     ap.add_argument("--tied", action="store_true")
     ap.add_argument("--optimizer", default="sgd")
+    ap.add_argument("--lora", action="store_true")
+    ap.add_argument("--precision", default="64-true")
     args = ap.parse_args()
-    module = LlamaModule(tied=args.tied, optimizer=args.optimizer)
+    module = LlamaModule(tied=args.tied, optimizer=args.optimizer, lora=args.lora)
     loader = torch.utils.data.DataLoader(batches(), batch_size=BATCH)
     opts = {}
     for o in args.option:
         k, v = o.split("=", 1)
         opts[k] = int(v) if v.isdigit() else v
     strategy = "auto" if args.strategy == "single" else Zero3DStrategy(**opts)
+    rec = Record()
     trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=STEPS,
-                         precision="64-true", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, num_sanity_val_steps=0, use_distributed_sampler=False)
+                         precision=args.precision, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0, use_distributed_sampler=False,
+                         callbacks=[rec])
     trainer.fit(module, train_dataloaders=loader)  # dp=1 in every layout used: every rank reads every batch
     out = args.out_dir
     if args.strategy == "single":
@@ -91,7 +143,9 @@ def main() -> None:
         torch.save(full, os.path.join(out, "full.pt"))
         torch.save(lm, os.path.join(out, "lm.pt"))
         with open(os.path.join(out, "info.json"), "w") as f:
-            json.dump({"world": trainer.world_size, "stage3": s.sharded is not None}, f)
+            json.dump({"world": trainer.world_size, "stage3": s.sharded is not None, "losses": rec.losses,
+                       "memory": [e.memory_bytes() for e in s.engines], "comm": dict(rec.comm.by_op),
+                       "comm_by_tag": dict(rec.comm.by_tag)}, f)
 
 
 if __name__ == "__main__":
