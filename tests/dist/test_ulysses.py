@@ -2,7 +2,8 @@
 
 * sp=2 (2 ranks), sp=4 and dp=2 x sp=2 (4 ranks), at ZeRO 0 and 3, for the project GPT (chunked loss, ignored
   targets unevenly spread over the slices) and a tiny Hugging Face Llama (rotary positions, grouped-query attention
-  whose 2 key/value heads are repeated at sp=4, sdpa and eager, ``labels=`` through the model's loss_function):
+  whose 2 key/value heads are repeated at sp=4, sdpa and eager, ``labels=`` through the model's loss_function), and
+  at sp=2 a tiny Hugging Face GPT-2 (learned positions):
   losses and parameters equal one process on the full sequences within 1e-10.
 * Block-sparse attention (Variable and BigBird layouts, different per head) as the GPT's core under sp=2 equals sp=1.
 * Bad input is a ConfigError naming the setting: heads / sequence not divisible, a model with no swappable
@@ -37,6 +38,13 @@ def _sparsity(kind: str):
 
 def _build(family: str, meta: bool = False):
     torch.manual_seed(0)
+    if family.startswith("gpt2"):  # Hugging Face GPT-2: learned positions through position_ids
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        cfg = GPT2Config(vocab_size=96, n_positions=LLAMA_SEQ, n_embd=32, n_layer=2, n_head=4, attn_pdrop=0.0,
+                         resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+        cfg._attn_implementation = family.split("-")[1]
+        return GPT2LMHeadModel(cfg).double()
     if family.startswith("llama"):
         from lightning_scale.models import hf_families as F
 
@@ -61,7 +69,7 @@ def _batch(family: str, step: int):
     """(inputs, targets): GPT targets are shifted ids, some ignored (row 0's first 5: one slice has fewer);
     Llama's are the unshifted labels of ``model(input_ids, labels=...)``, some ignored."""
     g = torch.Generator().manual_seed(step)
-    if family.startswith("llama"):
+    if family.startswith(("llama", "gpt2")):
         x = torch.randint(0, 96, (BATCH, LLAMA_SEQ), generator=g)
         y = x.clone()
         y[0, 3:9] = -100
@@ -74,14 +82,14 @@ def _batch(family: str, step: int):
 
 
 def _loss(family: str, model, x, y):
-    if family.startswith("llama"):
+    if family.startswith(("llama", "gpt2")):
         return model(input_ids=x, labels=y).loss
     return model.loss(x, y)
 
 
 def _reference_loss(family: str, model, x, y):
     """One process, the full sequence; the Llama loss in float64 (transformers' own casts the logits to fp32)."""
-    if family.startswith("llama"):
+    if family.startswith(("llama", "gpt2")):
         logits = model(input_ids=x).logits
         return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
                                                  y[:, 1:].reshape(-1), ignore_index=-100)
@@ -110,7 +118,7 @@ def _train_one(rank: int, world_size: int, family: str, sp: int, stage: int):
 
     config = from_flat_kwargs(sp=sp, stage=stage)
     topo = local_topology(config, world_size, rank)
-    model = _build(family, meta=stage == 3 and not family.startswith("llama"))
+    model = _build(family, meta=stage == 3 and not family.startswith(("llama", "gpt2")))
     pm = parallelize(model, config, topo, "cpu", optimizers=lambda: [torch.optim.AdamW(model.parameters(), lr=LR)])
     (engine,) = pm.make_engines()
     losses = []
@@ -128,15 +136,22 @@ def _train_one(rank: int, world_size: int, family: str, sp: int, stage: int):
         assert all(abs(float(t) - float(every[rank - rank % sp])) < 1e-12 for t in every[rank - rank % sp:][:sp])
     state = pm.sharded.full_state_dict(dtype=None) if pm.sharded is not None else model.state_dict()
     keys = set(model.state_dict(keep_vars=True))
-    return losses, {k: v.detach().clone() for k, v in state.items() if k in keys}
+    state = {k: v.detach().clone() for k, v in state.items() if k in keys}
+    first = {}  # a tied parameter (GPT-2's head and embedding) appears once in the ZeRO-3 state: both names
+    for name, p in model.named_parameters(remove_duplicate=False):
+        first.setdefault(id(p), name)
+        if name not in state and first[id(p)] in state:
+            state[name] = state[first[id(p)]]
+    return losses, state
 
 
 def _train(rank: int, world_size: int, cases):
     return {case: _train_one(rank, world_size, *case) for case in cases}
 
 
-CASES_2 = [("gpt", 2, 0), ("gpt", 2, 3), ("llama-sdpa", 2, 0), ("llama-eager", 2, 3),
-           ("sparse-variable", 2, 0), ("sparse-bigbird", 2, 3)]
+CASES_2 = [("gpt", 2, 0), ("gpt", 2, 3), ("llama-sdpa", 2, 0)]
+CASES_2_MORE = [("llama-eager", 2, 3), ("sparse-variable", 2, 0), ("sparse-bigbird", 2, 3), ("gpt2-eager", 2, 0),
+                ("gpt2-sdpa", 2, 3)]
 CASES_4 = [("gpt", 4, 0), ("gpt", 4, 3), ("gpt", 2, 0), ("gpt", 2, 3),
            ("llama-sdpa", 4, 0), ("llama-eager", 4, 3), ("llama-sdpa", 2, 3)]
 
@@ -165,9 +180,15 @@ def _compare(results, cases, world_size, references):
 
 
 @pytest.mark.timeout(240)
-def test_sp2_gpt_llama_sparse_match_one_process(references):
+def test_sp2_gpt_llama_match_one_process(references):
     results = run_distributed(_train, 2, args=(CASES_2,), timeout=200)[0]
     _compare(results, CASES_2, 2, references)
+
+
+@pytest.mark.timeout(240)
+def test_sp2_sparse_gpt2_eager_match_one_process(references):
+    results = run_distributed(_train, 2, args=(CASES_2_MORE,), timeout=200)[0]
+    _compare(results, CASES_2_MORE, 2, references)
 
 
 @pytest.mark.timeout(300)
