@@ -183,3 +183,44 @@ def load_universal_weights(strategy, path: str) -> None:
             pieces.append(tensor_pieces(f"master/{name}" if f"master/{name}" in have else f"model/{name}", t))
     with torch.no_grad():
         dcp_format.load(path, pieces, strict=True)
+
+
+# ------------------------------------------------------------------------------------ resuming at an epoch's end
+def resume_epoch_end_as_last_batch(checkpoint: Dict[str, Any]) -> Dict[str, Any]:
+    """Rewrite the loop state of a checkpoint saved in ``on_train_epoch_end`` into the state the same boundary has in
+    ``on_train_batch_end`` of the epoch's last batch; every other checkpoint is returned as it is.
+
+    Why: Lightning 2.x restarts an iteration-based run (``Trainer(max_steps=...)``) from an epoch-end checkpoint
+    (``ModelCheckpoint(every_n_epochs=..., save_on_train_epoch_end=True)``, or any end-of-epoch save without
+    validation) as a restart *inside* that epoch: it trains one batch past the epoch's end (batch_idx ==
+    num_training_batches) on the first batch of a fresh iterator, so every later step sees the batch the
+    uninterrupted run saw one step earlier (Lightning issue #19403; measured: the resumed losses differed from step
+    5 on). A checkpoint written at the last batch's end restarts correctly in both epoch- and iteration-based runs:
+    Lightning finishes that epoch's bookkeeping and starts the next epoch on a fresh iterator. The two states differ
+    only in counters that the batch-end save has not advanced yet: the batch's ``completed``, the epoch's
+    ``processed`` and ``_batches_that_stepped`` (Lightning adds the 1 back on restart).
+
+    Epoch-interval lr schedulers step after ``on_train_epoch_end`` and so after the save: neither form holds that
+    step (unchanged by this rewrite)."""
+    try:
+        fit = checkpoint["loops"]["fit_loop"]
+        epoch, batch = fit["epoch_progress"], fit["epoch_loop.batch_progress"]
+        stepped = fit["epoch_loop.state_dict"]["_batches_that_stepped"]
+        tot, cur, btot, bcur = epoch["total"], epoch["current"], batch["total"], batch["current"]
+        at_epoch_end = (
+            tot["ready"] == tot["started"] == tot["processed"] == tot["completed"] + 1
+            and cur["ready"] == cur["started"] == cur["processed"] == cur["completed"] + 1
+            and btot["ready"] == btot["started"] == btot["processed"] == btot["completed"] > 0
+            and bcur["ready"] == bcur["started"] == bcur["processed"] == bcur["completed"] > 0
+            and isinstance(stepped, int) and stepped > 0)
+    except (KeyError, TypeError):
+        return checkpoint  # not a Lightning fit checkpoint of the layout above: leave it to Lightning
+    if not at_epoch_end:
+        return checkpoint
+    for progress in (tot, cur):
+        progress["processed"] -= 1
+    for progress in (btot, bcur):
+        progress["completed"] -= 1
+    batch["is_last_batch"] = True
+    fit["epoch_loop.state_dict"]["_batches_that_stepped"] = stepped - 1
+    return checkpoint

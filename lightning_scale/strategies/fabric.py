@@ -42,6 +42,7 @@ from lightning.fabric.utilities.distributed import (
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 
 from lightning_scale.config import ConfigError, LossScaleConfig, ParallelConfig, from_flat_kwargs
+from lightning_scale.diagnostics.elastic import attempt_store
 from lightning_scale.materialize import has_meta
 from lightning_scale.parallelize import ParallelModel, check_config, parallelize
 from lightning_scale.strategies import stage3 as _stage3
@@ -172,7 +173,9 @@ class Zero3DFabricStrategy(GridStrategyMixin, ParallelStrategy):
         self.config.validate(self.world_size)  # every rank raises the same error: no hang
         if self._process_group_backend is None:
             self._process_group_backend = _get_default_process_group_backend_for_device(self.root_device)
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
+        store = None if torch.distributed.is_initialized() else attempt_store(self._timeout)  # diagnostics.elastic
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout,
+                              **({} if store is None else {"store": store}))
         cfg = self.config
         self.topology = Topology(dp=cfg.resolved_dp(self.world_size), pp=cfg.pp, tp=cfg.tp, rank=self.global_rank)
         self.topology.build_groups()

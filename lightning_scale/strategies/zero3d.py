@@ -30,6 +30,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from lightning_scale.config import (FLAT, ConfigError, ParallelConfig, check_trainer_flags, from_flat_kwargs,
                                     speaking)
+from lightning_scale.diagnostics.elastic import attempt_store
 from lightning_scale.materialize import has_meta
 from lightning_scale.parallelize import ParallelModel, check_config, parallelize
 from lightning_scale.strategies import diagnostics_glue
@@ -113,6 +114,9 @@ class Zero3DStrategy(GridStrategyMixin, ParallelStrategy):
         if self._process_group_backend is None:
             self._process_group_backend = _get_default_process_group_backend_for_device(self.root_device)
         kwargs: Dict[str, Any] = {"timeout": self._timeout}
+        if not torch.distributed.is_initialized():  # torchrun: a store namespace per restart (diagnostics.elastic)
+            store = attempt_store(self._timeout)
+            kwargs.update({} if store is None else {"store": store})
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
         cfg = self.config
         self.topology = Topology(dp=cfg.resolved_dp(self.world_size), pp=cfg.pp, tp=cfg.tp, sp=cfg.sp,
@@ -367,6 +371,12 @@ class Zero3DStrategy(GridStrategyMixin, ParallelStrategy):
                      self._gather_object, per_rank_keys=("optimizer_states", _stage3.SHARD_KEY))
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> Dict[str, Any]:
+        from lightning_scale.strategies.checkpoint import resume_epoch_end_as_last_batch
+
+        # an epoch-end checkpoint restarts as its last batch's end would (Lightning #19403: else one extra batch)
+        return resume_epoch_end_as_last_batch(self._read_checkpoint(checkpoint_path))
+
+    def _read_checkpoint(self, checkpoint_path: Any) -> Dict[str, Any]:
         path = str(checkpoint_path)
         wait_async_save(self)  # checkpoint_async: a save still in flight is written first
         if os.path.isdir(path):

@@ -1,38 +1,47 @@
-"""torchrun --max-restarts=1 repro (issue 15 item 6, not yet a test: see the lead report): 8 steps of
-the tiny GPT at ZeRO-2, 2 batches per epoch, a checkpoint at every epoch end, fit(ckpt_path="last"). With --kill-at,
-rank 1 SIGKILLs itself at that global step on the first attempt only; torchrun restarts both ranks, which resume
-from the last complete checkpoint. Rank 0 appends {"attempt", "final_loss", "start_step"} to --out."""
+"""A job for tests/strategies/test_restart.py (issue 15 item 6): 8 steps of the tiny GPT at ZeRO-2 under the
+diagnostics, 2 batches per epoch, a checkpoint at every epoch end (and last.ckpt), always ``fit(ckpt_path="last")``.
+
+Launched by torchrun (or by run_script(ranks=N) for the references). ``--kill-once FILE --kill-at K``: at global step
+K, rank 1 creates FILE and SIGKILLs itself, unless FILE exists (so the restart, or the next job, runs through).
+``--stagger S``: on a restart, rank 1 joins S seconds after rank 0. The global batch is 8 sequences on any number of
+ranks. Rank 0 appends {"attempt", "world", "start_step", "losses"} to --out as one JSON line."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import sys
+import time
 
 import lightning.pytorch as pl
 import torch
 
-from fit_failures import DiagStrategy
-from lightning_scale.diagnostics import DiagnosticsConfig
-from lightning_scale.lit import ByteCorpusDataModule, GPTLightningModule
-from lightning_scale.models.gpt import gpt_tiny
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import fit_universal  # noqa: E402,F401  (the unshuffled sampler at world size 1 too: the same batches on 1 rank)
+from fit_failures import DiagStrategy  # noqa: E402
+from lightning_scale.diagnostics import DiagnosticsConfig  # noqa: E402
+from lightning_scale.lit import ByteCorpusDataModule, GPTLightningModule  # noqa: E402
+from lightning_scale.models.gpt import gpt_tiny  # noqa: E402
 
 
 class KillGPT(GPTLightningModule):
-    def __init__(self, kill_at: int, **kw) -> None:
+    def __init__(self, args, **kw) -> None:
         super().__init__(**kw)
-        self.kill_at, self.start_step, self.last_loss, self.losses = kill_at, None, None, {}
+        self.args, self.start_step, self.losses = args, None, {}
 
     def on_train_start(self) -> None:
         self.start_step = self.trainer.global_step
 
     def training_step(self, batch, batch_idx):
-        if (self.trainer.global_step == self.kill_at and self.global_rank == 1
-                and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
+        args = self.args
+        if (args.kill_once and self.trainer.global_step == args.kill_at and self.global_rank == 1
+                and not os.path.exists(args.kill_once)):
+            open(args.kill_once, "w").close()
             os.kill(os.getpid(), 9)
         loss = super().training_step(batch, batch_idx)
-        self.last_loss = float(self.trainer.strategy.reduce(loss.detach(), reduce_op="mean"))
-        self.losses[self.trainer.global_step] = self.last_loss
+        self.losses[self.trainer.global_step] = float(self.trainer.strategy.reduce(loss.detach(), reduce_op="mean"))
         return loss
 
 
@@ -40,29 +49,42 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--ckpt-dir", required=True)
-    ap.add_argument("--kill-at", type=int, default=-1)
+    ap.add_argument("--kill-once", default=None)
+    ap.add_argument("--kill-at", type=int, default=5)
+    ap.add_argument("--format", default="sharded", help="Zero3DStrategy(checkpoint_format=...)")
+    ap.add_argument("--pid-dir", default=None, help="each rank writes its pid here (the test kills leftovers)")
+    ap.add_argument("--stagger", type=float, default=0.0,
+                    help="on a torchrun restart, rank 1 waits this long before it joins the process group")
     args = ap.parse_args()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.pid_dir:
+        name = f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '-1')}-rank{os.environ.get('RANK', '0')}.pid"
+        with open(os.path.join(args.pid_dir, name), "w") as f:
+            f.write(str(os.getpid()))
+    if args.stagger and os.environ.get("RANK") == "1" and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")):
+        time.sleep(args.stagger)  # rank 0 reaches the store's rendezvous keys first, as it may on any restart
     pl.seed_everything(0, verbose=False)
     cfg = gpt_tiny(n_layer=2, vocab_size=64, seq_len=16)
-    model = KillGPT(args.kill_at, model=cfg, lr=3e-3, warmup_steps=2, max_steps=8)
-    data = ByteCorpusDataModule(seq_len=cfg.seq_len, batch_size=4, source="random", vocab_size=64,
+    model = KillGPT(args, model=cfg, lr=3e-3, warmup_steps=2, max_steps=8)
+    data = ByteCorpusDataModule(seq_len=cfg.seq_len, batch_size=8 // world, source="random", vocab_size=64,
                                 random_length=256, shuffle=False, max_bytes=2**20)
     ckpt = pl.callbacks.ModelCheckpoint(dirpath=args.ckpt_dir, save_last=True, save_top_k=-1, every_n_epochs=1,
                                         save_on_train_epoch_end=True)
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=DiagStrategy(
-        stage=2, diagnostics=DiagnosticsConfig(heartbeat_interval=0.5, hang_timeout=60.0)), max_steps=8,
-        limit_train_batches=2, logger=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[ckpt], limit_val_batches=0, num_sanity_val_steps=0)
-    trainer.fit(model, datamodule=data, ckpt_path="last" if os.path.exists(os.path.join(args.ckpt_dir, "last.ckpt"))
-                else None)
+    strategy = DiagStrategy(stage=2, checkpoint_format=args.format,
+                            diagnostics=DiagnosticsConfig(heartbeat_interval=0.5, hang_timeout=60.0))
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=8, limit_train_batches=2,
+                         logger=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[ckpt],
+                         limit_val_batches=0, num_sanity_val_steps=0)
+    trainer.fit(model, datamodule=data, ckpt_path="last")  # no last.ckpt yet: Lightning starts from scratch
     if trainer.is_global_zero:
         with open(args.out, "a") as f:
-            f.write(json.dumps({"attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-                                "final_loss": model.last_loss, "start_step": model.start_step,
+            f.write(json.dumps({"attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "-1")),
+                                "world": trainer.world_size, "start_step": model.start_step,
                                 "global_step": trainer.global_step, "losses": model.losses}) + "\n")
 
 
 if __name__ == "__main__":
     main()
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
