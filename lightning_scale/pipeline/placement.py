@@ -32,13 +32,16 @@ class PipelinePlacement:
                                  virtual_stages=pc.virtual_stages, partition=pc.partition)
         device = torch.device(device) if device is not None else torch.device("cpu")
         if has_meta(module, recurse=True):
-            _materialize_stage(module, self.stage, device, topology)
+            # ZeRO-3 reads pretrained units shard by shard itself (lightning_scale.pretrained): leave them on meta
+            _materialize_stage(module, self.stage, device, topology, defer_pretrained=config.zero.stage == 3)
         if loss_fn is None:
             raise ConfigError(f"pp={topology.pp}: the pipeline needs a loss for the last stage (loss_fn)")
         self.pp_ranks = topology.axis_ranks("pp")
         self.pp_group = topology.pp_group
         self.runtime = PipelineRuntime(self.stage, pp_group=self.pp_group, pp_ranks=self.pp_ranks, loss_fn=loss_fn,
                                        microbatches=pc.microbatches, schedule=pc.schedule, timeout=timeout)
+        if self.runtime.device.type == "meta":  # pretrained units wait for ZeRO-3 on meta: place by the device
+            self.runtime.device = device
         self.microbatches = pc.microbatches
         # Only this stage's parameters train and live here: the others are frozen and freed (their shapes kept);
         # a full state_dict re-fetches each from the pipeline rank that trains it (materialized()).
@@ -59,7 +62,7 @@ class PipelinePlacement:
                 else:
                     p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         leftover = [n for n, b in module.named_buffers() if b.is_meta]
-        if leftover:
+        if leftover and config.zero.stage != 3:  # ZeRO-3 materializes what is left (and names what it cannot)
             raise ConfigError(f"buffer(s) {leftover[:5]} are still on the meta device after the pipeline stage was "
                               "materialized; create buffers on a real device in configure_model")
         self.norm_exclude = [t.param for t in self.stage.tied if t.ranks[0] != self.stage.pp_rank]
@@ -94,14 +97,21 @@ class PipelinePlacement:
 
 
 @torch.no_grad()
-def _materialize_stage(module: nn.Module, stage, device: torch.device, topology) -> None:
+def _materialize_stage(module: nn.Module, stage, device: torch.device, topology, defer_pretrained: bool = False
+                       ) -> None:
     """A model built on ``meta`` (``configure_model`` under ``Zero3DStrategy(pp>1)``): only this rank's stage is
     allocated and initialized (the init contract of :mod:`lightning_scale.materialize`; tp layers as slices of
     their full dense layers), plus modules holding buffers; the dp replicas of the stage then take dp rank 0's
-    values. No rank ever holds the whole model."""
+    values. No rank ever holds the whole model. ``defer_pretrained`` (ZeRO-3): modules under a recorded pretrained
+    source stay on meta; ZeRO-3 then reads each rank's dp shard of them."""
+    from lightning_scale.pretrained import weight_reader
+
     local = {id(t) for t in list(stage.parameters()) + list(stage.buffers())}
+    reader = weight_reader(module) if defer_pretrained else None
 
     def keep(name: str, m: nn.Module) -> bool:
+        if reader is not None and reader.covers(f"{name}." if name else ""):
+            return False
         own = list(m.parameters(recurse=False)) + list(m.buffers(recurse=False))
         return any(id(t) in local for t in own) or any(True for _ in m.buffers(recurse=False))
 
@@ -109,7 +119,8 @@ def _materialize_stage(module: nn.Module, stage, device: torch.device, topology)
     if C.group_size(topology.dp_group) > 1:
         src = dist.get_global_rank(topology.dp_group, 0)
         for t in list(stage.parameters()) + list(stage.buffers()):
-            C.broadcast(t.data, src=src, group=topology.dp_group, tag="init")
+            if not t.is_meta:
+                C.broadcast(t.data, src=src, group=topology.dp_group, tag="init")
 
 
 def _owners(layers: Sequence[nn.Module], bounds: Sequence[int], pp: int) -> dict:

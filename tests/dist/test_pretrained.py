@@ -5,7 +5,8 @@ vocabulary 63: padded at tp=2) are saved with ``save_pretrained`` in float64 wit
 init is told apart. Each rank builds the model on meta with ``lightning_scale.from_pretrained`` (or ``from_config`` +
 ``load_pretrained``) and ``parallelize`` reads only what the rank keeps. Checked:
 
-* zero3 (dp=2), tp=2 (stage 1) and pp=2 (Llama; GPT-2 has no automatic pipeline adapter): 3 SGD steps of
+* zero3 (dp=2), tp=2 (stage 1), pp=2 at stages 1 and 3 (Llama; GPT-2 has no automatic pipeline adapter) and the
+  ``from_config`` + ``load_pretrained`` form at zero3: 3 SGD steps of
   losses equal one process that called ``AutoModelForCausalLM.from_pretrained`` on the same directory (float64,
   1e-10), and the bytes each rank read from the files are its share (< 0.62 of the file), not the model;
 * bad input (a missing directory, another architecture's directory, a tensor missing from the file): a
@@ -33,7 +34,7 @@ transformers = pytest.importorskip("transformers")
 
 STEPS, LR, BATCH, SEQ = 3, 0.5, 4, 12
 CASES = [("llama", "zero3"), ("gpt2", "zero3"), ("llama", "tp2"), ("gpt2", "tp2"), ("llama", "pp2"),
-         ("llama", "zero3_config")]
+         ("llama", "pp2_zero3"), ("llama", "zero3_config")]
 
 
 def _configs():
@@ -145,7 +146,7 @@ def _run_case(rank, world, root, arch, mode):
 
     directory = os.path.join(root, arch)
     kwargs = {"zero3": dict(stage=3), "zero3_config": dict(stage=3), "tp2": dict(stage=1, tp=2),
-              "pp2": dict(stage=1, pp=2, microbatches=2)}[mode]
+              "pp2": dict(stage=1, pp=2, microbatches=2), "pp2_zero3": dict(stage=3, pp=2, microbatches=2)}[mode]
     config = from_flat_kwargs(overlap_comm=False, **kwargs)
     topo = local_topology(config, world, rank)
     model = _build(directory, "config" if mode.endswith("_config") else "helper")
