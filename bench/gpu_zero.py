@@ -3,6 +3,7 @@
     python bench/gpu_zero.py --dry-run                 # print the plan; works without a GPU
     python bench/gpu_zero.py                           # ~5-8 min on one H100/H200-class GPU; writes $OUT/gpu_zero.{json,md}
     python bench/gpu_zero.py --systems ddp,fsdp2,ls_z3 --steps 10 --out /tmp/gz
+    python bench/gpu_zero.py --compile                 # + ddp/fsdp2/ls_z2/ls_z3 with every block compiled (inductor)
 
 The GPU counterpart of ``bench/zero.py`` (same rows, same peers): each row runs in a fresh process
 (one rank, NCCL process group of size 1) so ``torch.cuda.max_memory_allocated`` is per system; rows
@@ -45,7 +46,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SYSTEMS = ["ddp", "fsdp2", "deepspeed_z2", "deepspeed_z3", "deepspeed_z2_offload", "deepspeed_z3_offload",
            "ls_z2", "ls_z3", "ls_z2_offload", "ls_z3_offload"]
 PEERS = {"ls_z3": [("fsdp2", 1.05), ("deepspeed_z3", 1.2)], "ls_z2": [("deepspeed_z2", None)],
-         "ls_z2_offload": [("deepspeed_z2_offload", 1.1)], "ls_z3_offload": [("deepspeed_z3_offload", 1.1)]}
+         "ls_z2_offload": [("deepspeed_z2_offload", 1.1)], "ls_z3_offload": [("deepspeed_z3_offload", 1.1)],
+         # --compile rows (issue 17): every block's forward compiled (inductor), torchtitan style, for all three
+         "ls_z2+compile": [("ddp+compile", 0.97)], "ls_z3+compile": [("fsdp2+compile", 1.1)]}
+COMPILED = ["ddp+compile", "fsdp2+compile", "ls_z2+compile", "ls_z3+compile"]
+PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12}  # dense bf16 tensor-core peak, FLOP/s
+
+
+def _flops_per_token(cfg) -> float:
+    """Training FLOPs per token: 6 x parameters + attention's 12 x layers x d_model x seq (PaLM appendix B)."""
+    return 6 * cfg.num_params() + 12 * cfg.n_layer * cfg.d_model * cfg.seq_len
 
 
 def _adamw(params):
@@ -134,6 +144,7 @@ def worker(rank, world, system, model_kw, steps, warmup, batch, precision):
         deepspeed.init_distributed(dist_backend="nccl")
     torch.manual_seed(0)
     cfg = GPTConfig(**model_kw)
+    system, _, compiled = system.partition("+")
     if system.startswith("ls_z3"):
         with torch.device("meta"):  # deferred init: materialized unit by unit on the device
             model = GPT(cfg)
@@ -141,6 +152,10 @@ def worker(rank, world, system, model_kw, steps, warmup, batch, precision):
         model = GPT(cfg).to(device)
     t0 = time.perf_counter()
     module, backward, step, zero_grad = _build(system, model, batch, device)
+    if compiled:  # the warm-up steps absorb the compile time
+        from lightning_scale.compile import compile_units
+
+        compile_units(model, True)
     torch.cuda.synchronize()
     setup_s = time.perf_counter() - t0
     torch.cuda.reset_peak_memory_stats(device)
@@ -162,8 +177,10 @@ def worker(rank, world, system, model_kw, steps, warmup, batch, precision):
             tokens += batch * cfg.seq_len
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - t_start
+    peak = next((v for k, v in PEAK_BF16.items() if k in torch.cuda.get_device_name(device)), None)
     return {"tokens_per_s": tokens / elapsed, "peak_mem_mib": torch.cuda.max_memory_allocated(device) / 2**20,
-            "loss": float(loss.detach()), "setup_s": setup_s}
+            "loss": float(loss.detach()), "setup_s": setup_s,
+            "mfu": (tokens / elapsed) * _flops_per_token(cfg) / peak if peak and precision == "bf16" else None}
 
 
 def _plan(args, systems) -> str:
@@ -187,16 +204,19 @@ def _model_kw(args):
 
 
 def _table(rounds, failed, skipped) -> str:
-    systems = [s for s in SYSTEMS if any(s in r for r in rounds)]
-    lines = ["| system | tokens/s (median) | vs ddp (median, min-max) | peak device MiB | final loss |",
-             "|---|---|---|---|---|"]
+    systems = [s for s in SYSTEMS + COMPILED if any(s in r for r in rounds)]
+    lines = ["| system | tokens/s (median) | vs ddp (median, min-max) | MFU (bf16 peak) | peak device MiB "
+             "| final loss |",
+             "|---|---|---|---|---|---|"]
     for s in systems:
         vals = [r[s]["tokens_per_s"] for r in rounds if s in r]
         ratios = [r[s]["tokens_per_s"] / r["ddp"]["tokens_per_s"] for r in rounds if s in r and "ddp" in r]
         mem = statistics.median(r[s]["peak_mem_mib"] for r in rounds if s in r)
         loss = [r[s]["loss"] for r in rounds if s in r][-1]
         rr = f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})" if ratios else "n/a"
-        lines.append(f"| {s} | {statistics.median(vals):,.0f} | {rr} | {mem:,.0f} | {loss:.4f} |")
+        mfus = [r[s]["mfu"] for r in rounds if s in r and r[s].get("mfu") is not None]
+        mfu = f"{statistics.median(mfus):.1%}" if mfus else "n/a"
+        lines.append(f"| {s} | {statistics.median(vals):,.0f} | {rr} | {mfu} | {mem:,.0f} | {loss:.4f} |")
     lines += ["", "| system | peer | ratio vs peer (median) | target | met? | peak MiB system / peer |",
               "|---|---|---|---|---|---|"]
     for s, peers in PEERS.items():
@@ -235,10 +255,13 @@ def main() -> int:
     ap.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
     ap.add_argument("--budget-s", type=float, default=540.0, help="stop starting rows after this many seconds")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per row (DeepSpeedCPUAdam JIT included)")
+    ap.add_argument("--compile", action="store_true", help="add the +compile rows (ddp, fsdp2, ls_z2, ls_z3)")
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.getcwd(), "gpu_zero_out"))
     args = ap.parse_args()
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = [s for s in systems if s not in SYSTEMS]
+    if args.compile:
+        systems += [s for s in COMPILED if s not in systems]
+    unknown = [s for s in systems if s not in SYSTEMS + COMPILED]
     if unknown:
         print(f"error: --systems {unknown}: known rows are {', '.join(SYSTEMS)}", file=sys.stderr)
         return 2

@@ -3,6 +3,7 @@
     python bench/zero.py                     # 3 interleaved rounds, prints a markdown table of ratios to DDP
     python bench/zero.py --rounds 5 --steps 30 --systems ddp,ls_z2,deepspeed_z2
     python bench/zero.py --systems stage3    # groups: stage3 (z3 + offload rows and their peers), stage012, all
+    python bench/zero.py --compile           # + a compiled row ("+compile") for DDP, FSDP2 and every lightning_scale row
 
 Rows and the peer each lightning_scale row is compared with (second table, ratios per round, median):
 
@@ -11,6 +12,11 @@ Rows and the peer each lightning_scale row is compared with (second table, ratio
     ls_z2_offload  ZeroOptimizer(stage=2, offload_optimizer=True)  vs deepspeed_z2_offload (DeepSpeedCPUAdam)
     ls_z3_offload  stage 3 with parameter offload (param_device=cpu) and optimizer offload
                    vs deepspeed_z3_offload (offload_param + offload_optimizer cpu, DeepSpeedCPUAdam)
+
+``--compile``: the "+compile" rows compile every block's forward with inductor (lightning_scale.compile.compile_units,
+the same per-unit placement as ``Zero3DStrategy(compile=True)``; for DDP and FSDP2 too, torchtitan style); the
+warm-up steps absorb the compile time. Compiled rows are compared with DDP+compile (stages 0-2, target 0.97) and
+FSDP2+compile (stage 3, target 1.1).
 
 On this CPU-only machine "offload" moves nothing (host and device are the same memory): the offload rows
 measure the cost of the offload code path (host copies of gradient shards, the CPU optimizer kernel).
@@ -57,6 +63,8 @@ PEERS = {
     "ls_z1": [("zero_redundancy", None), ("deepspeed_z1", None)],
     "ls_z2": [("fsdp2_noreshard", None), ("deepspeed_z2", None)],
 }
+COMPILE_PEERS = {"ls_z0": ("ddp", 0.97), "ls_z1": ("ddp", 0.97), "ls_z2": ("ddp", 0.97), "ls_z3": ("fsdp2", 1.1)}
+COMPILABLE = ("ddp", "fsdp2", "ls_")  # DeepSpeed / ZeroRedundancyOptimizer rows stay eager
 
 
 def _adamw(params):
@@ -149,7 +157,12 @@ def worker(rank: int, world: int, system: str, steps: int, warmup: int, global_b
     cfg = gpt_small()
     model = GPT(cfg)
     local = global_batch // world
+    system, _, compiled = system.partition("+")
     module, step, zero_grad = _build(system, model, local)
+    if compiled:
+        from lightning_scale.compile import compile_units
+
+        compile_units(model, True)  # every block's forward, inductor
     tokens = 0
     t0 = None
     for i in range(warmup + steps):
@@ -205,8 +218,12 @@ def main() -> None:
                     help=f"comma-separated rows and/or groups ({', '.join(GROUPS)}); ddp is always added")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per (round, system) run")
     ap.add_argument("--plot", default=None, metavar="PATH", help="also write the ratios vs DDP as a bar chart (PNG)")
+    ap.add_argument("--compile", action="store_true", help="add a +compile row for DDP, FSDP2 and lightning_scale")
     args = ap.parse_args()
     systems = _expand(args.systems)
+    if args.compile:
+        systems += [f"{s}+compile" for s in list(systems) + ["ddp"] if s.startswith(COMPILABLE)
+                    and f"{s}+compile" not in systems]
     try:
         import deepspeed  # noqa: F401
     except Exception as err:  # noqa: BLE001 - not installed, or fails to import on this machine
@@ -253,6 +270,8 @@ def main() -> None:
     print("\nfinal-step loss (round 0; same data and init for every row): "
           + ", ".join(f"{k} {v['loss']:.4f}" for k, v in rounds[0].items()))
     pairs = [(ls, peer, target) for ls, peers in PEERS.items() if ls in ok for peer, target in peers]
+    pairs += [(f"{ls}+compile", f"{peer}+compile", target) for ls, (peer, target) in COMPILE_PEERS.items()
+              if f"{ls}+compile" in ok]
     if pairs:
         print("\n### lightning_scale rows vs their named peer (same rounds)\n")
         print(peer_table(rounds, pairs, failed))

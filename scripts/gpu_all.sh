@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Every GPU check of the open issues in one run, for a lent GPU machine (one H200 / H100 class device; the
+# device tool allows 10 minutes a command): the gpu-marked tests, then each bench/gpu_*.py with a budget.
+# Results and logs go under $OUT (default ./gpu_out); bench/RESULTS.md gets the figures by hand afterwards.
+#   bash scripts/gpu_all.sh            # ~9 min in all
+#   bash scripts/gpu_all.sh --dry-run  # each script's plan only (no GPU needed)
+set -u
+OUT="${OUT:-$PWD/gpu_out}"
+mkdir -p "$OUT"
+export OUT PYTHONUNBUFFERED=1
+cd "$(dirname "$0")/.."
+if ! python -c "import lightning_scale.kernels" 2>/dev/null; then  # not installed: run from the tree
+    [ -e lightning_scale/kernels ] || ln -s ../kernels lightning_scale/kernels
+    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+step() {  # step NAME SECONDS CMD...: run with a hard limit, log to $OUT/NAME.log, never stop the whole script
+    local name=$1 limit=$2; shift 2
+    echo "=== $name (limit ${limit}s): $*" | tee -a "$OUT/summary.txt"
+    local t0=$SECONDS
+    timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "    rc=$rc after $((SECONDS - t0))s; last lines:" | tee -a "$OUT/summary.txt"
+    tail -n 25 "$OUT/$name.log" | tee -a "$OUT/summary.txt"
+}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/device.txt" 2>&1
+python -c "import torch, sys; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_available())" \
+    >> "$OUT/device.txt" 2>&1
+cat "$OUT/device.txt"
+if [ "${1:-}" = "--dry-run" ]; then
+    for s in gpu_zero gpu_models gpu_checkpoint gpu_long_sequence; do python "bench/$s.py" --dry-run; done
+    exit 0
+fi
+step tests_gpu 100 python -m pytest -q -m gpu -p no:cacheprovider -o addopts="" tests/kernels tests/dist/test_zero3.py
+step gpu_zero 170 python bench/gpu_zero.py --compile --rounds 1 --steps 10 --budget-s 110 --out "$OUT/gpu_zero"
+step gpu_sparse_attention 70 python bench/gpu_sparse_attention.py --rounds 1 --lengths 4096 16384 --head-dims 64
+step gpu_long_sequence 90 python bench/gpu_long_sequence.py --out "$OUT/gpu_long_sequence"
+step gpu_models 90 python bench/gpu_models.py --rounds 1 --steps 5 --out "$OUT/gpu_models"
+step gpu_checkpoint 60 python bench/gpu_checkpoint.py --rounds 1 --out "$OUT/gpu_checkpoint"
+# bench/gpu_tensor_parallel.py needs 2 or more GPUs (torchrun --nproc-per-node N); not run on one device.
+echo "done; see $OUT/summary.txt"
