@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sys
 
@@ -84,3 +85,38 @@ def test_torchrun_restarts_a_killed_rank_from_the_last_checkpoint(tmp_path, refe
     names = sorted(os.listdir(tmp_path / "ckpt"))
     assert names == ["epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt", "epoch=2-step=6.ckpt", "epoch=3-step=8.ckpt",
                      "last.ckpt"], names  # the epochs count on as uninterrupted; nothing half-written left
+
+
+@pytest.mark.slow  # a 2-rank torchrun job that fails, a 1-rank torchrun job and a 1-rank reference: 40-60 s
+def test_a_job_that_lost_a_rank_continues_on_fewer_ranks_from_its_universal_checkpoint(tmp_path, reference):
+    """torchrun restarts at a fixed world size; a run goes on with fewer ranks as a new job on the smaller layout
+    (one host: a second torchrun with fewer processes; several: ``--nnodes=MIN:MAX``, docs/failures.md). The 2-rank
+    job (checkpoint_format="universal", no restarts left) loses rank 1 at step 5 and fails; ``torchrun
+    --nproc-per-node=1`` of the same script resumes its last.ckpt (step 4, written by dp=2) on 1 rank. Its losses equal
+    a 1-rank run started from the same checkpoint, and the uninterrupted 2-rank run's within 1e-5 (the dp=2 -> 1
+    reduction order)."""
+    from lightning_scale.checkpoint import dcp_format
+
+    ckpt = tmp_path / "ckpt"
+    common = ["--ckpt-dir", str(ckpt), "--format", "universal"]
+    rc, output, runs = torchrun(tmp_path, "lost", *common, "--kill-once", str(tmp_path / "killed"), "--kill-at", "5",
+                                max_restarts=0)
+    assert rc != 0 and not runs, output[-4000:]  # the job failed: no attempt finished
+    meta = dcp_format.open_checkpoint(str(ckpt / "last.ckpt"))[1]
+    assert meta["step"] == 4 and meta["layout"]["dp"] == 2 and meta["layout"]["world_size"] == 2
+    shutil.copytree(ckpt, tmp_path / "same_state")  # the state the smaller job starts from
+
+    rc, output, runs = torchrun(tmp_path, "fewer", *common, nproc=1)
+    assert rc == 0, output[-6000:]
+    (run,) = runs
+    assert run["world"] == 1 and run["start_step"] == 4 and run["global_step"] == 8
+    out = tmp_path / "same_state.jsonl"
+    proc = run_script([sys.executable, SCRIPT, "--out", str(out), "--ckpt-dir", str(tmp_path / "same_state"),
+                       "--format", "universal"], timeout=240, cwd=tmp_path, ranks=1)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    (same,) = _lines(out)
+    assert same["world"] == 1 and same["start_step"] == 4
+    assert run["losses"] == same["losses"], (run["losses"], same["losses"])
+    diff = max(abs(run["losses"][s] - reference[s]) for s in ("4", "5", "6", "7"))
+    print(f"1-rank continuation vs the uninterrupted 2-rank run: max |loss diff| {diff:.2e}")
+    assert sorted(run["losses"], key=int) == ["4", "5", "6", "7"] and diff <= 1e-5
