@@ -11,7 +11,7 @@ init is told apart. Each rank builds the model on meta with ``lightning_scale.fr
   1e-10), and the bytes each rank read from the files are its share (< 0.62 of the file), not the model;
 * bad input (a missing directory, another architecture's directory, a tensor missing from the file): a
   ConfigError naming it on every rank, before anything is allocated;
-* memory: a 76 MiB float32 Llama under zero3 and tp=2: each rank's peak memory growth during ``parallelize`` is
+* memory: a 76 MiB float32 Llama under zero3, tp=2 and pp=2: each rank's peak memory growth during ``parallelize`` is
   at most its share + the largest tensor + 8 MiB, a bound the whole model breaks (``VmHWM`` reset after
   ``malloc_trim``; file pages mapped while reading count too).
 
@@ -263,20 +263,21 @@ def memory(rank, world, directory):
     from lightning_scale.parallelize import local_topology, parallelize
 
     out = {}
-    for mode, kwargs in (("zero3", dict(stage=3)), ("tp2", dict(stage=1, tp=2))):
+    for mode, kwargs in (("zero3", dict(stage=3)), ("tp2", dict(stage=1, tp=2)),
+                         ("pp2", dict(stage=1, pp=2, microbatches=2))):
         config = from_flat_kwargs(**kwargs)
         topo = local_topology(config, world, rank)
         model = _build(directory, "helper")
         whole = sum(t.numel() * t.element_size() for t in model.state_dict().values())
         largest = max(t.numel() * t.element_size() for t in model.state_dict().values())
         before = _hwm_reset()
-        pm = parallelize(model, config, topo, "cpu")
+        pm = parallelize(model, config, topo, "cpu", loss_fn=_loss)
         peak = _hwm() - before
         if pm.sharded is not None:
             share = sum(b.shard.numel() * b.shard.element_size() + (b.full.numel() * b.full.element_size()
                         if u.kind == "persistent" else 0) for u in pm.sharded.units for b in u.buckets)
         else:
-            share = sum(p.numel() * p.element_size() for p in model.parameters())
+            share = sum(p.numel() * p.element_size() for p in model.parameters())  # tp slices / this stage
         share += sum(b.numel() * b.element_size() for b in model.buffers())
         out[mode] = dict(peak=peak, share=share, largest=largest, whole=whole)
         del pm, model
