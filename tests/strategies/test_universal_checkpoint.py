@@ -3,7 +3,8 @@
 One saving run (zero.stage=2, dp=2, 6 steps, a checkpoint after every 2-step epoch) is shared by the tests: its
 step-2 checkpoint is resumed on the same layout (bit-identical losses), on dp=1 and at stage 3 dp=2; the stage-3
 run's own step-4 checkpoint is resumed at stage 1 dp=2. Every resumed loss is compared with the uninterrupted
-run's (float32; 1e-5 where the dp size changes the reduction order). 5 Trainer launches in all.
+run's (float32; 1e-5 where the dp size changes the reduction order). The same step-2 checkpoint resumes at tp=2 and
+at pp=2, whose step-4 checkpoint resumes on 1 rank. 8 Trainer launches in all (+1 for the slow async test).
 """
 
 from __future__ import annotations
@@ -87,6 +88,26 @@ def test_reshard_stage2_to_stage3_and_stage3_to_stage1(saved):
     s1 = fit(tmp, "stage1", "--devices", "2", "--option", "stage=1", "--resume", str(step4))
     assert s1["engines"] == ["ZeroOptimizer"]
     _close(s1["losses"], full["losses"][4:])
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_reshard_across_tp_and_pp(saved, layout):
+    """dp=2's step-2 checkpoint resumed at tp=2 (dp=1, tp slices of every matrix, vocabulary-parallel embedding); and
+    at pp=2 (two stages, 2 micro-batches), whose own step-4 checkpoint is then resumed on 1 rank (pp=2 -> 1)."""
+    tmp, full = saved
+    step2 = str(tmp / "ckpt" / "epoch=0-step=2.ckpt")
+    if layout == "tp2":
+        run = fit(tmp, "tp2", "--devices", "2", "--option", "stage=1", "--option", "tp=2", "--resume", step2)
+        _close(run["losses"], full["losses"][2:])
+        return
+    run = fit(tmp, "pp2", "--devices", "2", "--option", "stage=1", "--option", "pp=2", "--option", "microbatches=2",
+              "--ckpt-dir", str(tmp / "ckpt_pp2"), "--resume", step2)
+    _close(run["losses"], full["losses"][2:])
+    step4 = tmp / "ckpt_pp2" / "epoch=1-step=4.ckpt"
+    assert dcp_format.open_checkpoint(str(step4))[1]["layout"]["pp"] == 2
+    one = fit(tmp, "pp2_to_1", "--devices", "1", "--option", "stage=1", "--resume", str(step4))
+    assert one["world"] == 1
+    _close(one["losses"], full["losses"][4:])
 
 
 def _tensors(path, tmp):
