@@ -327,16 +327,16 @@ class WeightReader:
             ckpt.close()
         self._ckpts.clear()
 
-    def load_(self, items: Sequence[Tuple[str, torch.Tensor, Any]]) -> None:
+    def load_(self, items: Sequence[Tuple[str, Any]]) -> None:
         """Fill ``items`` = ``(root fqn, Piece)`` (from :meth:`tensor_item` / :meth:`flat_item`), per source."""
         from lightning_scale.checkpoint.hf import load_hf_pieces_
 
-        by_source: Dict[WeightSource, list] = {}
+        by_source: Dict[int, Tuple[WeightSource, list]] = {}
         for fqn, piece in items:
             source, key = self._find(fqn)
             piece.key = key
-            by_source.setdefault(source, []).append(piece)
-        for source, pieces in by_source.items():
+            by_source.setdefault(id(source), (source, []))[1].append(piece)
+        for source, pieces in by_source.values():
             missing = load_hf_pieces_(self._ckpt(source.directory), pieces, rename=source.rename, strip="")
             if missing:
                 raise ConfigError(f"pretrained weights: {source.directory} has no tensor for {missing[:5]}")

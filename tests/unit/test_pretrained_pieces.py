@@ -6,7 +6,8 @@
 * outside a meta context ``from_pretrained`` is transformers' own (real weights, same logits) and
   ``load_pretrained`` fills a real model at once; inside the strategies' meta context a plain
   ``AutoModelForCausalLM.from_pretrained`` builds on meta and records the directory, and outside it the wrapper
-  passes through (transformers' own refusal of the meta device is unchanged).
+  passes through (transformers' own refusal of the meta device is unchanged);
+* ``rename=``: a file whose tensor names differ loads into a meta model through ``materialize_``.
 """
 
 from __future__ import annotations
@@ -89,3 +90,31 @@ def test_plain_from_pretrained_in_the_meta_context_records_and_passes_through_ou
     with pytest.raises(RuntimeError, match="meta"):  # outside the context: transformers' own behaviour
         with torch.device("meta"):
             transformers.AutoModelForCausalLM.from_pretrained(llama_dir)
+
+
+def test_rename_maps_model_keys_to_file_keys(llama_dir, tmp_path):
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    import lightning_scale
+    from lightning_scale.config import ConfigError
+    from lightning_scale.materialize import materialize_
+    from lightning_scale.pretrained import check_weight_sources
+
+    tensors = load_file(os.path.join(llama_dir, "model.safetensors"))
+    tensors["emb"] = tensors.pop("model.embed_tokens.weight")
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    ref = transformers.AutoModelForCausalLM.from_pretrained(llama_dir)
+    ref.config.save_pretrained(tmp_path)
+    for rename in (None, {"model.embed_tokens.weight": "emb"}):
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(ref.config)
+            if rename is None:
+                with pytest.raises(ConfigError, match="model.embed_tokens.weight"):
+                    lightning_scale.load_pretrained(model, tmp_path)
+                continue
+            lightning_scale.load_pretrained(model, tmp_path, rename=rename)
+        check_weight_sources(model)
+        materialize_(model, torch.device("cpu"), lambda name, m: True)
+        ids = torch.arange(8).view(1, 8)
+        assert torch.equal(model.eval()(input_ids=ids).logits, ref(input_ids=ids).logits)
