@@ -24,6 +24,10 @@ the order. Each step is a small ``apply_*`` function on an unchanged model (torc
    (:mod:`lightning_scale.compile`): the ZeRO-3 hooks, the activation checkpoint and every collective stay eager at
    the unit boundaries (collectives are deliberate graph breaks); identical blocks share one compiled graph.
 
+Pretrained weights recorded on a ``meta`` model (:mod:`lightning_scale.pretrained`: ``from_pretrained`` inside
+``configure_model``) are checked first (directory, architecture, every tensor's shape) and then *read* wherever
+steps 3, 5 and 7 would initialize: each rank reads its stage, its tp slices, its dp shard of each ZeRO-3 bucket.
+
 The returned :class:`ParallelModel` holds what the front doors need: the local module, the tp-split submodule,
 the pipeline placement (stage, runtime, schedule), the ``ShardedParameters``, the optimizers, and
 :meth:`ParallelModel.make_engines` (one :mod:`lightning_scale.zero.engine` engine per optimizer, with the
