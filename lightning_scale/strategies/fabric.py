@@ -130,6 +130,12 @@ class Zero3DFabricStrategy(GridStrategyMixin, ParallelStrategy):
             raise ConfigError(f"pp={self.config.pp}: pipeline parallelism is not available under Fabric (its schedule "
                               "is the training step, which a Fabric loop writes itself); use the Trainer's "
                               "Zero3DStrategy, or lightning_scale.pipeline.ZeroPipeline in a plain torch loop")
+        if self.config.sp > 1:
+            raise ConfigError(f"sp={self.config.sp}: sequence parallelism is not wired into the Fabric strategy yet "
+                              "(each rank must train on its slice of every sequence); use the Trainer's "
+                              "Zero3DStrategy(sp=...), or lightning_scale.parallelize.parallelize with "
+                              "lightning_scale.sequence_parallel.shard_sequence in a plain torch loop",
+                              settings=("sp",))
         self._precision_override = precision
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io, precision=None)

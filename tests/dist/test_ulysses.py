@@ -252,3 +252,11 @@ def test_shard_sequence_and_kv_heads():
         shard_sequence((x,), 0, 5)
     # key/value heads repeated so that sp divides them (every rank's query heads keep their own)
     assert _hf_kv_repeat(4, 2, 2) == 1 and _hf_kv_repeat(4, 2, 4) == 2 and _hf_kv_repeat(12, 3, 4) == 4
+
+
+def test_fabric_refuses_sp_until_it_slices_batches():
+    from lightning_scale.config import ConfigError
+    from lightning_scale.strategies.fabric import Zero3DFabricStrategy
+
+    with pytest.raises(ConfigError, match=r"^sp=2: sequence parallelism is not wired into the Fabric strategy"):
+        Zero3DFabricStrategy(sp=2)
