@@ -52,6 +52,8 @@ def main() -> None:
     ap.add_argument("--kill-once", default=None)
     ap.add_argument("--kill-at", type=int, default=5)
     ap.add_argument("--format", default="sharded", help="Zero3DStrategy(checkpoint_format=...)")
+    ap.add_argument("--async", dest="async_save", action="store_true", help="checkpoint_async=True")
+    ap.add_argument("--top-k", type=int, default=-1, help="ModelCheckpoint(save_top_k=...)")
     ap.add_argument("--pid-dir", default=None, help="each rank writes its pid here (the test kills leftovers)")
     ap.add_argument("--stagger", type=float, default=0.0,
                     help="on a torchrun restart, rank 1 waits this long before it joins the process group")
@@ -68,9 +70,9 @@ def main() -> None:
     model = KillGPT(args, model=cfg, lr=3e-3, warmup_steps=2, max_steps=8)
     data = ByteCorpusDataModule(seq_len=cfg.seq_len, batch_size=8 // world, source="random", vocab_size=64,
                                 random_length=256, shuffle=False, max_bytes=2**20)
-    ckpt = pl.callbacks.ModelCheckpoint(dirpath=args.ckpt_dir, save_last=True, save_top_k=-1, every_n_epochs=1,
+    ckpt = pl.callbacks.ModelCheckpoint(dirpath=args.ckpt_dir, save_last=True, save_top_k=args.top_k, every_n_epochs=1,
                                         save_on_train_epoch_end=True)
-    strategy = DiagStrategy(stage=2, checkpoint_format=args.format,
+    strategy = DiagStrategy(stage=2, checkpoint_format=args.format, checkpoint_async=args.async_save,
                             diagnostics=DiagnosticsConfig(heartbeat_interval=0.5, hang_timeout=60.0))
     trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=8, limit_train_batches=2,
                          logger=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[ckpt],

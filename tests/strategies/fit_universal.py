@@ -35,8 +35,9 @@ ByteCorpusDataModule.train_dataloader = _train_dataloader
 
 
 def _probe_async_saves(out: str) -> None:
-    """LS_TEST_ASYNC_PROBE=FILE: every write of the layout-free format sleeps 1 s first and records when it started
-    and ended; every training batch records when it started. Rank r writes them to FILE.r.json at exit."""
+    """LS_TEST_ASYNC_PROBE=FILE: every write of the layout-free format sleeps 1 s (LS_TEST_ASYNC_SLEEP) first and
+    records when it started and ended; every training batch records when it started, every checkpoint-folder removal
+    (save_top_k) when it happened. Rank r writes them to FILE.r.json at exit."""
     import atexit
     import json
     import threading
@@ -46,12 +47,14 @@ def _probe_async_saves(out: str) -> None:
 
     from lightning_scale.checkpoint import dcp_format
 
-    record = {"writes": [], "batches": []}
-    real_save = dcp_format.save
+    from lightning_scale.checkpoint import folder
+
+    record = {"writes": [], "batches": [], "removals": []}
+    real_save, real_remove = dcp_format.save, folder.remove
 
     def slow_save(path, *args, **kw):
         start = time.time()
-        time.sleep(1.0)
+        time.sleep(float(os.environ.get("LS_TEST_ASYNC_SLEEP", "1.0")))
         real_save(path, *args, **kw)
         record["writes"].append({"path": os.path.basename(path), "start": start, "end": time.time(),
                                  "thread": threading.current_thread().name})
@@ -59,7 +62,12 @@ def _probe_async_saves(out: str) -> None:
     def on_train_batch_start(self, batch, batch_idx):
         record["batches"].append({"step": self.trainer.global_step, "start": time.time()})
 
+    def remove(path):
+        record["removals"].append({"path": os.path.basename(path), "time": time.time()})
+        real_remove(path)
+
     dcp_format.save = slow_save
+    folder.remove = remove
     pl.LightningModule.on_train_batch_start = on_train_batch_start
 
     def dump():

@@ -19,6 +19,7 @@ import signal
 import sys
 
 import pytest
+import torch
 
 from lightning_scale.testing import run_script
 
@@ -120,3 +121,62 @@ def test_a_job_that_lost_a_rank_continues_on_fewer_ranks_from_its_universal_chec
     diff = max(abs(run["losses"][s] - reference[s]) for s in ("4", "5", "6", "7"))
     print(f"1-rank continuation vs the uninterrupted 2-rank run: max |loss diff| {diff:.2e}")
     assert sorted(run["losses"], key=int) == ["4", "5", "6", "7"] and diff <= 1e-5
+
+
+def _probe(path):
+    record = json.loads(path.read_text())
+    return record["writes"], record["removals"]
+
+
+def _removed_while_another_write_was_in_flight(writes, removals):
+    return [r["path"] for r in removals
+            if any(w["path"] != r["path"] and w["start"] <= r["time"] <= w["end"] for w in writes)]
+
+
+@pytest.mark.slow  # two 2-rank runs whose nine writes are each slowed by 0.3 s: ~40 s on the loaded box
+def test_async_saves_with_top_k_removal_survive_a_kill_during_the_last_ckpt_write(tmp_path, reference):
+    """checkpoint_async=True with ModelCheckpoint(save_top_k=1, save_last=True), every write slowed (fit_universal's
+    probe): save_top_k removes the previous folder while the next one is still being written. Rank 1 is SIGKILLed
+    in the middle of the step-4 write of last.ckpt (its data file written, LIGHTNING_SCALE_TEST_SAVE_FAULT), so the
+    job fails with that write in flight: last.ckpt (step 2) must stay complete beside the half-written staging
+    folder, the rerun (fit(ckpt_path="last")) resumes from it with the uninterrupted run's losses and leaves nothing
+    half-written behind, and its own last.ckpt equals its final checkpoint tensor for tensor."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from lightning_scale.checkpoint import dcp_format
+
+    ckpt, out = tmp_path / "ckpt", tmp_path / "async.jsonl"
+    cmd = [sys.executable, SCRIPT, "--out", str(out), "--ckpt-dir", str(ckpt), "--format", "universal", "--async",
+           "--top-k", "1"]
+    env = dict(os.environ, LS_TEST_ASYNC_SLEEP="0.3")
+    killed = run_script(cmd, timeout=240, cwd=tmp_path, ranks=2, env=dict(
+        env, LS_TEST_ASYNC_PROBE=str(tmp_path / "killed"), LIGHTNING_SCALE_TEST_SAVE_FAULT="after_rank_file@4:1"))
+    assert killed.returncode != 0 and not _lines(out), killed.stdout[-2000:] + killed.stderr[-3000:]
+    writes, removals = _probe(tmp_path / "killed.0.json")
+    assert [r["path"] for r in removals] == ["epoch=0-step=2.ckpt"]
+    assert _removed_while_another_write_was_in_flight(writes, removals) == ["epoch=0-step=2.ckpt"]
+    # the 4th save (epochs 0 and 1, last.ckpt twice) died after the rank files: a hidden staging folder, no manifest
+    names = sorted(os.listdir(ckpt))
+    assert names[1:] == ["epoch=1-step=4.ckpt", "last.ckpt"], names
+    assert names[0].startswith(".last.ckpt.") and names[0].endswith(".partial"), names
+    assert dcp_format.open_checkpoint(str(ckpt / "last.ckpt"))[1]["step"] == 2  # the write in flight never landed
+
+    rerun = run_script(cmd, timeout=240, cwd=tmp_path, ranks=2,
+                       env=dict(env, LS_TEST_ASYNC_PROBE=str(tmp_path / "rerun")))
+    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-5000:]
+    (run,) = _lines(out)
+    assert run["start_step"] == 2 and run["global_step"] == 8  # Lightning's "last": last.ckpt, the step-2 one
+    assert run["losses"] == {s: reference[s] for s in ("2", "3", "4", "5", "6", "7")}, (run["losses"], reference)
+    writes, removals = _probe(tmp_path / "rerun.0.json")
+    assert len(removals) == 2 and _removed_while_another_write_was_in_flight(writes, removals) == \
+        [r["path"] for r in removals]
+    # the killed job's epoch=1-step=4.ckpt is not the rerun's to remove (Lightning wrote epoch=1-step=4-v1.ckpt)
+    assert sorted(os.listdir(ckpt)) == ["epoch=1-step=4.ckpt", "epoch=3-step=8.ckpt", "last.ckpt"]  # no staging
+    last, final = tmp_path / "last.pt", tmp_path / "final.pt"
+    assert dcp_format.open_checkpoint(str(ckpt / "last.ckpt"))[1]["step"] == 8  # every file's size + checksum
+    dcp_to_torch_save(str(ckpt / "last.ckpt"), str(last))
+    dcp_to_torch_save(str(ckpt / "epoch=3-step=8.ckpt"), str(final))
+    a, b = torch.load(last, weights_only=False), torch.load(final, weights_only=False)
+    keys = sorted(k for k, v in a.items() if torch.is_tensor(v))
+    assert keys and keys == sorted(k for k, v in b.items() if torch.is_tensor(v))
+    assert all(torch.equal(a[k], b[k]) for k in keys) and a["extra/lightning"]["global_step"] == 8
