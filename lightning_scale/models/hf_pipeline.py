@@ -17,7 +17,10 @@ they are the ones the unsplit model uses:
   ``config.final_logit_softcapping`` (Gemma2/3) like the CausalLM's forward;
 * a padding ``attention_mask`` travels with the micro-batch: the inputs may be ``(B, 2, T)`` =
   ``stack([input_ids, attention_mask], 1)``; the mask then rides as one extra channel of the hidden
-  state ``(B, T, C + 1)`` (0/1 values, exact in any float dtype) and the head drops it.
+  state ``(B, T, C + 1)`` (0/1 values, exact in any float dtype) and the head drops it. By default
+  (``attention_mask=None``) each batch decides: ``(B, T)`` ids carry no mask, ``(B, 2, T)`` carry one
+  (the layers tell by the width, ``hidden_size + 1``), so one set of layers serves both; the Trainer
+  glue builds ``(B, 2, T)`` from a dict batch's ``attention_mask``.
 
 Tied embeddings need nothing: the head's ``lm_head`` *is* the embedding's Parameter, which the pipeline
 stage finds and keeps in sync. Families without a ``base_model_pp_plan`` (GPT-2, OPT, Falcon...) or whose
@@ -53,8 +56,11 @@ def _hook_hint(model: nn.Module) -> str:
             "lightning_scale.models.hf_pipeline for the pattern)")
 
 
-def _split_mask(x: torch.Tensor, has_mask: bool) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """(B, T, C [+1]) -> hidden (B, T, C), padding mask (B, T) int64 or None."""
+def _split_mask(x: torch.Tensor, has_mask: Optional[bool], width: int
+                ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(B, T, C [+1]) -> hidden (B, T, C), padding mask (B, T) int64 or None. ``has_mask=None``: by the width."""
+    if has_mask is None:
+        has_mask = x.shape[-1] == width + 1
     if not has_mask:
         return x, None
     return x[..., :-1], x[..., -1].round().to(torch.long)
@@ -69,14 +75,14 @@ def _join_mask(h: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
 class HFEmbedding(nn.Module):
     """input_ids (B, T) or stack([ids, attention_mask], 1) (B, 2, T) -> hidden (B, T, C [+1])."""
 
-    def __init__(self, modules: List[nn.Module], has_mask: bool) -> None:
+    def __init__(self, modules: List[nn.Module], has_mask: Optional[bool]) -> None:
         super().__init__()
         self.embed = nn.ModuleList(modules)  # e.g. [embed_tokens] or [embed_in, emb_dropout]
-        self.has_mask = has_mask
+        self.has_mask = has_mask  # None: per batch, from the inputs' shape
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         if inputs.dim() == 3:  # (B, 2, T): ids and padding mask
-            if not self.has_mask:
+            if self.has_mask is False:
                 raise ValueError("inputs of shape (B, 2, T) carry an attention_mask: build the layers with "
                                  "hf_pipeline_layers(model, attention_mask=True)")
             ids, mask = inputs[:, 0], inputs[:, 1]
@@ -93,9 +99,11 @@ class HFEmbedding(nn.Module):
 class HFDecoderLayer(nn.Module):
     """One decoder layer of the model plus what the base model computes for it once per forward."""
 
-    def __init__(self, layer: nn.Module, index: int, config, rotary: Optional[nn.Module], has_mask: bool) -> None:
+    def __init__(self, layer: nn.Module, index: int, config, rotary: Optional[nn.Module],
+                 has_mask: Optional[bool]) -> None:
         super().__init__()
         self.layer, self.index, self.has_mask = layer, index, has_mask
+        self.width = config.hidden_size
         self.rotary = rotary  # shared module (non-persistent inv_freq buffers only)
         self.config = config  # plain attribute: not a module
         types = getattr(config, "layer_types", None)
@@ -112,7 +120,7 @@ class HFDecoderLayer(nn.Module):
         return fn(config=self.config, inputs_embeds=h, attention_mask=padding, cache=None, position_ids=position_ids)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C [+1]) -> same
-        h, padding = _split_mask(x, self.has_mask)
+        h, padding = _split_mask(x, self.has_mask, self.width)
         position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)  # (1, T), as the base model
         kwargs = dict(attention_mask=self._mask(h, padding, position_ids), position_ids=position_ids)
         if self.rotary is not None:
@@ -127,13 +135,14 @@ class HFDecoderLayer(nn.Module):
 class HFHead(nn.Module):
     """Final norm(s) + LM head (+ Gemma's final logit soft-capping): (B, T, C [+1]) -> logits (B, T, V)."""
 
-    def __init__(self, post: List[nn.Module], head: nn.Module, softcap: Optional[float], has_mask: bool) -> None:
+    def __init__(self, post: List[nn.Module], head: nn.Module, softcap: Optional[float], has_mask: Optional[bool],
+                 width: int) -> None:
         super().__init__()
         self.post, self.head = nn.ModuleList(post), head
-        self.softcap, self.has_mask = softcap, has_mask
+        self.softcap, self.has_mask, self.width = softcap, has_mask, width
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h, _ = _split_mask(x, self.has_mask)
+        h, _ = _split_mask(x, self.has_mask, self.width)
         for m in self.post:
             h = m(h)
         logits = self.head(h)
@@ -165,10 +174,11 @@ def _structure(model: nn.Module):
     return base, names[:k], lists[0], names[k + 1:], next(iter(head_plan)), family
 
 
-def hf_pipeline_layers(model: nn.Module, attention_mask: bool = False) -> nn.Sequential:
+def hf_pipeline_layers(model: nn.Module, attention_mask: Optional[bool] = None) -> nn.Sequential:
     """[embedding, decoder layer 0..L-1, head] sharing ``model``'s modules; same math as ``model(ids).logits``.
 
-    ``attention_mask=True``: the inputs are ``stack([input_ids, attention_mask], 1)`` of shape (B, 2, T).
+    ``attention_mask=True``: the inputs are ``stack([input_ids, attention_mask], 1)`` of shape (B, 2, T);
+    ``False``: ids (B, T) only; ``None`` (default): either, per batch.
     """
     if not is_hf_causal_lm(model):
         raise ConfigError(f"pipeline: {type(model).__name__} is not a Hugging Face model")
@@ -182,7 +192,8 @@ def hf_pipeline_layers(model: nn.Module, attention_mask: bool = False) -> nn.Seq
     out: List[nn.Module] = [HFEmbedding([getattr(base, n) for n in pre], attention_mask)]
     out += [HFDecoderLayer(layer, i, config, rotary, attention_mask) for i, layer in enumerate(layers)]
     softcap = getattr(model.config, "final_logit_softcapping", None)
-    out.append(HFHead([getattr(base, n) for n in post], getattr(model, head_name), softcap, attention_mask))
+    out.append(HFHead([getattr(base, n) for n in post], getattr(model, head_name), softcap, attention_mask,
+                      config.hidden_size))
     return nn.Sequential(*out)
 
 

@@ -5,9 +5,15 @@ The contract a LightningModule follows (README, "Pipeline parallelism in Lightni
 * ``pipeline_layers()`` returns the ordered layers (each layer's one tensor output is the next one's
   input); an ``nn.Sequential`` LightningModule works as is. No such sequence -> ``ConfigError``.
 * batches are ``(inputs, targets)``: every pipeline rank gets the same batch (the sampler splits over dp
-  only); the first stage computes on ``inputs``, the last one applies the loss to ``targets``.
+  only); the first stage computes on ``inputs``, the last one applies the loss to ``targets``. Or, as
+  Hugging Face datasets give them, dicts ``{"input_ids", "attention_mask", "labels"}`` (the last two
+  optional): the inputs are ``input_ids``, or ``stack([input_ids, attention_mask], 1)`` so the padding mask
+  travels with each micro-batch (``lightning_scale.models.hf_pipeline``); the targets are ``labels``.
 * ``pipeline_loss(output, target)`` is the loss of one micro-batch on the last stage (default: the mean
-  next-token cross-entropy, ``lm_loss``); the step's loss is the mean over micro-batches.
+  next-token cross-entropy, ``lm_loss``); the step's loss is the mean over micro-batches. A dict batch
+  without ``pipeline_loss`` on a Hugging Face model gets the model's own ``loss_function`` (labels shifted
+  inside, -100 ignored), normalized by the label tokens of the whole batch: the step's loss and gradients
+  are those of ``model(**batch).loss`` on the whole batch, however the padding falls on the micro-batches.
 * ``training_step`` / ``validation_step`` / ``test_step`` are *not* called: the strategy runs the schedule
   instead, then hands the step's mean loss, equal on every rank, to ``pipeline_step_end(stage, loss,
   batch, batch_idx)`` if the module defines it (where it may ``self.log``), else logs ``train_loss``
@@ -22,7 +28,7 @@ The contract a LightningModule follows (README, "Pipeline parallelism in Lightni
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Optional, Tuple
+from typing import Any, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -33,7 +39,24 @@ from lightning_scale.models.gpt import lm_loss
 from lightning_scale.pipeline.placement import PipelinePlacement
 
 
+DICT_KEYS = ("input_ids", "attention_mask", "labels")
+
+
+def _split_dict(batch: Mapping[str, Any]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    extra = sorted(str(k) for k in batch if k not in DICT_KEYS)
+    if "input_ids" not in batch or extra:
+        what = f"keys {extra} the pipeline does not pass on" if extra else "no 'input_ids'"
+        raise ConfigError(f"pipeline parallelism takes dict batches with {', '.join(map(repr, DICT_KEYS))} "
+                          f"(attention_mask and labels optional); this one has {what}. Return (inputs, targets) "
+                          "and define pipeline_layers() for other inputs")
+    ids, mask = batch["input_ids"], batch.get("attention_mask")
+    inputs = ids if mask is None else torch.stack([ids, mask.to(ids.dtype)], 1)  # (B, 2, T): split as one
+    return inputs, batch.get("labels")
+
+
 def split_batch(batch: Any) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    if isinstance(batch, Mapping):
+        return _split_dict(batch)
     if isinstance(batch, (tuple, list)) and len(batch) == 2:
         return batch[0], batch[1]
     if isinstance(batch, torch.Tensor):
@@ -59,8 +82,13 @@ class PipelineGlue:
                               "schedule's backward); set automatic_optimization=True")
 
     @staticmethod
-    def loss_fn(module: nn.Module):
-        return getattr(module, "pipeline_loss", None) or lm_loss
+    def loss_fn(module: nn.Module) -> "PipelineLoss":
+        return PipelineLoss(module)
+
+    def _begin(self, batch: Any) -> None:
+        loss = self.runtime.loss_fn
+        if isinstance(loss, PipelineLoss):
+            loss.begin(batch, self.microbatches)
 
     def check_dataloader(self, dataloader: Any) -> None:
         self.placement.check_dataloader(dataloader)
@@ -71,6 +99,7 @@ class PipelineGlue:
     # ------------------------------------------------------------------ steps
     def train_step(self, strategy, batch, batch_idx: int) -> torch.Tensor:
         inputs, targets = split_batch(batch)
+        self._begin(batch)
         trainer = strategy.lightning_module.trainer
         scaler = getattr(strategy.precision_plugin, "loss_scaler", None)
         scale = float(scaler.scale) if scaler is not None else 1.0
@@ -97,6 +126,7 @@ class PipelineGlue:
 
     def eval_step(self, strategy, stage: str, batch, batch_idx: int) -> torch.Tensor:
         inputs, targets = split_batch(batch)
+        self._begin(batch)
         loss = self.runtime.eval_step(inputs, targets)
         if loss is None:
             raise ConfigError(f"pipeline {stage} step: the batch has no targets for the loss")
@@ -107,7 +137,10 @@ class PipelineGlue:
     def predict_step(self, strategy, batch, batch_idx: int) -> Any:
         """The last stage's outputs for the batch on every pipeline rank, passed through the module's
         ``pipeline_predict_end(outputs, batch, batch_idx)`` when it defines one."""
-        inputs = batch[0] if isinstance(batch, (tuple, list)) else batch
+        if isinstance(batch, Mapping):
+            inputs = split_batch(batch)[0]
+        else:
+            inputs = batch[0] if isinstance(batch, (tuple, list)) else batch
         _, out = self.runtime.eval_step(inputs, None, return_outputs=True)
         box = [out.cpu() if out is not None else None]
         if self.stage.pp > 1:
@@ -136,3 +169,39 @@ class PipelineGlue:
         closure_loss = strategy.precision_plugin.post_backward(closure_loss, module)
         strategy.post_backward(closure_loss)
         return closure_loss
+
+
+class PipelineLoss:
+    """The last stage's loss of one micro-batch: the module's ``pipeline_loss`` (default ``lm_loss``) on
+    ``(inputs, targets)`` batches; on a dict batch (without ``pipeline_loss``) the Hugging Face model's own
+    causal-LM loss, summed over the micro-batch's label tokens and divided by the whole batch's count over the
+    micro-batches (``num_items_in_batch``), so the mean over micro-batches is the whole batch's token mean."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.user = getattr(module, "pipeline_loss", None)
+        self._per_micro: Optional[torch.Tensor] = None  # set per dict batch
+        self._model: Optional[nn.Module] = None
+
+    def begin(self, batch: Any, microbatches: int) -> None:
+        self._per_micro = None
+        if self.user is not None or not isinstance(batch, Mapping) or batch.get("labels") is None:
+            return
+        self._model = self._model or self._hf()
+        if self._model is None:
+            raise ConfigError(f"pipeline parallelism: a dict batch on {type(self.module).__name__}, which holds no "
+                              "Hugging Face causal LM; define pipeline_loss(output, labels) for its loss")
+        labels = batch["labels"]
+        tokens = (labels[..., 1:] != -100).sum().to(torch.float64)  # the targets after the shift, as HF's loss
+        self._per_micro = tokens / microbatches
+
+    def _hf(self) -> Optional[nn.Module]:
+        from lightning_scale.models.hf_pipeline import is_hf_causal_lm
+
+        return next((m for m in self.module.modules() if is_hf_causal_lm(m) and hasattr(m, "loss_function")), None)
+
+    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if self._per_micro is None:
+            return (self.user or lm_loss)(output, target)
+        hf = self._model
+        return hf.loss_function(output, target, hf.config.vocab_size, num_items_in_batch=self._per_micro)

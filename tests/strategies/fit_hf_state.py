@@ -7,7 +7,9 @@ single`` is the one-process reference (one ``full.pt``). The LightningModule has
 ``--lora`` freezes the model and trains hand-written low-rank adapters on every q_proj / v_proj (``LoRALinear``;
 the optimizer is given every parameter, frozen ones included, as user code often does); rank 0 then also writes
 each step's loss, the engine's ``memory_bytes()`` and the bytes the collectives moved during fit
-(``CommCounter``) to ``info.json``.
+(``CommCounter``) to ``info.json``. ``--dict`` feeds the batches as Hugging Face datasets give them
+(``dict_batches``: ``input_ids``, a right-padding ``attention_mask``, ``labels`` with -100 at the padding) and
+the training_step returns ``model(**batch).loss``.
 """
 
 from __future__ import annotations
@@ -53,13 +55,13 @@ def add_lora(model: nn.Module) -> nn.Module:
     return model
 
 
-def llama(vocab: int = VOCAB, tied: bool = False):
+def llama(vocab: int = VOCAB, tied: bool = False, attn: str = "eager"):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         tie_word_embeddings=tied, attn_implementation="eager")
+                         tie_word_embeddings=tied, attn_implementation=attn)
     torch.manual_seed(0)
     return LlamaForCausalLM(config).to(torch.float64).eval()
 
@@ -70,13 +72,33 @@ def batches(vocab: int = VOCAB):
     return list(zip(ids[:, :-1], ids[:, 1:]))
 
 
+def dict_batches(vocab: int = VOCAB):
+    """The batches of :func:`batches` as dicts, rows padded by different amounts (so the two micro-batches of a
+    batch hold different numbers of label tokens), on the left (where the mask changes what real tokens see)
+    and on the right."""
+    out = []
+    pad = [4, 0, -1, 2, 0, -3, 0, 0]  # per row of the STEPS * BATCH rows; > 0: on the left, < 0: on the right
+    for i, (x, _) in enumerate(batches(vocab)):
+        mask, n = torch.ones_like(x), pad[i % len(pad)]
+        if n > 0:
+            mask[:n] = 0
+        elif n < 0:
+            mask[n:] = 0
+        out.append({"input_ids": x, "attention_mask": mask, "labels": x.masked_fill(mask == 0, -100)})
+    return out
+
+
 class LlamaModule(pl.LightningModule):
-    def __init__(self, tied: bool = False, optimizer: str = "sgd", lora: bool = False) -> None:
+    def __init__(self, tied: bool = False, optimizer: str = "sgd", lora: bool = False, attn: str = "eager") -> None:
         super().__init__()
-        self.model = add_lora(llama(tied=tied)) if lora else llama(tied=tied)
+        self.model = llama(tied=tied, attn=attn)
+        if lora:
+            add_lora(self.model)
         self.optimizer, self.lora = optimizer, lora
 
     def training_step(self, batch, batch_idx):  # not called under pp: the strategy runs the schedule
+        if isinstance(batch, dict):
+            return self.model(**batch).loss
         x, y = batch
         return lm_loss(self.model(input_ids=x).logits, y)
 
@@ -117,9 +139,11 @@ def main() -> None:
     ap.add_argument("--optimizer", default="sgd")
     ap.add_argument("--lora", action="store_true")
     ap.add_argument("--precision", default="64-true")
+    ap.add_argument("--dict", action="store_true")
+    ap.add_argument("--attn", default="eager")
     args = ap.parse_args()
-    module = LlamaModule(tied=args.tied, optimizer=args.optimizer, lora=args.lora)
-    loader = torch.utils.data.DataLoader(batches(), batch_size=BATCH)
+    module = LlamaModule(tied=args.tied, optimizer=args.optimizer, lora=args.lora, attn=args.attn)
+    loader = torch.utils.data.DataLoader(dict_batches() if args.dict else batches(), batch_size=BATCH)
     opts = {}
     for o in args.option:
         k, v = o.split("=", 1)
