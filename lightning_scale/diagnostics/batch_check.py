@@ -3,7 +3,7 @@
 A sampler that splits over every rank (``DistributedSampler(num_replicas=world_size, rank=global_rank)``)
 gives tp / pp peers different rows: tp then trains silently wrong when the shapes agree, and aborts in a
 gloo size mismatch or hangs when they do not. :func:`check_same_batch` compares a checksum of the batch
-over every tp group and every pp group with one all-gather of 4 int64 per rank over the world, so every
+over every tp, sp and pp group with one all-gather of 4 int64 per rank over the world, so every
 rank reaches the same verdict and raises the same :class:`BatchMismatchError` (none waits for a peer that
 has already failed). The strategies call it on the first batch of each fit / validate / test / predict run
 and, in debug mode (``diagnostics.debug_collectives`` or ``LIGHTNING_SCALE_DEBUG_COLLECTIVES=1``), on every
@@ -23,11 +23,11 @@ import torch.distributed as dist
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _MOD = (1 << 61) - 1  # shape code: a polynomial in the dims, dtype sizes and tensor order, mod a Mersenne prime
-_AXES = ("tp", "pp")  # the axes whose peers read the same batch ("sp" joins when sequence parallelism lands)
+_AXES = ("tp", "sp", "pp")  # the axes whose peers read the same batch (sp peers slice it after the check)
 
 
 class BatchMismatchError(RuntimeError):
-    """tp or pp peers received different batches. Every rank raises it at the same batch (the checksums
+    """tp, sp or pp peers received different batches. Every rank raises it at the same batch (the checksums
     are gathered over the world), so it is not a "first error" of one rank."""
 
     raised_on_every_rank = True
@@ -81,8 +81,8 @@ def _hex(row: List[int]) -> str:
 
 
 def check_same_batch(batch: Any, topology: Any, *, where: str, device: torch.device) -> None:
-    """Raise :class:`BatchMismatchError` on every rank when the peers of a tp or pp group hold different
-    batches. A collective over the world: every rank calls it for the same batch. No-op without tp / pp."""
+    """Raise :class:`BatchMismatchError` on every rank when the peers of a tp, sp or pp group hold different
+    batches. A collective over the world: every rank calls it for the same batch. No-op without tp / sp / pp."""
     axes = [a for a in _AXES if getattr(topology, a, 1) > 1]
     if not axes or not (dist.is_available() and dist.is_initialized()):
         return

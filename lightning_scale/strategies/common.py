@@ -47,7 +47,7 @@ class GridStrategyMixin:
 
     # ---------------------------------------------------------------- the grid (for users who shard data by hand)
     # A sampler splits over dp only: DistributedSampler(ds, num_replicas=strategy.dp_size, rank=strategy.dp_rank).
-    # Tensor- and pipeline-parallel peers must read the same batch; check_batch verifies it (docs/models.md).
+    # Tensor-, sequence- and pipeline-parallel peers read the same batch; check_batch verifies it (docs/models.md).
     @property
     def dp_rank(self) -> int:
         """This rank's index on the data-parallel axis (what a sampler splits over)."""
@@ -67,6 +67,15 @@ class GridStrategyMixin:
         return self.topology.tp if self.topology is not None else 1
 
     @property
+    def sp_rank(self) -> int:
+        """This rank's index on the sequence-parallel axis (its slice of each sequence)."""
+        return getattr(self.topology, "sp_rank", 0) if self.topology is not None else 0
+
+    @property
+    def sp_size(self) -> int:
+        return getattr(self.topology, "sp", 1) if self.topology is not None else 1
+
+    @property
     def pp_rank(self) -> int:
         """This rank's pipeline stage (0 = the first)."""
         return self.topology.pp_rank if self.topology is not None else 0
@@ -83,14 +92,14 @@ class GridStrategyMixin:
         return batch
 
     def check_batch(self, batch: Any, stage: Optional[str] = None) -> None:
-        """Raise :class:`~lightning_scale.diagnostics.BatchMismatchError` on every rank when tp / pp peers hold
+        """Raise :class:`~lightning_scale.diagnostics.BatchMismatchError` on every rank when tp / sp / pp peers hold
         different batches: on the first batch of each run (stage) always, on every batch in debug mode
         (``diagnostics.debug_collectives`` / ``LIGHTNING_SCALE_DEBUG_COLLECTIVES=1``). A collective: every rank
         calls it once per batch (the Trainer does, through ``batch_to_device``; a Fabric loop may)."""
         from lightning_scale.diagnostics import check_same_batch, trace
 
         topo = self.topology
-        if topo is None or (topo.tp == 1 and topo.pp == 1):
+        if topo is None or (topo.tp == 1 and topo.pp == 1 and getattr(topo, "sp", 1) == 1):
             return
         trainer = getattr(getattr(self, "lightning_module", None), "_trainer", None)
         if stage is None:

@@ -1,7 +1,7 @@
-"""The data contract (issue 14, item 6): tp / pp peers read the same batch, or every rank says so by name.
+"""The data contract (issue 14, item 6): tp / sp / pp peers read the same batch, or every rank says so by name.
 
-Trainer runs on 2 CPU ranks (``fit_data_contract.py``): a loader that shards by global rank under tp=2 and
-under pp=2 ends with :class:`BatchMismatchError` on both ranks at the first batch (no gloo size mismatch, no
+Trainer runs on 2 CPU ranks (``fit_data_contract.py``): a loader that shards by global rank under tp=2, sp=2 and
+pp=2 ends with :class:`BatchMismatchError` on both ranks at the first batch (no gloo size mismatch, no
 hang); a loader that agrees on the first two batches and differs later is caught at its third batch only
 in debug mode. The checksum itself is checked in-process.
 """
@@ -34,7 +34,7 @@ def _run(tmp_path, *args):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("layout", ["tp=2", "pp=2"])
+@pytest.mark.parametrize("layout", ["tp=2", "pp=2", "sp=2"])
 def test_peers_with_different_batches_raise_the_named_error_on_every_rank(tmp_path, layout):
     results = _run(tmp_path, "--shard", "global", "--option", layout)
     axis = layout.split("=")[0]
@@ -58,8 +58,8 @@ def test_debug_mode_checks_every_batch(tmp_path):
 def test_peers_that_follow_the_contract_train_and_see_the_grid(tmp_path):
     """Without debug mode only the first batch is checked: the late split trains (the cheap check's limit)."""
     results = _run(tmp_path, "--shard", "late", "--option", "tp=2")
-    assert results[0] == {"ok": True, "dp": [0, 1, 0, 2, 0, 1]}, results[0]
-    assert results[1] == {"ok": True, "dp": [0, 1, 1, 2, 0, 1]}, results[1]
+    assert results[0] == {"ok": True, "dp": [0, 1, 0, 2, 0, 1, 0, 1]}, results[0]
+    assert results[1] == {"ok": True, "dp": [0, 1, 1, 2, 0, 1, 0, 1]}, results[1]
 
 
 def test_checksum_sees_values_order_shapes_and_dtypes():
