@@ -231,10 +231,12 @@ class _ParallelLinearBase(nn.Module):
         w = module.weight
         layer = cls(in_f, out_f, group=group, bias=module.bias is not None, transposed=transposed,
                     device=w.device, dtype=w.dtype, init=False, **kwargs)
+        layer.weight.requires_grad_(w.requires_grad)  # a frozen base stays frozen, on meta too
+        if module.bias is not None:
+            layer.bias.requires_grad_(module.bias.requires_grad)
         if w.is_meta:
             return layer
         layer.load_full_(w.detach(), None if module.bias is None else module.bias.detach())
-        layer.weight.requires_grad_(w.requires_grad)
         return layer
 
 
