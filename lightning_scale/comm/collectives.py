@@ -7,22 +7,43 @@ third-party backends) the same result is produced through ``all_to_all`` (reduce
 list form of ``all_gather``; both move the same number of bytes, so accounting stays exact.
 
 Under ``torch.compile`` every collective here (and ``Handle.wait``) is a deliberate graph break
-(``torch.compiler.disable``): the collective, its accounting and the hang watchdog's trace run eagerly between
-compiled regions, instead of Dynamo tracing the bookkeeping and recompiling on its counters (about 1 us per call
-in eager mode).
+(``torch.compiler.disable``, applied when Dynamo is imported, so a process that never compiles never imports it): the
+collective, its accounting and the hang watchdog's trace run eagerly between compiled regions, instead of Dynamo
+tracing the bookkeeping and recompiling on its counters (about 1 us per call in eager mode once applied).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
+from lightning_scale._import_hook import run_after_import
 from lightning_scale.comm.accounting import record
 from lightning_scale.diagnostics import trace as _trace
 
-_eager = torch.compiler.disable  # a graph break under torch.compile: see the module docstring
+def _eager(fn: Callable) -> Callable:
+    """A graph break under torch.compile (module docstring). ``torch.compiler.disable`` imports Dynamo (and triton),
+    seconds that a CLI or a rank that never compiles should not pay: the function goes through a one-entry
+    indirection that becomes the disabled wrapper once ``torch._dynamo`` is imported (before anything compiles)."""
+    impl = [fn]
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        return impl[0](*args, **kwargs)
+
+    _EAGER.append((impl, fn))
+    return call
+
+
+_EAGER: list = []
+
+
+def _disable_under_dynamo(_module=None) -> None:
+    for impl, fn in _EAGER:
+        impl[0] = torch.compiler.disable(fn)
 
 # (backend, op) -> True when the native collective failed once and the fallback is used.
 _NATIVE_BROKEN: Dict[Tuple[str, str], bool] = {}
@@ -187,3 +208,6 @@ def broadcast(buf: torch.Tensor, src: int, group=None, *, async_op: bool = False
     seq = _trace.enter("broadcast", _nbytes(buf), group, tag, not async_op)
     work = dist.broadcast(buf, src=src, group=group, async_op=async_op)
     return _result(work, async_op, seq=seq)
+
+
+run_after_import("torch._dynamo", _disable_under_dynamo)  # every @_eager function is defined above
