@@ -6,6 +6,7 @@ Runs ``tests/dist/test_hf_matrix.py``'s full matrix (every family of ``lightning
 x {tp=2, pp=2, pp=2 with a padding mask} x {eager, sdpa}, 2 ranks, float64, 3 SGD steps) and records per
 case the largest per-step loss difference to one process, or the error that refused it; then
 ``tests/dist/test_litgpt.py``'s cases (litgpt's GPT, tp=2 / pp=2 / ZeRO-3 at dp=2, AdamW) for the litgpt rows.
+Everything of ``--out`` from the ``## Beyond the matrix`` heading on is hand-written and kept as it is.
 """
 
 from __future__ import annotations
@@ -21,6 +22,15 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests", "dist"))
 
 TOL = 1e-7
+HAND = "\n## Beyond the matrix\n"  # the hand-written part of docs/models.md, kept across regenerations
+
+
+def _hand_written(path: str) -> list:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        text = f.read()
+    return ("## Beyond the matrix\n" + text.split(HAND, 1)[1]).rstrip("\n").split("\n") if HAND in text else []
 
 
 PRETRAINED = ("Pretrained weights: `AutoModelForCausalLM.from_pretrained(dir)` inside `configure_model` (or "
@@ -82,11 +92,13 @@ def main() -> None:
     ap.add_argument("--litgpt-only", action="store_true",
                     help="rerun only the litgpt cases and replace the litgpt section of --out (HF rows kept)")
     args = ap.parse_args()
+    hand = _hand_written(args.out)
+    tail = ([""] + hand if hand else []) + [""]
     if args.litgpt_only:
         with open(args.out) as f:
             kept = f.read().split("\n## litgpt\n")[0].rstrip("\n").split("\n")
         with open(args.out, "w") as f:
-            f.write("\n".join(kept + _litgpt_lines() + [""]))
+            f.write("\n".join(kept + _litgpt_lines() + tail))
         print(f"wrote {args.out} (litgpt section)")
         return
     result = run_matrix(list(F.FAMILIES), timeout=900)
@@ -109,7 +121,7 @@ def main() -> None:
               "-> `ConfigError` asking for `pipeline_layers()`. Tensor parallel: GPT-2 has a built-in plan; OPT and "
               "Falcon declare no `tp_plan` -> `ConfigError` asking for `tensor.plan`."]
     lines += ["", PRETRAINED]
-    lines += _litgpt_lines() + [""]
+    lines += _litgpt_lines() + tail
     with open(args.out, "w") as f:
         f.write("\n".join(lines))
     print(f"wrote {args.out}")
