@@ -39,6 +39,8 @@ class KillGPT(GPTLightningModule):
         if (args.kill_once and self.trainer.global_step == args.kill_at and self.global_rank == 1
                 and not os.path.exists(args.kill_once)):
             open(args.kill_once, "w").close()
+            if args.kill_agent:  # a lost node: its torchrun agent goes with the rank
+                os.kill(os.getppid(), 9)
             os.kill(os.getpid(), 9)
         loss = super().training_step(batch, batch_idx)
         self.losses[self.trainer.global_step] = float(self.trainer.strategy.reduce(loss.detach(), reduce_op="mean"))
@@ -51,6 +53,9 @@ def main() -> None:
     ap.add_argument("--ckpt-dir", required=True)
     ap.add_argument("--kill-once", default=None)
     ap.add_argument("--kill-at", type=int, default=5)
+    ap.add_argument("--kill-agent", action="store_true", help="with --kill-once: SIGKILL rank 1's torchrun agent too")
+    ap.add_argument("--wait-for-world", type=int, default=0,
+                    help="elastic: a first attempt that met fewer ranks waits for the agent's scale-up restart")
     ap.add_argument("--format", default="sharded", help="Zero3DStrategy(checkpoint_format=...)")
     ap.add_argument("--async", dest="async_save", action="store_true", help="checkpoint_async=True")
     ap.add_argument("--top-k", type=int, default=-1, help="ModelCheckpoint(save_top_k=...)")
@@ -63,6 +68,8 @@ def main() -> None:
         name = f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '-1')}-rank{os.environ.get('RANK', '0')}.pid"
         with open(os.path.join(args.pid_dir, name), "w") as f:
             f.write(str(os.getpid()))
+    if world < args.wait_for_world and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+        time.sleep(600)  # the rendezvous closed before every agent had joined: torchrun restarts us when they have
     if args.stagger and os.environ.get("RANK") == "1" and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")):
         time.sleep(args.stagger)  # rank 0 reaches the store's rendezvous keys first, as it may on any restart
     pl.seed_everything(0, verbose=False)

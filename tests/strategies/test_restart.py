@@ -5,6 +5,9 @@ fit_restart.py trains the tiny GPT at ZeRO-2 for 8 steps (a checkpoint at every 
 ``torchrun --max-restarts=1`` rank 1 SIGKILLs itself at step 5: torchelastic restarts both ranks, which resume from
 the step-4 checkpoint and must give the reference's losses for steps 4-7.
 
+The same script also runs an elastic two-agent job that loses a node and goes on at world size 1 from its universal
+checkpoint, and async saves with save_top_k=1 + save_last=True killed in the middle of a last.ckpt write.
+
 What this caught (both fixed in the library): the restarted ranks read the killed attempt's gloo addresses from
 torchrun's shared store and failed in connectFullMesh (lightning_scale.diagnostics.elastic), and Lightning resumed an
 iteration-based run from an epoch-end checkpoint one batch off (strategies.checkpoint.resume_epoch_end_as_last_batch).
@@ -17,6 +20,7 @@ import os
 import shutil
 import signal
 import sys
+import time
 
 import pytest
 import torch
@@ -88,38 +92,70 @@ def test_torchrun_restarts_a_killed_rank_from_the_last_checkpoint(tmp_path, refe
                      "last.ckpt"], names  # the epochs count on as uninterrupted; nothing half-written left
 
 
-@pytest.mark.slow  # a 2-rank torchrun job that fails, a 1-rank torchrun job and a 1-rank reference: 40-60 s
-def test_a_job_that_lost_a_rank_continues_on_fewer_ranks_from_its_universal_checkpoint(tmp_path, reference):
-    """torchrun restarts at a fixed world size; a run goes on with fewer ranks as a new job on the smaller layout
-    (one host: a second torchrun with fewer processes; several: ``--nnodes=MIN:MAX``, docs/failures.md). The 2-rank
-    job (checkpoint_format="universal", no restarts left) loses rank 1 at step 5 and fails; ``torchrun
-    --nproc-per-node=1`` of the same script resumes its last.ckpt (step 4, written by dp=2) on 1 rank. Its losses equal
-    a 1-rank run started from the same checkpoint, and the uninterrupted 2-rank run's within 1e-5 (the dp=2 -> 1
-    reduction order)."""
+def elastic_agents(tmp, name, *args, nodes=2, timeout=240):
+    """``nodes`` torchrun agents on this host, one rank each, in one elastic c10d rendezvous (``--nnodes=1:nodes``,
+    as on ``nodes`` machines); the rendezvous store is hosted here (``is_host=false`` for every agent), as a head
+    node or etcd would, so that losing any agent leaves it. Returns (the agents' return codes, their output, out
+    lines); kills every agent's and worker's session at the end."""
+    import subprocess
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, multi_tenant=True, wait_for_workers=False)
+    out, pid_dir = tmp / f"{name}.jsonl", tmp / f"{name}.pids"
+    pid_dir.mkdir()
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes=1:{nodes}", "--nproc-per-node=1",
+           "--max-restarts=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{store.port}", f"--rdzv-id={name}",
+           "--rdzv-conf=is_host=false,last_call_timeout=2", SCRIPT, "--out", str(out), "--pid-dir", str(pid_dir),
+           *args]
+    env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")  # the multi-host recipe (docs/failures.md)
+    agents = [subprocess.Popen(cmd, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True) for _ in range(nodes)]
+    deadline = time.monotonic() + timeout
+    try:
+        output = [a.communicate(timeout=max(1.0, deadline - time.monotonic()))[0] for a in agents]
+    finally:
+        for a in agents:
+            try:
+                os.killpg(a.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            a.wait()
+        left = _kill_leftovers(pid_dir)
+    assert not left, f"worker processes left after the agents ended: {left}"
+    return [a.returncode for a in agents], "\n".join(output), _lines(out)
+
+
+@pytest.mark.slow  # two torchrun agents, a re-rendezvous and a 1-rank reference: 40-60 s on the loaded box
+def test_elastic_restart_on_fewer_nodes_resumes_the_universal_checkpoint(tmp_path, reference):
+    """torchrun shrinks the world at node granularity: two agents (two "nodes" of one rank each, ``--nnodes=1:2``)
+    train in the universal format; at step 5 rank 1 SIGKILLs its agent and itself (a lost node). The surviving
+    agent's rank fails, it restarts and meets the rendezvous alone: world size 1, ``fit(ckpt_path="last")`` resumes
+    the step-4 checkpoint written by dp=2. Its losses equal a 1-rank run started from that same checkpoint, and the
+    uninterrupted 2-rank run's within 1e-5 (the dp=2 -> 1 reduction order)."""
     from lightning_scale.checkpoint import dcp_format
 
     ckpt = tmp_path / "ckpt"
-    common = ["--ckpt-dir", str(ckpt), "--format", "universal"]
-    rc, output, runs = torchrun(tmp_path, "lost", *common, "--kill-once", str(tmp_path / "killed"), "--kill-at", "5",
-                                max_restarts=0)
-    assert rc != 0 and not runs, output[-4000:]  # the job failed: no attempt finished
-    meta = dcp_format.open_checkpoint(str(ckpt / "last.ckpt"))[1]
-    assert meta["step"] == 4 and meta["layout"]["dp"] == 2 and meta["layout"]["world_size"] == 2
-    shutil.copytree(ckpt, tmp_path / "same_state")  # the state the smaller job starts from
-
-    rc, output, runs = torchrun(tmp_path, "fewer", *common, nproc=1)
-    assert rc == 0, output[-6000:]
+    codes, output, runs = elastic_agents(tmp_path, "shrink", "--ckpt-dir", str(ckpt), "--format", "universal",
+                                         "--kill-once", str(tmp_path / "killed"), "--kill-at", "5", "--kill-agent",
+                                         "--wait-for-world", "2")
+    assert sorted(codes) == [-signal.SIGKILL, 0], output[-6000:]  # the lost node's agent; the survivor finished
     (run,) = runs
-    assert run["world"] == 1 and run["start_step"] == 4 and run["global_step"] == 8
+    assert run["attempt"] == 1 and run["world"] == 1 and run["start_step"] == 4 and run["global_step"] == 8, run
+    step4 = ckpt / "epoch=1-step=4.ckpt"  # written by the 2-rank attempt, kept (the restart saved steps 6 and 8)
+    assert dcp_format.open_checkpoint(str(step4))[1]["layout"]["world_size"] == 2
+    same = tmp_path / "same_state"
+    same.mkdir()
+    shutil.copytree(step4, same / "last.ckpt")
     out = tmp_path / "same_state.jsonl"
-    proc = run_script([sys.executable, SCRIPT, "--out", str(out), "--ckpt-dir", str(tmp_path / "same_state"),
-                       "--format", "universal"], timeout=240, cwd=tmp_path, ranks=1)
+    proc = run_script([sys.executable, SCRIPT, "--out", str(out), "--ckpt-dir", str(same), "--format", "universal"],
+                      timeout=240, cwd=tmp_path, ranks=1)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    (same,) = _lines(out)
-    assert same["world"] == 1 and same["start_step"] == 4
-    assert run["losses"] == same["losses"], (run["losses"], same["losses"])
+    (one,) = _lines(out)
+    assert one["world"] == 1 and one["start_step"] == 4
+    assert run["losses"] == one["losses"], (run["losses"], one["losses"])
     diff = max(abs(run["losses"][s] - reference[s]) for s in ("4", "5", "6", "7"))
-    print(f"1-rank continuation vs the uninterrupted 2-rank run: max |loss diff| {diff:.2e}")
+    print(f"elastic 1-rank continuation vs the uninterrupted 2-rank run: max |loss diff| {diff:.2e}")
     assert sorted(run["losses"], key=int) == ["4", "5", "6", "7"] and diff <= 1e-5
 
 
