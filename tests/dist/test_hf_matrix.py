@@ -126,6 +126,48 @@ def matrix_worker(rank: int, world_size: int, families) -> dict:
     return out
 
 
+def grid_worker(rank: int, world_size: int, name: str, attn: str) -> list:
+    """dp2 x tp2 x pp2 through parallelize() (the composition the strategies call): the model's own tp_plan, the
+    automatic pipeline adapter (1F1B, 2 micro-batches), a ZeRO-1 engine over dp; per-step losses (dp mean)."""
+    import contextlib
+
+    from lightning_scale.comm import collectives as C
+    from lightning_scale.config import from_flat_kwargs
+    from lightning_scale.models import hf_families as F
+    from lightning_scale.parallelize import local_topology, parallelize
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    config = from_flat_kwargs(stage=1, tp=2, pp=2, microbatches=2, overlap_comm=False)
+    topo = local_topology(config, world_size, rank)
+    model = F.build(name, attn)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    pm = parallelize(model, config, topo, "cpu", optimizers=[opt], loss_fn=_loss)
+    (engine,) = pm.make_engines(overlap_comm=False)
+    losses = []
+    for x, y, _ in _batches(False):
+        xs, ys = x.chunk(topo.dp)[topo.dp_rank], y.chunk(topo.dp)[topo.dp_rank]  # tp / pp peers: the same rows
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(engine.no_sync())
+            loss = pm.pipeline.runtime.train_step(xs, ys)
+        opt.step()  # the engine: gradients reduced over dp, the step on this rank's shard
+        opt.zero_grad()
+        C.all_reduce(loss := loss.detach().clone(), topo.dp_group)
+        losses.append(loss.item() / topo.dp)
+    return losses
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_llama_at_dp2_tp2_pp2_matches_one_process(attn):
+    """One family on the whole grid (8 ranks): what the Trainer's 3D layout runs, without Lightning."""
+    pytest.importorskip("transformers")
+    ref = _reference("llama", attn, False)
+    for rank, got in enumerate(run_distributed(grid_worker, 8, ("llama", attn), timeout=540)):
+        assert max(abs(a - b) for a, b in zip(got, ref)) < 1e-7, (rank, got, ref)
+
+
 def run_matrix(families, timeout: float = 600.0) -> dict:
     results = run_distributed(matrix_worker, 2, (list(families),), timeout=timeout)
     assert results[0].keys() == results[1].keys()
