@@ -28,7 +28,8 @@ def _run(tmp_path, *args):
     results = {}
     for r in (0, 1):
         path = out / f"rank{r}.json"
-        assert path.exists(), f"rank {r} wrote nothing (rc {proc.returncode}):\n{proc.stdout[-3000:]}{proc.stderr[-5000:]}"
+        assert path.exists(), (f"rank {r} wrote nothing (rc {proc.returncode})", proc.stdout[-3000:],
+                               proc.stderr[-5000:])
         results[r] = json.loads(path.read_text())
     return results
 
