@@ -2,6 +2,7 @@
 
     python bench/long_sequence.py                                   # budget 512 MiB, every system
     python bench/long_sequence.py --budget-mib 256 --systems dense,ac_chunked --max-len 4096   # smoke run
+    python bench/long_sequence.py --sp 2 --systems dense,ac_chunked     # Ulysses: each system at sp=1 and sp=2
 
 Systems (one rank: a world-1 gloo group, the real ``parallelize()`` + engine path at ZeRO stage 0, AdamW, fp32):
 
@@ -21,6 +22,17 @@ most the budget. The search doubles the length from ``--start`` while it fits, t
 positions; every probe is a real training step (batch 1). Step times are at the baseline's longest length (and
 at each system's own longest). This machine has no accelerator; ``bench/gpu_long_sequence.py`` is the GPU version.
 
+``--sp N`` (Ulysses sequence parallelism, issue 16 item 3): N gloo ranks on this machine; every system is searched
+twice in the same run, at sp=1 (dp=N replicas, batch 1 each: per rank exactly what one rank holds at ZeRO 0) and at
+sp=N (one sequence over the N ranks, each holding L/N positions). The length reported is the whole sequence; the
+budget holds for every rank (the peak is the maximum over ranks). Model states are replicated at ZeRO stage 0 (the
+search's stage; ``--stage 3`` shards them over dp x sp), so only the activations and the logits shrink with sp.
+``--sp N --peer-rounds R`` then times R interleaved training steps (median) at the dense baseline's longest length
+at sp=N: lightning_scale's all-to-all against DeepSpeed's Ulysses ``deepspeed.sequence.layer.DistributedAttention``
+around the same SDPA core in the same model (positions, loss and engine are lightning_scale's in both; only the
+attention's all-to-alls differ). DeepSpeed must be importable (``DS_ACCELERATOR=cpu``); else the row says so. The
+project's environment has no DeepSpeed; bench/RESULTS.md says how it was installed for the recorded run (a venv).
+
 Not a test: prints a table; nothing asserts.
 """
 
@@ -29,6 +41,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -44,6 +57,7 @@ from lightning_scale.config import from_flat_kwargs  # noqa: E402
 from lightning_scale.memory import LiveTensorBytes  # noqa: E402
 from lightning_scale.models.gpt import GPT, GPTConfig  # noqa: E402
 from lightning_scale.parallelize import local_topology, parallelize  # noqa: E402
+from lightning_scale.sequence_parallel import shard_sequence  # noqa: E402
 
 MiB = 2**20
 SYSTEMS: Dict[str, dict] = {  # name -> (strategy options, loss_chunk, sparse)
@@ -63,9 +77,10 @@ def model_config(args, length: int, chunk: int) -> GPTConfig:
 
 
 def one_step(args, name: str, length: int, topo) -> Tuple[int, float]:
-    """(peak live bytes, seconds) of building the model and training one step at ``length``."""
+    """(peak live bytes, seconds) of building the model and training one step at ``length`` (with sp > 1: the
+    most any rank held, and rank 0's time)."""
     spec = SYSTEMS[name]
-    config = from_flat_kwargs(stage=0, activation_checkpointing=spec["ac"])
+    config = from_flat_kwargs(stage=args.stage, activation_checkpointing=spec["ac"], sp=topo.sp)
     cfg = model_config(args, length, spec["chunk"])
     torch.manual_seed(0)
     with LiveTensorBytes() as mem:
@@ -79,27 +94,34 @@ def one_step(args, name: str, length: int, topo) -> Tuple[int, float]:
         pm = parallelize(model, config, topo, "cpu", optimizers=lambda m=model: [torch.optim.AdamW(m.parameters())])
         (engine,) = pm.make_engines()
         idx = torch.randint(0, cfg.vocab_size, (1, length + 1), generator=torch.Generator().manual_seed(length))
+        x, y = shard_sequence((idx[:, :-1], idx[:, 1:]), topo.sp_rank, topo.sp)  # this rank's L / sp positions
         start = time.perf_counter()
-        model.loss(idx[:, :-1], idx[:, 1:]).backward()
+        model.loss(x, y).backward()
         engine.step()
         engine.zero_grad()
         seconds = time.perf_counter() - start
         engine.remove_hooks()
         del engine, pm, model
+    if dist.get_world_size() > 1:
+        peak = torch.tensor([float(mem.peak)], dtype=torch.float64)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        return int(peak.item()), seconds
     return mem.peak, seconds
 
 
-def longest(args, name: str, topo, cache: Dict[Tuple[str, int], Tuple[int, float]]) -> Tuple[int, Optional[int]]:
-    """(longest fitting length, the first failing length probed) on the --granularity grid."""
+def longest(args, row: str, name: str, topo, cache: Dict[Tuple[str, int], Tuple[int, float]]
+            ) -> Tuple[int, Optional[int]]:
+    """(longest fitting length, the first failing length probed) on the --granularity grid. Every rank searches the
+    same lengths (the peaks are reduced over ranks), so the collectives stay in step."""
     budget = args.budget_mib * MiB
 
     def fits(length: int) -> bool:
-        if (name, length) not in cache:
-            cache[(name, length)] = one_step(args, name, length, topo)
-            peak, sec = cache[(name, length)]
-            print(f"  {name:18s} L={length:6d}: peak {peak / MiB:7.1f} MiB, step {sec:6.2f} s "
-                  f"{'fits' if peak <= budget else 'over'}", flush=True)
-        return cache[(name, length)][0] <= budget
+        if (row, length) not in cache:
+            cache[(row, length)] = one_step(args, name, length, topo)
+            peak, sec = cache[(row, length)]
+            say(f"  {row:22s} L={length:6d}: peak {peak / MiB:7.1f} MiB, step {sec:6.2f} s "
+                f"{'fits' if peak <= budget else 'over'}")
+        return cache[(row, length)][0] <= budget
 
     good, bad, length = 0, None, args.start
     while length <= args.max_len and fits(length):
@@ -118,6 +140,11 @@ def longest(args, name: str, topo, cache: Dict[Tuple[str, int], Tuple[int, float
     return good, bad
 
 
+def say(*parts) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(*parts, flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--budget-mib", type=float, default=512)
@@ -129,29 +156,52 @@ def main() -> None:
     ap.add_argument("--granularity", type=int, default=256)
     ap.add_argument("--max-len", type=int, default=32768)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--sp", type=int, default=1, help="N > 1: N ranks, every system at sp=1 (dp=N) and sp=N")
+    ap.add_argument("--stage", type=int, default=0, help="ZeRO stage of every system (3: states over dp x sp)")
+    ap.add_argument("--peer-rounds", type=int, default=0, help="with --sp: step-time rounds vs DeepSpeed Ulysses")
+    ap.add_argument("--peer-length", type=int, default=0, help="with --peer-rounds: this length, no search")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
     names = [s for s in args.systems.split(",") if s]
     unknown = [s for s in names if s not in SYSTEMS]
     if unknown:
         raise SystemExit(f"unknown systems {unknown}; known: {', '.join(SYSTEMS)}")
     store = os.path.join(tempfile.mkdtemp(prefix="ls_longseq_"), "store")
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    topo = local_topology(from_flat_kwargs(stage=0), 1, 0)
-    print(f"# long_sequence: GPT d512 x {args.layers} layers, {args.heads} heads, vocab {args.vocab}, fp32, batch 1, "
-          f"AdamW, 1 rank; budget {args.budget_mib:.0f} MiB of live tensor bytes; "
-          f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} CPUs", flush=True)
+    if args.sp == 1:
+        run(0, args, names, store)
+    else:
+        import torch.multiprocessing as mp
+
+        mp.spawn(run, args=(args, names, store), nprocs=args.sp)
+
+
+def run(rank: int, args, names, store: str) -> None:
+    world = args.sp
+    torch.set_num_threads(max(1, args.threads // world))
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    if world > 1:
+        sp_topo = local_topology(from_flat_kwargs(stage=args.stage, sp=world), world, rank)
+        names = [n for name in names for n in (name, f"sp{world}_{name}")]
+    topo = local_topology(from_flat_kwargs(stage=args.stage), world, rank)
+    topo_of = lambda name: sp_topo if name.startswith("sp") and world > 1 else topo  # noqa: E731
+    spec_of = lambda name: name.split("_", 1)[1] if name.startswith("sp") and world > 1 else name  # noqa: E731
+    say(f"# long_sequence: GPT d512 x {args.layers} layers, {args.heads} heads, vocab {args.vocab}, fp32, batch 1, "
+        f"AdamW, ZeRO {args.stage}, {world} rank(s); budget {args.budget_mib:.0f} MiB of live tensor bytes per rank; "
+        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} CPUs")
+    if world > 1 and args.peer_length:
+        compare_deepspeed(args, args.peer_length, sp_topo)
+        dist.destroy_process_group()
+        return
     cache: Dict[Tuple[str, int], Tuple[int, float]] = {}
-    found = {name: longest(args, name, topo, cache) for name in names}
+    found = {name: longest(args, name, spec_of(name), topo_of(name), cache) for name in names}
     base = found.get("dense", (0, None))[0] if "dense" in found else None
     if base:  # every system's step time at the baseline's length, measured in this run
         for name in names:
             if (name, base) not in cache and found[name][0] >= base:
-                cache[(name, base)] = one_step(args, name, base, topo)
-    print()
-    print(f"| system | longest L (budget {args.budget_mib:.0f} MiB) | x dense | peak MiB at longest | "
-          f"step s at longest | step s at dense's L={base} | x dense time |")
-    print("|---|---|---|---|---|---|---|")
+                cache[(name, base)] = one_step(args, spec_of(name), base, topo_of(name))
+    say()
+    say(f"| system | longest L (budget {args.budget_mib:.0f} MiB) | x dense | x sp=1 | peak MiB at longest | "
+        f"step s at longest | step s at dense's L={base} | x dense time |")
+    say("|---|---|---|---|---|---|---|---|")
     for name in names:
         good, bad = found[name]
         bound = "" if bad is not None else " (>=, --max-len)"
@@ -160,8 +210,72 @@ def main() -> None:
         at_base = cache.get((name, base)) if base else None
         t_base = f"{at_base[1]:.2f}" if at_base else "-"
         t_ratio = f"{at_base[1] / cache[('dense', base)][1]:.2f}" if at_base and ("dense", base) in cache else "-"
-        print(f"| {name} | {good}{bound} | {ratio} | {peak / MiB:.0f} | {sec:.2f} | {t_base} | {t_ratio} |")
+        one = found.get(spec_of(name), (0, None))[0] if name != spec_of(name) else 0
+        sp_ratio = f"{good / one:.2f}" if one else "-"
+        say(f"| {name} | {good}{bound} | {ratio} | {sp_ratio} | {peak / MiB:.0f} | {sec:.2f} | {t_base} | {t_ratio} |")
+    if world > 1 and args.peer_rounds and base:
+        compare_deepspeed(args, base, sp_topo)
     dist.destroy_process_group()
+
+
+def deepspeed_cores(model, group) -> None:
+    """Every GPT attention core through DeepSpeed's Ulysses DistributedAttention instead of ours (same SDPA)."""
+    from deepspeed.sequence.layer import DistributedAttention
+
+    def local(q, k, v, *a, **kw):  # DeepSpeed hands (B, L, H/sp, D); the core takes (B, H, L, D)
+        out = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                               is_causal=True)
+        return out.transpose(1, 2)
+
+    ulysses = DistributedAttention(local, group, scatter_idx=2, gather_idx=1)
+    for block in model.blocks:
+        def forward(q, k, v, ulysses=ulysses):  # (B, H, L/sp, D) -> (B, L/sp, H, D) -> DeepSpeed -> (B, H, L/sp, D)
+            return ulysses(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0).transpose(1, 2)
+        block.attn.core.forward = forward
+
+
+def compare_deepspeed(args, length: int, topo) -> None:
+    try:
+        import deepspeed.sequence.layer  # noqa: F401
+    except Exception as err:  # noqa: BLE001 (any import failure: the peer cannot run here)
+        say(f"\nDeepSpeed Ulysses DistributedAttention: not run ({type(err).__name__}: {err})")
+        return
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")  # wraps the process group that exists already
+    times: Dict[str, list] = {"lightning_scale": [], "deepspeed": []}
+    for r in range(-1, args.peer_rounds):  # round -1: warm-up, not counted
+        for who in (list(times) if r % 2 == 0 else list(times)[::-1]):
+            config = from_flat_kwargs(stage=args.stage, sp=topo.sp)
+            torch.manual_seed(0)
+            model = GPT(model_config(args, length, 512))
+            pm = parallelize(model, config, topo, "cpu", optimizers=lambda m=model: [torch.optim.AdamW(m.parameters())])
+            if who == "deepspeed":
+                deepspeed_cores(model, topo.sp_group)
+            (engine,) = pm.make_engines()
+            idx = torch.randint(0, args.vocab, (1, length + 1), generator=torch.Generator().manual_seed(length))
+            x, y = shard_sequence((idx[:, :-1], idx[:, 1:]), topo.sp_rank, topo.sp)
+            dist.barrier()
+            start = time.perf_counter()
+            loss = model.loss(x, y)
+            loss.backward()
+            engine.step()
+            engine.zero_grad()
+            t = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            if r >= 0:
+                times[who].append(float(t))
+            say(f"  round {r} {who:16s} L={length} sp={topo.sp}: loss {float(loss.detach()):.6f}, "
+                f"step {float(t):.2f} s")
+            engine.remove_hooks()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    say(f"\n| sp={topo.sp}, L={length}, {args.peer_rounds} rounds | median step s | tokens/s | "
+        f"x DeepSpeed |")
+    say("|---|---|---|---|")
+    for who, t in med.items():
+        say(f"| {who} (DeepSpeed {deepspeed.__version__}) | {t:.2f} | {length / t:.0f} | {med['deepspeed'] / t:.2f} |"
+            if who == "deepspeed" else f"| {who} | {t:.2f} | {length / t:.0f} | {med['deepspeed'] / t:.2f} |")
+
 
 
 if __name__ == "__main__":
