@@ -55,6 +55,19 @@ def add_lora(model: nn.Module) -> nn.Module:
     return model
 
 
+# tp=2 with the adapters: the model's own tp_plan no longer fits (q_proj / v_proj are LoRALinear: refused by name), so
+# a user plan: the frozen base layers as in Llama's tp_plan, A split and gathered (its input gradient is summed over
+# tp), B split like the layer it adds to
+LORA_TP_PLAN = {"lm_head": "colwise_gather_output", "model.embed_tokens": "embedding_rowwise",
+                "model.layers.*.self_attn.k_proj": "colwise", "model.layers.*.self_attn.o_proj": "rowwise",
+                "model.layers.*.mlp.gate_proj": "colwise", "model.layers.*.mlp.up_proj": "colwise",
+                "model.layers.*.mlp.down_proj": "rowwise"}
+for _p in ("q_proj", "v_proj"):
+    LORA_TP_PLAN.update({f"model.layers.*.self_attn.{_p}.base": "colwise",
+                         f"model.layers.*.self_attn.{_p}.lora_A": "colwise_gather_output",
+                         f"model.layers.*.self_attn.{_p}.lora_B": "colwise"})
+
+
 def llama(vocab: int = VOCAB, tied: bool = False, attn: str = "eager"):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -148,6 +161,8 @@ def main() -> None:
     for o in args.option:
         k, v = o.split("=", 1)
         opts[k] = int(v) if v.isdigit() else v
+    if args.lora and opts.get("tp", 1) > 1:
+        opts["plan"] = LORA_TP_PLAN
     strategy = "auto" if args.strategy == "single" else Zero3DStrategy(**opts)
     rec = Record()
     trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=STEPS,

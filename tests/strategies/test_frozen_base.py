@@ -86,3 +86,18 @@ def test_frozen_base_takes_no_state_and_no_traffic(tmp_path, reference, stage, p
     rest = sum(v for k, v in comm.items() if k not in ("reduce_scatter", "all_gather"))
     assert rest <= 16 * steps, comm  # the one-flag non-finite vote per step
     assert comm["reduce_scatter"] < (N - 1) / N * frozen * size / 10  # far from even one step of the base
+
+
+@pytest.mark.timeout(300)
+def test_frozen_base_with_adapters_at_tp2(tmp_path, reference):
+    """tp=2 (dp=1) with a plan for the adapters (``fit_hf_state.LORA_TP_PLAN``; the model's own tp_plan is refused by
+    name: q_proj is a LoRALinear): losses equal one process; Adam state only for this rank's adapter slices."""
+    ref_losses, trainable, _ = reference
+    args = ["--devices", "2", "--optimizer", "adam", "--lora", "--option", "tp=2", "--option", "stage=1"]
+    proc = run_script([sys.executable, SCRIPT, "--out-dir", str(tmp_path), *args], timeout=240, cwd=tmp_path,
+                      ranks=2, preload=HF_PRELOAD)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    info = json.loads((tmp_path / "info.json").read_text())
+    assert max(abs(a - b) for a, b in zip(info["losses"], ref_losses)) < 1e-12, (info["losses"], ref_losses)
+    (mem,) = info["memory"]
+    _close(mem["optimizer_state"], 2 * 8 * trainable / 2, "Adam state: this rank's adapter slices")
