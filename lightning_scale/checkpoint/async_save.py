@@ -42,6 +42,11 @@ class AsyncSaver:
     def in_flight(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    @property
+    def unconfirmed(self) -> bool:
+        """A save was started and not waited for yet: it may still be writing, or may have failed."""
+        return self._thread is not None or self._error is not None
+
     def wait(self) -> None:
         """Block until the save in flight is written; raise its error, if it failed."""
         if self._thread is not None:

@@ -35,7 +35,8 @@ from lightning_scale.materialize import has_meta
 from lightning_scale.parallelize import ParallelModel, check_config, parallelize
 from lightning_scale.strategies import diagnostics_glue
 from lightning_scale.strategies.common import GridStrategyMixin
-from lightning_scale.strategies.checkpoint import load_sharded, remove_sharded, save_sharded, wait_async_save
+from lightning_scale.strategies.checkpoint import (defer_removal, load_sharded, remove_sharded, save_sharded,
+                                                   wait_async_save)
 from lightning_scale.strategies.pipeline_glue import PipelineGlue
 from lightning_scale.strategies.precision import ZeroPrecision
 from lightning_scale.strategies.report import layout_table
@@ -396,6 +397,8 @@ class Zero3DStrategy(GridStrategyMixin, ParallelStrategy):
 
     def remove_checkpoint(self, filepath: Any) -> None:
         wait_async_save(self, filepath)  # only when the save in flight writes that very folder
+        if defer_removal(self, filepath):  # another save is in flight: removed once it is written
+            return
         if self.is_global_zero:
             if os.path.isdir(str(filepath)):
                 remove_sharded(str(filepath))

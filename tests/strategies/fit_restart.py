@@ -59,6 +59,7 @@ def main() -> None:
     ap.add_argument("--format", default="sharded", help="Zero3DStrategy(checkpoint_format=...)")
     ap.add_argument("--async", dest="async_save", action="store_true", help="checkpoint_async=True")
     ap.add_argument("--top-k", type=int, default=-1, help="ModelCheckpoint(save_top_k=...)")
+    ap.add_argument("--no-last", action="store_true", help="ModelCheckpoint(save_last=False)")
     ap.add_argument("--pid-dir", default=None, help="each rank writes its pid here (the test kills leftovers)")
     ap.add_argument("--stagger", type=float, default=0.0,
                     help="on a torchrun restart, rank 1 waits this long before it joins the process group")
@@ -77,8 +78,8 @@ def main() -> None:
     model = KillGPT(args, model=cfg, lr=3e-3, warmup_steps=2, max_steps=8)
     data = ByteCorpusDataModule(seq_len=cfg.seq_len, batch_size=8 // world, source="random", vocab_size=64,
                                 random_length=256, shuffle=False, max_bytes=2**20)
-    ckpt = pl.callbacks.ModelCheckpoint(dirpath=args.ckpt_dir, save_last=True, save_top_k=args.top_k, every_n_epochs=1,
-                                        save_on_train_epoch_end=True)
+    ckpt = pl.callbacks.ModelCheckpoint(dirpath=args.ckpt_dir, save_last=not args.no_last, save_top_k=args.top_k,
+                                        every_n_epochs=1, save_on_train_epoch_end=True)
     strategy = DiagStrategy(stage=2, checkpoint_format=args.format, checkpoint_async=args.async_save,
                             diagnostics=DiagnosticsConfig(heartbeat_interval=0.5, hang_timeout=60.0))
     trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=8, limit_train_batches=2,
