@@ -171,7 +171,7 @@ def _estimates(strategy: Any) -> Optional[Tuple[List[Any], Any, int, Tuple[int, 
         name = type(_engine_optimizer(engines[0])).__name__.lower()
         optimizer = name if name in STATE_PER_ELEMENT else 2
     selected = (cfg.zero.stage, _offload_choice(cfg.offload))
-    rows = estimate_all(params, dp=strategy.topology.dp,
+    rows = estimate_all(params, dp=strategy.topology.dp * getattr(strategy.topology, "sp", 1),  # ZeRO: dp x sp
                         precision=str(getattr(strategy.precision_plugin, "precision", "32-true")),
                         largest_unit_params=min(counts["largest_unit_params"], params),
                         persistent_params=min(counts["persistent_params"], params),
@@ -191,9 +191,15 @@ def estimate_section(strategy: Any, estimates=None) -> Optional[str]:
         return None
     rows, mine, params, selected = estimates
     header = (f"  memory estimate per rank (python -m lightning_scale.estimate; {params:,} params, "
-              f"dp={strategy.topology.dp}, model states only, * = this run):")
+              f"dp={strategy.topology.dp}{_sp(strategy.topology)}, model states only, * = this run):")
     table = format_table(rows, selected=selected, unit=_unit(mine))
     return header + "\n" + "\n".join("  " + line for line in table.splitlines())
+
+
+def _sp(topo: Any) -> str:
+    """The sequence-parallel axis where there is one (ZeRO then shards over dp x sp)."""
+    sp = getattr(topo, "sp", 1)
+    return f" x sp={sp}" if sp > 1 else ""
 
 
 def _unit(row: Any) -> str:
@@ -203,7 +209,7 @@ def _unit(row: Any) -> str:
 def layout_table(strategy: Any) -> str:
     topo, cfg = strategy.topology, strategy.config
     module = _module(strategy)
-    rows = [("layout", f"dp={topo.dp} x pp={topo.pp} x tp={topo.tp} (world {topo.world_size})"),
+    rows = [("layout", f"dp={topo.dp} x pp={topo.pp} x tp={topo.tp}{_sp(topo)} (world {topo.world_size})"),
             ("ZeRO stage", str(cfg.zero.stage) + (f", offload {_offload_choice(cfg.offload)}"
                                                   if _offload_choice(cfg.offload) != "none" else "")),
             ("precision", precision_in_effect(strategy))]

@@ -262,3 +262,25 @@ def test_fabric_refuses_sp_until_it_slices_batches():
 
     with pytest.raises(ConfigError, match=r"^sp=2: sequence parallelism is not wired into the Fabric strategy"):
         Zero3DFabricStrategy(sp=2)
+
+
+def test_startup_table_names_sp_and_estimates_over_dp_x_sp():
+    from types import SimpleNamespace
+
+    from lightning_scale.strategies import report
+    from lightning_scale.topology import Topology
+
+    assert report._sp(Topology(dp=2, sp=2)) == " x sp=2" and report._sp(Topology(dp=4)) == ""
+    seen = {}
+    real = report.estimate_all
+    report.estimate_all = lambda params, dp, **kw: seen.setdefault("dp", dp) and real(params, dp=dp, **kw)
+    try:
+        from lightning_scale.config import ParallelConfig
+        from lightning_scale.models.gpt import GPT, gpt_tiny
+
+        strategy = SimpleNamespace(lightning_module=GPT(gpt_tiny()), engines=[], topology=Topology(dp=2, sp=2),
+                                   config=ParallelConfig(sp=2), precision_plugin=SimpleNamespace(precision="32-true"))
+        assert "dp=2 x sp=2" in report.estimate_section(strategy)
+    finally:
+        report.estimate_all = real
+    assert seen["dp"] == 4  # model states are sharded over dp x sp
