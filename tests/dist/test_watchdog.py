@@ -23,6 +23,7 @@ def _hang_worker(rank: int, world_size: int) -> None:
     from lightning_scale.comm import collectives as C
     from lightning_scale.diagnostics import start_watchdog, trace
 
+    torch.distributed.barrier()  # both ranks up (untraced): a peer slow to start is not the hang under test
     start_watchdog(DiagnosticsConfig(**CFG))
     buf = torch.ones(16)
     for step in range(3):
@@ -60,6 +61,7 @@ def _mismatch_worker(rank: int, world_size: int) -> None:
     from lightning_scale.comm import collectives as C
     from lightning_scale.diagnostics import start_watchdog
 
+    torch.distributed.barrier()  # both ranks up before the watchdog's clock starts
     wd = start_watchdog(DiagnosticsConfig(**CFG))
     with wd.guard():
         C.all_reduce(torch.ones(4), tag="grad")
@@ -83,6 +85,7 @@ def _fail_worker(rank: int, world_size: int, how: str) -> None:
     from lightning_scale.comm import collectives as C
     from lightning_scale.diagnostics import start_watchdog
 
+    torch.distributed.barrier()  # both ranks up before the watchdog's clock starts
     wd = start_watchdog(DiagnosticsConfig(**CFG))
     with wd.guard():
         for step in range(4):
