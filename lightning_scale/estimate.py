@@ -81,6 +81,7 @@ unit's reduce-scatter (and its staging gradients) in flight while the next unit'
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import sys
 from dataclasses import dataclass, field
@@ -370,8 +371,22 @@ def _model_from_spec(spec: str):
         cfg = factories[name](**overrides)
     except TypeError as err:
         raise ConfigError(f"--model={spec!r}: {err}") from err
-    with torch.device("meta"):
+    with torch.device("meta"), _no_init(torch):
         return gpt.GPT(cfg)
+
+
+@contextlib.contextmanager
+def _no_init(torch):
+    """Meta tensors hold no values: skip the random init. Its meta kernels go through torch's reference
+    implementations, which import torch._dynamo (~1.5 s of the CLI's start)."""
+    saved = {name: getattr(torch.Tensor, name) for name in ("normal_", "uniform_")}
+    for name in saved:
+        setattr(torch.Tensor, name, lambda self, *a, **k: self)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.Tensor, name, fn)
 
 
 def _count(text: str) -> float:
