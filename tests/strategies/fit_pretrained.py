@@ -15,6 +15,7 @@ import warnings
 
 import lightning.pytorch as pl
 import torch
+from fit_hf import Losses  # the same per-step loss recorder as the unchanged-model runs
 
 import lightning_scale  # noqa: F401  (registers the strategies)
 from lightning_scale import Zero3DStrategy
@@ -40,15 +41,6 @@ class Finetune(pl.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.5)
-
-
-class Losses(pl.Callback):
-    def __init__(self) -> None:
-        self.losses = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-        self.losses.append(float(trainer.strategy.reduce(loss.detach().float(), reduce_op="mean")))
 
 
 def main() -> None:
