@@ -276,17 +276,17 @@ def tp_flat_piece(key: str, flat: torch.Tensor, local_shape: Sequence[int], star
     if spec.sections == 1:
         return flat_piece(key, flat, local, start, tp=TPSlice(spec.dim, tp_rank * spec.local_size),
                           global_shape=padded, true_shape=true)
-    d, sl, part = spec.dim, spec.section_local, spec.size // spec.sections
+    d = spec.dim
     piece = Piece(key, tuple(true), flat.dtype)
     for chunk, pos in flat_range_to_chunks(local, start, start + flat.numel()):
         view = flat[pos:pos + chunk.numel].view(chunk.sizes)
         a, n = chunk.offsets[d], chunk.sizes[d]
-        for k in range(spec.sections):  # local rows [k*sl, (k+1)*sl) = global k*part + tp_rank*sl + [0, sl)
-            lo, hi = max(a, k * sl), min(a + n, (k + 1) * sl)
+        for loc, glob, sl in spec.pieces(tp_rank):  # local rows [loc, loc + sl) = global [glob, glob + sl)
+            lo, hi = max(a, loc), min(a + n, loc + sl)
             if lo >= hi:
                 continue
             offsets, sizes = list(chunk.offsets), list(chunk.sizes)
-            offsets[d], sizes[d] = k * part + tp_rank * sl + lo - k * sl, hi - lo
+            offsets[d], sizes[d] = glob + lo - loc, hi - lo
             piece.chunks.append(Chunk(tuple(offsets), tuple(sizes)))
             piece.tensors.append(view.narrow(d, lo - a, hi - lo))
     return piece

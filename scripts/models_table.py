@@ -61,24 +61,28 @@ def _litgpt_lines() -> list:
     res = run_distributed(L.litgpt_worker, 2, timeout=600)[0]
     layouts = ["tp2", "pp2", "zero3"]
     lines = ["", "## litgpt", "", "litgpt's `GPT` (`lightning_scale.models.litgpt_adapter`: automatic pipeline adapter, built-in "
-             "tp plan), tiny `Config`s of `tests/dist/test_litgpt.py`, 2 ranks, 3 AdamW steps; tolerance 1e-7 "
+             "tp plan), tiny `Config`s of `tests/dist/test_litgpt.py`, 2 ranks, 3 AdamW steps; tolerance 1e-10 "
              "(float64) / 1e-5 (float32).", "",
              "| config | what it exercises | " + " | ".join(layouts) + " |", "|---|---|" + "---|" * len(layouts)]
     what = {"neox": "MHA, parallel residual, partial rotary, per-head q/k norms (tp: heads split)",
-            "llama": "GQA 4/2, RMSNorm, gated MLP, scaled embedding, sliding window, soft-capping (tp: qkv gathered)",
-            "mqa": "one kv group (tp: qkv gathered)"}
+            "llama": "GQA 4/2, RMSNorm, gated MLP, scaled embedding, sliding window, soft-capping (tp: q heads and "
+                     "kv groups split)",
+            "mqa": "one kv group (tp2: the built-in plan refused; a user plan gathering qkv)"}
     for name in L.CONFIGS:
         cells = []
         for layout in layouts:
-            case = next(((n, lay, d) for n, lay, d in L.CASES if n == name and lay == layout), None)
+            case = next(((n, lay, d) for n, lay, d in L.CASES if n == name and lay.startswith(layout)), None)
             if case is None:
                 cells.append("n/a")
                 continue
-            ref, got = L._reference(*((name, case[2]))), res[(name, layout, str(case[2]))]["losses"]
-            diff, tol = max(abs(a - b) for a, b in zip(ref, got)), 1e-7 if case[2] == torch.float64 else 1e-5
+            ref, got = L._reference(name, case[2])[0], res[case[:2] + (str(case[2]),)]["losses"]
+            diff, tol = max(abs(a - b) for a, b in zip(ref, got)), 1e-10 if case[2] == torch.float64 else 1e-5
             cells.append(f"{'ok' if diff <= tol else 'FAIL'} ({diff:.0e}, {str(case[2])[6:]})")
         lines.append(f"| {name} | {what.get(name, '')} | " + " | ".join(cells) + " |")
-    lines += ["", f"Refused by name: {res['heads']!r}; {res['sequence_parallel']!r}."]
+    lines += ["", f"Refused by name: {res['heads']!r}; {res['kv_groups']!r}; {res['sequence_parallel']!r}.",
+              "", "At tp the consolidated parameters after the 3 steps equal one process's within 1e-10 (float64). "
+              "dp2 x tp2 (4 ranks, llama, `test_gqa_dp2_tp2_equals_one_process`, slow): losses within 1e-10, "
+              "parameters within 1e-8 (8.8e-9 seen, as at dp2 x tp1: Adam on near-zero gradients)."]
     return lines
 
 

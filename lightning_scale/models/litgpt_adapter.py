@@ -15,15 +15,18 @@ applies ``scale_embeddings``.
 **Tensor parallel.** litgpt's attention reads ``n_head`` / ``n_query_groups`` from the ``config`` object that
 every block shares, so splitting the fused ``attn.qkv`` alone crashes deep in litgpt (``split_with_sizes ...
 got [64, 64, 64]``). :func:`litgpt_tp_plan` gives each ``CausalSelfAttention`` its own view of the config
-(:class:`_AttentionConfig`) whose head counts are the attention's attributes ``n_head`` / ``n_kv_head``, which
+(:class:`_AttentionConfig`) whose head counts are the attention's attributes ``n_head`` / ``n_query_groups``, which
 the plan machinery (``tensor_parallel.plan._parent_fixes``) divides by tp when it splits heads. The plan:
 
-* multi-head attention (``n_query_groups == n_head``): ``attn.qkv`` ``qkv_colwise`` (litgpt's layout is
-  ``[q | k | v]``, each part split by whole heads), ``attn.proj`` ``rowwise``; per-head q/k norms
-  (``norm_qk``, default type) ``replicated_with_grad_allreduce`` (they see only this rank's heads);
-* grouped-query attention: ``[q | k | v]`` has parts of unequal sizes, which the shard specs cannot split per
-  head yet, so ``attn.qkv`` is ``colwise_gather`` (weights split, output gathered: every rank runs all heads)
-  and ``attn.proj`` ``rowwise_split_input`` -- the same math, the attention core not divided;
+* attention: ``attn.qkv`` ``qkv_colwise``, ``attn.proj`` ``rowwise``. litgpt 0.5.13's fused layout is
+  ``[q | k | v]`` (``CausalSelfAttention.forward`` splits it by ``(n_head, n_query_groups, n_query_groups) *
+  head_size``; not interleaved per group), so for grouped-query attention the three parts differ in size and
+  each is split over tp by whole heads (``ShardSpec.parts``): rank r holds q heads ``r*H/tp ...`` and kv groups
+  ``r*G/tp ...``, and litgpt's ``repeat_interleave`` pairs every local q head with its own group. tp must divide
+  ``n_query_groups`` (multi-query attention at tp=2 is refused by name; a user plan with ``attn.qkv``
+  ``colwise_gather`` and ``attn.proj`` ``rowwise_split_input`` runs every head on every rank instead).
+  Per-head q/k norms (``norm_qk``, default type) ``replicated_with_grad_allreduce`` (they see only this rank's
+  heads);
 * MLP ``fc`` / ``fc_1`` / ``fc_2`` ``colwise``, ``proj`` ``rowwise``; ``transformer.wte`` ``vocab``; ``lm_head``
   ``colwise_gather`` (litgpt returns full logits and its users compute the loss from them).
 
@@ -135,7 +138,7 @@ register_layer_provider("litgpt", is_litgpt_gpt, litgpt_pipeline_layers)
 # ------------------------------------------------------------------------------------------------ tensor parallel
 class _AttentionConfig:
     """One attention's view of the shared litgpt ``Config``: ``n_head`` / ``n_query_groups`` are the attention's
-    own attributes ``n_head`` / ``n_kv_head`` (which the tp plan divides by tp), everything else is the shared
+    own attributes of the same names (which the tp plan divides by tp), everything else is the shared
     config's. Read-only: litgpt never writes its config after construction."""
 
     def __init__(self, base, attn: nn.Module) -> None:
@@ -147,7 +150,7 @@ class _AttentionConfig:
         if name == "n_head":
             return self._attn.n_head
         if name == "n_query_groups":
-            return self._attn.n_kv_head
+            return self._attn.n_query_groups
         return getattr(self._base, name)
 
     def __setattr__(self, name: str, value) -> None:
@@ -164,7 +167,8 @@ def _local_head_counts(gpt: nn.Module) -> None:
         if isinstance(attn.__dict__.get("config"), _AttentionConfig):
             continue
         base = attn.config
-        attn.n_head, attn.n_kv_head = base.n_head, base.n_query_groups  # found by tensor_parallel.plan._heads
+        # found by tensor_parallel.plan._heads; a refusal names them as litgpt's config does
+        attn.n_head, attn.n_query_groups = base.n_head, base.n_query_groups
         attn.config = _AttentionConfig(base, attn)
 
 
@@ -190,13 +194,11 @@ def litgpt_tp_plan(gpt: nn.Module, sequence_parallel: bool = False) -> Dict[str,
     _refuse_unsupported(config, sequence_parallel)
     _local_head_counts(gpt)
     h = "transformer.h.*."
-    if config.n_query_groups == config.n_head:
-        plan = {h + "attn.qkv": "qkv_colwise", h + "attn.proj": "rowwise"}
-        if config.norm_qk:  # per-head norms on this rank's heads: gradients summed over tp in the backward
-            plan.update({h + "attn.norm_q": "replicated_with_grad_allreduce",
-                         h + "attn.norm_k": "replicated_with_grad_allreduce"})
-    else:  # unequal [q | k | v] parts: weights split, heads whole on every rank
-        plan = {h + "attn.qkv": "colwise_gather", h + "attn.proj": "rowwise_split_input"}
+    # [q | k | v], each part (of unequal sizes under grouped-query attention) split by whole heads
+    plan = {h + "attn.qkv": "qkv_colwise", h + "attn.proj": "rowwise"}
+    if config.norm_qk:  # per-head norms on this rank's heads: gradients summed over tp in the backward
+        plan.update({h + "attn.norm_q": "replicated_with_grad_allreduce",
+                     h + "attn.norm_k": "replicated_with_grad_allreduce"})
     mlp = type(gpt.transformer.h[0].mlp).__name__
     if mlp == "GptNeoxMLP":
         plan.update({h + "mlp.fc": "colwise", h + "mlp.proj": "rowwise"})

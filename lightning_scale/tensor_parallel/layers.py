@@ -36,7 +36,14 @@ from lightning_scale.tensor_parallel.mappings import (
     tp_rank,
     tp_size,
 )
-from lightning_scale.tensor_parallel.sharding import ShardSpec, make_spec, mark_partial_grad, mark_sharded, shard_tensor
+from lightning_scale.tensor_parallel.sharding import (
+    ShardSpec,
+    make_spec,
+    mark_partial_grad,
+    mark_sharded,
+    merge_shards,
+    shard_tensor,
+)
 
 
 class _ColumnLinearFn(torch.autograd.Function):
@@ -244,6 +251,7 @@ class ColumnParallelLinear(_ParallelLinearBase):
     """Output features split over the tp group: ``(*, in) -> (*, out / tp)`` (or ``(*, out)`` gathered).
 
     ``sections`` > 1 splits a fused output ``[a | b | ...]`` part by part (whole heads of q, k and v);
+    ``parts`` gives their sizes when they differ (grouped-query ``[q | k | v]``: ``n_head * hs, G * hs, G * hs``);
     ``pad=True`` pads ``out_features`` to a multiple of tp (vocabulary heads; see
     :func:`~lightning_scale.tensor_parallel.cross_entropy.vocab_parallel_cross_entropy`).
     """
@@ -251,7 +259,7 @@ class ColumnParallelLinear(_ParallelLinearBase):
     def __init__(self, in_features: int, out_features: int, *, group, bias: bool = True,
                  gather_output: bool = False, sections: int = 1, pad: bool = False,
                  sequence_parallel: bool = False, input_gathered: bool = False, transposed: bool = False,
-                 name: str = "", device=None, dtype=None, init: bool = True) -> None:
+                 name: str = "", device=None, dtype=None, init: bool = True, parts=()) -> None:
         super().__init__()
         self._setup(in_features, out_features, group, name, transposed)
         self.gather_output, self.sections, self.sequence_parallel = gather_output, sections, sequence_parallel
@@ -259,8 +267,10 @@ class ColumnParallelLinear(_ParallelLinearBase):
         self.input_gathered = input_gathered
         what = f"{name or 'ColumnParallelLinear'} out_features"
         self.weight_spec = make_spec(1 if transposed else 0, out_features, self.tp, sections=sections, pad=pad,
-                                     what=what)
-        self.bias_spec = make_spec(0, out_features, self.tp, sections=sections, pad=pad, what=what) if bias else None
+                                     what=what, parts=parts)
+        self.bias_spec = (make_spec(0, out_features, self.tp, sections=sections, pad=pad, what=what, parts=parts)
+                          if bias else None)
+        self.sections = self.weight_spec.sections
         n = self.weight_spec.local_size
         self._make_params((in_features, n) if transposed else (n, in_features), (n,) if bias else None, device, dtype)
         self._mark_params()
@@ -286,6 +296,8 @@ class ColumnParallelLinear(_ParallelLinearBase):
             return y
         y = gather_from_region(y, self.group, tag=self.tag)  # (*, tp * out_local), rank-major
         spec = self.weight_spec
+        if spec.parts:  # unequal sections: [q0|k0|v0|q1|k1|v1] -> [q0|q1|k0|k1|v0|v1]
+            return merge_shards(y.chunk(self.tp, dim=-1), spec, dim=-1)
         if spec.sections > 1:  # [a0|b0|c0|a1|b1|c1] -> [a0|a1|b0|b1|c0|c1]
             y = y.unflatten(-1, (self.tp, spec.sections, spec.section_local)).transpose(-3, -2).flatten(-3)
         return y[..., : self.out_features] if spec.padded != spec.size else y

@@ -46,7 +46,7 @@ from lightning_scale.tensor_parallel.state import TensorParallelState
 from lightning_scale.tensor_parallel.styles import Style, parse_style
 
 HEAD_ATTRS = ("n_head", "num_heads", "num_attention_heads", "num_key_value_heads", "n_kv_head", "n_kv_heads",
-              "num_kv_heads")
+              "num_kv_heads", "n_query_groups")
 WIDTH_ATTRS = ("split_size", "embed_dim", "hidden_size", "all_head_size", "inner_dim")
 CONFIG_HEAD_ATTRS = ("num_attention_heads", "num_key_value_heads")
 
@@ -138,6 +138,28 @@ def _check_module(name: str, module: nn.Module, style: Style) -> None:
         raise ConfigError(f"tensor.plan: {name!r} is already tensor-parallel (plan applied twice?)")
 
 
+def _is_kv(attr: str) -> bool:
+    return "key_value" in attr or "kv" in attr or "query_groups" in attr
+
+
+def _qkv_parts(parent: Optional[nn.Module], out_f: int, infer_head_dim: bool) -> Tuple[int, ...]:
+    """Sizes of a fused ``[q | k | v]`` output of ``out_f`` features under ``parent`` (its head counts and head
+    size), ``()`` when it is not one. Grouped-query parts differ: ``(H * hs, G * hs, G * hs)``. Without a
+    ``head_dim`` attribute the head size is inferred only when the plan says the output is fused
+    (``infer_head_dim``: style ``qkv_colwise``)."""
+    heads = _heads(parent) if parent is not None else {}
+    q_heads = next((v for a, v in heads.items() if not _is_kv(a)), None)
+    kv_heads = next((v for a, v in heads.items() if _is_kv(a)), q_heads)
+    if not q_heads:
+        return ()
+    head_dim = getattr(parent, "head_dim", None)
+    if not isinstance(head_dim, int) and infer_head_dim:  # litgpt's attention keeps its head size in its config
+        head_dim = out_f // (q_heads + 2 * kv_heads) if out_f % (q_heads + 2 * kv_heads) == 0 else None
+    if not head_dim or out_f != (q_heads + 2 * kv_heads) * head_dim:
+        return ()
+    return (q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
+
+
 def _resolve(name: str, module: nn.Module, style: Style, parent: Optional[nn.Module], tp: int) -> Action:
     """Fix fused sections and compute the weight's shard spec (ConfigError when tp does not divide)."""
     try:
@@ -146,17 +168,17 @@ def _resolve(name: str, module: nn.Module, style: Style, parent: Optional[nn.Mod
         if not style.shards_linear:
             return Action(name, module, style, None)
         in_f, out_f, transposed = dense_features(module)
-        sections = style.sections
-        if style.kind == "colwise" and not sections:
-            sections = 1
-            heads = _heads(parent) if parent is not None else {}
-            head_dim, q_heads = getattr(parent, "head_dim", None), next(iter(heads.values()), None)
-            if isinstance(head_dim, int) and q_heads and out_f == 3 * q_heads * head_dim:
-                sections = 3  # fused [q | k | v]: split each part by whole heads
+        sections, parts = style.sections, ()
+        if style.kind == "colwise" and sections in (0, 3):
+            parts = _qkv_parts(parent, out_f, infer_head_dim=sections == 3)
+            if not sections:
+                sections = 3 if parts else 1  # fused [q | k | v]: split each part by whole heads
+            if sections != 3:
+                parts = ()
         style = Style(style.kind, sections, style.gather_output, style.pad, style.name, style.split_input)
         if style.kind == "colwise":
             spec = make_spec(1 if transposed else 0, out_f, tp, sections=sections, pad=style.pad,
-                             what=f"{name} out_features")
+                             what=f"{name} out_features", parts=parts)
         else:
             spec = make_spec(0 if transposed else 1, in_f, tp, sections=sections, what=f"{name} in_features")
         return Action(name, module, style, spec)
@@ -182,7 +204,7 @@ def _parent_fixes(model: nn.Module, actions: List[Action], tp: int) -> Dict[str,
         for attr, value in heads.items():
             if value % tp:
                 where = f"{pname}.{attr}" if pname else attr
-                kv = "key_value" in attr or "kv" in attr
+                kv = _is_kv(attr)
                 hint = (f"; {value} key/value head(s) cannot be split over tp={tp} (replicating them is not "
                         f"supported): use tp <= {value} or a plan with {act.name!r} gathered "
                         "('colwise_gather_output') and its output projection 'rowwise_split_input'") if kv else ""
@@ -268,7 +290,8 @@ def _build(act: Action, group, sp: bool, gathered: bool) -> Optional[nn.Module]:
     if style.kind == "colwise":
         return ColumnParallelLinear.from_dense(act.module, group, gather_output=style.gather_output,
                                                sections=style.sections, pad=style.pad, sequence_parallel=sp,
-                                               input_gathered=gathered, name=act.name)
+                                               input_gathered=gathered, name=act.name,
+                                               parts=act.weight_spec.parts)
     if style.kind == "rowwise":
         return RowParallelLinear.from_dense(act.module, group, sections=style.sections, sequence_parallel=sp,
                                             input_is_parallel=not style.split_input, name=act.name)

@@ -9,6 +9,9 @@ Two details make the layout differ from a plain ``torch.chunk``:
 * **Fused sections.** A fused projection such as GPT's ``qkv`` stores ``[q | k | v]`` along the output
   dim. Each of the ``sections`` parts is split separately, so rank r holds ``[q_r | k_r | v_r]``:
   whole heads of each of q, k and v, and the attention's ``view(B, T, 3, H/tp, D)`` still works.
+  The parts may differ in size (``parts``): litgpt's grouped-query ``qkv`` is ``[q | k | v]`` with
+  ``n_head * hs`` q rows and ``n_query_groups * hs`` rows each of k and v; rank r then holds q heads
+  ``r*H/tp ...`` and kv groups ``r*G/tp ...``, which keeps every local q head with its own kv group.
 * **Padding.** A vocabulary that tp does not divide is padded at the end to a multiple of tp. The
   padded rows live on the last rank(s), start at zero, are never looked up and are masked out of the
   loss; :func:`merge_shards` drops them.
@@ -17,7 +20,7 @@ Two details make the layout differ from a plain ``torch.chunk``:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Sequence
+from typing import List, Sequence, Tuple
 
 import torch
 
@@ -31,11 +34,16 @@ class ShardSpec:
     tp: int
     padded: int
     sections: int = 1
+    parts: Tuple[int, ...] = ()  # sizes of unequal fused sections (sum = size); () = ``sections`` equal parts
 
     def __post_init__(self) -> None:
         if self.tp < 1 or self.sections < 1:
             raise ValueError(f"ShardSpec: tp={self.tp} and sections={self.sections} must be >= 1")
-        if self.padded < self.size or self.padded % (self.tp * self.sections):
+        if self.parts and (len(self.parts) != self.sections or sum(self.parts) != self.size
+                           or any(p % self.tp for p in self.parts)):
+            raise ValueError(f"ShardSpec: parts={self.parts} must be {self.sections} sizes summing to "
+                             f"size={self.size}, each a multiple of tp={self.tp}")
+        if self.padded < self.size or self.padded % (self.tp * (1 if self.parts else self.sections)):
             raise ValueError(
                 f"ShardSpec: padded={self.padded} must be >= size={self.size} and a multiple of "
                 f"tp*sections={self.tp * self.sections}"
@@ -49,15 +57,45 @@ class ShardSpec:
 
     @property
     def section_local(self) -> int:
+        """Rows of each fused section on one rank (equal sections only; see :meth:`pieces` for the general case)."""
+        if self.parts and len(set(self.parts)) > 1:
+            raise ValueError(f"ShardSpec: sections of unequal sizes {self.parts} have no single section_local")
         return self.local_size // self.sections
+
+    @property
+    def part_sizes(self) -> Tuple[int, ...]:
+        """Full length of each fused section along ``dim`` (one entry when there are no sections)."""
+        return self.parts or (self.size // self.sections,) * self.sections
+
+    def pieces(self, rank: int) -> Tuple[Tuple[int, int, int], ...]:
+        """``(local_start, global_start, length)`` of each contiguous run of rank's rows, in local order: one
+        per fused section (section k's rows ``rank * part_k / tp ...`` of that section). Unpadded specs only."""
+        if self.padded != self.size:
+            raise ValueError("ShardSpec.pieces: a padded spec has a single range (local_range)")
+        out, local, base = [], 0, 0
+        for part in self.part_sizes:
+            n = part // self.tp
+            out.append((local, base + rank * n, n))
+            local, base = local + n, base + part
+        return tuple(out)
 
     def local_range(self, rank: int) -> tuple:
         """[start, end) of rank's rows in the padded full tensor (sections == 1 only)."""
         return rank * self.local_size, (rank + 1) * self.local_size
 
 
-def make_spec(dim: int, size: int, tp: int, *, sections: int = 1, pad: bool = False, what: str = "") -> ShardSpec:
-    """Spec for splitting ``size`` over ``tp``; raises a ValueError naming ``what`` when tp does not divide it."""
+def make_spec(dim: int, size: int, tp: int, *, sections: int = 1, pad: bool = False, what: str = "",
+              parts: Sequence[int] = ()) -> ShardSpec:
+    """Spec for splitting ``size`` over ``tp``; raises a ValueError naming ``what`` when tp does not divide it.
+    ``parts``: sizes of unequal fused sections (e.g. grouped-query ``[q | k | v]``), each split over tp."""
+    parts = tuple(int(p) for p in parts)
+    if parts and len(set(parts)) > 1:
+        if pad or sum(parts) != size:
+            raise ValueError(f"{what}: fused parts {parts} must sum to {size} (and cannot be padded)")
+        bad = [p for p in parts if p % tp]
+        if bad:
+            raise ValueError(f"tp={tp} does not divide {what} = {size} (its fused parts {parts}: {bad[0]})")
+        return ShardSpec(dim=dim, size=size, tp=tp, padded=size, sections=len(parts), parts=parts)
     if size % sections:
         raise ValueError(f"{what}: size {size} is not divisible into {sections} fused sections")
     if pad:
@@ -115,19 +153,19 @@ def shard_tensor(full: torch.Tensor, spec: ShardSpec, rank: int) -> torch.Tensor
             shape[spec.dim] = missing
             pieces.append(full.new_zeros(shape))
         return torch.cat(pieces, dim=spec.dim).contiguous()
-    section_full = spec.size // spec.sections
-    n = spec.section_local
-    pieces = [full.narrow(spec.dim, s * section_full + rank * n, n) for s in range(spec.sections)]
+    pieces = [full.narrow(spec.dim, start, n) for _, start, n in spec.pieces(rank)]
     return torch.cat(pieces, dim=spec.dim).contiguous()
 
 
-def merge_shards(shards: Sequence[torch.Tensor], spec: ShardSpec) -> torch.Tensor:
-    """Inverse of :func:`shard_tensor`: the full tensor (padding dropped) from every rank's shard, in rank order."""
+def merge_shards(shards: Sequence[torch.Tensor], spec: ShardSpec, dim: int = None) -> torch.Tensor:
+    """Inverse of :func:`shard_tensor`: the full tensor (padding dropped) from every rank's shard, in rank order.
+    ``dim`` overrides ``spec.dim`` (a layer's gathered output is split along its last dim)."""
     if len(shards) != spec.tp:
         raise ValueError(f"merge_shards: got {len(shards)} shards for tp={spec.tp}")
-    n = spec.section_local
+    dim = spec.dim if dim is None else dim
+    if spec.padded != spec.size:
+        return torch.cat(list(shards), dim=dim).narrow(dim, 0, spec.size).contiguous()
     parts: List[torch.Tensor] = []
-    for s in range(spec.sections):
-        parts.extend(shard.narrow(spec.dim, s * n, n) for shard in shards)
-    full = torch.cat(parts, dim=spec.dim)
-    return full.narrow(spec.dim, 0, spec.size).contiguous()
+    for local, _, n in spec.pieces(0):  # section by section, rank by rank
+        parts.extend(shard.narrow(dim, local, n) for shard in shards)
+    return torch.cat(parts, dim=dim).contiguous()

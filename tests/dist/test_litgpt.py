@@ -7,12 +7,16 @@ pipeline layers are found automatically (``lightning_scale.models.litgpt_adapter
 * ``neox``: multi-head attention, parallel residual, LayerNorm, GELU MLP, partial rotary, per-head q/k norms
   (tp: heads split, norms' gradients summed over tp in the backward);
 * ``llama``: grouped-query attention (2 kv groups for 4 heads), RMSNorm, gated MLP, scaled embeddings,
-  sliding window on block 0, final logit soft-capping (tp: fused qkv gathered, proj split-input);
-* ``mqa``: one kv group at tp=2 (the gathered layout runs it; nothing to divide).
+  sliding window on block 0, final logit soft-capping (tp: the fused ``[q | k | v]`` of unequal parts split
+  per part by whole heads: 2 q heads and 1 kv group per rank);
+* ``mqa``: one kv group, which tp=2 cannot split: the built-in plan is refused naming ``n_query_groups``; a
+  user plan that gathers the fused qkv (``colwise_gather`` + ``rowwise_split_input``) runs every head per rank.
 
 Each case: 3 AdamW steps, per-step losses against one process (computed once in the pytest process):
-float64 within 1e-7, float32 within 1e-5. Refusals (heads tp does not divide, sequence parallelism) must be
-``ConfigError`` naming the setting on both ranks.
+float64 within 1e-10, float32 within 1e-5; at tp the consolidated parameters after the 3 steps equal the
+one-process model's within 1e-10 (float64). Refusals (heads tp does not divide, kv groups tp does not divide,
+sequence parallelism) must be ``ConfigError`` naming the setting on both ranks. A 4-rank run (slow) does
+``llama`` at dp2 x tp2.
 """
 
 from __future__ import annotations
@@ -37,12 +41,17 @@ CONFIGS = {
 }
 # (config, layout, dtype); layout: flat kwargs of parallelize's config
 CASES = [
-    ("neox", "tp2", torch.float64), ("llama", "tp2", torch.float64), ("mqa", "tp2", torch.float64),
+    ("neox", "tp2", torch.float64), ("llama", "tp2", torch.float64), ("mqa", "tp2_gather", torch.float64),
     ("neox", "pp2", torch.float64), ("llama", "pp2", torch.float64),
     ("neox", "zero3", torch.float64), ("llama", "zero3", torch.float32),
 ]
+GATHERED = {"transformer.h.*.attn.qkv": "colwise_gather", "transformer.h.*.attn.proj": "rowwise_split_input",
+            "transformer.h.*.mlp.fc_1": "colwise", "transformer.h.*.mlp.fc_2": "colwise",
+            "transformer.h.*.mlp.proj": "rowwise", "transformer.wte": "vocab", "lm_head": "colwise_gather"}
 LAYOUTS = {"tp2": dict(tp=2, stage=1), "pp2": dict(pp=2, stage=1, microbatches=2),
-           "zero3": dict(stage=3)}
+           "zero3": dict(stage=3), "tp2_gather": dict(tp=2, stage=1, plan=GATHERED),
+           "dp2_tp2": dict(tp=2, stage=1)}
+CASES_4 = [("llama", "dp2_tp2", torch.float64)]
 
 
 def _build(name: str, dtype: torch.dtype, **overrides):
@@ -79,7 +88,7 @@ def _reference(name: str, dtype: torch.dtype):
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def _run_case(name, layout, dtype, rank, world_size):
@@ -101,7 +110,7 @@ def _run_case(name, layout, dtype, rank, world_size):
             with engine.no_sync():  # gradients accumulate over the micro-batches, reduced once in step()
                 loss = pm.pipeline.runtime.train_step(x, y)  # mean micro-batch loss, on every pp rank
         else:
-            if layout == "zero3":  # dp: this rank's half of the rows
+            if topo.dp > 1:  # dp: this rank's half of the rows
                 x, y = x.chunk(topo.dp)[topo.dp_rank], y.chunk(topo.dp)[topo.dp_rank]
             loss = _loss(model(x), y)
             loss.backward()
@@ -115,10 +124,11 @@ def _run_case(name, layout, dtype, rank, world_size):
     info = {}
     if layout == "zero3":  # litgpt's blocks are found as units (gathered one at a time), the rest is the root
         info = {"units": [u.name for u in pm.sharded.units]}
-    if layout == "tp2":
+    if layout.startswith("tp2") or layout == "dp2_tp2":
         attn = model.transformer.h[0].attn
         info = {"local_heads": (attn.config.n_head, attn.config.n_query_groups),
-                "qkv": type(attn.qkv).__name__, "qkv_out_local": attn.qkv.weight.shape[0]}
+                "qkv": type(attn.qkv).__name__, "qkv_out_local": attn.qkv.weight.shape[0],
+                "state": pm.full_state_dict() if rank < 2 else None}
     return {"losses": losses, **info}
 
 
@@ -128,8 +138,9 @@ def _refusal(overrides: dict, layout: dict, rank: int, world_size: int) -> str:
 
     config = from_flat_kwargs(**layout)
     topo = local_topology(config, world_size, rank)
+    name = overrides.pop("name", "neox")
     try:
-        parallelize(_build("neox", torch.float64, **overrides), config, topo, "cpu", loss_fn=_loss)
+        parallelize(_build(name, torch.float64, **overrides), config, topo, "cpu", loss_fn=_loss)
     except ConfigError as err:
         return str(err)
     return "no error"
@@ -138,6 +149,7 @@ def _refusal(overrides: dict, layout: dict, rank: int, world_size: int) -> str:
 REFUSALS = {
     "heads": (dict(n_head=3, n_embd=48), dict(tp=2, stage=1)),
     "sequence_parallel": ({}, dict(tp=2, stage=1, sequence_parallel=True)),
+    "kv_groups": (dict(name="mqa"), dict(tp=2, stage=1)),
 }
 
 
@@ -148,9 +160,11 @@ def litgpt_worker(rank: int, world_size: int) -> dict:
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
+    if world_size == 4:
+        return {(n, lay, str(dt)): _run_case(n, lay, dt, rank, world_size) for n, lay, dt in CASES_4}
     out = {(n, lay, str(dt)): _run_case(n, lay, dt, rank, world_size) for n, lay, dt in CASES}
     for key, (overrides, layout) in REFUSALS.items():
-        out[key] = _refusal(overrides, layout, rank, world_size)
+        out[key] = _refusal(dict(overrides), layout, rank, world_size)
     return out
 
 
@@ -160,16 +174,44 @@ def results():
     return run_distributed(litgpt_worker, 2, timeout=400)
 
 
-@pytest.mark.timeout(500)
-@pytest.mark.parametrize("name,layout,dtype", CASES, ids=[f"{n}-{lay}-{str(d)[6:]}" for n, lay, d in CASES])
-def test_losses_equal_one_process(results, name, layout, dtype):
-    ref = _reference(name, dtype)
-    tol = 1e-7 if dtype == torch.float64 else 1e-5
+def _check_case(results, name, layout, dtype, state_tol=1e-10):
+    ref, ref_state = _reference(name, dtype)
+    tol = 1e-10 if dtype == torch.float64 else 1e-5
+    worst = {}
     for rank, res in enumerate(results):
-        got = res[(name, layout, str(dtype))]["losses"]
+        case = res[(name, layout, str(dtype))]
+        got = case["losses"]
         diff = max(abs(a - b) for a, b in zip(got, ref))
         assert diff <= tol, (rank, name, layout, diff, got, ref)
         assert got[-1] < got[0], (rank, got)  # it trains (AdamW at lr 1e-2 on one batch)
+        if case.get("state") is not None:  # consolidated tp state: the original keys, the trained values
+            state = case["state"]
+            assert set(state) == set(ref_state), set(state) ^ set(ref_state)
+            for key, want in ref_state.items():
+                assert state[key].shape == want.shape, key
+                worst[key] = max(worst.get(key, 0.0), (state[key] - want).abs().max().item())
+    bad = {k: v for k, v in worst.items() if v > state_tol}
+    assert not bad, (max(worst.values()), bad)
+    return max(worst.values(), default=0.0)
+
+
+@pytest.mark.timeout(500)
+@pytest.mark.parametrize("name,layout,dtype", CASES, ids=[f"{n}-{lay}-{str(d)[6:]}" for n, lay, d in CASES])
+def test_losses_equal_one_process(results, name, layout, dtype):
+    _check_case(results, name, layout, dtype)
+
+
+@pytest.mark.timeout(500)
+def test_gqa_dp2_tp2_equals_one_process():
+    """4 ranks: grouped-query heads split over tp, rows over dp (slow)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    results = run_distributed(litgpt_worker, 4, timeout=400)
+    # dp sums half-batch gradients (another order than one process): after Adam's division the parameters of
+    # near-zero gradients differ by a few 1e-9 (8.8e-9 seen; the same at dp2 x tp1); the losses stay within 1e-10
+    worst = _check_case(results, *CASES_4[0], state_tol=1e-8)
+    print(f"dp2 x tp2 litgpt GQA: consolidated parameters within {worst:.1e} of one process")
+    for res in results:
+        assert res[CASES_4[0][0], CASES_4[0][1], str(CASES_4[0][2])]["local_heads"] == (2, 1)
 
 
 @pytest.mark.timeout(500)
@@ -179,8 +221,11 @@ def test_tp_splits_heads_or_gathers(results):
         assert neox["local_heads"] == (2, 2) and neox["qkv"] == "ColumnParallelLinear"
         assert neox["qkv_out_local"] == 3 * 2 * 16  # [q | k | v], 2 of 4 heads each
         llama = res[("llama", "tp2", "torch.float64")]
-        assert llama["local_heads"] == (4, 2)  # gathered qkv: every head on every rank
-        assert llama["qkv_out_local"] == (4 + 2 * 2) * 16 // 2  # the weight is still split
+        assert llama["local_heads"] == (2, 1)  # grouped-query: 2 of 4 q heads, 1 of 2 kv groups per rank
+        assert llama["qkv_out_local"] == (2 + 2 * 1) * 16  # [q_r | k_r | v_r]
+        mqa = res[("mqa", "tp2_gather", "torch.float64")]
+        assert mqa["local_heads"] == (4, 1)  # the user's gathered plan: every head on every rank
+        assert mqa["qkv_out_local"] == (4 + 2 * 1) * 16 // 2  # the weight is still split
 
 
 @pytest.mark.timeout(500)
@@ -195,3 +240,4 @@ def test_refusals_name_the_setting(results):
     for res in results:
         assert "n_head=3" in res["heads"] and "tp=2" in res["heads"], res["heads"]
         assert "sequence_parallel" in res["sequence_parallel"], res["sequence_parallel"]
+        assert "n_query_groups=1" in res["kv_groups"] and "tp=2" in res["kv_groups"], res["kv_groups"]

@@ -42,6 +42,46 @@ def test_fused_sections_are_split_per_part():
     assert shard_tensor(full, spec, 1).tolist() == [2, 3, 6, 7, 10, 11]
 
 
+def test_unequal_fused_parts_grouped_query_qkv():
+    # litgpt's GQA qkv: [q (4 heads) | k (2 groups) | v (2 groups)] of head size 2 at tp=2
+    spec = make_spec(0, 16, 2, sections=3, parts=(8, 4, 4), what="attn.qkv out_features")
+    assert spec.parts == (8, 4, 4) and spec.local_size == 8
+    full = torch.arange(16.0)
+    assert shard_tensor(full, spec, 0).tolist() == [0, 1, 2, 3, 8, 9, 12, 13]  # q heads 0-1, k/v group 0
+    assert shard_tensor(full, spec, 1).tolist() == [4, 5, 6, 7, 10, 11, 14, 15]  # q heads 2-3, k/v group 1
+    assert spec.pieces(1) == ((0, 4, 4), (4, 10, 2), (6, 14, 2))
+    both = torch.randn(16, 3), torch.randn(3, 16)
+    for dim, x in enumerate(both):
+        s = make_spec(dim, 16, 2, parts=(8, 4, 4))
+        assert torch.equal(merge_shards([shard_tensor(x, s, r) for r in range(2)], s), x)
+    gathered = torch.cat([shard_tensor(full, spec, r) for r in range(2)]).view(1, 16)  # a layer's gathered output
+    assert torch.equal(merge_shards(list(gathered.chunk(2, -1)), spec, dim=-1), full.view(1, 16))
+    with pytest.raises(ValueError, match="tp=4 does not divide"):  # one k/v row per rank would split a group
+        make_spec(0, 12, 4, parts=(8, 2, 2), what="qkv")
+    with pytest.raises(ValueError, match="unequal"):
+        spec.section_local
+
+
+@pytest.mark.parametrize("reader", ["pretrained", "universal"])
+def test_unequal_parts_map_to_the_right_rows_of_a_file_or_checkpoint(reader):
+    """A flat range of a rank's GQA qkv shard (pretrained read / universal-checkpoint piece) covers exactly the
+    rows ``shard_tensor`` gives it."""
+    from lightning_scale.checkpoint.engine_pieces import flat_param_piece
+    from lightning_scale.pretrained import tp_flat_piece
+
+    spec = make_spec(0, 16, 2, sections=3, parts=(8, 4, 4))
+    full = torch.arange(16.0 * 3).view(16, 3) + 1.0
+    make = tp_flat_piece if reader == "pretrained" else flat_param_piece
+    for rank in range(2):
+        want = shard_tensor(full, spec, rank).reshape(-1)
+        for start, end in [(0, 24), (5, 20), (11, 13)]:
+            flat = torch.full((end - start,), float("nan"))
+            piece = make("w", flat, (8, 3), start, spec, rank)
+            for chunk, view in zip(piece.chunks, piece.tensors):
+                view.copy_(full[tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes))])
+            assert torch.equal(flat, want[start:end]), (rank, start, end)
+
+
 def test_spec_rejects_indivisible_size():
     with pytest.raises(ValueError, match="tp=2 does not divide fc out_features = 7"):
         make_spec(0, 7, 2, what="fc out_features")
