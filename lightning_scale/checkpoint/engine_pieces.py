@@ -59,17 +59,17 @@ def flat_param_piece(key: str, flat: torch.Tensor, local_shape: Sequence[int], s
     if spec.dim != 0:
         raise NotImplementedError(f"{key}: a fused tensor-parallel parameter split along dim {spec.dim} "
                                   "(only dim 0 sections are mapped to the layout-free checkpoint)")
-    # Section k of the local rows [k*sl, (k+1)*sl) is global rows k*(size/sections) + tp_rank*sl + [0, sl).
-    sl, inner = spec.section_local, math.prod(local[1:])
+    # Each section's local rows [loc, loc + sl) are global rows [glob, glob + sl) (sections may differ in size).
+    inner = math.prod(local[1:])
     merged = Piece(key, tuple(true), flat.dtype)
     end = start + flat.numel()
-    for k in range(spec.sections):
-        lo, hi = k * sl * inner, (k + 1) * sl * inner
+    for loc, glob, sl in spec.pieces(tp_rank):
+        lo, hi = loc * inner, (loc + sl) * inner
         a, b = max(lo, start), min(hi, end)
         if a >= b:
             continue
         sub = flat_piece(key, flat[a - start:b - start], (sl,) + local[1:], a - lo,
-                         tp=TPSlice(0, k * (spec.size // spec.sections) + tp_rank * sl), global_shape=true)
+                         tp=TPSlice(0, glob), global_shape=true)
         merged.chunks += sub.chunks
         merged.tensors += sub.tensors
     return merged
