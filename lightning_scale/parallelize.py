@@ -164,11 +164,14 @@ def check_config(config: ParallelConfig) -> None:
     if config.pp > 1 and config.tp > 1 and config.zero.stage == 3:
         raise ConfigError(f"zero.stage=3 with pp={config.pp} and tp={config.tp}: ZeRO-3 composes with tp or with "
                           "pp, not with both yet; use zero.stage 1 or 2 for 3D")
-    if config.sp > 1 and (config.tp > 1 or config.pp > 1):
-        other = f"tp={config.tp}" if config.tp > 1 else f"pp={config.pp}"
-        raise ConfigError(f"sp={config.sp} with {other}: Ulysses sequence parallelism composes with data parallelism "
-                          "and ZeRO 0-3, not yet with tensor or pipeline parallelism (docs/long_sequences.md)",
-                          settings=("sp", "tp" if config.tp > 1 else "pp"))
+    if config.sp > 1 and config.pp > 1:
+        raise ConfigError(f"sp={config.sp} with pp={config.pp}: Ulysses sequence parallelism composes with data and "
+                          "tensor parallelism and ZeRO 0-3, not yet with pipeline parallelism (docs/long_sequences.md)",
+                          settings=("sp", "pp"))
+    if config.sp > 1 and config.tp > 1 and config.tensor.sequence_parallel:
+        raise ConfigError(f"sp={config.sp} with tensor.sequence_parallel=True: Ulysses already splits the sequence "
+                          "over sp; tp's own sequence split on top of it is not supported (docs/long_sequences.md)",
+                          settings=("sp", "tensor.sequence_parallel"))
     if config.pp > 1 and config.zero.stage == 3 and config.pipeline.schedule == "zero_bubble":
         raise ConfigError("zero.stage=3 with pipeline.schedule='zero_bubble': ZeRO-3 reduce-scatters each unit's "
                           "gradient when its backward ends, which the deferred weight gradients of the zero-bubble "
@@ -231,7 +234,8 @@ def apply_sp(pm: ParallelModel) -> None:
         return
     from lightning_scale.sequence_parallel import apply_sequence_parallel
 
-    apply_sequence_parallel(pm.module, pm.topology.sp_group)
+    tp_group = pm.topology.tp_group if pm.config.tp > 1 else None  # heads / tp per rank already: split them over sp
+    apply_sequence_parallel(pm.module, pm.topology.sp_group, tp_group=tp_group)
 
 
 def apply_ac(pm: ParallelModel) -> None:

@@ -38,8 +38,11 @@ from lightning_scale.sequence_parallel.ulysses import (heads_to_sequence, next_t
 HF_PREFIX = "lightning_scale_ulysses"
 
 
-def apply_sequence_parallel(module: nn.Module, group) -> nn.Module:
-    """Make ``module`` (or the GPT / Hugging Face model inside it) run on this rank's ``1/sp`` of each sequence."""
+def apply_sequence_parallel(module: nn.Module, group, tp_group=None) -> nn.Module:
+    """Make ``module`` (or the GPT / Hugging Face model inside it) run on this rank's ``1/sp`` of each sequence.
+
+    ``tp_group``: the tensor-parallel group of a model split by tp already (``apply_tp`` runs first): its attention
+    holds ``heads / tp`` heads, which the all-to-all splits further over sp (``heads / (tp * sp)`` per rank)."""
     sp = C.group_size(group)
     if sp == 1:
         return module
@@ -52,11 +55,26 @@ def apply_sequence_parallel(module: nn.Module, group) -> nn.Module:
         raise ConfigError(f"sp={sp}: {type(module).__name__} holds no attention that sequence parallelism can swap "
                           "(the project GPT's attn.core, or a Hugging Face PreTrainedModel's attention interface)",
                           settings=("sp",))
+    tp = C.group_size(tp_group) if tp_group is not None else 1
     for gpt in gpts:
-        _sp_gpt(gpt, group)
+        _sp_gpt(gpt, group, tp, C.group_rank(tp_group) if tp > 1 else 0)
     for hf in hfs:
-        _sp_hf(hf, group)
+        _sp_hf(hf, group, tp)
     return module
+
+
+def _check_heads(sp: int, tp: int, heads: int, name: str) -> int:
+    """The query heads of one sp rank: ``heads / (tp * sp)``; a ConfigError naming sp (and tp) otherwise."""
+    if tp > 1 and sp * tp > heads:
+        raise ConfigError(f"sp={sp} x tp={tp} = {sp * tp} exceeds {name}={heads}: every sp x tp rank attends over "
+                          f"at least one head", settings=("sp", "tp"))
+    if heads % (sp * tp):
+        if tp > 1:
+            raise ConfigError(f"sp={sp} does not divide the {heads // tp} heads per tp rank ({name}={heads} / tp={tp}"
+                              "; tp splits the heads first, then sp splits each tp rank's heads)", settings=("sp", "tp"))
+        raise ConfigError(f"sp={sp} does not divide {name}={heads} (each sp rank attends over {name.split('.')[-1]} "
+                          f"/ sp heads)", settings=("sp",))
+    return heads // (sp * tp)
 
 
 def _mark(model: nn.Module, sp: int) -> None:
@@ -67,32 +85,45 @@ def _mark(model: nn.Module, sp: int) -> None:
 
 
 # --------------------------------------------------------------------------------------------- the project GPT
-def _sp_gpt(gpt: nn.Module, group) -> None:
+def _sp_gpt(gpt: nn.Module, group, tp: int = 1, tp_rank: int = 0) -> None:
     from lightning_scale.models.gpt import CausalSelfAttention
 
     sp, rank = C.group_size(group), C.group_rank(group)
     cfg = gpt.cfg
-    if cfg.n_head % sp:
-        raise ConfigError(f"sp={sp} does not divide model.n_head={cfg.n_head} (each sp rank attends over "
-                          f"n_head / sp heads)", settings=("sp",))
+    _check_heads(sp, tp, cfg.n_head, "model.n_head")
     if cfg.seq_len % sp:
         raise ConfigError(f"sp={sp} does not divide model.seq_len={cfg.seq_len} (each sp rank holds seq_len / sp "
                           "positions)", settings=("sp",))
     _mark(gpt, sp)
     for attn in (m for m in gpt.modules() if isinstance(m, CausalSelfAttention)):
-        _wrap_core(attn.core, attn.n_head, group)
+        _wrap_core(attn.core, attn.n_head, group, first_head=tp_rank * attn.n_head)
     wpe_forward = gpt.wpe.forward
 
     def global_positions(pos: torch.Tensor) -> torch.Tensor:  # hidden() asks for arange(L / sp)
         return wpe_forward(pos + rank * pos.shape[-1])
 
     gpt.wpe.forward = global_positions
-    gpt.loss = functools.partial(_gpt_loss, gpt, group)
+    gpt.loss = functools.partial(_gpt_loss, gpt, group, cross_entropy=_tp_cross_entropy(gpt))
 
 
-def _wrap_core(core: nn.Module, heads: int, group) -> None:
-    """``core(q, k, v)`` on (B, H, L/sp, D) -> the same core on (B, H/sp, L, D) between the all-to-alls."""
-    inner = _local_heads(core, heads, group).forward
+def _tp_cross_entropy(gpt: nn.Module):
+    """The vocabulary-parallel cross-entropy of a GPT whose head tp split over the vocabulary (None: no tp)."""
+    state = getattr(gpt, "_tp_state", None)
+    if state is None or state.vocab_size is None or not getattr(gpt, "vocab_parallel_loss", False):
+        return None
+    from lightning_scale.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+
+    def cross_entropy(logits, targets, reduction="mean"):
+        return vocab_parallel_cross_entropy(logits, targets, state.group, vocab_size=state.vocab_size, inplace=True,
+                                            reduction=reduction)
+
+    return cross_entropy
+
+
+def _wrap_core(core: nn.Module, heads: int, group, first_head: int = 0) -> None:
+    """``core(q, k, v)`` on (B, H, L/sp, D) -> the same core on (B, H/sp, L, D) between the all-to-alls. ``heads``:
+    the attention's (tp-local) head count; ``first_head``: the model's index of the first of them (tp rank x heads)."""
+    inner = _local_heads(core, heads, group, first_head).forward
 
     def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         q, k, v = heads_to_sequence((q, k, v), group)  # 3x (B, H/sp, L, D)
@@ -101,15 +132,17 @@ def _wrap_core(core: nn.Module, heads: int, group) -> None:
     core.forward = forward
 
 
-def _local_heads(core: nn.Module, heads: int, group) -> nn.Module:
+def _local_heads(core: nn.Module, heads: int, group, first_head: int = 0) -> nn.Module:
     """The module that runs on this rank's heads: ``core`` itself, or for a block-sparse core one over this rank's
-    heads of the same layout (kept off the module tree: it has no parameters)."""
+    heads of the same layout (kept off the module tree: it has no parameters). A layout over every head of the
+    model (the core under tp) is indexed from ``first_head``; one over the attention's heads from 0."""
     if not isinstance(core, SparseSelfAttention):
         return core
     sp, rank = C.group_size(group), C.group_rank(group)
     local = heads // sp
+    offset = first_head if core.sparsity_config.num_heads > heads else 0
     cfg = HeadRange(num_heads=local, block=core.sparsity_config.block, parent=core.sparsity_config,
-                    start=rank * local)
+                    start=offset + rank * local)
     return SparseSelfAttention(cfg, key_padding_mask_mode=core.key_padding_mask_mode,
                                attn_mask_mode=core.attn_mask_mode, max_seq_length=core.max_seq_length,
                                causal=core.causal, auto_pad=core.auto_pad, backend=core.backend,
@@ -177,7 +210,7 @@ class _LocalHeads:
         return getattr(self._module, name)
 
 
-def _sp_hf(model: nn.Module, group) -> None:
+def _sp_hf(model: nn.Module, group, tp: int = 1) -> None:
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -186,10 +219,8 @@ def _sp_hf(model: nn.Module, group) -> None:
     cfg = model.config
     heads = cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-    if heads % sp:
-        raise ConfigError(f"sp={sp} does not divide num_attention_heads={heads} of {type(model).__name__}",
-                          settings=("sp",))
-    repeat = _hf_kv_repeat(heads, kv_heads, sp)
+    _check_heads(sp, tp, heads, f"{type(model).__name__}.config.num_attention_heads")
+    repeat = _hf_kv_repeat(heads // tp, max(1, kv_heads // tp), sp)  # tp split the key/value heads first
     inner_name = cfg._attn_implementation
     if inner_name not in ("eager", "sdpa"):
         raise ConfigError(f"sp={sp} with attn_implementation={inner_name!r}: sequence parallelism wraps 'eager' or "
