@@ -164,10 +164,6 @@ def check_config(config: ParallelConfig) -> None:
     if config.pp > 1 and config.tp > 1 and config.zero.stage == 3:
         raise ConfigError(f"zero.stage=3 with pp={config.pp} and tp={config.tp}: ZeRO-3 composes with tp or with "
                           "pp, not with both yet; use zero.stage 1 or 2 for 3D")
-    if config.sp > 1 and config.pp > 1:
-        raise ConfigError(f"sp={config.sp} with pp={config.pp}: Ulysses sequence parallelism composes with data and "
-                          "tensor parallelism and ZeRO 0-3, not yet with pipeline parallelism (docs/long_sequences.md)",
-                          settings=("sp", "pp"))
     if config.sp > 1 and config.tp > 1 and config.tensor.sequence_parallel:
         raise ConfigError(f"sp={config.sp} with tensor.sequence_parallel=True: Ulysses already splits the sequence "
                           "over sp; tp's own sequence split on top of it is not supported (docs/long_sequences.md)",
@@ -235,7 +231,11 @@ def apply_sp(pm: ParallelModel) -> None:
     from lightning_scale.sequence_parallel import apply_sequence_parallel
 
     tp_group = pm.topology.tp_group if pm.config.tp > 1 else None  # heads / tp per rank already: split them over sp
-    apply_sequence_parallel(pm.module, pm.topology.sp_group, tp_group=tp_group)
+    apply_sequence_parallel(pm.module, pm.topology.sp_group, tp_group=tp_group, pipelined=pm.pipeline is not None)
+    if pm.pipeline is not None:  # every stage's attention runs over its sp group; the last stage's loss spans it
+        from lightning_scale.sequence_parallel.models import sequence_parallel_loss
+
+        pm.pipeline.runtime.loss_fn = sequence_parallel_loss(pm.pipeline.runtime.loss_fn, pm.topology.sp_group)
 
 
 def apply_ac(pm: ParallelModel) -> None:

@@ -38,11 +38,12 @@ from lightning_scale.sequence_parallel.ulysses import (heads_to_sequence, next_t
 HF_PREFIX = "lightning_scale_ulysses"
 
 
-def apply_sequence_parallel(module: nn.Module, group, tp_group=None) -> nn.Module:
+def apply_sequence_parallel(module: nn.Module, group, tp_group=None, pipelined: bool = False) -> nn.Module:
     """Make ``module`` (or the GPT / Hugging Face model inside it) run on this rank's ``1/sp`` of each sequence.
 
     ``tp_group``: the tensor-parallel group of a model split by tp already (``apply_tp`` runs first): its attention
-    holds ``heads / tp`` heads, which the all-to-all splits further over sp (``heads / (tp * sp)`` per rank)."""
+    holds ``heads / tp`` heads, which the all-to-all splits further over sp (``heads / (tp * sp)`` per rank).
+    ``pipelined``: the model runs as pipeline stages (pp > 1; the GPT's stages use its own modules)."""
     sp = C.group_size(group)
     if sp == 1:
         return module
@@ -55,6 +56,10 @@ def apply_sequence_parallel(module: nn.Module, group, tp_group=None) -> nn.Modul
         raise ConfigError(f"sp={sp}: {type(module).__name__} holds no attention that sequence parallelism can swap "
                           "(the project GPT's attn.core, or a Hugging Face PreTrainedModel's attention interface)",
                           settings=("sp",))
+    if pipelined and hfs:
+        raise ConfigError(f"sp={sp} with pp > 1: {type(hfs[0]).__name__}'s pipeline layers compute positions and "
+                          "masks per stage, which sequence parallelism does not reach yet; the project GPT runs "
+                          "sp x pp (docs/long_sequences.md)", settings=("sp", "pp"))
     tp = C.group_size(tp_group) if tp_group is not None else 1
     for gpt in gpts:
         _sp_gpt(gpt, group, tp, C.group_rank(tp_group) if tp > 1 else 0)
@@ -75,6 +80,29 @@ def _check_heads(sp: int, tp: int, heads: int, name: str) -> int:
         raise ConfigError(f"sp={sp} does not divide {name}={heads} (each sp rank attends over {name.split('.')[-1]} "
                           f"/ sp heads)", settings=("sp",))
     return heads // (sp * tp)
+
+
+def sequence_parallel_loss(loss_fn, group, ignore_index: int = -100):
+    """A pipeline's last-stage ``loss_fn(output, target)`` (a mean over this rank's non-ignored targets) -> the mean
+    over the whole sequence of each micro-batch: ``loss_fn(..., reduction="sum")`` where it takes ``reduction``
+    (``lm_loss``, ``F.cross_entropy``), else its mean times the local count, combined over sp."""
+    import inspect
+
+    try:
+        takes_reduction = "reduction" in inspect.signature(loss_fn).parameters
+    except (TypeError, ValueError):
+        takes_reduction = False
+
+    def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        count = (target != ignore_index).sum()
+        if takes_reduction:
+            total = loss_fn(output, target, reduction="sum")
+        else:
+            total = loss_fn(output, target) * count
+        return sequence_mean(total, count, group)
+
+    loss.sequence_parallel = True
+    return loss
 
 
 def _mark(model: nn.Module, sp: int) -> None:
@@ -297,4 +325,4 @@ def _hf_causal_lm_loss(group, logits, labels, vocab_size: int, num_items_in_batc
     return sequence_mean(total, (shift_labels != ignore_index).sum(), group)
 
 
-__all__ = ["apply_sequence_parallel", "HeadRange"]
+__all__ = ["apply_sequence_parallel", "HeadRange", "sequence_parallel_loss"]

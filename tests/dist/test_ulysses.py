@@ -8,7 +8,7 @@
 * With full activation checkpointing (ZeRO-3, the GPT): the recomputed blocks repeat their all-to-alls.
 * Block-sparse attention (Variable and BigBird layouts, different per head) as the GPT's core under sp=2 equals sp=1.
 * Bad input is a ConfigError naming the setting: heads / sequence not divisible, a model with no swappable
-  attention, sp with pp, a batch whose length sp does not divide.
+  attention, a batch whose length sp does not divide.
 """
 
 from __future__ import annotations
@@ -236,8 +236,7 @@ def test_config_errors_name_the_settings():
     with pytest.raises(ConfigError, match=r"tp=1 x pp=1 x sp=3 does not divide the world size 4"):
         from_flat_kwargs(sp=3).validate(4)
     assert from_flat_kwargs(sp=2).validate(4).resolved_dp(4) == 2
-    with pytest.raises(ConfigError, match=r"^sp=2 with pp=2: Ulysses .* not yet with pipeline parallelism"):
-        check_config(ParallelConfig(sp=2, pp=2))
+    check_config(ParallelConfig(sp=2, pp=2))  # sp x pp and sp x tp compose (tests/dist/test_ulysses_compose.py)
 
 
 def test_shard_sequence_and_kv_heads():

@@ -6,6 +6,10 @@ steps through parallelize() on gloo ranks.
   Face Llama (rotary, grouped-query: its 2 key/value heads are split by tp, one per tp rank, repeated for sp; sdpa and
   eager) and the GPT with a block-sparse core (a BigBird layout that differs per head: each rank's head of the whole
   model's layout), at ZeRO 0 and 3: losses and parameters equal one process on the full sequences within 1e-10.
+* pp=2 x sp=2 (4 ranks): every pipeline stage's attention runs Ulysses over its sp group, micro-batches carry L / sp
+  and the last stage's loss is each micro-batch's whole-sequence mean: the GPT (1f1b at ZeRO 0 and 3, gpipe at ZeRO 1,
+  zero-bubble, block-sparse) equals one process within 1e-10. A Hugging Face model under sp x pp is a ConfigError
+  (its pipeline layers compute positions per stage).
 * Bad splits are ConfigErrors naming sp and tp, on every rank: sp x tp above the head count, sp not dividing the heads
   of a tp rank; and tp's own sequence split (tensor.sequence_parallel) under sp.
 """
@@ -19,24 +23,32 @@ from lightning_scale.testing import run_distributed
 from test_ulysses import LR, STEPS, _batch, _build, _loss, _reference
 
 
-def _train_one(rank: int, world_size: int, family: str, tp: int, sp: int, stage: int):
+def _train_one(rank: int, world_size: int, family: str, tp: int, sp: int, stage: int, pp: int = 1,
+               schedule: str = "1f1b"):
     from lightning_scale.config import from_flat_kwargs
+    from lightning_scale.models.gpt import lm_loss
     from lightning_scale.parallelize import local_topology, parallelize
     from lightning_scale.sequence_parallel import shard_sequence
 
-    config = from_flat_kwargs(sp=sp, tp=tp, stage=stage)
+    pipe = dict(pp=pp, microbatches=MICRO, schedule=schedule) if pp > 1 else {}
+    config = from_flat_kwargs(sp=sp, tp=tp, stage=stage, **pipe)
     topo = local_topology(config, world_size, rank)
     hf = family.startswith(("llama", "gpt2"))
-    model = _build(family, meta=not hf and (stage == 3 or tp > 1))
-    pm = parallelize(model, config, topo, "cpu", optimizers=lambda: [torch.optim.AdamW(model.parameters(), lr=LR)])
+    model = _build(family, meta=not hf and (stage == 3 or tp > 1 or pp > 1))
+    pm = parallelize(model, config, topo, "cpu", optimizers=lambda: [torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=LR)], loss_fn=lm_loss)
     (engine,) = pm.make_engines()
     losses = []
     for step in range(STEPS):
         x, y = _batch(family, step)
         x, y = x.chunk(topo.dp)[topo.dp_rank], y.chunk(topo.dp)[topo.dp_rank]
         x, y = shard_sequence((x, y), topo.sp_rank, topo.sp)
-        loss = _loss(family, model, x, y)
-        loss.backward()
+        if pm.pipeline is not None:  # micro-batches of (B / M, L / sp); the mean of their whole-sequence losses
+            with engine.no_sync():
+                loss = pm.pipeline.runtime.train_step(x, y).to(torch.float64)
+        else:
+            loss = _loss(family, model, x, y)
+            loss.backward()
         engine.step()
         engine.zero_grad()
         every = [torch.zeros(1, dtype=torch.float64) for _ in range(world_size)]
@@ -81,6 +93,7 @@ def _llama(heads: int):
                                         num_attention_heads=heads, num_key_value_heads=2, head_dim=8))
 
 
+MICRO = 2
 CASES_TP2_SP2 = [("gpt", 2, 2, 0), ("gpt", 2, 2, 3), ("llama-sdpa", 2, 2, 0), ("llama-eager", 2, 2, 3),
                  ("sparse-bigbird", 2, 2, 0)]
 
@@ -91,7 +104,7 @@ def test_tp2_sp2_match_one_process():
     for case in CASES_TP2_SP2:
         family, tp, sp, stage = case
         losses, state = results[case]
-        ref_losses, ref_state = _reference(family, 4 // (tp * sp))
+        ref_losses, ref_state = _reference(family, 4 // (tp * sp))  # dp replicas
         for every, ref in zip(losses, ref_losses):
             assert max(abs(v - ref) for v in every) < 1e-10, (case, every, ref)  # every rank: the whole-sequence loss
         assert set(ref_state) <= set(state), case  # (ZeRO-3's state adds the non-persistent buffers)
@@ -112,3 +125,43 @@ def test_tp_sequence_parallel_under_sp_is_a_config_error():
     check_config(from_flat_kwargs(sp=2, tp=2))  # accepted now
     with pytest.raises(ConfigError, match=r"^sp=2 with tensor.sequence_parallel=True: Ulysses already splits"):
         check_config(from_flat_kwargs(sp=2, tp=2, sequence_parallel=True))
+
+
+CASES_PP2_SP2 = [("gpt", 1, 2, 0, 2), ("gpt", 1, 2, 1, 2, "gpipe"), ("gpt", 1, 2, 3, 2), ("sparse-bigbird", 1, 2, 0, 2),
+                 ("gpt", 1, 2, 0, 2, "zero_bubble")]
+
+
+def _train_pp(rank: int, world_size: int, cases):
+    out = {case: _train_one(rank, world_size, *case) for case in cases}
+    return out, _bad_pp(rank, world_size)
+
+
+def _bad_pp(rank: int, world_size: int):
+    from lightning_scale.config import ConfigError, from_flat_kwargs
+    from lightning_scale.models.gpt import lm_loss
+    from lightning_scale.parallelize import local_topology, parallelize
+
+    config = from_flat_kwargs(sp=2, pp=2, microbatches=MICRO)
+    topo = local_topology(config, world_size, rank)
+    try:
+        parallelize(_llama(4), config, topo, "cpu", loss_fn=lm_loss)
+    except ConfigError as err:
+        return str(err), err.settings
+    return None
+
+
+@pytest.mark.timeout(420)
+def test_pp2_sp2_match_one_process():
+    """Each stage's attention runs over its sp group; micro-batches carry L / sp; the last stage's loss is the
+    whole-sequence mean of each micro-batch (the reference: the mean over micro-batches of those)."""
+    results, bad = run_distributed(_train_pp, 4, args=(CASES_PP2_SP2,), timeout=380)[0]
+    for case in CASES_PP2_SP2:
+        losses, state = results[case]
+        ref_losses, ref_state = _reference(case[0], MICRO)  # dp = 1: the mean over the 2 micro-batches
+        for every, ref in zip(losses, ref_losses):
+            assert max(abs(v - ref) for v in every) < 1e-10, (case, every, ref)
+        assert set(ref_state) <= set(state), case
+        worst = max((state[k] - ref_state[k]).abs().max().item() for k in ref_state)
+        assert worst < 1e-10, (case, worst)
+    assert bad is not None and bad[0].startswith("sp=2 with pp > 1: LlamaForCausalLM's pipeline layers"), bad
+    assert bad[1] == ("sp", "pp")
