@@ -114,6 +114,23 @@ class _EngineNoSync(_BackwardSyncControl):
         return stack
 
 
+class _SequenceShards:
+    """A dataloader whose batches are cut to this sp rank's slice; everything else is the loader's own."""
+
+    def __init__(self, dataloader: Any, strategy: "Zero3DFabricStrategy") -> None:
+        self._dataloader, self._strategy = dataloader, strategy
+
+    def __iter__(self):
+        for batch in self._dataloader:
+            yield self._strategy.shard_batch(batch)
+
+    def __len__(self) -> int:
+        return len(self._dataloader)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["_dataloader"], name)
+
+
 class Zero3DFabricStrategy(GridStrategyMixin, ParallelStrategy):
     strategy_name = "zero3d"
 
@@ -130,12 +147,6 @@ class Zero3DFabricStrategy(GridStrategyMixin, ParallelStrategy):
             raise ConfigError(f"pp={self.config.pp}: pipeline parallelism is not available under Fabric (its schedule "
                               "is the training step, which a Fabric loop writes itself); use the Trainer's "
                               "Zero3DStrategy, or lightning_scale.pipeline.ZeroPipeline in a plain torch loop")
-        if self.config.sp > 1:
-            raise ConfigError(f"sp={self.config.sp}: sequence parallelism is not wired into the Fabric strategy yet "
-                              "(each rank must train on its slice of every sequence); use the Trainer's "
-                              "Zero3DStrategy(sp=...), or lightning_scale.parallelize.parallelize with "
-                              "lightning_scale.sequence_parallel.shard_sequence in a plain torch loop",
-                              settings=("sp",))
         self._precision_override = precision
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io, precision=None)
@@ -183,7 +194,8 @@ class Zero3DFabricStrategy(GridStrategyMixin, ParallelStrategy):
         _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout,
                               **({} if store is None else {"store": store}))
         cfg = self.config
-        self.topology = Topology(dp=cfg.resolved_dp(self.world_size), pp=cfg.pp, tp=cfg.tp, rank=self.global_rank)
+        self.topology = Topology(dp=cfg.resolved_dp(self.world_size), pp=cfg.pp, tp=cfg.tp, sp=cfg.sp,
+                                 rank=self.global_rank)
         self.topology.build_groups()
         check_config(cfg)
         _stage3.check_offload(self)
@@ -241,6 +253,26 @@ class Zero3DFabricStrategy(GridStrategyMixin, ParallelStrategy):
         for opt in optimizers:
             plugin.engines[id(opt)] = by_id[id(opt)]
         self.engines = [by_id[id(o)] for o in pm.optimizers]
+
+    # ------------------------------------------------------------------ sequence parallelism (sp > 1)
+    def process_dataloader(self, dataloader: Any) -> Any:
+        """``fabric.setup_dataloaders``: the sampler splits over dp only; under sp every batch is cut to this rank's
+        1/sp of each sequence (:meth:`shard_batch`) as it is drawn."""
+        dataloader = super().process_dataloader(dataloader)
+        if self.config.sp == 1:
+            return dataloader
+        return _SequenceShards(dataloader, self)
+
+    def shard_batch(self, batch: Any) -> Any:
+        """This sp rank's slice of ``batch`` (dimension 1 of every tensor with two or more dimensions; the batch
+        itself at sp == 1): for a Fabric loop that builds its batches without ``fabric.setup_dataloaders``. The
+        model's own loss (``GPT.loss``, a Hugging Face model's ``labels=``) is then the whole-sequence mean."""
+        topo = self.topology
+        if topo is None or topo.sp == 1:
+            return batch
+        from lightning_scale.sequence_parallel import shard_sequence
+
+        return shard_sequence(batch, topo.sp_rank, topo.sp)
 
     def module_to_device(self, module: nn.Module) -> None:
         if self.config.zero.stage == 3 or has_meta(module, recurse=True):

@@ -253,12 +253,13 @@ def test_shard_sequence_and_kv_heads():
     assert _hf_kv_repeat(4, 2, 2) == 1 and _hf_kv_repeat(4, 2, 4) == 2 and _hf_kv_repeat(12, 3, 4) == 4
 
 
-def test_fabric_refuses_sp_until_it_slices_batches():
-    from lightning_scale.config import ConfigError
+def test_fabric_accepts_sp():
+    """Fabric sp is wired (tests/strategies/test_sp_trainer.py trains with it); before setup nothing is cut."""
     from lightning_scale.strategies.fabric import Zero3DFabricStrategy
 
-    with pytest.raises(ConfigError, match=r"^sp=2: sequence parallelism is not wired into the Fabric strategy"):
-        Zero3DFabricStrategy(sp=2)
+    strategy = Zero3DFabricStrategy(sp=2)
+    batch = (torch.zeros(2, 8),)
+    assert strategy.config.sp == 2 and strategy.shard_batch(batch) is batch
 
 
 def test_startup_table_names_sp_and_estimates_over_dp_x_sp():
