@@ -31,6 +31,7 @@ FAMILIES: Dict[str, Tuple[str, dict, str]] = {
                "per-head q/k norms, per-layer-type rotary, sliding/full layers"),
     "phi3": ("phi3", dict(num_key_value_heads=2, pad_token_id=0), "fused qkv and gate_up (gathered tp styles)"),
     "gpt_neox": ("gpt_neox", dict(rotary_pct=0.5), "fused per-head qkv, partial rotary, parallel residual"),
+    "gpt2": ("gpt2", dict(n_inner=64), "learned positions, fused Conv1D c_attn, tied head"),
 }
 
 
@@ -43,6 +44,8 @@ def build(name: str, attn: str = "eager", dtype: torch.dtype = torch.float64, se
     kwargs = dict(_COMMON, **extra)
     if model_type == "gpt_neox":
         kwargs["num_key_value_heads"] = kwargs["num_attention_heads"]  # no GQA in NeoX
+    if model_type == "gpt2":  # GPT2Config maps hidden_size / num_* / max_position_embeddings, not the MLP width
+        kwargs.pop("intermediate_size")
     config = AutoConfig.for_model(model_type, **kwargs)
     config._attn_implementation = attn
     torch.manual_seed(seed)

@@ -23,7 +23,9 @@ they are the ones the unsplit model uses:
   glue builds ``(B, 2, T)`` from a dict batch's ``attention_mask``.
 
 Tied embeddings need nothing: the head's ``lm_head`` *is* the embedding's Parameter, which the pipeline
-stage finds and keeps in sync. Families without a ``base_model_pp_plan`` (GPT-2, OPT, Falcon...) or whose
+stage finds and keeps in sync. GPT-2 has no ``base_model_pp_plan``: its learned position embedding
+(``wte(ids) + wpe(positions)``) and ``transformer.h`` blocks are taken from its fixed structure
+(:func:`_gpt2_layers`). Other families without a ``base_model_pp_plan`` (OPT, Falcon...) or whose
 forward does more than this (e.g. ``embedding_multiplier``, ``logit_scale``) get a ``ConfigError`` that
 names them and says to define ``pipeline_layers()``. Nothing here imports ``transformers`` at import
 time (duck typing on ``config.model_type`` / ``base_model_prefix``); the mask functions are imported
@@ -80,19 +82,37 @@ class HFEmbedding(nn.Module):
         self.embed = nn.ModuleList(modules)  # e.g. [embed_tokens] or [embed_in, emb_dropout]
         self.has_mask = has_mask  # None: per batch, from the inputs' shape
 
-    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+    def split_inputs(self, inputs: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """ids (B, T) and the padding mask (B, T) or None."""
         if inputs.dim() == 3:  # (B, 2, T): ids and padding mask
             if self.has_mask is False:
                 raise ValueError("inputs of shape (B, 2, T) carry an attention_mask: build the layers with "
                                  "hf_pipeline_layers(model, attention_mask=True)")
-            ids, mask = inputs[:, 0], inputs[:, 1]
-        elif self.has_mask:
+            return inputs[:, 0], inputs[:, 1]
+        if self.has_mask:
             raise ValueError("hf_pipeline_layers(..., attention_mask=True) expects inputs stack([ids, mask], 1)")
-        else:
-            ids, mask = inputs, None
+        return inputs, None
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        ids, mask = self.split_inputs(inputs)
         h = ids
         for m in self.embed:
             h = m(h)
+        return _join_mask(h, mask)
+
+
+class HFLearnedPositionEmbedding(HFEmbedding):
+    """GPT-2's embedding: ``wte(ids) + wpe(arange(T))``, then dropout (as ``GPT2Model.forward``; no cache, so the
+    positions start at 0), the padding mask joined like :class:`HFEmbedding`."""
+
+    def __init__(self, wte: nn.Module, wpe: nn.Module, drop: nn.Module, has_mask: Optional[bool]) -> None:
+        super().__init__([], has_mask)
+        self.wte, self.wpe, self.drop = wte, wpe, drop
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        ids, mask = self.split_inputs(inputs)
+        position_ids = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)  # (1, T)
+        h = self.drop(self.wte(ids) + self.wpe(position_ids))
         return _join_mask(h, mask)
 
 
@@ -182,6 +202,8 @@ def hf_pipeline_layers(model: nn.Module, attention_mask: Optional[bool] = None) 
     """
     if not is_hf_causal_lm(model):
         raise ConfigError(f"pipeline: {type(model).__name__} is not a Hugging Face model")
+    if _is_gpt2(model):
+        return _gpt2_layers(model, attention_mask)
     base, pre, layers_name, post, head_name, family = _structure(model)
     config = getattr(base, "config", model.config)
     impl = getattr(config, "_attn_implementation", None)
@@ -194,6 +216,24 @@ def hf_pipeline_layers(model: nn.Module, attention_mask: Optional[bool] = None) 
     softcap = getattr(model.config, "final_logit_softcapping", None)
     out.append(HFHead([getattr(base, n) for n in post], getattr(model, head_name), softcap, attention_mask,
                       config.hidden_size))
+    return nn.Sequential(*out)
+
+
+def _is_gpt2(model: nn.Module) -> bool:
+    """GPT-2 declares no ``base_model_pp_plan``; its structure (``transformer.wte / wpe / drop / h / ln_f``,
+    ``lm_head``) is the one transformers' ``GPT2LMHeadModel`` has had since its first release."""
+    base = getattr(model, "transformer", None)
+    return (model.config.model_type == "gpt2" and all(hasattr(base, n) for n in ("wte", "wpe", "drop", "h", "ln_f"))
+            and isinstance(getattr(model, "lm_head", None), nn.Module))
+
+
+def _gpt2_layers(model: nn.Module, attention_mask: Optional[bool]) -> nn.Sequential:
+    base, config = model.transformer, model.transformer.config
+    if getattr(config, "add_cross_attention", False):
+        raise ConfigError(f"pipeline: GPT-2 with add_cross_attention=True is not supported; {_hook_hint(model)}")
+    out: List[nn.Module] = [HFLearnedPositionEmbedding(base.wte, base.wpe, base.drop, attention_mask)]
+    out += [HFDecoderLayer(block, i, config, None, attention_mask) for i, block in enumerate(base.h)]
+    out.append(HFHead([base.ln_f], model.lm_head, None, attention_mask, config.hidden_size))
     return nn.Sequential(*out)
 
 

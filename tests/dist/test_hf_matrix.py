@@ -21,7 +21,10 @@ import torch
 from lightning_scale.testing import run_distributed
 
 STEPS, LR, SEQ, BATCH = 3, 0.5, 12, 4
-FAST = ["mistral", "gemma3", "phi3", "gpt_neox"]  # Llama runs in tests/strategies/test_hf_models.py
+FAST = ["mistral", "gemma3", "phi3", "gpt_neox", "gpt2"]  # Llama runs in tests/strategies/test_hf_models.py
+# dp2 x tp2 x pp2 (8 ranks, slow): Llama and the other layouts (GPT-2's learned positions, Conv1D c_attn and tied
+# head; Qwen2's q/k/v biases; Phi3's gathered fused projections; GPT-NeoX's interleaved qkv; Mistral's window)
+GRID = ["llama", "gpt2", "qwen2", "phi3", "gpt_neox", "mistral"]
 
 
 def _loss(logits, targets):
@@ -159,13 +162,33 @@ def grid_worker(rank: int, world_size: int, name: str, attn: str) -> list:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("attn", ["eager"])  # sdpa passed as well (8.9e-16); left out for the suite's time
-def test_llama_at_dp2_tp2_pp2_matches_one_process(attn):
-    """One family on the whole grid (8 ranks): what the Trainer's 3D layout runs, without Lightning."""
+@pytest.mark.parametrize("name", GRID)
+@pytest.mark.parametrize("attn", ["eager"])  # Llama's sdpa passed as well (8.9e-16); left out for the suite's time
+def test_family_at_dp2_tp2_pp2_matches_one_process(attn, name):
+    """A family on the whole grid (8 ranks): what the Trainer's 3D layout runs, without Lightning."""
     pytest.importorskip("transformers")
-    ref = _reference("llama", attn, False)
-    for rank, got in enumerate(run_distributed(grid_worker, 8, ("llama", attn), timeout=540)):
+    ref = _reference(name, attn, False)
+    for rank, got in enumerate(run_distributed(grid_worker, 8, (name, attn), timeout=540)):
         assert max(abs(a - b) for a, b in zip(got, ref)) < 1e-7, (rank, got, ref)
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_gpt2_pipeline_layers_are_the_model(attn):
+    """GPT-2 declares no base_model_pp_plan: its layers (learned positions, causal mask per layer) give the model's
+    own logits, with and without a padding mask (one process)."""
+    pytest.importorskip("transformers")
+    from lightning_scale.models import hf_families as F
+    from lightning_scale.models.hf_pipeline import hf_pipeline_layers
+
+    model = F.build("gpt2", attn)
+    x, _ = F.batch(4, SEQ, seed=0)
+    mask = torch.ones_like(x)
+    mask[0, -4:] = 0
+    layers = hf_pipeline_layers(model)
+    assert len(layers) == 2 + model.config.n_layer
+    assert torch.equal(layers(x), model(input_ids=x).logits)
+    got, want = layers(torch.stack([x, mask], 1)), model(input_ids=x, attention_mask=mask).logits
+    assert torch.equal(got[:, :-4], want[:, :-4]) and torch.equal(got[1:], want[1:])
 
 
 def run_matrix(families, timeout: float = 600.0) -> dict:

@@ -57,7 +57,8 @@ def test_found_inside_a_wrapper_and_unsupported_family_named():
     wrapper = nn.Module()
     wrapper.model = F.build("llama", "sdpa")
     assert len(pipeline_layers(wrapper)) == 4 + 2
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import OPTConfig, OPTForCausalLM  # GPT-2 has its own adapter now (no base_model_pp_plan)
 
-    with pytest.raises(ConfigError, match=r"GPT2LMHeadModel \(model_type 'gpt2'\).*pipeline_layers\(\)"):
-        pipeline_layers(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32)))
+    with pytest.raises(ConfigError, match=r"OPTForCausalLM \(model_type 'opt'\).*pipeline_layers\(\)"):
+        pipeline_layers(OPTForCausalLM(OPTConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=2, ffn_dim=32,
+                                                 vocab_size=32, word_embed_proj_dim=16)))
