@@ -5,11 +5,14 @@ vocabulary 63: padded at tp=2) are saved with ``save_pretrained`` in float64 wit
 init is told apart. Each rank builds the model on meta with ``lightning_scale.from_pretrained`` (or ``from_config`` +
 ``load_pretrained``) and ``parallelize`` reads only what the rank keeps. Checked:
 
-* zero3 (dp=2), tp=2 (stage 1), pp=2 at stages 1 and 3 (Llama; GPT-2 has no automatic pipeline adapter) and the
-  ``from_config`` + ``load_pretrained`` form at zero3, and a frozen base (only the last layer and the head
+* zero3 (dp=2), tp=2 (stage 1), pp=2 at stages 1 and 3 (Llama; GPT-2 at stage 1, through its pipeline adapter) and
+  the ``from_config`` + ``load_pretrained`` form at zero3, and a frozen base (only the last layer and the head
   train) at zero3 and tp=2: 3 SGD steps of
   losses equal one process that called ``AutoModelForCausalLM.from_pretrained`` on the same directory (float64,
   1e-10), and the bytes each rank read from the files are its share (< 0.62 of the file), not the model;
+* 4 and 8 ranks (slow, one run each): dp2 x tp2 at ZeRO-3 and dp2 x tp2 x pp2 at ZeRO-1, Llama (grouped-query
+  heads) and GPT-2 (tied head across the stages, padded vocabulary): the same losses, and each rank reads about a
+  quarter of the file (< 0.36: replicated norms and biases are read whole);
 * bad input (a missing directory, another architecture's directory, a tensor missing from the file): a
   ConfigError naming it on every rank, before anything is allocated;
 * memory: a 76 MiB float32 Llama under zero3, tp=2 and pp=2: each rank's peak memory growth during ``parallelize`` is
@@ -34,8 +37,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 
 STEPS, LR, BATCH, SEQ = 3, 0.5, 4, 12
-CASES = [("llama", "zero3"), ("gpt2", "zero3"), ("llama", "tp2"), ("gpt2", "tp2"), ("llama", "pp2"),
+CASES = [("llama", "zero3"), ("gpt2", "zero3"), ("llama", "tp2"), ("gpt2", "tp2"), ("llama", "pp2"), ("gpt2", "pp2"),
          ("llama", "pp2_zero3"), ("llama", "zero3_config"), ("llama", "zero3_frozen"), ("llama", "tp2_frozen")]
+GRID_CASES = {4: [("llama", "dp2_tp2_zero3"), ("gpt2", "dp2_tp2_zero3")], 8: [("llama", "3d"), ("gpt2", "3d")]}
+MODES = {"zero3": dict(stage=3), "zero3_config": dict(stage=3), "tp2": dict(stage=1, tp=2),
+         "pp2": dict(stage=1, pp=2, microbatches=2), "pp2_zero3": dict(stage=3, pp=2, microbatches=2),
+         "zero3_frozen": dict(stage=3), "tp2_frozen": dict(stage=1, tp=2), "dp2_tp2_zero3": dict(stage=3, tp=2),
+         "3d": dict(stage=1, tp=2, pp=2, microbatches=2)}
 
 
 def _configs():
@@ -155,10 +163,7 @@ def _run_case(rank, world, root, arch, mode):
     from lightning_scale.parallelize import local_topology, parallelize
 
     directory = os.path.join(root, arch)
-    kwargs = {"zero3": dict(stage=3), "zero3_config": dict(stage=3), "tp2": dict(stage=1, tp=2),
-              "pp2": dict(stage=1, pp=2, microbatches=2), "pp2_zero3": dict(stage=3, pp=2, microbatches=2),
-              "zero3_frozen": dict(stage=3), "tp2_frozen": dict(stage=1, tp=2)}[mode]
-    config = from_flat_kwargs(overlap_comm=False, **kwargs)
+    config = from_flat_kwargs(overlap_comm=False, **MODES[mode])
     topo = local_topology(config, world, rank)
     model = _build(directory, "config" if mode.endswith("_config") else "helper")
     assert next(model.parameters()).is_meta
@@ -173,10 +178,10 @@ def _run_case(rank, world, root, arch, mode):
     pm.make_engines(overlap_comm=False)
     losses = []
     for x, y in _batches(model.config.vocab_size):
+        xs, ys = x.chunk(topo.dp)[topo.dp_rank], y.chunk(topo.dp)[topo.dp_rank]  # tp / pp peers: the same rows
         if pm.pipeline is not None:
-            loss = pm.pipeline.runtime.train_step(x, y)
+            loss = pm.pipeline.runtime.train_step(xs, ys)
         else:
-            xs, ys = x.chunk(topo.dp)[topo.dp_rank], y.chunk(topo.dp)[topo.dp_rank]
             loss = _loss(model(input_ids=xs).logits, ys)
             loss.backward()
         opt.step()  # routed to the engine
@@ -228,6 +233,24 @@ def worker(rank, world, root):
     out.update({case: _run_case(rank, world, root, *case) for case in CASES})
     out["bad"] = _bad_inputs(root)
     return out
+
+
+def grid_worker(rank, world, root):
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    return {case: _run_case(rank, world, root, *case) for case in GRID_CASES[world]}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world", [4, 8])
+def test_pretrained_at_4_and_8_ranks_reads_a_quarter(hf_dirs, world):
+    refs = hf_dirs["refs"]
+    for rank, res in enumerate(run_distributed(grid_worker, world, (hf_dirs["root"],), timeout=540)):
+        for (arch, mode), got in res.items():
+            diff = max(abs(a - b) for a, b in zip(got["losses"], refs[arch]))
+            assert diff < 1e-10, (rank, arch, mode, got["losses"], refs[arch])
+            assert got["read"] < 0.36 * got["file"], (rank, arch, mode, got["read"] / got["file"])
+    print(world, "ranks: read fractions", sorted({round(g["read"] / g["file"], 3) for g in res.values()}))
 
 
 @pytest.fixture(scope="module")

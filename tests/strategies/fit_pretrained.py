@@ -5,6 +5,7 @@ The LightningModule is what a user writes for one device: ``configure_model`` ca
 ``pp=2`` that runs on the meta device, where the call builds the model from the directory's config and records the
 directory; ``setup`` then reads each rank's shard / slices / stage from the safetensors files
 (``lightning_scale.pretrained``). ``--strategy single`` is the reference: transformers' own ``from_pretrained``.
+``--fabric``: the same under Lightning Fabric, ``from_pretrained`` inside ``fabric.init_module(empty_init=True)``.
 """
 
 from __future__ import annotations
@@ -43,6 +44,39 @@ class Finetune(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.5)
 
 
+def fabric_losses(args, opts: dict) -> dict:
+    """The same fine-tuning as a Fabric loop: ``AutoModelForCausalLM.from_pretrained`` inside
+    ``fabric.init_module(empty_init=True)`` (the meta device under ZeRO-3 / tp), then ``fabric.setup``."""
+    from lightning.fabric import Fabric
+    from transformers import AutoModelForCausalLM
+
+    from lightning_scale.pretrained import SOURCE_ATTR
+    from lightning_scale.strategies import Zero3DFabricStrategy
+
+    fabric = Fabric(accelerator="cpu", devices=args.devices, strategy=Zero3DFabricStrategy(**opts))
+    fabric.launch()
+    with fabric.init_module(empty_init=True):
+        model = AutoModelForCausalLM.from_pretrained(args.dir)
+    recorded, meta = hasattr(model, SOURCE_ATTR), next(model.parameters()).is_meta
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    model, opt = fabric.setup(model, opt)
+    losses = []
+    for x, y in _rows(args.steps):  # every rank trains on every row: the dp mean is one process's
+        loss = lm_loss(model(input_ids=x).logits, y)
+        fabric.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(fabric.all_reduce(loss.detach(), reduce_op="mean")))
+    return {"losses": losses, "world": fabric.world_size, "recorded": recorded, "meta": meta,
+            "rank": fabric.global_rank}
+
+
+def _rows(steps: int):
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 64, (steps * 4, 13), generator=g)
+    return torch.utils.data.DataLoader(list(zip(ids[:, :-1], ids[:, 1:])), batch_size=4)
+
+
 def main() -> None:
     warnings.filterwarnings("ignore")
     ap = argparse.ArgumentParser()
@@ -52,11 +86,16 @@ def main() -> None:
     ap.add_argument("--devices", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--option", action="append", default=[])
+    ap.add_argument("--fabric", action="store_true", help="a Fabric loop on Zero3DFabricStrategy instead")
     args = ap.parse_args()
-    g = torch.Generator().manual_seed(5)
-    ids = torch.randint(0, 64, (args.steps * 4, 13), generator=g)
-    data = torch.utils.data.DataLoader(list(zip(ids[:, :-1], ids[:, 1:])), batch_size=4)
+    data = _rows(args.steps)
     opts = {k: int(v) for k, v in (o.split("=", 1) for o in args.option)}
+    if args.fabric:
+        res = fabric_losses(args, opts)
+        if res["rank"] == 0:
+            with open(args.out, "w") as f:
+                json.dump(res, f)
+        return
     strategy = "auto" if args.strategy == "single" else Zero3DStrategy(**opts)
     rec = Losses()
     trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.steps,

@@ -54,3 +54,14 @@ def test_from_pretrained_in_configure_model_under_zero3_matches_one_device(tmp_p
     assert run["world"] == 2 and len(run["losses"]) == len(ref["losses"]) == 3
     assert run["recorded"] and not ref["recorded"]
     assert max(abs(a - b) for a, b in zip(run["losses"], ref["losses"])) < 1e-5, (run["losses"], ref["losses"])
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout", ["stage=3", "tp=2"])
+def test_from_pretrained_in_fabric_init_module_matches_one_device(tmp_path, llama_dir, layout):
+    """Fabric: ``from_pretrained`` inside ``init_module(empty_init=True)`` builds on meta at ZeRO-3 and at tp=2,
+    ``fabric.setup`` reads each rank's shard / slices; losses equal the single-device run within 1e-5."""
+    ref = _fit(tmp_path, "single", "--dir", llama_dir, "--strategy", "single", "--devices", "1")
+    run = _fit(tmp_path, "fabric", "--dir", llama_dir, "--fabric", "--option", layout)
+    assert run["world"] == 2 and run["recorded"] and run["meta"], run
+    assert max(abs(a - b) for a, b in zip(run["losses"], ref["losses"])) < 1e-5, (run["losses"], ref["losses"])
