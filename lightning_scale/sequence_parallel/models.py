@@ -11,7 +11,10 @@ tree and no parameter name changes, as activation checkpointing does):
   wraps the model's own implementation (``eager`` or ``sdpa``) between the all-to-alls; the base model gets the
   global ``position_ids`` of this rank's slice (rotary or learned positions); ``loss_function`` (what
   ``model(input_ids, labels=...)`` uses) shifts the labels across slice boundaries and takes the whole-sequence
-  mean; ``use_cache`` is turned off (a training layout).
+  mean; ``use_cache`` is turned off (a training layout). A padding ``attention_mask``, ``position_ids`` restarting
+  at packed sequences, and sliding windows (Mistral, Qwen2's layer types) are gathered over sp before the first
+  layer and turned into the whole sequence's mask by transformers' own mask functions, which the attention then
+  applies on the head-split side.
 
 A model with neither is a ConfigError naming ``sp``.
 """
@@ -267,7 +270,9 @@ def _sp_hf(model: nn.Module, group, tp: int = 1) -> None:
     AttentionMaskInterface.register(name, sdpa_mask)  # None for a plain causal mask: the full one is built here
     model.set_attn_implementation(name)
     cfg.use_cache = False
-    model.base_model.register_forward_pre_hook(functools.partial(_global_position_ids, group), with_kwargs=True)
+    masks = _FullMasks(model, inner_name)
+    model.base_model.register_forward_pre_hook(functools.partial(_global_positions_and_mask, group, masks),
+                                               with_kwargs=True)
     model.loss_function = functools.partial(_hf_causal_lm_loss, group)
 
 
@@ -275,18 +280,14 @@ def _hf_attention(module, query, key, value, attention_mask, *, inner, eager: bo
     """transformers attention function: (B, H, L/sp, D) q and (B, Hkv, L/sp, D) k, v -> ((B, L/sp, H, D), None)."""
     from transformers.integrations.sdpa_attention import repeat_kv
 
-    if attention_mask is not None:
-        raise ConfigError(f"sp={C.group_size(group)}: a padding / packed-sequence attention mask is not supported "
-                          "under sequence parallelism yet (pass full-length sequences without attention_mask)",
-                          settings=("sp",))
     seen = module
     if repeat > 1:
         key, value = repeat_kv(key, repeat), repeat_kv(value, repeat)
         seen = _LocalHeads(module, module.num_key_value_groups // repeat)
     query, = heads_to_sequence((query,), group)  # (B, H/sp, L, D)
     key, value = heads_to_sequence((key, value), group)
-    mask = None
-    if eager:  # eager attention applies only the mask it is given: the full causal one
+    mask = attention_mask  # None, or the whole sequence's (B, 1, L, L) mask built before the first layer
+    if mask is None and eager:  # eager attention applies only the mask it is given: the full causal one
         L = query.shape[2]
         mask = torch.full((L, L), torch.finfo(query.dtype).min, dtype=query.dtype, device=query.device).triu(1)
         mask = mask.view(1, 1, L, L)
@@ -294,18 +295,84 @@ def _hf_attention(module, query, key, value, attention_mask, *, inner, eager: bo
     return sequence_to_heads(out, group, head_dim=2, seq_dim=1), None  # (B, L/sp, H, D)
 
 
-def _global_position_ids(group, module, args, kwargs):
-    """Forward pre-hook of the base model: this rank's slice keeps its global positions."""
-    if kwargs.get("position_ids") is not None:
-        return None
+class _FullMasks:
+    """The whole sequence's attention mask(s), built with transformers' own mask functions for the wrapped
+    implementation (what one process on the full sequence builds): causal, padding (``attention_mask``), packed
+    sequences (``position_ids`` restarting), sliding windows. ``build`` returns what the base model takes as its
+    ``attention_mask``: one prepared 4D mask (returned as-is by its mask functions), a ``{layer type: mask}`` dict
+    for models whose layers mix types, or None for a plain causal mask (sdpa's ``is_causal``)."""
+
+    def __init__(self, model: nn.Module, inner_name: str) -> None:
+        import copy
+        import inspect
+
+        self.config = copy.copy(model.config)
+        self.config._attn_implementation = inner_name
+        try:
+            source = inspect.getsource(type(model.base_model).forward)
+        except (OSError, TypeError):
+            source = ""
+        self.by_type = "causal_mask_mapping" in source  # Qwen2, Gemma2/3...: a dict per layer type
+        window = getattr(model.config, "sliding_window", None)
+        types = set(getattr(model.config, "layer_types", None) or ())
+        self.types = types if self.by_type and types else \
+            {"sliding_attention" if window is not None and "create_sliding_window_causal_mask" in source
+             else "full_attention"}
+        self.sliding = "sliding_attention" in self.types
+        self.embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+
+    def build(self, batch: int, length: int, padding: Optional[torch.Tensor], position_ids: torch.Tensor,
+              device) -> object:
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        weight = getattr(self.embedding, "weight", None)
+        dtype = weight.dtype if weight is not None and weight.is_floating_point() else torch.get_default_dtype()
+        embeds = torch.empty((batch, length, 1), dtype=dtype, device=device)  # only its shape and dtype are read
+        kwargs = dict(config=self.config, inputs_embeds=embeds, attention_mask=padding, cache=None,
+                      position_ids=position_ids)
+        made = {t: (create_sliding_window_causal_mask if t == "sliding_attention" else create_causal_mask)(**kwargs)
+                for t in sorted(self.types)}
+        if self.by_type:
+            return made
+        return next(iter(made.values()))
+
+
+def _gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """(B, L/sp) pieces of every sp rank -> (B, L) in rank order (no gradient)."""
+    x = x.contiguous()
+    every = torch.empty((C.group_size(group),) + tuple(x.shape), dtype=x.dtype, device=x.device)
+    C.all_gather(every, x, group, tag="sp/mask")
+    return torch.cat(every.unbind(0), dim=1)
+
+
+@torch.no_grad()
+def _global_positions_and_mask(group, masks: _FullMasks, module, args, kwargs):
+    """Forward pre-hook of the base model: this rank's slice keeps its global positions (given ``position_ids``, a
+    slice of the whole sequence's, or ``rank * L/sp + arange``), and the attention sees the whole sequence's mask
+    (padding, packed sequences, sliding windows: gathered over sp and built once per forward)."""
+    sp = C.group_size(group)
     x = kwargs.get("input_ids")
     if x is None:
         x = args[0] if args else kwargs.get("inputs_embeds")
     if x is None:
         return None
-    length = x.shape[1]
-    start = C.group_rank(group) * length
-    kwargs["position_ids"] = torch.arange(start, start + length, device=x.device).unsqueeze(0)
+    batch, length = x.shape[0], x.shape[1]
+    padding, positions = kwargs.get("attention_mask"), kwargs.get("position_ids")
+    if padding is not None and (isinstance(padding, dict) or padding.dim() != 2):
+        raise ConfigError(f"sp={sp}: a prepared attention mask ({'a dict' if isinstance(padding, dict) else padding.dim()}"
+                          "-D) cannot be cut over the sequence; pass the (batch, seq) padding attention_mask and/or "
+                          "position_ids restarting at each packed sequence", settings=("sp",))
+    given = positions is not None
+    if not given:
+        start = C.group_rank(group) * length
+        positions = torch.arange(start, start + length, device=x.device).unsqueeze(0)
+        kwargs["position_ids"] = positions
+    if padding is None and not given and not masks.sliding:
+        return args, kwargs  # a plain causal mask: the attention builds it (or sdpa's is_causal)
+    full_positions = _gather_sequence(positions.expand(batch, -1), group) if given else \
+        torch.arange(length * sp, device=x.device).unsqueeze(0).expand(batch, -1)
+    full_padding = _gather_sequence(padding, group) if padding is not None else None
+    kwargs["attention_mask"] = masks.build(batch, length * sp, full_padding, full_positions, x.device)
     return args, kwargs
 
 
