@@ -94,7 +94,7 @@ def module_pieces(module, engines, tp_rank: int, names_only=None) -> List[Any]:
 def _layout(strategy) -> Dict[str, Any]:
     cfg = strategy.config
     return {"world_size": strategy.world_size, "dp": cfg.resolved_dp(strategy.world_size), "tp": cfg.tp,
-            "pp": cfg.pp, "stage": cfg.zero.stage, "offload": cfg.offload.optimizer,
+            "pp": cfg.pp, "sp": cfg.sp, "stage": cfg.zero.stage, "offload": cfg.offload.optimizer,
             "precision": getattr(strategy.precision_plugin, "precision", None)}
 
 

@@ -79,3 +79,27 @@ def test_fabric_sp2_matches_one_process(tmp_path):
             state = {k: torch.tensor(v, dtype=torch.float64) for k, v in row["state"].items()}
             worst = max((state[k] - ref_state[k]).abs().max().item() for k in ref_state)
             assert worst < 1e-10, (name, worst)
+
+
+# ------------------------------------------------------------------------------------------------ universal format
+@pytest.mark.timeout(420)
+def test_universal_checkpoint_sp2_to_sp1_and_back(tmp_path):
+    """checkpoint_format="universal" under sp=2 (ZeRO-3 over dp x sp): its step-2 checkpoint resumes on one rank
+    (sp=1), whose own step-4 checkpoint resumes at sp=2 again; every resumed loss equals the uninterrupted sp=2 run's
+    (float32, 1e-5)."""
+    from lightning_scale.checkpoint import dcp_format
+    from test_universal_checkpoint import _close
+    from test_universal_checkpoint import fit as fit_universal
+
+    sp2 = ["--devices", "2", "--option", "stage=3", "--option", "sp=2"]
+    full = fit_universal(tmp_path, "sp2", *sp2, "--ckpt-dir", str(tmp_path / "ckpt"))
+    assert len(full["losses"]) == 6
+    step2 = tmp_path / "ckpt" / "epoch=0-step=2.ckpt"
+    layout = dcp_format.open_checkpoint(str(step2))[1]["layout"]
+    assert layout["stage"] == 3 and layout["sp"] == 2 and layout["dp"] == 1, layout
+    one = fit_universal(tmp_path, "sp1", "--devices", "1", "--option", "stage=3", "--ckpt-dir", str(tmp_path / "ckpt1"),
+                        "--resume", str(step2))
+    assert one["world"] == 1
+    _close(one["losses"], full["losses"][2:])
+    back = fit_universal(tmp_path, "sp2_again", *sp2, "--resume", str(tmp_path / "ckpt1" / "epoch=1-step=4.ckpt"))
+    _close(back["losses"], full["losses"][4:])
