@@ -14,7 +14,8 @@ pipeline layers are found automatically (``lightning_scale.models.litgpt_adapter
 
 Each case: 3 AdamW steps, per-step losses against one process (computed once in the pytest process):
 float64 within 1e-10, float32 within 1e-5; at tp the consolidated parameters after the 3 steps equal the
-one-process model's within 1e-10 (float64). Refusals (heads tp does not divide, kv groups tp does not divide,
+one-process model's within 1e-10 (float64), and so do the weights of the layout-free (universal) checkpoint
+written at tp=2 for ``llama``, read back in one process. Refusals (heads tp does not divide, kv groups tp does not divide,
 sequence parallelism) must be ``ConfigError`` naming the setting on both ranks. A 4-rank run (slow) does
 ``llama`` at dp2 x tp2.
 """
@@ -91,7 +92,7 @@ def _reference(name: str, dtype: torch.dtype):
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _run_case(name, layout, dtype, rank, world_size):
+def _run_case(name, layout, dtype, rank, world_size, ckpt_dir=None):
     import torch.distributed as dist
 
     from lightning_scale.config import from_flat_kwargs
@@ -122,6 +123,10 @@ def _run_case(name, layout, dtype, rank, world_size):
         opt.zero_grad()
         losses.append(loss.item())
     info = {}
+    if ckpt_dir is not None and (name, layout) == ("llama", "tp2"):  # the universal (layout-free) format
+        from lightning_scale.checkpoint.engine_pieces import save_engines
+
+        save_engines(os.path.join(ckpt_dir, "llama_tp2"), model, [engine], tp_rank=topo.tp_rank)
     if layout == "zero3":  # litgpt's blocks are found as units (gathered one at a time), the rest is the root
         info = {"units": [u.name for u in pm.sharded.units]}
     if layout.startswith("tp2") or layout == "dp2_tp2":
@@ -153,7 +158,7 @@ REFUSALS = {
 }
 
 
-def litgpt_worker(rank: int, world_size: int) -> dict:
+def litgpt_worker(rank: int, world_size: int, ckpt_dir=None) -> dict:
     import warnings
 
     import lightning_scale.models  # noqa: F401  (registers the family adapters; workers skip Lightning's hook)
@@ -162,16 +167,36 @@ def litgpt_worker(rank: int, world_size: int) -> dict:
     torch.set_num_threads(1)
     if world_size == 4:
         return {(n, lay, str(dt)): _run_case(n, lay, dt, rank, world_size) for n, lay, dt in CASES_4}
-    out = {(n, lay, str(dt)): _run_case(n, lay, dt, rank, world_size) for n, lay, dt in CASES}
+    out = {(n, lay, str(dt)): _run_case(n, lay, dt, rank, world_size, ckpt_dir) for n, lay, dt in CASES}
     for key, (overrides, layout) in REFUSALS.items():
         out[key] = _refusal(dict(overrides), layout, rank, world_size)
     return out
 
 
 @pytest.fixture(scope="module")
-def results():
+def ckpt_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("litgpt_universal"))
+
+
+@pytest.fixture(scope="module")
+def results(ckpt_dir):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    return run_distributed(litgpt_worker, 2, timeout=400)
+    return run_distributed(litgpt_worker, 2, (ckpt_dir,), timeout=400)
+
+
+@pytest.mark.timeout(500)
+def test_gqa_tp2_universal_checkpoint_is_the_whole_model(results, ckpt_dir):
+    """The layout-free checkpoint written at tp=2 holds each grouped-query qkv section at its own rows: read in one
+    process, every weight equals the one-process model's after the same 3 steps (1e-10)."""
+    from lightning_scale.checkpoint.hf import checkpoint_tensors
+
+    _, ref_state = _reference("llama", torch.float64)
+    got = dict(checkpoint_tensors(os.path.join(ckpt_dir, "llama_tp2")))
+    params = set(ref_state)  # litgpt's GPT keeps its rotary cache outside the state_dict
+    assert params <= set(got), params - set(got)
+    for key in params:
+        assert got[key].shape == ref_state[key].shape, key
+        assert (got[key] - ref_state[key]).abs().max().item() <= 1e-10, key
 
 
 def _check_case(results, name, layout, dtype, state_tol=1e-10):
