@@ -231,7 +231,8 @@ def apply_sp(pm: ParallelModel) -> None:
     from lightning_scale.sequence_parallel import apply_sequence_parallel
 
     tp_group = pm.topology.tp_group if pm.config.tp > 1 else None  # heads / tp per rank already: split them over sp
-    apply_sequence_parallel(pm.module, pm.topology.sp_group, tp_group=tp_group, pipelined=pm.pipeline is not None)
+    apply_sequence_parallel(pm.module, pm.topology.sp_group, tp_group=tp_group,
+                            stage=pm.pipeline.stage if pm.pipeline is not None else None)
     if pm.pipeline is not None:  # every stage's attention runs over its sp group; the last stage's loss spans it
         from lightning_scale.sequence_parallel.models import sequence_parallel_loss
 

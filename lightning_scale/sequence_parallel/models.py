@@ -41,12 +41,14 @@ from lightning_scale.sequence_parallel.ulysses import (heads_to_sequence, next_t
 HF_PREFIX = "lightning_scale_ulysses"
 
 
-def apply_sequence_parallel(module: nn.Module, group, tp_group=None, pipelined: bool = False) -> nn.Module:
+def apply_sequence_parallel(module: nn.Module, group, tp_group=None, stage: Optional[nn.Module] = None) -> nn.Module:
     """Make ``module`` (or the GPT / Hugging Face model inside it) run on this rank's ``1/sp`` of each sequence.
 
     ``tp_group``: the tensor-parallel group of a model split by tp already (``apply_tp`` runs first): its attention
     holds ``heads / tp`` heads, which the all-to-all splits further over sp (``heads / (tp * sp)`` per rank).
-    ``pipelined``: the model runs as pipeline stages (pp > 1; the GPT's stages use its own modules)."""
+    ``stage``: this rank's pipeline stage (pp > 1): the GPT's stages use its own modules; a Hugging Face model's
+    pipeline layers (``lightning_scale.models.hf_pipeline``) get global positions through its rotary / position
+    embedding (the base model, which the pipeline never calls, is left alone)."""
     sp = C.group_size(group)
     if sp == 1:
         return module
@@ -59,16 +61,42 @@ def apply_sequence_parallel(module: nn.Module, group, tp_group=None, pipelined: 
         raise ConfigError(f"sp={sp}: {type(module).__name__} holds no attention that sequence parallelism can swap "
                           "(the project GPT's attn.core, or a Hugging Face PreTrainedModel's attention interface)",
                           settings=("sp",))
-    if pipelined and hfs:
-        raise ConfigError(f"sp={sp} with pp > 1: {type(hfs[0]).__name__}'s pipeline layers compute positions and "
-                          "masks per stage, which sequence parallelism does not reach yet; the project GPT runs "
-                          "sp x pp (docs/long_sequences.md)", settings=("sp", "pp"))
     tp = C.group_size(tp_group) if tp_group is not None else 1
     for gpt in gpts:
         _sp_gpt(gpt, group, tp, C.group_rank(tp_group) if tp > 1 else 0)
     for hf in hfs:
-        _sp_hf(hf, group, tp)
+        _sp_hf(hf, group, tp, stage)
     return module
+
+
+def _sp_hf_pipeline(model: nn.Module, stage: nn.Module, group) -> None:
+    """The Hugging Face pipeline layers of this rank's stage: positions offset to this rank's slice (the rotary
+    embedding the decoder layers share, or GPT-2's ``wpe``); masks that the layers would build per slice (padding,
+    sliding windows) are ConfigErrors."""
+    from lightning_scale.models.hf_pipeline import HFDecoderLayer, HFEmbedding, HFLearnedPositionEmbedding
+
+    sp, rank = C.group_size(group), C.group_rank(group)
+    family = type(model).__name__
+    for m in stage.modules():
+        if isinstance(m, HFEmbedding) and m.has_mask:
+            raise ConfigError(f"sp={sp} with pp > 1: {family}'s pipeline layers carry a padding attention_mask, "
+                              "which they turn into a mask per slice; under sp x pp pass full-length sequences "
+                              "without one (padding masks work under sp without pp)", settings=("sp", "pp"))
+        if isinstance(m, HFDecoderLayer) and m.layer_type != "full_attention":
+            raise ConfigError(f"sp={sp} with pp > 1: {family} layer {m.index} is {m.layer_type!r}, a mask the "
+                              "pipeline layers build per slice; sliding windows work under sp without pp",
+                              settings=("sp", "pp"))
+    shift = lambda pos: pos + rank * pos.shape[-1]  # noqa: E731  (the layers ask for arange(L / sp))
+    patched = set()
+    for m in stage.modules():
+        if isinstance(m, HFDecoderLayer) and m.rotary is not None and id(m.rotary) not in patched:
+            patched.add(id(m.rotary))  # one rotary module shared by every layer
+            rotary = m.rotary.forward
+            m.rotary.forward = lambda x, position_ids, *a, _f=rotary, **k: _f(x, shift(position_ids), *a, **k)
+        elif isinstance(m, HFLearnedPositionEmbedding) and id(m.wpe) not in patched:
+            patched.add(id(m.wpe))
+            wpe = m.wpe.forward
+            m.wpe.forward = lambda position_ids, _f=wpe: _f(shift(position_ids))
 
 
 def _check_heads(sp: int, tp: int, heads: int, name: str) -> int:
@@ -241,7 +269,7 @@ class _LocalHeads:
         return getattr(self._module, name)
 
 
-def _sp_hf(model: nn.Module, group, tp: int = 1) -> None:
+def _sp_hf(model: nn.Module, group, tp: int = 1, stage: Optional[nn.Module] = None) -> None:
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -270,9 +298,12 @@ def _sp_hf(model: nn.Module, group, tp: int = 1) -> None:
     AttentionMaskInterface.register(name, sdpa_mask)  # None for a plain causal mask: the full one is built here
     model.set_attn_implementation(name)
     cfg.use_cache = False
-    masks = _FullMasks(model, inner_name)
-    model.base_model.register_forward_pre_hook(functools.partial(_global_positions_and_mask, group, masks),
-                                               with_kwargs=True)
+    if stage is not None:
+        _sp_hf_pipeline(model, stage, group)
+    else:
+        masks = _FullMasks(model, inner_name)
+        model.base_model.register_forward_pre_hook(functools.partial(_global_positions_and_mask, group, masks),
+                                                   with_kwargs=True)
     model.loss_function = functools.partial(_hf_causal_lm_loss, group)
 
 
@@ -287,6 +318,11 @@ def _hf_attention(module, query, key, value, attention_mask, *, inner, eager: bo
     query, = heads_to_sequence((query,), group)  # (B, H/sp, L, D)
     key, value = heads_to_sequence((key, value), group)
     mask = attention_mask  # None, or the whole sequence's (B, 1, L, L) mask built before the first layer
+    if mask is not None and mask.shape[-1] != query.shape[2]:
+        raise ConfigError(f"sp={C.group_size(group)}: {type(module).__name__} got an attention mask over "
+                          f"{mask.shape[-1]} keys, not the whole sequence's {query.shape[2]} (a mask built per "
+                          "slice); pass the padding attention_mask / position_ids to the model itself",
+                          settings=("sp",))
     if mask is None and eager:  # eager attention applies only the mask it is given: the full causal one
         L = query.shape[2]
         mask = torch.full((L, L), torch.finfo(query.dtype).min, dtype=query.dtype, device=query.device).triu(1)
