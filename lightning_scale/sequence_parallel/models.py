@@ -107,7 +107,8 @@ def _check_heads(sp: int, tp: int, heads: int, name: str) -> int:
     if heads % (sp * tp):
         if tp > 1:
             raise ConfigError(f"sp={sp} does not divide the {heads // tp} heads per tp rank ({name}={heads} / tp={tp}"
-                              "; tp splits the heads first, then sp splits each tp rank's heads)", settings=("sp", "tp"))
+                              "; tp splits the heads first, then sp splits each tp rank's heads)",
+                              settings=("sp", "tp"))
         raise ConfigError(f"sp={sp} does not divide {name}={heads} (each sp rank attends over {name.split('.')[-1]} "
                           f"/ sp heads)", settings=("sp",))
     return heads // (sp * tp)
@@ -395,9 +396,10 @@ def _global_positions_and_mask(group, masks: _FullMasks, module, args, kwargs):
     batch, length = x.shape[0], x.shape[1]
     padding, positions = kwargs.get("attention_mask"), kwargs.get("position_ids")
     if padding is not None and (isinstance(padding, dict) or padding.dim() != 2):
-        raise ConfigError(f"sp={sp}: a prepared attention mask ({'a dict' if isinstance(padding, dict) else padding.dim()}"
-                          "-D) cannot be cut over the sequence; pass the (batch, seq) padding attention_mask and/or "
-                          "position_ids restarting at each packed sequence", settings=("sp",))
+        what = "a dict" if isinstance(padding, dict) else f"{padding.dim()}-D"
+        raise ConfigError(f"sp={sp}: a prepared attention mask ({what}) cannot be cut over the sequence; pass the "
+                          "(batch, seq) padding attention_mask and/or position_ids restarting at each packed sequence",
+                          settings=("sp",))
     given = positions is not None
     if not given:
         start = C.group_rank(group) * length
