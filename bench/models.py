@@ -13,6 +13,9 @@ The model is an unchanged ``LlamaForCausalLM`` built from ``LlamaConfig`` (no do
     ls_z2 / ls_z3    lightning_scale parallelize(stage=2 / 3) + make_engines, dp=2 (ZeRO-3: one unit per decoder
                      layer, found automatically)
     ls_tp2           parallelize(tp=2): the model's own tp_plan (transformers' base_model_tp_plan), full logits
+    ls_tp2_vp        the same plan with the head ``vocab_colwise``: logits stay split over the vocabulary and the
+                     loss is ``tensor_parallel_state(model).cross_entropy`` (what dtensor_tp's Shard(-1) head +
+                     loss_parallel does; the README's tp loss recipe)
     ls_pp2           parallelize(pp=2, microbatches=2, 1F1B): the automatic HF pipeline adapter
     fsdp2            torch fully_shard per decoder layer + root (reshard after forward), plain loop
     dtensor_tp       torch parallelize_module: Colwise q/k/v/gate/up, Rowwise o/down, Rowwise embedding,
@@ -40,10 +43,12 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import peak_rss_mb, peer_table, ratio_table, round_ratios, write_plot  # noqa: E402
 
-SYSTEMS = ["ddp", "ls_z2", "ls_z3", "ls_tp2", "ls_pp2", "fsdp2", "dtensor_tp", "lightning_fsdp2", "lightning_tp"]
+SYSTEMS = ["ddp", "ls_z2", "ls_z3", "ls_tp2", "ls_tp2_vp", "ls_pp2", "fsdp2", "dtensor_tp", "lightning_fsdp2",
+           "lightning_tp"]
 PEERS = {"ls_z3": [("lightning_fsdp2", 1.05), ("fsdp2", 1.05)], "ls_tp2": [("lightning_tp", 1.3),
-         ("dtensor_tp", 1.3)], "ls_z2": [("ddp", None)], "ls_pp2": [("ddp", None)]}
-LS = {"ls_z2": dict(stage=2), "ls_z3": dict(stage=3), "ls_tp2": dict(tp=2, stage=1),
+         ("dtensor_tp", 1.3)], "ls_tp2_vp": [("lightning_tp", 1.3), ("dtensor_tp", 1.3), ("ls_tp2", None)],
+         "ls_z2": [("ddp", None)], "ls_pp2": [("ddp", None)]}
+LS = {"ls_z2": dict(stage=2), "ls_z3": dict(stage=3), "ls_tp2": dict(tp=2, stage=1), "ls_tp2_vp": dict(tp=2, stage=1),
       "ls_pp2": dict(pp=2, stage=1, microbatches=2)}
 
 
@@ -100,10 +105,19 @@ def _plain_step(system: str, model, rank: int, world: int):
         from lightning_scale.config import from_flat_kwargs
         from lightning_scale.parallelize import local_topology, parallelize
 
-        config = from_flat_kwargs(**LS[system])
+        kwargs, loss_fn = dict(LS[system]), _loss
+        if system == "ls_tp2_vp":  # the model's own plan, the head's logits left split over the vocabulary
+            from lightning_scale.tensor_parallel import tensor_parallel_state
+            from lightning_scale.tensor_parallel.hf import hf_plan
+
+            kwargs["plan"] = {**hf_plan(model), "lm_head": "vocab_colwise"}
+
+            def loss_fn(logits, targets):
+                return tensor_parallel_state(model).cross_entropy(logits, targets)
+        config = from_flat_kwargs(**kwargs)
         topo = local_topology(config, world, rank)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        pm = parallelize(model, config, topo, "cpu", optimizers=[opt], loss_fn=_loss)
+        pm = parallelize(model, config, topo, "cpu", optimizers=[opt], loss_fn=loss_fn)
         (engine,) = pm.make_engines()
 
         def step(x, y):
@@ -112,7 +126,7 @@ def _plain_step(system: str, model, rank: int, world: int):
                     loss = pm.pipeline.runtime.train_step(x, y)
             else:
                 x, y = x.chunk(topo.dp)[topo.dp_rank], y.chunk(topo.dp)[topo.dp_rank]
-                loss = _loss(model(input_ids=x).logits, y)
+                loss = loss_fn(model(input_ids=x).logits, y)
                 loss.backward()
                 loss = loss.detach().clone()
                 if topo.dp > 1:  # the global batch's loss, as every row reports
