@@ -236,7 +236,11 @@ def apply_sp(pm: ParallelModel) -> None:
     if pm.pipeline is not None:  # every stage's attention runs over its sp group; the last stage's loss spans it
         from lightning_scale.sequence_parallel.models import sequence_parallel_loss
 
-        pm.pipeline.runtime.loss_fn = sequence_parallel_loss(pm.pipeline.runtime.loss_fn, pm.topology.sp_group)
+        runtime = pm.pipeline.runtime
+        if hasattr(runtime.loss_fn, "sp_group"):  # the Trainer's PipelineLoss: it takes the whole-sequence mean
+            runtime.loss_fn.sp_group = pm.topology.sp_group
+        else:
+            runtime.loss_fn = sequence_parallel_loss(runtime.loss_fn, pm.topology.sp_group)
 
 
 def apply_ac(pm: ParallelModel) -> None:

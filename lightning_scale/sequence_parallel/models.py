@@ -137,6 +137,15 @@ def sequence_parallel_loss(loss_fn, group, ignore_index: int = -100):
     return loss
 
 
+@torch.no_grad()
+def whole_sequence_targets(labels: torch.Tensor, group, ignore_index: int = -100) -> torch.Tensor:
+    """The non-ignored next-token targets of the whole sequences whose (B, L/sp) slice of unshifted ``labels`` this
+    rank holds (float64, equal on every sp rank): what one process counts as ``(labels[..., 1:] != -100).sum()``."""
+    count = (next_token_labels(labels, group, ignore_index) != ignore_index).sum().to(torch.float64).reshape(1)
+    C.all_reduce(count, group, tag="sp/targets")
+    return count[0]
+
+
 def _mark(model: nn.Module, sp: int) -> None:
     if getattr(model, "_lightning_scale_sp", 1) > 1:
         raise ConfigError(f"sp={sp}: {type(model).__name__} is sequence-parallel already (apply it once)",
@@ -430,4 +439,4 @@ def _hf_causal_lm_loss(group, logits, labels, vocab_size: int, num_items_in_batc
     return sequence_mean(total, (shift_labels != ignore_index).sum(), group)
 
 
-__all__ = ["apply_sequence_parallel", "HeadRange", "sequence_parallel_loss"]
+__all__ = ["apply_sequence_parallel", "HeadRange", "sequence_parallel_loss", "whole_sequence_targets"]

@@ -182,6 +182,7 @@ class PipelineLoss:
         self.user = getattr(module, "pipeline_loss", None)
         self._per_micro: Optional[torch.Tensor] = None  # set per dict batch
         self._model: Optional[nn.Module] = None
+        self.sp_group = None  # Ulysses sp > 1 (set by parallelize's apply_sp): each micro-batch's whole-sequence loss
 
     def begin(self, batch: Any, microbatches: int) -> None:
         self._per_micro = None
@@ -193,6 +194,10 @@ class PipelineLoss:
                               "Hugging Face causal LM; define pipeline_loss(output, labels) for its loss")
         labels = batch["labels"]
         tokens = (labels[..., 1:] != -100).sum().to(torch.float64)  # the targets after the shift, as HF's loss
+        if self.sp_group is not None:  # this rank holds a slice: count the whole sequences' targets
+            from lightning_scale.sequence_parallel.models import whole_sequence_targets
+
+            tokens = whole_sequence_targets(labels, self.sp_group)
         self._per_micro = tokens / microbatches
 
     def _hf(self) -> Optional[nn.Module]:
@@ -202,6 +207,10 @@ class PipelineLoss:
 
     def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if self._per_micro is None:
+            if self.sp_group is not None:  # the mean over the whole sequence of the slices' summed losses
+                from lightning_scale.sequence_parallel.models import sequence_parallel_loss
+
+                return sequence_parallel_loss(self.user or lm_loss, self.sp_group)(output, target)
             return (self.user or lm_loss)(output, target)
         hf = self._model
         return hf.loss_function(output, target, hf.config.vocab_size, num_items_in_batch=self._per_micro)
