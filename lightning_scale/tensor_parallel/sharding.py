@@ -89,6 +89,7 @@ def make_spec(dim: int, size: int, tp: int, *, sections: int = 1, pad: bool = Fa
     """Spec for splitting ``size`` over ``tp``; raises a ValueError naming ``what`` when tp does not divide it.
     ``parts``: sizes of unequal fused sections (e.g. grouped-query ``[q | k | v]``), each split over tp."""
     parts = tuple(int(p) for p in parts)
+    sections = len(parts) or sections  # equal parts: the plain per-section split below
     if parts and len(set(parts)) > 1:
         if pad or sum(parts) != size:
             raise ValueError(f"{what}: fused parts {parts} must sum to {size} (and cannot be padded)")
