@@ -48,11 +48,25 @@ def test_sp2_zero3_checkpoint_resumes_bit_for_bit(tmp_path):
 FABRIC_SP = [("sp2_stage3_loader", dict(sp=2, stage=3), "loader"), ("sp2_stage0_shard", dict(sp=2, stage=0), "shard")]
 
 
+FABRIC_SP_TP = [("sp2_tp2_stage1_loader", dict(sp=2, tp=2, stage=1), "loader"),
+                ("sp2_tp2_stage3_shard", dict(sp=2, tp=2, stage=3), "shard")]
+
+
 @pytest.mark.timeout(240)
 def test_fabric_sp2_matches_one_process(tmp_path):
     """Zero3DFabricStrategy(sp=2) on 2 ranks (dp = 1), float64: each rank holds half of every sequence (cut by
     setup_dataloaders, or by strategy.shard_batch), the model's loss is the whole-sequence mean; losses, clipped norms
     and parameters equal one process on the full sequences (test_fabric's reference) within 1e-10."""
+    _fabric_sp(tmp_path, FABRIC_SP, 2)
+
+
+@pytest.mark.timeout(300)
+def test_fabric_sp2_tp2_matches_one_process(tmp_path):
+    """The same at sp=2 x tp=2 on 4 ranks (ZeRO 1 and 3; the vocabulary-parallel loss summed per slice)."""
+    _fabric_sp(tmp_path, FABRIC_SP_TP, 4)
+
+
+def _fabric_sp(tmp_path, layouts, devices: int):
     import json
     import os
     import sys
@@ -66,12 +80,13 @@ def test_fabric_sp2_matches_one_process(tmp_path):
     from test_fabric import _reference
 
     out = tmp_path / "result.json"
-    proc = run_script([sys.executable, os.path.join(here, "fit_fabric_sp.py"), "--out", str(out), "--devices", "2",
-                       "--layouts", repr(FABRIC_SP)], timeout=200, cwd=str(tmp_path), merge_stderr=True, ranks=2)
+    proc = run_script([sys.executable, os.path.join(here, "fit_fabric_sp.py"), "--out", str(out), "--devices",
+                       str(devices), "--layouts", repr(layouts)], timeout=200, cwd=str(tmp_path), merge_stderr=True,
+                      ranks=devices)
     assert proc.returncode == 0, proc.stdout[-6000:]
-    ranks = [json.loads((tmp_path / f"result.json.rank{r}").read_text()) for r in range(2)]
+    ranks = [json.loads((tmp_path / f"result.json.rank{r}").read_text()) for r in range(devices)]
     ref_losses, ref_norms, ref_state = _reference()
-    for name, _, _ in FABRIC_SP:
+    for name, _, _ in layouts:
         for row in (rank[name] for rank in ranks):
             assert row["sp"] == 2 and row["widths"] == [8], row["widths"]  # half of seq_len 16 on each rank
             assert max(abs(a - b) for a, b in zip(row["losses"], ref_losses)) < 1e-10, (name, row["losses"])
