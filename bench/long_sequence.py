@@ -33,6 +33,9 @@ around the same SDPA core in the same model (positions, loss and engine are ligh
 attention's all-to-alls differ). DeepSpeed must be importable (``DS_ACCELERATOR=cpu``); else the row says so. The
 project's environment has no DeepSpeed; bench/RESULTS.md says how it was installed for the recorded run (a venv).
 
+``--sp N --tp T``: N x T ranks; every row is tensor-parallel (tp=T: heads, MLP and vocabulary split; each rank builds
+its slices on meta), searched at dp=N and at sp=N (Ulysses over the tp-local heads, H / (T x N) per rank).
+
 Not a test: prints a table; nothing asserts.
 """
 
@@ -80,11 +83,15 @@ def one_step(args, name: str, length: int, topo) -> Tuple[int, float]:
     """(peak live bytes, seconds) of building the model and training one step at ``length`` (with sp > 1: the
     most any rank held, and rank 0's time)."""
     spec = SYSTEMS[name]
-    config = from_flat_kwargs(stage=args.stage, activation_checkpointing=spec["ac"], sp=topo.sp)
+    config = from_flat_kwargs(stage=args.stage, activation_checkpointing=spec["ac"], sp=topo.sp, tp=topo.tp)
     cfg = model_config(args, length, spec["chunk"])
     torch.manual_seed(0)
     with LiveTensorBytes() as mem:
-        model = GPT(cfg)
+        if topo.tp > 1:  # on meta: each rank allocates only its tp slices (as the Trainer's meta init does)
+            with torch.device("meta"):
+                model = GPT(cfg)
+        else:
+            model = GPT(cfg)
         if spec["sparse"]:
             from lightning_scale.nn import BSLongformerSparsityConfig, swap_gpt_attention
 
@@ -158,6 +165,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--sp", type=int, default=1, help="N > 1: N ranks, every system at sp=1 (dp=N) and sp=N")
     ap.add_argument("--stage", type=int, default=0, help="ZeRO stage of every system (3: states over dp x sp)")
+    ap.add_argument("--tp", type=int, default=1, help="T > 1 (with --sp N): N x T ranks, every system at tp=T "
+                    "(dp=N) and at tp=T x sp=N")
     ap.add_argument("--peer-rounds", type=int, default=0, help="with --sp: step-time rounds vs DeepSpeed Ulysses")
     ap.add_argument("--peer-length", type=int, default=0, help="with --peer-rounds: this length, no search")
     args = ap.parse_args()
@@ -166,28 +175,28 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"unknown systems {unknown}; known: {', '.join(SYSTEMS)}")
     store = os.path.join(tempfile.mkdtemp(prefix="ls_longseq_"), "store")
-    if args.sp == 1:
+    if args.sp * args.tp == 1:
         run(0, args, names, store)
     else:
         import torch.multiprocessing as mp
 
-        mp.spawn(run, args=(args, names, store), nprocs=args.sp)
+        mp.spawn(run, args=(args, names, store), nprocs=args.sp * args.tp)
 
 
 def run(rank: int, args, names, store: str) -> None:
-    world = args.sp
+    world, sp, tp = args.sp * args.tp, args.sp, args.tp
     torch.set_num_threads(max(1, args.threads // world))
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    if world > 1:
-        sp_topo = local_topology(from_flat_kwargs(stage=args.stage, sp=world), world, rank)
-        names = [n for name in names for n in (name, f"sp{world}_{name}")]
-    topo = local_topology(from_flat_kwargs(stage=args.stage), world, rank)
-    topo_of = lambda name: sp_topo if name.startswith("sp") and world > 1 else topo  # noqa: E731
-    spec_of = lambda name: name.split("_", 1)[1] if name.startswith("sp") and world > 1 else name  # noqa: E731
+    if sp > 1:
+        sp_topo = local_topology(from_flat_kwargs(stage=args.stage, sp=sp, tp=tp), world, rank)
+        names = [n for name in names for n in (name, f"sp{sp}_{name}")]
+    topo = local_topology(from_flat_kwargs(stage=args.stage, tp=tp), world, rank)  # tp > 1: tp=T at dp=sp
+    topo_of = lambda name: sp_topo if name.startswith("sp") and sp > 1 else topo  # noqa: E731
+    spec_of = lambda name: name.split("_", 1)[1] if name.startswith("sp") and sp > 1 else name  # noqa: E731
     say(f"# long_sequence: GPT d512 x {args.layers} layers, {args.heads} heads, vocab {args.vocab}, fp32, batch 1, "
-        f"AdamW, ZeRO {args.stage}, {world} rank(s); budget {args.budget_mib:.0f} MiB of live tensor bytes per rank; "
+        f"AdamW, ZeRO {args.stage}, {world} rank(s){f', tp={tp} in every row' if tp > 1 else ''}; budget {args.budget_mib:.0f} MiB of live tensor bytes per rank; "
         f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} CPUs")
-    if world > 1 and args.peer_length:
+    if sp > 1 and args.peer_length:
         compare_deepspeed(args, args.peer_length, sp_topo)
         dist.destroy_process_group()
         return
@@ -213,7 +222,7 @@ def run(rank: int, args, names, store: str) -> None:
         one = found.get(spec_of(name), (0, None))[0] if name != spec_of(name) else 0
         sp_ratio = f"{good / one:.2f}" if one else "-"
         say(f"| {name} | {good}{bound} | {ratio} | {sp_ratio} | {peak / MiB:.0f} | {sec:.2f} | {t_base} | {t_ratio} |")
-    if world > 1 and args.peer_rounds and base:
+    if sp > 1 and args.peer_rounds and base:
         compare_deepspeed(args, base, sp_topo)
     dist.destroy_process_group()
 
