@@ -15,9 +15,9 @@ pipeline layers are found automatically (``lightning_scale.models.litgpt_adapter
 Each case: 3 AdamW steps, per-step losses against one process (computed once in the pytest process):
 float64 within 1e-10, float32 within 1e-5; at tp the consolidated parameters after the 3 steps equal the
 one-process model's within 1e-10 (float64), and so do the weights of the layout-free (universal) checkpoint
-written at tp=2 for ``llama``, read back in one process. Refusals (heads tp does not divide, kv groups tp does not divide,
-sequence parallelism) must be ``ConfigError`` naming the setting on both ranks. A 4-rank run (slow) does
-``llama`` at dp2 x tp2.
+written at tp=2 for ``llama``, read back in one process. Refusals (heads tp does not divide, kv groups tp does
+not divide, sequence parallelism) must be ``ConfigError`` naming the setting on both ranks. A 4-rank run (slow)
+does ``llama`` at dp2 x tp2.
 """
 
 from __future__ import annotations
