@@ -53,11 +53,12 @@ def fabric_losses(args, opts: dict) -> dict:
     from lightning_scale.pretrained import SOURCE_ATTR
     from lightning_scale.strategies import Zero3DFabricStrategy
 
-    fabric = Fabric(accelerator="cpu", devices=args.devices, strategy=Zero3DFabricStrategy(**opts))
+    fabric = Fabric(accelerator="cpu", devices=args.devices, strategy=Zero3DFabricStrategy(**opts),
+                    precision=args.precision)
     fabric.launch()
     with fabric.init_module(empty_init=True):
         model = AutoModelForCausalLM.from_pretrained(args.dir)
-    recorded, meta = hasattr(model, SOURCE_ATTR), next(model.parameters()).is_meta
+    recorded, meta, dtype = hasattr(model, SOURCE_ATTR), next(model.parameters()).is_meta, model.dtype
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     model, opt = fabric.setup(model, opt)
     losses = []
@@ -67,7 +68,7 @@ def fabric_losses(args, opts: dict) -> dict:
         opt.step()
         opt.zero_grad()
         losses.append(float(fabric.all_reduce(loss.detach(), reduce_op="mean")))
-    return {"losses": losses, "world": fabric.world_size, "recorded": recorded, "meta": meta,
+    return {"losses": losses, "world": fabric.world_size, "recorded": recorded, "meta": meta, "dtype": str(dtype),
             "rank": fabric.global_rank}
 
 
@@ -87,6 +88,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--option", action="append", default=[])
     ap.add_argument("--fabric", action="store_true", help="a Fabric loop on Zero3DFabricStrategy instead")
+    ap.add_argument("--precision", default="32-true")
     args = ap.parse_args()
     data = _rows(args.steps)
     opts = {k: int(v) for k, v in (o.split("=", 1) for o in args.option)}
@@ -99,6 +101,7 @@ def main() -> None:
     strategy = "auto" if args.strategy == "single" else Zero3DStrategy(**opts)
     rec = Losses()
     trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.steps,
+                         precision=args.precision,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, callbacks=[rec], num_sanity_val_steps=0,
                          use_distributed_sampler=False)  # every rank trains on every row: the dp mean is one process's

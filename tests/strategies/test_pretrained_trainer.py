@@ -56,12 +56,41 @@ def test_from_pretrained_in_configure_model_under_zero3_matches_one_device(tmp_p
     assert max(abs(a - b) for a, b in zip(run["losses"], ref["losses"])) < 1e-5, (run["losses"], ref["losses"])
 
 
+@pytest.fixture(scope="module")
+def llama64_dir(tmp_path_factory, llama_dir):
+    """The same weights saved in float64 (from_pretrained then builds in float64: exact parity is checkable)."""
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(llama_dir).double()
+    directory = tmp_path_factory.mktemp("pretrained_trainer64") / "llama"
+    model.save_pretrained(directory)
+    return str(directory)
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("layout", ["stage=3", "tp=2"])
-def test_from_pretrained_in_fabric_init_module_matches_one_device(tmp_path, llama_dir, layout):
+def test_from_pretrained_in_fabric_init_module_matches_one_device(tmp_path, llama64_dir, layout):
     """Fabric: ``from_pretrained`` inside ``init_module(empty_init=True)`` builds on meta at ZeRO-3 and at tp=2,
-    ``fabric.setup`` reads each rank's shard / slices; losses equal the single-device run within 1e-5."""
-    ref = _fit(tmp_path, "single", "--dir", llama_dir, "--strategy", "single", "--devices", "1")
-    run = _fit(tmp_path, "fabric", "--dir", llama_dir, "--fabric", "--option", layout)
-    assert run["world"] == 2 and run["recorded"] and run["meta"], run
-    assert max(abs(a - b) for a, b in zip(run["losses"], ref["losses"])) < 1e-5, (run["losses"], ref["losses"])
+    ``fabric.setup`` reads each rank's shard / slices; float64 losses equal one process's within 1e-10."""
+    run = _fit(tmp_path, "fabric", "--dir", llama64_dir, "--fabric", "--option", layout, "--precision", "64-true")
+    assert run["world"] == 2 and run["recorded"] and run["meta"] and run["dtype"] == "torch.float64", run
+    ref = _one_process_losses(llama64_dir, len(run["losses"]))
+    assert max(abs(a - b) for a, b in zip(run["losses"], ref)) < 1e-10, (run["losses"], ref)
+
+
+def _one_process_losses(directory, steps):
+    """transformers' own from_pretrained, the script's rows and SGD, in this process (float64 kept)."""
+    import transformers
+    from fit_pretrained import _rows
+
+    from lightning_scale.models.gpt import lm_loss
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses = []
+    for x, y in _rows(steps):
+        loss = lm_loss(model(input_ids=x).logits, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
