@@ -172,3 +172,19 @@ def test_pp2_sp2_match_one_process():
     assert bad is not None and bad[0].startswith("sp=2 with pp > 1: MistralForCausalLM layer 0 is "
                                                  "'sliding_attention'"), bad
     assert bad[1] == ("sp", "pp")
+
+
+def test_head_split_checks_name_sp_and_tp():
+    """The per-rank head arithmetic of sp x tp without processes (the 4-rank tests check the same through
+    parallelize): heads / (tp x sp) per rank, else a ConfigError naming the settings."""
+    from lightning_scale.config import ConfigError
+    from lightning_scale.sequence_parallel.models import _check_heads
+
+    assert _check_heads(2, 2, 8, "model.n_head") == 2 and _check_heads(4, 1, 8, "model.n_head") == 2
+    with pytest.raises(ConfigError, match=r"^sp=4 x tp=4 = 16 exceeds model.n_head=8") as err:
+        _check_heads(4, 4, 8, "model.n_head")
+    assert err.value.settings == ("sp", "tp")
+    with pytest.raises(ConfigError, match=r"^sp=4 does not divide the 6 heads per tp rank \(model.n_head=12 / tp=2"):
+        _check_heads(4, 2, 12, "model.n_head")
+    with pytest.raises(ConfigError, match=r"^sp=4 does not divide model.n_head=6 \(each sp rank attends over n_head"):
+        _check_heads(4, 1, 6, "model.n_head")
