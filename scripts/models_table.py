@@ -39,7 +39,7 @@ PRETRAINED = ("Pretrained weights: `AutoModelForCausalLM.from_pretrained(dir)` i
               "tp2, pp2), and on both at dp2 x tp2 (ZeRO-3, 4 ranks) and dp2 x tp2 x pp2 (8 ranks), each rank reading "
               "25-26% of the file, against one process's `from_pretrained`, float64 1e-10 "
               "(`tests/dist/test_pretrained.py`); under Fabric (`init_module(empty_init=True)`, zero3 and tp2; "
-              "`tests/strategies/test_pretrained_trainer.py`, float32 1e-5); recipe "
+              "`tests/strategies/test_pretrained_trainer.py`, float64 1e-10); recipe "
               "in the README, details in [checkpoints.md](checkpoints.md#hugging-face-in-and-out). The other "
               "families of the table were not tested with pretrained weights.")
 
