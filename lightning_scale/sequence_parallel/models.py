@@ -352,7 +352,7 @@ class _FullMasks:
         import copy
         import inspect
 
-        self.config = copy.copy(model.config)
+        self.config = copy.deepcopy(model.config)  # its sub-configs too: the setter below reaches them
         self.config._attn_implementation = inner_name
         try:
             source = inspect.getsource(type(model.base_model).forward)
