@@ -33,7 +33,7 @@ from lightning_scale.config import (FLAT, ConfigError, ParallelConfig, check_tra
 from lightning_scale.diagnostics.elastic import attempt_store
 from lightning_scale.materialize import has_meta
 from lightning_scale.parallelize import ParallelModel, check_config, parallelize
-from lightning_scale.strategies import diagnostics_glue
+from lightning_scale.strategies import compile_glue, diagnostics_glue
 from lightning_scale.strategies.common import GridStrategyMixin
 from lightning_scale.strategies.checkpoint import (defer_removal, load_sharded, remove_sharded, save_sharded,
                                                    wait_async_save)
@@ -235,6 +235,8 @@ class Zero3DStrategy(GridStrategyMixin, ParallelStrategy):
         if fitting and self.is_global_zero:
             print(layout_table(self), flush=True)
         diagnostics_glue.install(self, trainer)  # watchdog, first error wins, signals, numerics (docs/failures.md)
+        if fitting:
+            compile_glue.install(self, trainer)  # the compile report after step 1 and at the end
 
     def gathered(self, module: Optional[torch.nn.Module] = None):
         """The full parameters of ``module`` (default: the whole model) while inside, at every ZeRO stage; e.g. a

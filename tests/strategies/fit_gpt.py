@@ -186,6 +186,7 @@ def main() -> None:
                        "pred0": predictions[0][0].tolist() if predictions else None,
                        "batch_sums": recorder.batch_sums, "logged": recorder.logged, "lrs": recorder.lrs, "held": held, "probe": probe,
                    "world": trainer.world_size,
+                   "compile": getattr(trainer.strategy, "compile_report", None),  # compile_glue's numbers
                    "cores": sorted({type(b.attn.core).__name__ for b in model.model.blocks}),
                        "precision": str(trainer.precision),
                        "engines": [type(e).__name__ for e in getattr(trainer.strategy, "engines", [])]}, f)

@@ -1,22 +1,51 @@
 """Zero3DStrategy(compile=...) through the Trainer (issue 17, item 1): the project GPT's blocks compiled per unit
-give the eager run's per-step losses (float32, 1e-5) and validation loss, at ZeRO-3 (with gradient accumulation
-and clipping, as the other Trainer parity tests) and at tp=2.
+give the eager run's per-step losses (float32, 1e-5) and validation loss, at ZeRO 0, 2 and 3 (with gradient
+accumulation and clipping, as the other Trainer parity tests), ZeRO-3 + optimizer offload, tp=2 and pp=2; no graph
+is compiled after step 2 (the strategy's compile report, lightning_scale/strategies/compile_glue.py, counts them
+as tests/dist/test_compile.py does), and rank 0 prints the report after step 1 (graphs, graph breaks) and at the end.
 ``aot_eager`` (Dynamo + AOTAutograd): the capture path without inductor's C++ build time; inductor's own numerics
 are tests/dist/test_compile.py's."""
 
+import json
+import sys
+
 import pytest
 
-from test_zero_trainer import COMMON, fit
+from lightning_scale.testing import run_script
+from test_zero_trainer import COMMON, SCRIPT, fit
 
 AOT = "compile={'backend': 'aot_eager'}"
+LAYOUTS = {
+    "zero0": ["stage=0"],
+    "zero2": ["stage=2"],
+    "zero3": ["stage=3"],
+    "zero3_offload": ["stage=3", "offload='optimizer'"],
+    "tp2": ["tp=2", "stage=1"],
+    "pp2": ["pp=2", "microbatches=4"],
+}
 
 
-@pytest.mark.parametrize("layout", [["stage=3"], ["tp=2", "stage=1"]], ids=["zero3", "tp2"])
+def _fit_with_stdout(tmp_path, name, *args):
+    out = tmp_path / f"{name}.json"
+    proc = run_script([sys.executable, SCRIPT, "--out", str(out), *args], timeout=240, cwd=tmp_path, ranks=2)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return json.loads(out.read_text()), proc.stdout
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS.values()), ids=list(LAYOUTS))
 def test_compiled_trainer_losses_equal_eager(tmp_path, layout):
     opts = [a for o in layout for a in ("--option", o)]
     eager = fit(tmp_path, "eager", "--devices", "2", *COMMON, *opts)
-    compiled = fit(tmp_path, "compiled", "--devices", "2", *COMMON, *opts, "--option", AOT)
+    compiled, stdout = _fit_with_stdout(tmp_path, "compiled", "--devices", "2", *COMMON, *opts, "--option", AOT)
     assert len(compiled["losses"]) == len(eager["losses"]) == 8
     diff = max(abs(a - b) for a, b in zip(compiled["losses"], eager["losses"]))
     assert diff < 1e-5, (compiled["losses"], eager["losses"])
     assert abs(compiled["val"][0]["val_loss"] - eager["val"][0]["val_loss"]) < 1e-5
+    assert eager["compile"] is None  # no report (and no callback) when nothing is compiled
+    report = compiled["compile"]
+    assert report["step1"]["graphs"] > 0, report  # the units ran compiled in step 1
+    assert report["steps"] == 4 and report["recompiles"] == 0, report  # nothing compiled after step 2
+    first = [line for line in stdout.splitlines() if line.startswith("[lightning_scale compile] after step 1:")]
+    assert len(first) == 1, stdout[-3000:]  # rank 0 only, once
+    assert f"{report['step1']['graphs']} graphs compiled, {report['step1']['graph_breaks']} graph breaks" in first[0]
+    assert "(recompiles): 0" in stdout

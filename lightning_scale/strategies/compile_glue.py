@@ -1,0 +1,68 @@
+"""The Lightning side of ``compile=`` (issue 17 item 1): the compile report ``Zero3DStrategy`` logs.
+
+``install`` appends a :class:`CompileReport` callback when the run compiles (``compile=`` set, or a user's own
+``torch.compile`` found by :func:`lightning_scale.compile.unwrap_compiled`). Rank 0 prints one line after the
+first optimizer step (what that step compiled: graphs, graph breaks and their reasons) and one at the end of
+``fit`` with the graphs compiled after step 2: the recompiles, which should be 0. Validation under ``no_grad``
+compiles its own graphs once (Dynamo guards on grad mode), so the baseline is taken after step 2's validation:
+at the start of step 3. ``strategy.compile_report`` holds the numbers (tests read it).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+import lightning.pytorch as pl
+
+PREFIX = "[lightning_scale compile]"
+
+
+def _stats() -> Dict[str, Any]:
+    from lightning_scale.compile import compile_stats
+
+    return compile_stats()
+
+
+class CompileReport(pl.Callback):
+    def __init__(self, strategy: Any) -> None:
+        self.strategy = strategy
+        self.baseline: Optional[int] = None  # graphs compiled when step 3 starts
+        self.report: Dict[str, Any] = {}
+        strategy.compile_report = self.report
+
+    def _print(self, trainer: "pl.Trainer", line: str) -> None:
+        if trainer.is_global_zero:
+            print(f"{PREFIX} {line}", flush=True)
+
+    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: Any, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if trainer.global_step >= 1 and "step1" not in self.report:
+            s = self.report["step1"] = _stats()
+            reasons = "; ".join(f"{n}x {r}" for r, n in s["break_reasons"].items()) or "none"
+            self._print(trainer, f"after step 1: {s['graphs']} graphs compiled, {s['graph_breaks']} graph breaks "
+                                 f"({reasons})")
+
+    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step >= 2 and self.baseline is None:
+            self.baseline = _stats()["graphs"]
+
+    def on_train_end(self, trainer: "pl.Trainer", pl_module: Any) -> None:
+        s = _stats()
+        recompiles = None if self.baseline is None else s["graphs"] - self.baseline
+        self.report.update(end=s, recompiles=recompiles, steps=trainer.global_step)
+        after = "n/a (fewer than 3 steps)" if recompiles is None else recompiles
+        self._print(trainer, f"after {trainer.global_step} steps: {s['graphs']} graphs compiled, "
+                             f"{s['graph_breaks']} graph breaks, graphs compiled after step 2 (recompiles): {after}")
+
+
+def install(strategy: Any, trainer: "pl.Trainer") -> None:
+    from lightning_scale.compile import compiled_units
+
+    module = getattr(strategy, "model", None)
+    if module is None or not compiled_units(module):
+        return
+    if not any(isinstance(cb, CompileReport) for cb in trainer.callbacks):
+        trainer.callbacks.append(CompileReport(strategy))
+
+
+__all__ = ["CompileReport", "install"]
