@@ -279,7 +279,20 @@ def _peak_growth(fn):
     return out, hwm - base
 
 
+def _pin_malloc_mmap_threshold() -> None:
+    """Large blocks always from mmap, returned to the OS when freed. glibc otherwise raises its mmap threshold to
+    the size of each large block freed (up to 32 MiB), so later 8 MiB tensors come from the heap and freed ones stay
+    resident: the high-water mark then depends on what the process did before (8-32 MiB seen for the same load)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, 128 << 10)  # M_MMAP_THRESHOLD: 128 KiB, glibc's default, fixed
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 def _memory_worker(rank, world, path):
+    _pin_malloc_mmap_threshold()
     from lightning_scale.checkpoint import dcp_format
     from lightning_scale.checkpoint.layout import flat_piece
 
