@@ -1,0 +1,152 @@
+"""What one unit (transformer block) keeps for its backward, measured by running it on fake tensors.
+
+:func:`profile_unit` runs the unit's own forward (the original one, also when it is checkpointed) on
+``FakeTensorMode`` CPU tensors of shape ``(1, tokens, hidden)``: no memory, no compute, the real kernels'
+choices (e.g. CPU flash attention saves ``out`` and the log-sum-exp, not the ``T x T`` scores). A
+``saved_tensors_hooks`` pair records every storage autograd saves (parameters excluded: they are model states);
+a dispatch mode records which op made each storage and whether it was made inside a tensor-parallel region.
+Then ``autograd.grad`` w.r.t. the unit's input runs under a live-storage counter: the most bytes alive above the
+saved set during the unit's backward is its backward working set (activation gradients, temporaries).
+
+Tensor-parallel regions (heuristic, documented in :mod:`lightning_scale.estimate`): a storage made inside a
+direct child of the unit that owns ``nn.Linear`` layers (``attn`` / ``mlp``; HF ``self_attn`` / ``mlp``) is
+split over tp ranks; what the norms and the residual stream make is replicated. Pass ``tp=1`` for a unit that
+is already tp-sliced (its shapes are local).
+
+Everything is per token (bytes / tokens), in the dtype the unit is profiled in (float32).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Dict, Optional
+
+import torch
+import torch.nn as nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+def hidden_size(unit: nn.Module) -> Optional[int]:
+    """The unit's input width: the first norm's normalized size, else the first Linear's in_features."""
+    for m in unit.modules():
+        shape = getattr(m, "normalized_shape", None)
+        if shape is None and "norm" in type(m).__name__.lower():
+            weight = getattr(m, "weight", None)
+            shape = tuple(weight.shape) if weight is not None else None
+        if shape:
+            return int(shape[-1])
+    for m in unit.modules():
+        if isinstance(m, nn.Linear):
+            return int(m.in_features)
+    return None
+
+
+class _Tracker(TorchDispatchMode):
+    """Storage -> (bytes, producing op, made inside a tp region); and live bytes above a base while counting."""
+
+    def __init__(self, saved_ops: frozenset) -> None:
+        super().__init__()
+        self.saved_ops = saved_ops
+        self.made: Dict[int, tuple] = {}  # key -> (nbytes, op is a selective-checkpoint saved op, in tp region)
+        self.region = 0
+        self.counting = False
+        self.live: Dict[int, tuple] = {}
+        self.current = self.peak = 0
+
+    def _sweep(self) -> None:
+        for k in [k for k, (ref, _) in self.live.items() if ref.expired()]:
+            self.current -= self.live.pop(k)[1]
+
+    def track(self, tensors) -> None:
+        for t in tensors:
+            s = t.untyped_storage()
+            if s._cdata not in self.live:
+                self.live[s._cdata] = (StorageWeakRef(s), s.nbytes())
+                self.current += s.nbytes()
+        self.peak = max(self.peak, self.current)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        for t in outs:
+            key = t.untyped_storage()._cdata
+            if key not in inputs and key not in self.made:
+                self.made[key] = (t.untyped_storage().nbytes(), func in self.saved_ops, self.region > 0)
+        if self.counting:
+            self._sweep()
+            self.track([t for t in outs if t.untyped_storage()._cdata not in inputs])
+        return out
+
+
+def profile_unit(unit: nn.Module, tokens: int, tp: int = 1, hidden: Optional[int] = None) -> Dict[str, float]:
+    """Per-token bytes of one unit at ``tokens`` positions (batch 1), float32: ``saved`` (all autograd keeps),
+    ``input`` (the unit's input, what full checkpointing keeps), ``selective`` (input + the outputs of the ops
+    selective checkpointing keeps), ``backward`` (the backward's working set above the saved set). ``tp`` > 1
+    divides what tensor-parallel regions make. Raises if the unit's forward cannot run on one tensor."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    from lightning_scale.activation_checkpointing import SAVED_OPS
+
+    hidden = hidden or hidden_size(unit)
+    if hidden is None:
+        raise ValueError(f"{type(unit).__name__}: cannot tell its hidden size")
+    inner = unit.__dict__.get("_ac_inner_forward") or functools.partial(type(unit).forward, unit)
+    regions = [c for c in unit.children() if any(isinstance(m, nn.Linear) for m in c.modules())]
+    tracker = _Tracker(SAVED_OPS)
+    handles = []
+
+    def enter(*_a: Any) -> None:
+        tracker.region += 1
+
+    def leave(*_a: Any) -> None:
+        tracker.region -= 1
+
+    for c in regions:
+        handles += [c.register_forward_pre_hook(enter), c.register_forward_hook(leave)]
+    saved: Dict[int, int] = {}
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=False):
+            params = {n: nn.Parameter(torch.empty(p.shape, dtype=torch.float32), requires_grad=p.requires_grad)
+                      for n, p in unit.named_parameters()}
+            buffers = {n: torch.empty(b.shape, dtype=b.dtype) for n, b in unit.named_buffers()}
+            own = {p.untyped_storage()._cdata for p in params.values()}
+            x = torch.empty(1, tokens, hidden, requires_grad=True)
+
+            def pack(t: torch.Tensor) -> torch.Tensor:
+                key = t.untyped_storage()._cdata
+                if key not in own:
+                    saved[key] = t.untyped_storage().nbytes()
+                return t
+
+            with _reparametrize_module(unit, {**params, **buffers}), tracker:
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    y = inner(x)
+                y = y[0] if isinstance(y, (tuple, list)) else y
+                grad_out = torch.empty(y.shape, dtype=y.dtype)
+                del params
+                # the backward: saved set + new storages (activation grads, temporaries), live bytes over time
+                base = sum(saved.values())
+                tracker.counting = True
+                tracker.track([grad_out])  # the incoming gradient is alive through the unit's backward
+                torch.autograd.grad(y, x, grad_out)
+                tracker.counting = False
+    finally:
+        for h in handles:
+            h.remove()
+    made = tracker.made
+    split = lambda key, n: n / tp if made.get(key, (0, False, False))[2] else n  # noqa: E731
+    saved_b = sum(split(k, n) for k, n in saved.items())
+    input_b = x.untyped_storage().nbytes()
+    kept = {k for k in saved if made.get(k, (0, False, False))[1]}
+    selective_b = input_b + sum(split(k, saved[k]) for k in kept)
+    ratio = saved_b / base if base else 1.0
+    backward_b = tracker.peak * ratio  # new storages at once, above the (shrinking) saved set: an upper bound
+    return {"saved": saved_b / tokens, "input": input_b / tokens, "selective": selective_b / tokens,
+            "backward": backward_b / tokens, "hidden": float(hidden)}
+
+
+__all__ = ["hidden_size", "profile_unit"]
