@@ -37,7 +37,7 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 class PendingRecv:
-    """A posted receive; :meth:`wait` returns the filled tensor."""
+    """A posted receive (or send); :meth:`wait` returns the tensor (filled, for a receive). Waiting twice is free."""
 
     def __init__(self, tensor: torch.Tensor, work, timeout: Optional[datetime.timedelta], seq: int = 0) -> None:
         self.tensor, self._work, self._timeout = tensor, work, timeout
@@ -56,6 +56,10 @@ class PendingRecv:
             self._work = None
         return self.tensor
 
+    def is_completed(self) -> bool:
+        """True once the transfer is done (never blocks)."""
+        return self._work is None or self._work.is_completed()
+
 
 class P2P:
     """Asynchronous send/recv over ``group`` (peers named by global rank) with cached shapes."""
@@ -65,11 +69,13 @@ class P2P:
         self.timeout = timeout
         self._shapes: Dict[Tuple[int, str, Hashable], Tuple[torch.Size, torch.dtype]] = {}
         self._sent_headers: set = set()
-        self._sends: List[Tuple[object, torch.Tensor, int]] = []  # (work, tensor, trace seq)
+        self._sends: List[PendingRecv] = []  # posted sends; each keeps its tensor alive until waited
 
     # ------------------------------------------------------------------ send / recv
-    def send(self, tensor: torch.Tensor, dst: int, kind: str, key: Hashable = None) -> None:
-        """Post ``tensor`` to global rank ``dst``; the tensor must not be modified until wait_sends()."""
+    def send(self, tensor: torch.Tensor, dst: int, kind: str, key: Hashable = None) -> PendingRecv:
+        """Post ``tensor`` to global rank ``dst``; the tensor must not be modified until wait_sends().
+
+        Returns the send's handle: waiting on it early is allowed (``wait_sends`` then skips it)."""
         tag = TAGS[kind]
         tensor = tensor.detach().contiguous()
         channel = (dst, kind, key)
@@ -77,7 +83,7 @@ class P2P:
             header = self._header(tensor)
             self._post_send(header, dst, tag, "pp_meta")
             self._sent_headers.add(channel)
-        self._post_send(tensor, dst, tag, f"pp_{kind}")
+        return self._post_send(tensor, dst, tag, f"pp_{kind}")
 
     def recv(self, src: int, kind: str, key: Hashable = None, device=None) -> PendingRecv:
         """Post a receive from global rank ``src``; the first one on a channel blocks for the header."""
@@ -114,8 +120,8 @@ class P2P:
     def wait_sends(self) -> None:
         """Block until every posted send has completed (the peers have received them)."""
         sends, self._sends = self._sends, []
-        for work, _tensor, seq in sends:  # the tensor reference keeps the buffer alive until here
-            PendingRecv(_tensor, work, self.timeout, seq).wait()
+        for pending in sends:
+            pending.wait()
 
     def reset(self) -> None:
         """Forget cached shapes (both sides must reset together, e.g. when the batch shape changes)."""
@@ -151,10 +157,12 @@ class P2P:
                 pass
 
     # ------------------------------------------------------------------ helpers
-    def _post_send(self, tensor: torch.Tensor, dst: int, tag: int, acct: str) -> None:
+    def _post_send(self, tensor: torch.Tensor, dst: int, tag: int, acct: str) -> PendingRecv:
         record("send", _nbytes(tensor), 2, acct)
         seq = _trace.enter(f"send->{dst}", _nbytes(tensor), self.group, acct)
-        self._sends.append((dist.isend(tensor, dst=dst, group=self.group, tag=tag), tensor, seq))
+        pending = PendingRecv(tensor, dist.isend(tensor, dst=dst, group=self.group, tag=tag), self.timeout, seq)
+        self._sends.append(pending)
+        return pending
 
     @staticmethod
     def _header(tensor: torch.Tensor) -> torch.Tensor:

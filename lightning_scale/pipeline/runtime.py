@@ -8,7 +8,9 @@
 * ``B`` backpropagates the received output gradient (on the last stage: ``loss * grad_scale / M``,
   so accumulated gradients are those of the mean loss over micro-batches); ``I`` / ``W`` split it
   for zero-bubble schedules (:mod:`lightning_scale.pipeline.backward`);
-* ``SEND_*`` posts an asynchronous send; all sends are waited at the end of the step.
+* ``SEND_*`` posts an asynchronous send; all sends are waited at the end of the step, so a stage
+  never waits for its own send before its next compute (``blocking=True`` waits every send before
+  the next compute and prefetches nothing: the reference the asynchronous path equals bit for bit).
 
 Gradients accumulate in ``.grad`` like a normal backward (nothing is zeroed), so optimizers,
 gradient clipping and accumulation over several ``train_step`` calls work as usual. After the
@@ -18,6 +20,9 @@ holders, and the mean loss is broadcast from the last stage, so every pipeline r
 If anything raises mid-schedule, the runtime makes its pipeline neighbours fail at once
 (:meth:`P2P.abort`) and re-raises: no rank is left blocked in a receive. A ``timeout`` bounds
 every wait as a second line of defence.
+
+``trace=True`` (or ``LIGHTNING_SCALE_PIPELINE_TRACE=1``) records every compute, post and wait of the
+last step in ``last_trace`` (:mod:`lightning_scale.pipeline.runtime_trace`); off by default.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from lightning_scale.comm.p2p import P2P, PendingRecv
 from lightning_scale.config import ConfigError
 from lightning_scale.pipeline import schedule as S
 from lightning_scale.pipeline.backward import WeightGradSplitter, backward_input, backward_weight
+from lightning_scale.pipeline.runtime_trace import TraceEvent, Tracer, trace_from_env
 from lightning_scale.pipeline.stage import PipelineStage
 from lightning_scale.pipeline.validate import validate_schedule
 
@@ -63,6 +69,7 @@ class _Step:
     compute_s: float = 0.0
     wait_s: float = 0.0  # blocked in receives (data from a peer) and in the final wait for sends
     action_s: dict[tuple[str, int], float] = field(default_factory=dict)  # (kind, stage) -> compute seconds
+    tracer: Optional[Tracer] = None
 
 
 class PipelineRuntime:
@@ -78,13 +85,21 @@ class PipelineRuntime:
         timeout: bound on every wait for a peer (default: the process group's timeout).
         prefetch: receives posted ahead of the schedule (once their shape is cached), so data
             arrives while this rank computes.
+        trace: record the last step's events in ``last_trace`` (default: the environment variable
+            ``LIGHTNING_SCALE_PIPELINE_TRACE``; off).
+        blocking: the synchronous reference (slower): no receive is prefetched and every send is
+            waited before this rank's next compute. (Not right where it is posted: under gloo a send
+            completes when the peer has posted its receive, so in 1F1B two neighbours would each
+            wait in a send to the other before posting the receive the other one needs.)
     """
 
     def __init__(self, stage: PipelineStage, *, pp_group=None, pp_ranks: Optional[Sequence[int]] = None,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], microbatches: int,
                  schedule: Union[str, S.Schedule] = "1f1b", timeout: Optional[datetime.timedelta] = None,
-                 prefetch: int = 2) -> None:
-        self.stage, self.loss_fn, self.microbatches, self.prefetch = stage, loss_fn, microbatches, prefetch
+                 prefetch: int = 2, trace: Optional[bool] = None, blocking: bool = False) -> None:
+        self.stage, self.loss_fn, self.microbatches = stage, loss_fn, microbatches
+        self.blocking, self.trace = bool(blocking), trace_from_env(trace)
+        self.prefetch = 0 if self.blocking else prefetch
         if isinstance(schedule, S.Schedule):
             self.schedule = schedule
         else:
@@ -114,6 +129,7 @@ class PipelineRuntime:
         self.last_compute_s = self.last_step_s = self.last_wait_s = 0.0
         self.last_action_s: dict[tuple[str, int], float] = {}
         self.last_window: tuple[float, float] = (0.0, 0.0)
+        self.last_trace: List[TraceEvent] = []  # filled only with trace=True
         self.sync_tied_parameters()
 
     def _check_group(self, pp_group) -> None:
@@ -188,6 +204,7 @@ class PipelineRuntime:
     def _run(self, sch: S.Schedule, step: _Step) -> None:
         """Execute this rank's actions; receives are posted up to ``prefetch`` ahead once their shape is known."""
         start = time.perf_counter()
+        step.tracer = Tracer() if self.trace else None
         acts = sch.actions[self.stage.pp_rank]
         recv_at = [k for k, a in enumerate(acts) if a.kind in (S.RECV_F, S.RECV_B)]
         posted = 0  # acts[recv_at[:posted]] are posted, always in list order (channels match in order)
@@ -207,11 +224,14 @@ class PipelineRuntime:
                 posted += 1
         if self.p2p is not None:
             t0 = time.perf_counter()
+            if step.tracer is not None:
+                step.tracer.wait_sends()  # each send's wait recorded; the headers follow untraced
             self.p2p.wait_sends()
             step.wait_s += time.perf_counter() - t0
         end = time.perf_counter()
         self.last_compute_s, self.last_step_s, self.last_window = step.compute_s, end - start, (start, end)
         self.last_wait_s, self.last_action_s = step.wait_s, step.action_s
+        self.last_trace = step.tracer.events if step.tracer is not None else []
 
     def _recv_channel(self, a: S.Action, step: _Step) -> Tuple[int, str, tuple]:
         if a.kind == S.RECV_F:
@@ -220,26 +240,47 @@ class PipelineRuntime:
 
     def _post_recv(self, a: S.Action, step: _Step) -> None:
         src, kind, key = self._recv_channel(a, step)
+        t0 = time.perf_counter()
         step.recvs[(kind, a.stage, a.microbatch)] = self.p2p.recv(src, kind, key, self.device)
+        if step.tracer is not None:
+            step.tracer.add("recv_post", a.stage, a.microbatch, kind, t0, time.perf_counter())
+
+    def _wait_recv(self, kind: str, s: int, i: int, step: _Step) -> torch.Tensor:
+        pending = step.recvs.pop((kind, s, i))
+        if step.tracer is None:
+            return pending.wait()
+        t0 = time.perf_counter()
+        out = pending.wait()
+        step.tracer.add("recv_wait", s, i, kind, t0, time.perf_counter())
+        return out
+
+    def _send(self, tensor: torch.Tensor, direction: int, kind: str, a: S.Action, step: _Step) -> None:
+        t0 = time.perf_counter()
+        handle = self.p2p.send(tensor, self._peer(direction), kind, (a.stage, step.batch_key))
+        if step.tracer is not None:
+            step.tracer.sent(handle, a.stage, a.microbatch, kind, t0)
 
     def _dispatch(self, a: S.Action, step: _Step) -> None:
         kind = a.kind
         if kind == S.SEND_F:
-            self.p2p.send(step.outputs.pop((a.stage, a.microbatch)), self._peer(+1), "act", (a.stage, step.batch_key))
+            self._send(step.outputs.pop((a.stage, a.microbatch)), +1, "act", a, step)
         elif kind == S.SEND_B:
-            self.p2p.send(step.input_grads.pop((a.stage, a.microbatch)), self._peer(-1), "grad",
-                          (a.stage, step.batch_key))
+            self._send(step.input_grads.pop((a.stage, a.microbatch)), -1, "grad", a, step)
         else:
             s, i = a.stage, a.microbatch
             # wait for the data first, so compute_s measures compute only (the rest is bubble)
             t0 = time.perf_counter()
+            if self.blocking:  # the synchronous reference: this rank's sends finish before it computes again
+                step.tracer.wait_sends() if step.tracer is not None else self.p2p.wait_sends()
             if kind == S.F:
                 x = self._forward_input(s, i, step)
             elif kind in (S.B, S.I):
                 grad = self._output_grad(s, i, step)
             t1 = time.perf_counter()
             step.wait_s += t1 - t0
-            t0 = t1
+            if step.tracer is not None:
+                step.tracer.poll_sends()
+            t0 = time.perf_counter()
             if kind == S.F:
                 self._forward(s, i, x, step)
             elif kind in (S.B, S.I):
@@ -248,7 +289,10 @@ class PipelineRuntime:
                 backward_weight(step.weight_work.pop((s, i)))
             else:
                 raise S.ScheduleError(f"unknown action {a}")
-            dt = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            dt = t1 - t0
+            if step.tracer is not None:
+                step.tracer.add(kind, s, i, "", t0, t1)
             step.compute_s += dt
             step.action_s[(kind, s)] = step.action_s.get((kind, s), 0.0) + dt
 
@@ -261,14 +305,14 @@ class PipelineRuntime:
             return step.inputs[i]
         if (s - 1) in self.stage.stage_ids:  # previous chunk on this rank (pp == 1): hand over locally
             return step.outputs.pop((s - 1, i))
-        return step.recvs.pop(("act", s, i)).wait()
+        return self._wait_recv("act", s, i, step)
 
     def _output_grad(self, s: int, i: int, step: _Step) -> Optional[torch.Tensor]:
         if s == self.stage.num_stages - 1:
             return None  # the loss starts the backward
         if (s + 1) in self.stage.stage_ids:
             return step.input_grads.pop((s + 1, i))
-        return step.recvs.pop(("grad", s, i)).wait()
+        return self._wait_recv("grad", s, i, step)
 
     def _forward(self, s: int, i: int, x: torch.Tensor, step: _Step) -> None:
         last = s == self.stage.num_stages - 1
