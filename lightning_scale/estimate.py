@@ -168,6 +168,7 @@ class MemoryEstimate:
     host: Breakdown
     notes: Tuple[str, ...] = field(default=())
     activations: Optional[ActivationEstimate] = None
+    step_scratch: float = 0.0  # the optimizer step's temporaries (torch Adam: two of its largest tensor)
 
     @property
     def activation_bytes(self) -> float:
@@ -177,13 +178,14 @@ class MemoryEstimate:
     def predicted_peak(self) -> float:
         """Device bytes per rank at the peak of a training step from step 2 on: model states (the table's total:
         params, grads, master, optimizer state, gathered units, transient) + the activation peak."""
-        return self.device.total + self.activation_bytes
+        return self.device.total + max(self.activation_bytes, self.step_scratch)
 
     @property
     def first_step_peak(self) -> float:
         """The peak of step 1: its forward / backward run before the optimizer state exists (the step makes it,
         after the activations are freed)."""
-        return max(self.device.total - self.device.optimizer_state + self.activation_bytes, self.device.total)
+        return max(self.device.total - self.device.optimizer_state + self.activation_bytes,
+                   self.device.total + self.step_scratch)
 
     @property
     def host_peak(self) -> float:
@@ -365,13 +367,23 @@ def estimate_for_model(module, *, dp: int, stage: int, offload: str = "none", pr
                                  activation_checkpointing=activation_checkpointing,
                                  offload_activations=offload_activations, sp=sp,
                                  tp=tp if profile_tp is None else profile_tp, chunked_loss=chunked_loss)
-    return with_activations(est, acts)
+    shard = 1 if stage == 0 else dp  # the largest tensor a per-tensor optimizer steps: a parameter (its shard)
+    largest = max((p.numel() for p in _unique_trainable(module.parameters())), default=0) / shard
+    return with_activations(est, acts, step_tensor_numel=largest)
 
 
-def with_activations(est: MemoryEstimate, acts: Optional[ActivationEstimate]) -> MemoryEstimate:
+def with_activations(est: MemoryEstimate, acts: Optional[ActivationEstimate],
+                     step_tensor_numel: Optional[float] = None) -> MemoryEstimate:
+    """``est`` with the activation plan attached and, given the largest tensor the optimizer steps (a flat
+    bucket for this project's engines), the step's scratch: two temporaries of it in the optimizer state's
+    dtype (torch's per-tensor Adam: ``sqrt`` then the division of ``denom``)."""
     import dataclasses
 
-    return dataclasses.replace(est, activations=acts)
+    scratch = est.step_scratch
+    if step_tensor_numel is not None and est.offload in ("none", "params"):  # else the step runs on the host
+        k = _state_elements(est.optimizer)
+        scratch = (2 if k >= 2 else 1) * step_tensor_numel * _PRECISION_BYTES[est.precision][3]
+    return dataclasses.replace(est, activations=acts, step_scratch=float(scratch))
 
 
 # ---------------------------------------------------------------------------------------- activations

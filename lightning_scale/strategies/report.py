@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Tuple
 
+import lightning.pytorch as pl
+
 from lightning_scale.config import ConfigError
 from lightning_scale.estimate import STATE_PER_ELEMENT, GiB, estimate_all, format_table, model_counts
 
@@ -241,3 +243,177 @@ def layout_table(strategy: Any) -> str:
     if table:
         lines.append(table)
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------- the memory plan
+PLAN_PREFIX = "[lightning_scale memory]"
+PLAN_TOLERANCE = 0.15  # step 1's measured peak vs the prediction: a larger gap warns
+
+
+def _profile_source(strategy: Any, module: Any) -> Tuple[Any, int]:
+    """(the model the activations are profiled on, the tp split still to apply to them). The live units run
+    collectives at tp / sp > 1 and hold no full parameters at ZeRO-3: the project GPT is rebuilt on meta from its
+    config instead; other models at such layouts are counted from their (live) Linear sizes."""
+    topo, cfg = strategy.topology, strategy.config
+    gpt_cfg = getattr(module, "cfg", None)
+    from lightning_scale.models.gpt import GPT, GPTConfig
+
+    if isinstance(gpt_cfg, GPTConfig):
+        import torch
+
+        from lightning_scale.estimate import _no_init
+
+        with torch.device("meta"), _no_init(torch):
+            return GPT(gpt_cfg), topo.tp
+    inner = getattr(module, "model", None) or module
+    if topo.tp == 1 and topo.sp == 1 and cfg.zero.stage != 3:
+        return inner, 1
+    return None, 1
+
+
+def plan_for_batch(strategy: Any, micro_batch: int, seq_len: int) -> Optional[Any]:
+    """This run's estimate row with the activations of ``micro_batch`` sequences of ``seq_len`` (this rank's
+    positions, after the sp split) attached; None without a model."""
+    from lightning_scale.estimate import _counted_profile, activations_for_model, estimate_activations, with_activations
+
+    estimates = _estimates(strategy)
+    if estimates is None:
+        return None
+    row = estimates[1]
+    module, cfg = _module(strategy), strategy.config
+    precision = str(getattr(strategy.precision_plugin, "precision", "32-true"))
+    ac = getattr(cfg, "activation_checkpointing", None)
+    # nothing moves on a CPU run: the units' inputs stay where they are (host memory already)
+    offload = bool(getattr(cfg, "offload_activations", False)) and strategy.root_device.type != "cpu"
+    source, tp = _profile_source(strategy, module)
+    kwargs = dict(seq_len=seq_len, micro_batch=micro_batch, precision=precision, activation_checkpointing=ac,
+                  offload_activations=offload, sp=1, tp=tp)
+    if source is not None:
+        acts = activations_for_model(source, **kwargs)
+    else:
+        from lightning_scale.activation_profile import hidden_size
+        from lightning_scale.estimate import _units, _vocab_and_chunk
+
+        inner = getattr(module, "model", None) or module
+        units = [u for u in _units(inner) if any(True for _ in u.parameters())]
+        hidden = hidden_size(units[0]) or 0
+        vocab, chunk = _vocab_and_chunk(inner, None)
+        acts = estimate_activations(layers=len(units), per_token=_counted_profile(units[0], hidden, 1),
+                                    hidden=hidden, vocab=vocab, loss_chunk=chunk, source="counted", **kwargs)
+    # the optimizer the engine steps (on its flat shards), else the user's
+    inner = [getattr(e, "inner", None) or _engine_optimizer(e) for e in getattr(strategy, "engines", []) or []]
+    step_numel = max((p.numel() for o in inner if o is not None for g in o.param_groups for p in g["params"]),
+                     default=None)
+    return with_activations(row, acts, step_tensor_numel=step_numel)
+
+
+def _sequence_shape(batch: Any) -> Optional[Tuple[int, int]]:
+    """(micro-batch, positions) of the first integer tensor of two or more dimensions in the batch (token ids)."""
+    import torch
+    from torch.utils._pytree import tree_flatten
+
+    for t in tree_flatten(batch)[0]:
+        if isinstance(t, torch.Tensor) and t.dim() >= 2 and not t.is_floating_point():
+            return int(t.shape[0]), int(t.shape[1])
+    return None
+
+
+def plan_line(e: Any, unit: str = "MiB") -> str:
+    scale = GiB if unit == "GiB" else 2**20
+    a = e.activations
+    states = e.device.total
+    return (f"{_fmt(e.first_step_peak, scale, unit)} step 1, {_fmt(e.predicted_peak, scale, unit)} from step 2 "
+            f"(model states {_fmt(states, scale, unit)} + activations {_fmt(a.peak, scale, unit)}: "
+            f"{a.tokens:,} tokens x {a.layers} units, checkpointing {a.policy}, kept {_fmt(a.kept, scale, unit)}, "
+            f"loss {_fmt(a.loss, scale, unit)})")
+
+
+class MemoryPlan(pl.Callback):
+    """Measures step 1's peak (GPU: ``max_memory_allocated``; CPU: the engines' bytes at the step's start + the
+    peak of :class:`lightning_scale.memory.LiveTensorBytes` over the step) against the plan for the real batch
+    shape; rank 0 prints both and warns past :data:`PLAN_TOLERANCE`. ``strategy.memory_plan`` holds the numbers."""
+
+    def __init__(self, strategy: Any) -> None:
+        self.strategy = strategy
+        self.plan: Dict[str, Any] = {}
+        strategy.memory_plan = self.plan
+        self._mode: Any = None
+        self._done = False
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if self._done or self._mode is not None or "predicted" in self.plan:
+            return
+        import torch
+
+        from lightning_scale.compile import compiled_units
+
+        shape = _sequence_shape(batch)
+        if self.strategy.config.pp > 1 or compiled_units(self.strategy.model):
+            # pp: the schedule's micro-batches in flight are not modelled; compiled units: a dispatch mode around
+            # step 1 would change what Dynamo captures
+            self.plan["skipped"] = "pp > 1" if self.strategy.config.pp > 1 else "compiled units"
+            self._done = True
+            return
+        try:
+            e = plan_for_batch(self.strategy, *shape) if shape else None
+        except ConfigError as err:
+            e, self.plan["error"] = None, str(err)
+        if e is None:
+            self._done = True
+            return
+        self.plan.update(predicted=e.first_step_peak, predicted_steady=e.predicted_peak, estimate=e,
+                         micro_batch=shape[0], seq_len=shape[1])
+        device = self.strategy.root_device
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            self.plan["baseline"] = float(torch.cuda.memory_allocated(device))
+            self._mode = "cuda"
+        else:
+            from lightning_scale.memory import LiveTensorBytes
+
+            self.plan["baseline"] = measured_bytes(list(getattr(self.strategy, "engines", []) or []))["device"]
+            self._mode = LiveTensorBytes(device=device.type)
+            self._mode.__enter__()
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self._mode is None or trainer.global_step < 1:
+            return
+        import torch
+
+        if self._mode == "cuda":
+            measured = float(torch.cuda.max_memory_allocated(self.strategy.root_device))
+        else:
+            self._mode.__exit__(None, None, None)
+            measured = self.plan["baseline"] + self._mode.peak
+        self._mode, self._done = None, True
+        self.finish(measured, trainer.is_global_zero)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:  # a run that stopped inside step 1
+        if self._mode is not None and self._mode != "cuda":
+            self._mode.__exit__(None, None, None)
+        self._mode, self._done = None, True
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self.on_train_end(trainer, pl_module)
+
+    def finish(self, measured: float, rank_zero: bool) -> None:
+        predicted = self.plan["predicted"]
+        ratio = measured / predicted if predicted else float("inf")
+        self.plan.update(measured=measured, ratio=ratio, within=abs(ratio - 1) <= PLAN_TOLERANCE)
+        if not rank_zero:
+            return
+        e = self.plan["estimate"]
+        print(f"{PLAN_PREFIX} step 1 peak per device: measured {measured / 2**20:,.2f} MiB, predicted "
+              f"{predicted / 2**20:,.2f} MiB (ratio {ratio:.2f}); plan: {plan_line(e)}", flush=True)
+        if not self.plan["within"]:
+            import warnings
+
+            warnings.warn(f"{PLAN_PREFIX} step 1's measured peak {measured / 2**20:,.2f} MiB differs from the "
+                          f"memory plan's {predicted / 2**20:,.2f} MiB by {abs(ratio - 1):.0%} (> "
+                          f"{PLAN_TOLERANCE:.0%}); see docs/long_sequences.md, the memory plan", stacklevel=2)
+
+
+def install_memory_plan(strategy: Any, trainer: Any) -> None:
+    """Add the step-1 memory-plan check (a Lightning callback) to a fitting Trainer, once."""
+    if not any(isinstance(cb, MemoryPlan) for cb in trainer.callbacks):
+        trainer.callbacks.append(MemoryPlan(strategy))

@@ -1,0 +1,103 @@
+"""The memory plan (issue 16 item 6): the activation estimate and the step-1 check of Zero3DStrategy.
+
+One Trainer process fits the project GPT for one step at 4 shapes (short / long sequence x activation checkpointing
+off / full; and long + full + the chunked loss), CPU, float32, ZeRO-0, one rank: the strategy's measured step-1 peak (the engines' bytes at the step's
+start + ``LiveTensorBytes``' peak over the step) is within 15% of the plan's prediction, and the plan's activation
+term is a real share of it (so the check cannot pass on model states alone). A prediction made wrong on purpose
+(the activation term dropped) makes the strategy warn. Run as a script, this file is that Trainer process.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+
+import pytest
+
+SHAPES = {  # name: (seq_len, micro_batch, activation_checkpointing, loss chunk)
+    "short": (128, 2, None, 0),
+    "short_ac": (128, 2, "full", 0),
+    "long": (2048, 2, None, 0),
+    "long_ac": (2048, 2, "full", 0),
+    "long_ac_chunked": (2048, 2, "full", 256),  # + the chunked loss: one chunk's logits at a time
+}
+
+
+def _fit(name: str, drop_activations: bool = False) -> dict:
+    import lightning.pytorch as pl
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import lightning_scale  # noqa: F401
+    from lightning_scale import Zero3DStrategy
+    from lightning_scale.lit import GPTLightningModule
+    from lightning_scale.models.gpt import GPTConfig
+    from lightning_scale.strategies import report
+
+    seq, batch, ac, chunk = SHAPES[name]
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=1024, seq_len=seq, n_layer=4, n_head=4, d_model=128, loss_chunk=chunk)
+    data = torch.randint(0, cfg.vocab_size, (batch * 2, seq + 1))
+    loader = DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=batch)
+    if drop_activations:  # the mutation: a plan that leaves the activations out
+        original = report.plan_for_batch
+
+        def states_only(strategy, micro_batch, seq_len):
+            import dataclasses
+
+            e = original(strategy, micro_batch, seq_len)
+            return dataclasses.replace(e, activations=dataclasses.replace(e.activations, kept=0, recompute=0,
+                                                                          head=0, loss=0))
+        report.plan_for_batch = states_only
+    strategy = Zero3DStrategy(stage=0, activation_checkpointing=ac)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         precision="32-true")
+    module = GPTLightningModule(cfg, lr=1e-3, warmup_steps=1, max_steps=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, train_dataloaders=loader)
+    plan = strategy.memory_plan
+    a = plan["estimate"].activations
+    return {"measured": plan["measured"], "predicted": plan["predicted"], "ratio": plan["ratio"],
+            "activations": a.peak, "loss": a.loss, "policy": a.policy, "tokens": a.tokens,
+            "warned": [str(w.message) for w in caught if "[lightning_scale memory]" in str(w.message)]}
+
+
+def _run(tmp_path, *args) -> dict:
+    from lightning_scale.testing import run_script
+
+    out = tmp_path / "plan.json"
+    proc = run_script([sys.executable, __file__, str(out), *args], timeout=400, cwd=tmp_path, ranks=1)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return json.loads(out.read_text()), proc.stdout
+
+
+def test_step1_peak_within_15_percent_of_the_plan(tmp_path):
+    results, stdout = _run(tmp_path, *SHAPES)
+    for name, r in results.items():
+        assert abs(r["ratio"] - 1) <= 0.15, (name, results)
+        assert not r["warned"], (name, r)
+        assert r["activations"] > 0.25 * r["predicted"] or name.startswith("short"), (name, r)
+    # long sequences: activations dominate and checkpointing cuts them
+    assert results["long"]["activations"] > 0.5 * results["long"]["predicted"], results
+    assert results["long_ac"]["activations"] < 0.5 * results["long"]["activations"], results
+    assert results["long_ac"]["policy"] == "full" and results["long"]["tokens"] == 4096
+    assert results["long_ac_chunked"]["loss"] * 4 <= results["long_ac"]["loss"], results  # 256 of 2048 positions
+    lines = [line for line in stdout.splitlines() if line.startswith("[lightning_scale memory] step 1 peak")]
+    assert len(lines) == len(SHAPES), stdout[-3000:]
+
+
+def test_a_wrong_plan_warns(tmp_path):
+    results, stdout = _run(tmp_path, "long", "--drop-activations")
+    r = results["long"]
+    assert r["ratio"] > 1.15, r
+    assert len(r["warned"]) == 1 and "differs from the memory plan" in r["warned"][0], r
+
+
+if __name__ == "__main__":
+    out, names = sys.argv[1], [a for a in sys.argv[2:] if not a.startswith("--")]
+    drop = "--drop-activations" in sys.argv
+    with open(out, "w") as f:
+        json.dump({n: _fit(n, drop) for n in names}, f)
