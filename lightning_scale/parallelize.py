@@ -143,7 +143,7 @@ def cross_axis_for(tp_model: Optional[nn.Module], tp_group=None, pp_group=None, 
     """The :class:`CrossAxis` of engines over a tp-split ``tp_model`` (None: no tp) and a pipeline (``pp_group``;
     ``exclude``: tied copies another stage counts): the tensor-parallel package's marks as predicates."""
     from lightning_scale.tensor_parallel import sync_tp_grads, tp_replicated
-    from lightning_scale.tensor_parallel.sharding import tp_partial_grad
+    from lightning_scale.tensor_parallel.sharding import tp_counted_mask, tp_partial_grad
     from lightning_scale.tensor_parallel.state import tensor_parallel_state
 
     if tp_model is not None:
@@ -151,7 +151,8 @@ def cross_axis_for(tp_model: Optional[nn.Module], tp_group=None, pp_group=None, 
         if state is not None:
             state.partial_grad_params(tp_model)  # (re)marks them on the current parameter objects
     return CrossAxis(tp_group=tp_group, pp_group=pp_group, replicated=tp_replicated, partial=tp_partial_grad,
-                     exclude=exclude, before_reduce=(lambda: sync_tp_grads(tp_model)) if tp_model is not None else None)
+                     exclude=exclude, before_reduce=(lambda: sync_tp_grads(tp_model)) if tp_model is not None else None,
+                     counted=tp_counted_mask)
 
 
 # ---------------------------------------------------------------------------------------------------- checks

@@ -274,7 +274,7 @@ def tp_flat_piece(key: str, flat: torch.Tensor, local_shape: Sequence[int], star
     padded, true = list(local), list(local)
     padded[spec.dim], true[spec.dim] = spec.padded, spec.size
     if spec.sections == 1:
-        return flat_piece(key, flat, local, start, tp=TPSlice(spec.dim, tp_rank * spec.local_size),
+        return flat_piece(key, flat, local, start, tp=TPSlice(spec.dim, spec.local_range(tp_rank)[0]),
                           global_shape=padded, true_shape=true)
     d = spec.dim
     piece = Piece(key, tuple(true), flat.dtype)

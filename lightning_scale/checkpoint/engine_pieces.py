@@ -54,7 +54,7 @@ def flat_param_piece(key: str, flat: torch.Tensor, local_shape: Sequence[int], s
     true = list(local)
     true[spec.dim] = spec.size
     if spec.sections == 1:
-        return flat_piece(key, flat, local, start, tp=TPSlice(spec.dim, tp_rank * spec.local_size),
+        return flat_piece(key, flat, local, start, tp=TPSlice(spec.dim, spec.local_range(tp_rank)[0]),
                           global_shape=padded, true_shape=true)
     if spec.dim != 0:
         raise NotImplementedError(f"{key}: a fused tensor-parallel parameter split along dim {spec.dim} "

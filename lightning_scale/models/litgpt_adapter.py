@@ -22,8 +22,10 @@ the plan machinery (``tensor_parallel.plan._parent_fixes``) divides by tp when i
   ``[q | k | v]`` (``CausalSelfAttention.forward`` splits it by ``(n_head, n_query_groups, n_query_groups) *
   head_size``; not interleaved per group), so for grouped-query attention the three parts differ in size and
   each is split over tp by whole heads (``ShardSpec.parts``): rank r holds q heads ``r*H/tp ...`` and kv groups
-  ``r*G/tp ...``, and litgpt's ``repeat_interleave`` pairs every local q head with its own group. tp must divide
-  ``n_query_groups`` (multi-query attention at tp=2 is refused by name; a user plan with ``attn.qkv``
+  ``r*G/tp ...``, and litgpt's ``repeat_interleave`` pairs every local q head with its own group. With fewer
+  groups than ranks (tp a multiple of ``n_query_groups``, e.g. multi-query attention at tp=2) each rank keeps
+  the one group its q heads use (``ShardSpec.splits``; its gradient rows summed over the ranks sharing it); tp
+  neither dividing nor a multiple of ``n_query_groups`` is refused by name (a user plan with ``attn.qkv``
   ``colwise_gather`` and ``attn.proj`` ``rowwise_split_input`` runs every head on every rank instead).
   Per-head q/k norms (``norm_qk``, default type) ``replicated_with_grad_allreduce`` (they see only this rank's
   heads);

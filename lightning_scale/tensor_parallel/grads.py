@@ -14,7 +14,8 @@ Two facts the optimizer side must respect:
   complete gradient; nothing to call afterwards, unlike the partial marks above).
 * A replicated parameter (``tp_replicated(p)``) has the same gradient on every tp rank. A global norm
   over dp x tp must count it once, not tp times; :func:`grad_norm` does, and a ZeRO engine that
-  flattens parameters can weight each element with ``tp_replicated`` the same way.
+  flattens parameters can weight each element with ``tp_replicated`` the same way. Rows of replicated kv
+  pieces (kv heads < tp, ``ShardSpec.splits``) count on the first rank holding each (``tp_counted_mask``).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch.nn as nn
 
 from lightning_scale.comm import collectives
 from lightning_scale.tensor_parallel.mappings import copy_to_region
-from lightning_scale.tensor_parallel.sharding import tp_partial_grad, tp_replicated
+from lightning_scale.tensor_parallel.sharding import tp_counted_mask, tp_partial_grad, tp_replicated
 from lightning_scale.tensor_parallel.state import tensor_parallel_state
 
 Params = Union[nn.Module, Iterable[torch.Tensor]]
@@ -103,8 +104,14 @@ def grad_norm(params: Params, tp_group=None, dp_group=None, norm_type: float = 2
     tp_group_rank = collectives.group_rank(tp_group)
     dtype = torch.float64 if any(g.dtype == torch.float64 for g, _ in grads) else torch.float32
     device = grads[0][0].device if grads else torch.device("cpu")
-    # Replicated gradients: only tp rank 0 contributes them, so the all-reduce counts them once.
-    mine = [g for g, rep in grads if not rep or tp_group_rank == 0]
+    # Replicated gradients: only tp rank 0 contributes them, so the all-reduce counts them once; rows of
+    # replicated kv pieces (kv heads < tp) only on the first rank holding each.
+    mine = []
+    for p in _params(params):
+        if p.grad is None or (tp_replicated(p) and tp_group_rank != 0):
+            continue
+        keep = tp_counted_mask(p, tp_group_rank)
+        mine.append(p.grad if keep is None else p.grad.reshape(-1)[keep.to(p.grad.device)])
     if norm_type == math.inf:
         local = torch.stack([g.detach().abs().max().to(dtype) for g in mine]).max() if mine else None
         acc = torch.zeros(1, dtype=dtype, device=device) if local is None else local.reshape(1).clone()

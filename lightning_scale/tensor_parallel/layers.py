@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from lightning_scale.comm import collectives
 from lightning_scale.tensor_parallel.mappings import (
     _gather,
     _reduce_async,
@@ -85,6 +86,52 @@ class _ColumnLinearFn(torch.autograd.Function):
             handle.wait()
             grad_x = grad_x.to(x_full.dtype)
         return grad_x, grad_w, grad_b, None, None, None, None
+
+
+class _ReplicaGradSum(torch.autograd.Function):
+    """Identity forward on a column-parallel weight / bias whose spec replicates some parts (kv heads < tp);
+    backward: the gradient rows of each replicated piece summed over the ranks that hold it.
+
+    Rank r's kv rows get only the gradient of r's own q heads; the ranks sharing kv head g together hold all
+    of g's q heads. One all-reduce over tp of a buffer holding each replicated part whole (this rank's piece
+    at its place, zeros elsewhere) sums every piece over exactly its holders: ``G * hs * in`` elements for a
+    kv projection, less than ``tp`` local shards. Done inside the backward, before accumulation, ZeRO buckets
+    or clipping read the gradient (like ``copy_to_region``).
+    """
+
+    @staticmethod
+    def forward(ctx, param, spec, rank, group, tag):
+        ctx.spec, ctx.rank, ctx.group, ctx.tag = spec, rank, group, tag
+        return param.view_as(param)
+
+    @staticmethod
+    def backward(ctx, grad):
+        spec, rank = ctx.spec, ctx.rank
+        todo = [(local, n, split) for (local, _, n), split in zip(spec.pieces(rank), spec.part_splits)
+                if split < spec.tp]
+        grad = grad.contiguous().clone()
+        wholes = []
+        for local, n, split in todo:  # (split, n, *rest) along spec.dim moved first
+            piece = grad.narrow(spec.dim, local, n).movedim(spec.dim, 0)
+            whole = piece.new_zeros((split,) + tuple(piece.shape))
+            whole[rank * split // spec.tp].copy_(piece)
+            wholes.append(whole)
+        flat = torch.cat([w.reshape(-1) for w in wholes])
+        collectives.all_reduce(flat, ctx.group, tag=ctx.tag)
+        offset = 0
+        for (local, n, split), whole in zip(todo, wholes):
+            summed = flat[offset:offset + whole.numel()].view_as(whole)[rank * split // spec.tp]
+            grad.narrow(spec.dim, local, n).copy_(summed.movedim(0, spec.dim))
+            offset += whole.numel()
+        return grad, None, None, None, None
+
+
+def replica_grad_sum(param: torch.Tensor, spec: ShardSpec, rank: int, group, tag: str = "") -> torch.Tensor:
+    """``param`` as seen by the forward: its replicated parts' gradients summed over their holders (see
+    :class:`_ReplicaGradSum`); ``param`` itself when nothing is replicated or no gradient is needed."""
+    if not spec.replicated_parts or not (param.requires_grad and torch.is_grad_enabled()):
+        return param
+    return _ReplicaGradSum.apply(param, spec, rank, group, tag)
 
 
 class _RowLinearFn(torch.autograd.Function):
@@ -259,7 +306,7 @@ class ColumnParallelLinear(_ParallelLinearBase):
     def __init__(self, in_features: int, out_features: int, *, group, bias: bool = True,
                  gather_output: bool = False, sections: int = 1, pad: bool = False,
                  sequence_parallel: bool = False, input_gathered: bool = False, transposed: bool = False,
-                 name: str = "", device=None, dtype=None, init: bool = True, parts=()) -> None:
+                 name: str = "", device=None, dtype=None, init: bool = True, parts=(), splits=()) -> None:
         super().__init__()
         self._setup(in_features, out_features, group, name, transposed)
         self.gather_output, self.sections, self.sequence_parallel = gather_output, sections, sequence_parallel
@@ -267,9 +314,9 @@ class ColumnParallelLinear(_ParallelLinearBase):
         self.input_gathered = input_gathered
         what = f"{name or 'ColumnParallelLinear'} out_features"
         self.weight_spec = make_spec(1 if transposed else 0, out_features, self.tp, sections=sections, pad=pad,
-                                     what=what, parts=parts)
-        self.bias_spec = (make_spec(0, out_features, self.tp, sections=sections, pad=pad, what=what, parts=parts)
-                          if bias else None)
+                                     what=what, parts=parts, splits=splits)
+        self.bias_spec = (make_spec(0, out_features, self.tp, sections=sections, pad=pad, what=what, parts=parts,
+                                    splits=splits) if bias else None)
         self.sections = self.weight_spec.sections
         n = self.weight_spec.local_size
         self._make_params((in_features, n) if transposed else (n, in_features), (n,) if bias else None, device, dtype)
@@ -286,11 +333,21 @@ class ColumnParallelLinear(_ParallelLinearBase):
         """First output feature (e.g. vocabulary id) held by this rank, in the padded layout."""
         return self.rank * self.weight_spec.local_size
 
+    def _params_for_forward(self):
+        """weight, bias; with replicated parts (kv heads < tp) entering through :func:`replica_grad_sum`."""
+        weight, bias = self.weight, self.bias
+        if self.weight_spec.replicated_parts:
+            weight = replica_grad_sum(weight, self.weight_spec, self.rank, self.group, self.tag + "/replicas")
+            if bias is not None:
+                bias = replica_grad_sum(bias, self.bias_spec, self.rank, self.group, self.tag + "/replicas")
+        return weight, bias
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (*, T, in) or (*, T/tp, in) -> (*, T, out/tp)
+        weight, bias = self._params_for_forward()
         if self.input_gathered or self.tp == 1:  # 'sequence_gather' module hook did the communication
-            y = F.linear(x, self._weight(), self.bias)
+            y = F.linear(x, weight.t() if self.transposed else weight, bias)
         else:
-            y = _ColumnLinearFn.apply(x, self.weight, self.bias, self.group, self.tag, self.sequence_parallel,
+            y = _ColumnLinearFn.apply(x, weight, bias, self.group, self.tag, self.sequence_parallel,
                                       self.transposed)
         if not self.gather_output:
             return y

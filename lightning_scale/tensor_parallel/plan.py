@@ -160,6 +160,35 @@ def _qkv_parts(parent: Optional[nn.Module], out_f: int, infer_head_dim: bool) ->
     return (q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
 
 
+def kv_replicas(parent: Optional[nn.Module], tp: int) -> int:
+    """How many tp ranks share each kv head of ``parent``'s attention: ``tp // G`` when ``G`` kv heads are fewer
+    than tp and tp is a multiple of ``G`` (and tp divides the q heads), else 1 (split or refused as usual)."""
+    heads = _heads(parent) if parent is not None else {}
+    q_heads = next((v for a, v in heads.items() if not _is_kv(a)), None)
+    kv_heads = next((v for a, v in heads.items() if _is_kv(a)), None)
+    if not q_heads or not kv_heads or kv_heads >= tp or tp % kv_heads or q_heads % tp:
+        return 1
+    return tp // kv_heads
+
+
+def _kv_splits(parent: Optional[nn.Module], out_f: int, parts: Tuple[int, ...], tp: int) -> Tuple[int, ...]:
+    """``splits`` of a colwise output that holds kv heads shared by several ranks (kv heads < tp), else ``()``:
+    a fused ``[q | k | v]`` (``parts``) cuts q over tp and k, v into one piece per kv head; a separate
+    ``k_proj`` / ``v_proj`` (``out_f`` = kv heads x head dim) into one piece per kv head."""
+    rep = kv_replicas(parent, tp)
+    if rep == 1:
+        return ()
+    kv_heads = tp // rep
+    if parts:
+        return (tp, kv_heads, kv_heads)
+    head_dim = getattr(parent, "head_dim", None)
+    heads = _heads(parent)
+    q_heads = next(v for a, v in heads.items() if not _is_kv(a))
+    if isinstance(head_dim, int) and out_f == kv_heads * head_dim and out_f != q_heads * head_dim:
+        return (kv_heads,)
+    return ()
+
+
 def _resolve(name: str, module: nn.Module, style: Style, parent: Optional[nn.Module], tp: int) -> Action:
     """Fix fused sections and compute the weight's shard spec (ConfigError when tp does not divide)."""
     try:
@@ -168,22 +197,41 @@ def _resolve(name: str, module: nn.Module, style: Style, parent: Optional[nn.Mod
         if not style.shards_linear:
             return Action(name, module, style, None)
         in_f, out_f, transposed = dense_features(module)
-        sections, parts = style.sections, ()
+        sections, parts, splits = style.sections, (), ()
         if style.kind == "colwise" and sections in (0, 3):
             parts = _qkv_parts(parent, out_f, infer_head_dim=sections == 3)
             if not sections:
                 sections = 3 if parts else 1  # fused [q | k | v]: split each part by whole heads
             if sections != 3:
                 parts = ()
+        if style.kind == "colwise" and not style.gather_output and sections in (1, 3) and not style.pad:
+            if parent is not None and _heads(parent):  # heads first: a head count names the problem best
+                _check_heads(_parent_name(name), parent, tp, name)
+            splits = _kv_splits(parent, out_f, parts, tp)  # kv heads < tp: each rank keeps the kv head it uses
         style = Style(style.kind, sections, style.gather_output, style.pad, style.name, style.split_input)
         if style.kind == "colwise":
             spec = make_spec(1 if transposed else 0, out_f, tp, sections=sections, pad=style.pad,
-                             what=f"{name} out_features", parts=parts)
+                             what=f"{name} out_features", parts=parts, splits=splits)
         else:
             spec = make_spec(0 if transposed else 1, in_f, tp, sections=sections, what=f"{name} in_features")
         return Action(name, module, style, spec)
     except ValueError as err:
         raise ConfigError(f"tensor.plan: {err}") from None
+
+
+def _check_heads(pname: str, parent: nn.Module, tp: int, proj: str) -> int:
+    """ConfigError naming the head count of attention ``pname`` that tp can neither split nor (kv heads)
+    replicate; else the number of ranks sharing each kv head (1: none shared)."""
+    rep = kv_replicas(parent, tp)
+    for attr, value in _heads(parent).items():
+        if value % tp and not (rep > 1 and _is_kv(attr)):
+            where = f"{pname}.{attr}" if pname else attr
+            hint = (f"; {value} key/value head(s) can be neither split nor replicated over tp={tp} (tp must "
+                    f"divide them or be a multiple of them): use such a tp, or a plan with {proj!r} "
+                    "gathered ('colwise_gather_output') and its output projection 'rowwise_split_input'"
+                    ) if _is_kv(attr) else ""
+            raise ConfigError(f"tp={tp} does not divide the number of heads {where}={value}{hint}")
+    return rep
 
 
 def _parent_fixes(model: nn.Module, actions: List[Action], tp: int) -> Dict[str, Dict[str, int]]:
@@ -201,15 +249,11 @@ def _parent_fixes(model: nn.Module, actions: List[Action], tp: int) -> Dict[str,
         heads = _heads(parent)
         if not heads:
             continue
-        for attr, value in heads.items():
-            if value % tp:
-                where = f"{pname}.{attr}" if pname else attr
-                kv = _is_kv(attr)
-                hint = (f"; {value} key/value head(s) cannot be split over tp={tp} (replicating them is not "
-                        f"supported): use tp <= {value} or a plan with {act.name!r} gathered "
-                        "('colwise_gather_output') and its output projection 'rowwise_split_input'") if kv else ""
-                raise ConfigError(f"tp={tp} does not divide the number of heads {where}={value}{hint}")
-        local = {a: v // tp for a, v in heads.items() if not a.startswith("config.")}
+        rep = _check_heads(pname, parent, tp, act.name)
+        # kv heads < tp: each rank keeps the one kv head its q heads use
+        local = {a: (1 if rep > 1 and _is_kv(a) else v // tp) for a, v in heads.items() if not a.startswith("config.")}
+        if rep > 1 and isinstance(parent.__dict__.get("num_key_value_groups"), int):  # HF: q heads per local kv head
+            local["num_key_value_groups"] = next(v for a, v in heads.items() if not _is_kv(a)) // tp
         head_dim = getattr(parent, "head_dim", None)
         q_heads = next(iter(heads.values()))
         for attr in WIDTH_ATTRS:
@@ -291,7 +335,7 @@ def _build(act: Action, group, sp: bool, gathered: bool) -> Optional[nn.Module]:
         return ColumnParallelLinear.from_dense(act.module, group, gather_output=style.gather_output,
                                                sections=style.sections, pad=style.pad, sequence_parallel=sp,
                                                input_gathered=gathered, name=act.name,
-                                               parts=act.weight_spec.parts)
+                                               parts=act.weight_spec.parts, splits=act.weight_spec.splits)
     if style.kind == "rowwise":
         return RowParallelLinear.from_dense(act.module, group, sections=style.sections, sequence_parallel=sp,
                                             input_is_parallel=not style.split_input, name=act.name)

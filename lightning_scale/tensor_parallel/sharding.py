@@ -12,6 +12,12 @@ Two details make the layout differ from a plain ``torch.chunk``:
   The parts may differ in size (``parts``): litgpt's grouped-query ``qkv`` is ``[q | k | v]`` with
   ``n_head * hs`` q rows and ``n_query_groups * hs`` rows each of k and v; rank r then holds q heads
   ``r*H/tp ...`` and kv groups ``r*G/tp ...``, which keeps every local q head with its own kv group.
+* **Replicated parts** (``splits``). Fewer kv heads than ranks (multi-query attention, ``G`` kv heads with tp a
+  multiple of ``G``): the kv part is cut into ``G`` pieces only, and the ``tp / G`` consecutive ranks whose q
+  heads share kv head ``g`` all hold piece ``g``. Rank r holds piece ``r * splits_k // tp`` of part k. Such rows'
+  gradients are partial sums over the sharing ranks (each sees only its own q heads): the column-parallel layer
+  sums them in the backward; a global norm counts them on the first sharing rank only
+  (:func:`tp_counted_mask`); :func:`merge_shards` takes them from the first sharing rank.
 * **Padding.** A vocabulary that tp does not divide is padded at the end to a multiple of tp. The
   padded rows live on the last rank(s), start at zero, are never looked up and are masked out of the
   loss; :func:`merge_shards` drops them.
@@ -35,14 +41,22 @@ class ShardSpec:
     padded: int
     sections: int = 1
     parts: Tuple[int, ...] = ()  # sizes of unequal fused sections (sum = size); () = ``sections`` equal parts
+    # distinct pieces of each part (each divides tp; < tp: that part is replicated over tp // s ranks); () = tp each
+    splits: Tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.tp < 1 or self.sections < 1:
             raise ValueError(f"ShardSpec: tp={self.tp} and sections={self.sections} must be >= 1")
+        if self.splits and (not self.parts or len(self.splits) != self.sections or self.padded != self.size
+                            or any(s < 1 or self.tp % s for s in self.splits)):
+            raise ValueError(f"ShardSpec: splits={self.splits} need parts (one split each, dividing tp={self.tp}) "
+                             "and no padding")
         if self.parts and (len(self.parts) != self.sections or sum(self.parts) != self.size
-                           or any(p % self.tp for p in self.parts)):
+                           or any(p % s for p, s in zip(self.parts, self.part_splits))):
             raise ValueError(f"ShardSpec: parts={self.parts} must be {self.sections} sizes summing to "
-                             f"size={self.size}, each a multiple of tp={self.tp}")
+                             f"size={self.size}, each a multiple of its split {self.part_splits}")
+        if self.splits:
+            return
         if self.padded < self.size or self.padded % (self.tp * (1 if self.parts else self.sections)):
             raise ValueError(
                 f"ShardSpec: padded={self.padded} must be >= size={self.size} and a multiple of "
@@ -53,7 +67,23 @@ class ShardSpec:
 
     @property
     def local_size(self) -> int:
+        if self.splits:
+            return sum(p // s for p, s in zip(self.parts, self.splits))
         return self.padded // self.tp
+
+    @property
+    def part_splits(self) -> Tuple[int, ...]:
+        """Into how many distinct pieces each fused section is cut (tp for each, unless replicated)."""
+        return self.splits or (self.tp,) * self.sections
+
+    @property
+    def replicated_parts(self) -> bool:
+        """True when some rows are held by several ranks (a part with fewer pieces than tp)."""
+        return any(s < self.tp for s in self.part_splits)
+
+    def first_holder(self, rank: int) -> Tuple[bool, ...]:
+        """Per piece of :meth:`pieces`: whether ``rank`` is the first of the ranks that hold those rows."""
+        return tuple(rank % (self.tp // s) == 0 for s in self.part_splits)
 
     @property
     def section_local(self) -> int:
@@ -73,22 +103,35 @@ class ShardSpec:
         if self.padded != self.size:
             raise ValueError("ShardSpec.pieces: a padded spec has a single range (local_range)")
         out, local, base = [], 0, 0
-        for part in self.part_sizes:
-            n = part // self.tp
-            out.append((local, base + rank * n, n))
+        for part, split in zip(self.part_sizes, self.part_splits):
+            n = part // split
+            out.append((local, base + (rank * split // self.tp) * n, n))
             local, base = local + n, base + part
         return tuple(out)
 
     def local_range(self, rank: int) -> tuple:
         """[start, end) of rank's rows in the padded full tensor (sections == 1 only)."""
-        return rank * self.local_size, (rank + 1) * self.local_size
+        piece = rank * self.part_splits[0] // self.tp if self.splits else rank
+        return piece * self.local_size, (piece + 1) * self.local_size
 
 
 def make_spec(dim: int, size: int, tp: int, *, sections: int = 1, pad: bool = False, what: str = "",
-              parts: Sequence[int] = ()) -> ShardSpec:
+              parts: Sequence[int] = (), splits: Sequence[int] = ()) -> ShardSpec:
     """Spec for splitting ``size`` over ``tp``; raises a ValueError naming ``what`` when tp does not divide it.
-    ``parts``: sizes of unequal fused sections (e.g. grouped-query ``[q | k | v]``), each split over tp."""
+    ``parts``: sizes of unequal fused sections (e.g. grouped-query ``[q | k | v]``), each split over tp.
+    ``splits``: per part (``parts`` default ``(size,)``), its number of distinct pieces, a divisor of tp: fewer
+    than tp replicates the part's pieces over ``tp // split`` consecutive ranks (kv heads < tp)."""
     parts = tuple(int(p) for p in parts)
+    splits = tuple(int(s) for s in splits)
+    if splits and any(s != tp for s in splits):
+        parts = parts or (size,)
+        if pad or sum(parts) != size or len(splits) != len(parts):
+            raise ValueError(f"{what}: replicated parts {parts} (splits {splits}) must sum to {size}, unpadded")
+        for p, s in zip(parts, splits):
+            if tp % s or p % s:
+                raise ValueError(f"tp={tp} does not divide {what} = {size}, and {what} part {p} cannot be "
+                                 f"replicated in {s} pieces over tp={tp}")
+        return ShardSpec(dim=dim, size=size, tp=tp, padded=size, sections=len(parts), parts=parts, splits=splits)
     sections = len(parts) or sections  # equal parts: the plain per-section split below
     if parts and len(set(parts)) > 1:
         if pad or sum(parts) != size:
@@ -167,6 +210,23 @@ def merge_shards(shards: Sequence[torch.Tensor], spec: ShardSpec, dim: int = Non
     if spec.padded != spec.size:
         return torch.cat(list(shards), dim=dim).narrow(dim, 0, spec.size).contiguous()
     parts: List[torch.Tensor] = []
-    for local, _, n in spec.pieces(0):  # section by section, rank by rank
-        parts.extend(shard.narrow(dim, local, n) for shard in shards)
+    for (local, _, n), split in zip(spec.pieces(0), spec.part_splits):  # section by section, rank by rank
+        step = spec.tp // split  # replicated pieces: from the first rank holding each
+        parts.extend(shards[r].narrow(dim, local, n) for r in range(0, spec.tp, step))
     return torch.cat(parts, dim=dim).contiguous()
+
+
+def tp_counted_mask(param: torch.Tensor, rank: int, shape=None):
+    """Which elements of ``param`` (this tp rank's local tensor, flattened; ``shape``: its local shape when the
+    tensor itself is freed, as under ZeRO-3) a global norm counts on ``rank``: None = all of them (a sharded or
+    replicated parameter is handled by :func:`tp_replicated`); else a bool tensor, False on rows of replicated
+    parts that a lower rank also holds (kv heads < tp)."""
+    spec = tp_spec(param)
+    if spec is None or not spec.replicated_parts:
+        return None
+    shape = tuple(param.shape if shape is None else shape)
+    mask = torch.zeros(shape, dtype=torch.bool)
+    for (local, _, n), first in zip(spec.pieces(rank), spec.first_holder(rank)):
+        if first:
+            mask.narrow(spec.dim, local, n).fill_(True)
+    return mask.reshape(-1)

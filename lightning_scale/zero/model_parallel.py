@@ -47,11 +47,13 @@ def shard_slice(state) -> slice:
 
 
 def norm_mask(bucket, shard: slice, tp_rank: int, replicated: Predicate = _never,
-              exclude_ids=frozenset()) -> Optional[torch.Tensor]:
+              exclude_ids=frozenset(), counted=None) -> Optional[torch.Tensor]:
     """Which elements of a bucket's shard ``[shard.start, shard.stop)`` count in the global norm.
 
     None when all do; else a bool mask over the shard: True for elements of tp-sharded parameters, of
-    replicated ones only on tp rank 0, never for ``exclude_ids`` (tied copies) or padding. Pure.
+    replicated ones only on tp rank 0, never for ``exclude_ids`` (tied copies) or padding. ``counted(param,
+    tp_rank, shape)``: None, or a flat bool mask of the parameter's own elements that count (rows several tp
+    ranks hold: kv heads < tp). Pure.
     """
     lo, hi = shard.start, shard.stop
     mask = torch.zeros(hi - lo, dtype=torch.bool)
@@ -60,7 +62,8 @@ def norm_mask(bucket, shard: slice, tp_rank: int, replicated: Predicate = _never
             continue
         a, b = slot.shard_overlap(lo, hi)  # offsets inside the parameter
         if b > a:
-            mask[slot.offset + a - lo:slot.offset + b - lo] = True
+            keep = counted(slot.param, tp_rank, slot.shape) if counted is not None else None
+            mask[slot.offset + a - lo:slot.offset + b - lo] = True if keep is None else keep[a:b]
     return None if bool(mask.all()) else mask
 
 
@@ -86,12 +89,13 @@ class CrossAxis:
     """
 
     def __init__(self, *, tp_group=None, pp_group=None, replicated: Predicate = _never, partial: Predicate = _never,
-                 exclude: Iterable[torch.Tensor] = (), before_reduce: Optional[Callable[[], None]] = None) -> None:
+                 exclude: Iterable[torch.Tensor] = (), before_reduce: Optional[Callable[[], None]] = None,
+                 counted=None) -> None:
         # None means "no such axis" here, not the default (world) group
         self.tp_group = tp_group if tp_group is not None and C.group_size(tp_group) > 1 else None
         self.pp_group = pp_group if pp_group is not None and C.group_size(pp_group) > 1 else None
         self.tp_rank = C.group_rank(self.tp_group) if self.tp_group is not None else 0
-        self.replicated, self.partial = replicated, partial
+        self.replicated, self.partial, self.counted = replicated, partial, counted
         self.exclude_ids = frozenset(id(p) for p in exclude)
         self.before_reduce = before_reduce
 
@@ -107,7 +111,7 @@ class CrossAxis:
         norms, partials = [], []
         for st, master in zip(states, masters):
             shard = shard_slice(st)
-            m = norm_mask(st.bucket, shard, self.tp_rank, self.replicated, self.exclude_ids)
+            m = norm_mask(st.bucket, shard, self.tp_rank, self.replicated, self.exclude_ids, self.counted)
             norms.append(None if m is None else m.to(master.device))
             pm = partial_mask(st.bucket, shard, self.partial) if stage == 3 and self.tp_group is not None else None
             partials.append(None if pm is None else pm.nonzero().flatten().to(master.device))

@@ -9,14 +9,15 @@ pipeline layers are found automatically (``lightning_scale.models.litgpt_adapter
 * ``llama``: grouped-query attention (2 kv groups for 4 heads), RMSNorm, gated MLP, scaled embeddings,
   sliding window on block 0, final logit soft-capping (tp: the fused ``[q | k | v]`` of unequal parts split
   per part by whole heads: 2 q heads and 1 kv group per rank);
-* ``mqa``: one kv group, which tp=2 cannot split: the built-in plan is refused naming ``n_query_groups``; a
-  user plan that gathers the fused qkv (``colwise_gather`` + ``rowwise_split_input``) runs every head per rank.
+* ``mqa``: one kv group for 4 heads: at tp=2 the built-in plan replicates it (each rank 2 q heads and the one
+  kv group, whose gradient rows are summed over both ranks); a user plan that gathers the fused qkv
+  (``colwise_gather`` + ``rowwise_split_input``) runs every head per rank instead.
 
 Each case: 3 AdamW steps, per-step losses against one process (computed once in the pytest process):
 float64 within 1e-10, float32 within 1e-5; at tp the consolidated parameters after the 3 steps equal the
 one-process model's within 1e-10 (float64), and so do the weights of the layout-free (universal) checkpoint
-written at tp=2 for ``llama``, read back in one process. Refusals (heads tp does not divide, kv groups tp does
-not divide, sequence parallelism) must be ``ConfigError`` naming the setting on both ranks. A 4-rank run (slow)
+written at tp=2 for ``llama`` and ``mqa`` (its kv rows written once), read back in one process. Refusals (heads tp
+does not divide, kv groups tp neither divides nor is a multiple of, sequence parallelism) must be ``ConfigError`` naming the setting on both ranks. A 4-rank run (slow)
 does ``llama`` at dp2 x tp2.
 """
 
@@ -43,6 +44,7 @@ CONFIGS = {
 # (config, layout, dtype); layout: flat kwargs of parallelize's config
 CASES = [
     ("neox", "tp2", torch.float64), ("llama", "tp2", torch.float64), ("mqa", "tp2_gather", torch.float64),
+    ("mqa", "tp2", torch.float64),
     ("neox", "pp2", torch.float64), ("llama", "pp2", torch.float64),
     ("neox", "zero3", torch.float64), ("llama", "zero3", torch.float32),
 ]
@@ -123,10 +125,10 @@ def _run_case(name, layout, dtype, rank, world_size, ckpt_dir=None):
         opt.zero_grad()
         losses.append(loss.item())
     info = {}
-    if ckpt_dir is not None and (name, layout) == ("llama", "tp2"):  # the universal (layout-free) format
+    if ckpt_dir is not None and layout == "tp2" and name in ("llama", "mqa"):  # the universal (layout-free) format
         from lightning_scale.checkpoint.engine_pieces import save_engines
 
-        save_engines(os.path.join(ckpt_dir, "llama_tp2"), model, [engine], tp_rank=topo.tp_rank)
+        save_engines(os.path.join(ckpt_dir, f"{name}_tp2"), model, [engine], tp_rank=topo.tp_rank)
     if layout == "zero3":  # litgpt's blocks are found as units (gathered one at a time), the rest is the root
         info = {"units": [u.name for u in pm.sharded.units]}
     if layout.startswith("tp2") or layout == "dp2_tp2":
@@ -154,7 +156,7 @@ def _refusal(overrides: dict, layout: dict, rank: int, world_size: int) -> str:
 REFUSALS = {
     "heads": (dict(n_head=3, n_embd=48), dict(tp=2, stage=1)),
     "sequence_parallel": ({}, dict(tp=2, stage=1, sequence_parallel=True)),
-    "kv_groups": (dict(name="mqa"), dict(tp=2, stage=1)),
+    "kv_groups": (dict(n_head=6, n_embd=48, n_query_groups=3), dict(tp=2, stage=1)),  # neither divides
 }
 
 
@@ -185,13 +187,15 @@ def results(ckpt_dir):
 
 
 @pytest.mark.timeout(500)
-def test_gqa_tp2_universal_checkpoint_is_the_whole_model(results, ckpt_dir):
-    """The layout-free checkpoint written at tp=2 holds each grouped-query qkv section at its own rows: read in one
-    process, every weight equals the one-process model's after the same 3 steps (1e-10)."""
+@pytest.mark.parametrize("name", ["llama", "mqa"])
+def test_gqa_tp2_universal_checkpoint_is_the_whole_model(results, ckpt_dir, name):
+    """The layout-free checkpoint written at tp=2 holds each grouped-query qkv section at its own rows (``mqa``: the
+    one kv group both ranks hold, written once): read in one process, every weight equals the one-process model's
+    after the same 3 steps (1e-10)."""
     from lightning_scale.checkpoint.hf import checkpoint_tensors
 
-    _, ref_state = _reference("llama", torch.float64)
-    got = dict(checkpoint_tensors(os.path.join(ckpt_dir, "llama_tp2")))
+    _, ref_state = _reference(name, torch.float64)
+    got = dict(checkpoint_tensors(os.path.join(ckpt_dir, f"{name}_tp2")))
     params = set(ref_state)  # litgpt's GPT keeps its rotary cache outside the state_dict
     assert params <= set(got), params - set(got)
     for key in params:
@@ -248,6 +252,9 @@ def test_tp_splits_heads_or_gathers(results):
         llama = res[("llama", "tp2", "torch.float64")]
         assert llama["local_heads"] == (2, 1)  # grouped-query: 2 of 4 q heads, 1 of 2 kv groups per rank
         assert llama["qkv_out_local"] == (2 + 2 * 1) * 16  # [q_r | k_r | v_r]
+        replicated = res[("mqa", "tp2", "torch.float64")]
+        assert replicated["local_heads"] == (2, 1)  # 2 of 4 q heads and the one kv group, on both ranks
+        assert replicated["qkv_out_local"] == (2 + 2 * 1) * 16  # [q_r | k | v]
         mqa = res[("mqa", "tp2_gather", "torch.float64")]
         assert mqa["local_heads"] == (4, 1)  # the user's gathered plan: every head on every rank
         assert mqa["qkv_out_local"] == (4 + 2 * 1) * 16 // 2  # the weight is still split
@@ -265,4 +272,4 @@ def test_refusals_name_the_setting(results):
     for res in results:
         assert "n_head=3" in res["heads"] and "tp=2" in res["heads"], res["heads"]
         assert "sequence_parallel" in res["sequence_parallel"], res["sequence_parallel"]
-        assert "n_query_groups=1" in res["kv_groups"] and "tp=2" in res["kv_groups"], res["kv_groups"]
+        assert "n_query_groups=3" in res["kv_groups"] and "tp=2" in res["kv_groups"], res["kv_groups"]

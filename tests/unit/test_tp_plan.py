@@ -19,7 +19,7 @@ from lightning_scale.tensor_parallel import (
     tensor_parallel_state,
     vocab_parallel_cross_entropy,
 )
-from lightning_scale.tensor_parallel.sharding import make_spec
+from lightning_scale.tensor_parallel.sharding import make_spec, tp_counted_mask
 
 
 # ----------------------------------------------------------------------------- shard specs
@@ -60,6 +60,26 @@ def test_unequal_fused_parts_grouped_query_qkv():
         make_spec(0, 12, 4, parts=(8, 2, 2), what="qkv")
     with pytest.raises(ValueError, match="unequal"):
         spec.section_local
+
+
+def test_replicated_kv_parts_fewer_kv_heads_than_tp():
+    # [q (4 heads) | k (2 heads) | v (2 heads)], head size 2, tp=4: each rank 1 q head and the kv head it uses
+    spec = make_spec(0, 16, 4, parts=(8, 4, 4), splits=(4, 2, 2), what="qkv")
+    assert spec.local_size == 6 and spec.replicated_parts
+    full = torch.arange(16.0)
+    shards = [shard_tensor(full, spec, r) for r in range(4)]
+    assert shards[0].tolist() == [0, 1, 8, 9, 12, 13] and shards[1].tolist() == [2, 3, 8, 9, 12, 13]
+    assert shards[3].tolist() == [6, 7, 10, 11, 14, 15]
+    assert torch.equal(merge_shards(shards, spec), full)
+    w = torch.zeros(6, 3)
+    w.tp_spec = spec
+    assert tp_counted_mask(w, 0) is None or bool(tp_counted_mask(w, 0).all())
+    assert tp_counted_mask(w, 1).view(6, 3)[:, 0].tolist() == [True, True] + [False] * 4  # kv rows: rank 0's
+    one = make_spec(0, 4, 4, splits=(1,), what="k_proj")  # one kv head (multi-query) at tp=4
+    assert all(shard_tensor(torch.arange(4.0), one, r).tolist() == [0, 1, 2, 3] for r in range(4))
+    assert one.local_range(3) == (0, 4)
+    with pytest.raises(ValueError, match="cannot be replicated"):
+        make_spec(0, 16, 4, parts=(8, 4, 4), splits=(4, 3, 3), what="qkv")
 
 
 @pytest.mark.parametrize("reader", ["pretrained", "universal"])
@@ -172,8 +192,13 @@ def test_hf_llama_plan_comes_from_the_model():
     styles = {a.name: a.style.name for a in p.actions}
     assert styles["model.layers.1.self_attn.k_proj"] == "colwise"
     assert styles["lm_head"] == "colwise_gather_output" and styles["model.embed_tokens"] == "embedding_rowwise"
-    with pytest.raises(ConfigError, match="config.num_key_value_heads=2"):
-        plan_tensor_parallel(model, None, 4)
+    at4 = {a.name: a for a in plan_tensor_parallel(model, None, 4).actions}  # 2 kv heads < tp=4: replicated
+    assert at4["model.layers.0.self_attn.k_proj"].weight_spec.splits == (2,)
+    assert at4["model.layers.0.self_attn.q_proj"].weight_spec.splits == ()
+    cfg6 = transformers.LlamaConfig(vocab_size=61, hidden_size=48, intermediate_size=96, num_hidden_layers=1,
+                                    num_attention_heads=6, num_key_value_heads=2)
+    with pytest.raises(ConfigError, match=r"config.num_key_value_heads=2; 2 key/value head\(s\) can be neither"):
+        plan_tensor_parallel(transformers.LlamaForCausalLM(cfg6), None, 3)  # tp=3: neither divides nor a multiple
     with pytest.raises(ConfigError, match="project GPT only"):
         plan_tensor_parallel(model, None, 2, sequence_parallel=True)
 
