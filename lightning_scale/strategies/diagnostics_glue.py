@@ -12,13 +12,20 @@ a peer is busy) with the watchdog's, so SIGTERM / SIGINT on any rank stops every
 boundaries for the watchdog's first-step grace; logs ``loss_scale`` / ``skipped_steps`` / ``nonfinite_steps``;
 and on an exception publishes it (first error wins) or, on a rank that fails because of another one, raises
 :class:`~lightning_scale.diagnostics.PeerFailedError` naming that rank instead of gloo's transport error.
+
+Secondary errors never replace the first: while an error propagates out of ``fit``, an error raised by another
+callback's ``on_exception``, the datamodule's ``on_exception``, a logger's ``finalize`` or a strategy teardown step
+(:func:`run_teardown`; e.g. a collective on a peer that is gone) is printed as secondary and not raised, so the
+process ends on the first error. install() publishes that first error before any other ``on_exception`` runs.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Dict, Iterator, Optional
+import sys
+import traceback
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 import lightning.pytorch as pl
 import torch
@@ -77,7 +84,106 @@ def install(strategy: Any, trainer: "pl.Trainer", config: Optional[DiagnosticsCo
         existing[0].strategy, existing[0].config = strategy, cfg
     else:
         trainer.callbacks.append(DiagnosticsCallback(strategy, cfg))
+    strategy._ls_first_error = strategy._ls_replacement = None
+    _guard_teardown_hooks(strategy, trainer)
     return wd
+
+
+# ---------------------------------------------------------------------- the first error wins over teardown errors
+def _rank(strategy: Any) -> int:
+    return getattr(strategy, "global_rank", 0)
+
+
+def note_first_error(strategy: Any, exception: BaseException) -> None:
+    """The error that interrupted ``fit`` (idempotent: the first call wins). Publishes it to the other ranks (or, on
+    a rank failing because of another one, prepares the :class:`PeerFailedError` that :class:`DiagnosticsCallback`
+    raises instead) before any ``on_exception`` hook can block or fail."""
+    if _propagating(strategy) is not None:  # noted already (a first error left from an earlier fit does not count)
+        return
+    strategy._ls_first_error, strategy._ls_replacement = exception, None
+    wd = getattr(strategy, "_ls_watchdog", None)
+    if wd is not None and not isinstance(exception, (Preempted, PeerFailedError)):
+        strategy._ls_replacement = wd.handle_exception(exception)
+
+
+def _propagating(strategy: Any) -> Optional[BaseException]:
+    """The first error, when it (or the PeerFailedError raised for it) is the exception being handled now."""
+    first, current = getattr(strategy, "_ls_first_error", None), sys.exc_info()[1]
+    while current is not None:
+        if current is first:
+            return first
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def log_secondary(strategy: Any, where: str, err: BaseException, first: BaseException) -> None:
+    """Print a secondary error (one line naming the first error, then its traceback, indented): logged, not raised."""
+    head = (f"{PREFIX} rank {_rank(strategy)}: secondary error in {where}, ignored (the first error "
+            f"{type(first).__name__}: {str(first).strip()[:300]} is the one raised): {type(err).__name__}: {err}")
+    tb = "".join(traceback.format_exception(type(err), err, err.__traceback__, chain=False))
+    sys.stderr.write(head + "\n" + "".join("    " + ln + "\n" for ln in tb.rstrip().splitlines()))
+    sys.stderr.flush()
+
+
+class _TeardownGuard:
+    """Wraps a callback's / datamodule's ``on_exception`` or a logger's ``finalize`` (an instance attribute in
+    front of the class's method): while the first error propagates, an error inside is logged as secondary."""
+
+    def __init__(self, fn: Callable, strategy: Any, where: str, notes_first: bool) -> None:
+        self.fn, self.strategy, self.where, self.notes_first = fn, strategy, where, notes_first
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.notes_first:  # on_exception(trainer, pl_module, exception) / on_exception(exception)
+            note_first_error(self.strategy, args[-1] if args else kwargs["exception"])
+        try:
+            return self.fn(*args, **kwargs)
+        except Exception as err:  # noqa: BLE001 - a secondary error must not replace the first
+            first = _propagating(self.strategy)
+            if first is None or err is first:
+                raise
+            log_secondary(self.strategy, self.where, err, first)
+            return None
+
+
+def _guard(obj: Any, name: str, strategy: Any, where: str, notes_first: bool) -> None:
+    current = getattr(obj, name, None)
+    if isinstance(current, _TeardownGuard):  # installed again (validate after fit): the latest strategy
+        current.strategy = strategy
+    elif callable(current):
+        setattr(obj, name, _TeardownGuard(current, strategy, where, notes_first))
+
+
+def _guard_teardown_hooks(strategy: Any, trainer: "pl.Trainer") -> None:
+    """What Lightning calls between the error and the re-raise (trainer.call._interrupt) besides the strategy."""
+    for cb in trainer.callbacks:
+        if not isinstance(cb, DiagnosticsCallback):
+            _guard(cb, "on_exception", strategy, f"{type(cb).__name__}.on_exception", True)
+    if getattr(trainer, "datamodule", None) is not None:
+        _guard(trainer.datamodule, "on_exception", strategy, f"{type(trainer.datamodule).__name__}.on_exception",
+               True)
+    for logger in trainer.loggers:
+        _guard(logger, "finalize", strategy, f"{type(logger).__name__}.finalize", False)
+
+
+def run_teardown(strategy: Any, *steps: Tuple[str, Callable[[], Any]]) -> None:
+    """``Strategy.teardown``'s steps, each run even when an earlier one failed, then :func:`teardown`. While the first
+    error propagates, a failing step is logged as secondary; otherwise the first failing step's error is raised
+    (the later ones' are logged as secondary to it)."""
+    failed: Optional[BaseException] = None
+    try:
+        for where, step in steps:
+            try:
+                step()
+            except Exception as err:  # noqa: BLE001
+                first = _propagating(strategy) or failed
+                if first is None:
+                    failed = err
+                else:
+                    log_secondary(strategy, where, err, first)
+    finally:
+        teardown(strategy)
+    if failed is not None:
+        raise failed
 
 
 def teardown(strategy: Any) -> None:
@@ -147,13 +253,12 @@ class DiagnosticsCallback(pl.Callback):
         return os.path.join(trainer.default_root_dir, "checkpoints")
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
-        wd = self.watchdog
-        if wd is None or isinstance(exception, (Preempted, PeerFailedError)):
-            return
-        replacement = wd.handle_exception(exception)
+        note_first_error(self.strategy, exception)  # done already when another callback's on_exception ran first
+        replacement, self.strategy._ls_replacement = getattr(self.strategy, "_ls_replacement", None), None
         if replacement is not None:
-            wd._print(f"{PREFIX} {replacement}")
+            Watchdog._print(f"{PREFIX} {replacement}")
             raise replacement from exception
 
 
-__all__ = ["DiagnosticsCallback", "PREEMPT_CKPT", "Preempted", "gathered", "install", "teardown"]
+__all__ = ["DiagnosticsCallback", "PREEMPT_CKPT", "Preempted", "gathered", "install", "log_secondary",
+           "note_first_error", "run_teardown", "teardown"]

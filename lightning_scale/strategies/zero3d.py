@@ -437,13 +437,10 @@ class Zero3DStrategy(GridStrategyMixin, ParallelStrategy):
         super().load_model_state_dict(checkpoint, strict=strict)
 
     def teardown(self) -> None:
-        try:
-            try:
-                wait_async_save(self)  # checkpoint_async: the last save is complete when fit returns (or raises)
-            finally:
-                self._teardown()
-        finally:
-            diagnostics_glue.teardown(self)
+        # Each step runs; while fit's first error propagates, a failing one is logged as secondary, not raised.
+        diagnostics_glue.run_teardown(
+            self, ("the async checkpoint save", lambda: wait_async_save(self)),  # the last save is complete
+            ("Zero3DStrategy.teardown", self._teardown))
 
     def _teardown(self) -> None:
         for engine in self.engines:

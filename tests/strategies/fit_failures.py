@@ -105,6 +105,30 @@ class WeightNorms(pl.Callback):
             f.write(json.dumps(norms) + "\n")
 
 
+class FailingTeardown(pl.Callback):
+    """--teardown-faults: secondary errors after the first one. on_exception enters a collective whose peer is gone
+    (or going: its watchdog ends it on the published error), then raises; the strategy's own teardown fails too."""
+
+    def __init__(self, args) -> None:
+        self.args = args
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        def broken_remove_hooks():
+            raise OSError("injected secondary: remove_hooks failed in teardown")
+
+        trainer.strategy.engines[0].remove_hooks = broken_remove_hooks
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        try:
+            torch.distributed.barrier()  # the peer is blocked in another collective, then gone
+            text = "barrier returned"
+        except Exception as err:  # noqa: BLE001 - record it, then fail differently
+            text = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        with open(os.path.join(self.args.pid_dir, f"barrier{trainer.global_rank}.txt"), "w") as f:
+            f.write(text)
+        raise ValueError(f"injected secondary: on_exception failed after the barrier ({text})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mode", default="zero2", choices=sorted(MODES))
@@ -119,6 +143,7 @@ def main() -> None:
     ap.add_argument("--ckpt-dir", default=None)
     ap.add_argument("--out", default=None)
     ap.add_argument("--norms", action="store_true", help="log weight norms between steps (WeightNorms)")
+    ap.add_argument("--teardown-faults", action="store_true", help="secondary errors after the first (FailingTeardown)")
     args = ap.parse_args()
 
     pl.seed_everything(0, verbose=False)
@@ -130,13 +155,19 @@ def main() -> None:
     data = ByteCorpusDataModule(seq_len=cfg.seq_len, batch_size=per_rank, source="random", vocab_size=64,
                                 random_length=256, shuffle=False, max_bytes=2**20)
     callbacks = [Marks(args)] + ([WeightNorms(args)] if args.norms else [])
+    callbacks += [FailingTeardown(args)] if args.teardown_faults else []
     if args.ckpt_dir:
         callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=args.ckpt_dir, save_top_k=-1, every_n_train_steps=2))
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=DiagStrategy(diagnostics=diag, **MODES[args.mode]),
                          max_steps=args.steps, logger=False, enable_checkpointing=bool(args.ckpt_dir),
                          enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
                          limit_val_batches=0, num_sanity_val_steps=0)
-    trainer.fit(model, datamodule=data)
+    try:
+        trainer.fit(model, datamodule=data)
+    except BaseException as exc:  # the error fit raised on this rank, for the test (re-raised: the exit stays)
+        with open(os.path.join(args.pid_dir, f"final{trainer.global_rank}.txt"), "w") as f:
+            f.write(f"{type(exc).__name__}: {exc}")
+        raise
     if args.out and trainer.is_global_zero:
         with open(args.out, "w") as f:
             json.dump({"global_step": trainer.global_step}, f)

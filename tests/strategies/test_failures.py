@@ -101,6 +101,29 @@ def test_survivor_names_the_rank_that_failed(tmp_path, fault):
     assert "Connection" not in last
 
 
+@pytest.mark.slow  # a 2-rank Trainer launch, 12-35 s; the in-process twin (test_teardown_errors.py) is fast
+def test_secondary_errors_in_teardown_never_replace_the_first(tmp_path):
+    """Rank 0 raises in training_step; then a callback's on_exception enters a barrier whose peer is blocked in
+    another collective (and is ended by its watchdog on the published error) and raises ValueError, and the
+    strategy's own teardown fails (remove_hooks raises OSError). fit still raises the first error, the process ends
+    on it (its traceback is the last thing printed), and each secondary error is printed as such, naming the first."""
+    rc, out, left = launch(tmp_path, "--mode", "zero2", "--fault", "raise", "--fault-rank", 0, "--teardown-faults",
+                           timeout=120)
+    assert rc == 1 and left == [], (rc, left, out[-4000:])
+    pids = tmp_path / "pids"
+    assert (pids / "final0.txt").read_text() == "RuntimeError: boom: injected failure in training_step"
+    last = out.rstrip().splitlines()[-1]  # the end of rank 0's traceback ("[rank0]: " prefixed by Lightning)
+    assert last.endswith("RuntimeError: boom: injected failure in training_step"), out[-4000:]
+    first = "(the first error RuntimeError: boom: injected failure in training_step is the one raised)"
+    assert f"rank 0: secondary error in FailingTeardown.on_exception, ignored {first}: ValueError: injected " \
+           "secondary: on_exception failed after the barrier" in out, out[-4000:]
+    assert f"rank 0: secondary error in Zero3DStrategy.teardown, ignored {first}: OSError: injected secondary: " \
+           "remove_hooks failed in teardown" in out, out[-4000:]
+    # the peer learnt of the first error before the barrier could hang: it names it, no HANG report
+    assert "HANG" not in out and "rank 1: stopping because rank 0 failed: RuntimeError: boom" in out, out[-4000:]
+    print("barrier on rank 0 during teardown:", (pids / "barrier0.txt").read_text())
+
+
 @pytest.mark.parametrize("mode, ranks, save", [("zero3", (0, 1), True),
                                                pytest.param("zero2", (1,), False, marks=pytest.mark.slow)])
 def test_sigterm_stops_every_rank(tmp_path, mode, ranks, save):
