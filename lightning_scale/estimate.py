@@ -620,6 +620,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          "on the device")
     ap.add_argument("--ranks-per-host", type=int, default=1, help="ranks sharing one host's memory")
     ap.add_argument("--unit", default="GiB", choices=("GiB", "MiB"))
+    plan = ap.add_argument_group("the memory plan (activations; needs --model)")
+    plan.add_argument("--seq-len", type=int, default=None, help="tokens per sequence: adds activations + the peak")
+    plan.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per step")
+    plan.add_argument("--ac", default="none", choices=AC_POLICIES, help="activation checkpointing per unit")
+    plan.add_argument("--offload-activations", action="store_true", help="checkpointed units' inputs on the host")
+    plan.add_argument("--sp", type=int, default=1, help="sequence-parallel ranks (each holds seq_len/sp tokens)")
+    plan.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (activations only)")
+    plan.add_argument("--loss-chunk", type=int, default=None,
+                      help="chunked loss: positions per chunk, 0 = off (default: the model's loss_chunk)")
     args = ap.parse_args(argv)
     try:
         if args.model:
@@ -633,6 +642,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       optimizer=args.optimizer, bucket_mb=args.bucket_mb, offload_grads=args.offload_grads)
         mine = estimate(params, dp=args.dp, stage=args.stage, offload=args.offload, precision=args.precision,
                         **common)
+        if args.seq_len is not None:
+            if not args.model:
+                raise ConfigError("--seq-len needs --model (the activations come from the model's shapes)")
+            model = _model_from_spec(args.model)
+            acts = activations_for_model(model, seq_len=args.seq_len, micro_batch=args.micro_batch,
+                                         precision=args.precision, activation_checkpointing=args.ac,
+                                         offload_activations=args.offload_activations, sp=args.sp, tp=args.tp,
+                                         chunked_loss=args.loss_chunk)
+            largest = max(p.numel() for p in _unique_trainable(model.parameters())) / (1 if args.stage == 0 else args.dp)
+            mine = with_activations(mine, acts, step_tensor_numel=largest)
+            built = getattr(getattr(model, "cfg", None), "seq_len", None)
+            if built and args.seq_len > built:
+                print(f"note: --seq-len {args.seq_len} exceeds the model's seq_len={built} (its position table); "
+                      f"the activations are for {args.seq_len}", file=sys.stderr)
         rows = estimate_all(params, dp=args.dp, precision=args.precision, **common)
         table = format_table(rows, selected=(args.stage, args.offload), ranks_per_host=args.ranks_per_host,
                              unit=args.unit)
@@ -645,8 +668,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     scale = GiB if args.unit == "GiB" else 2**20
     print(f"* = --stage {args.stage} --offload {args.offload}: "
           f"{mine.device.total / scale:,.2f} {args.unit} per device, "
-          f"{mine.host.total / scale:,.2f} {args.unit} host per rank. Activations, buffers and the framework "
-          f"are not included.")
+          f"{mine.host.total / scale:,.2f} {args.unit} host per rank (model states). "
+          + ("Activations: below." if mine.activations is not None else
+             "Activations (--seq-len), buffers and the framework are not included."))
+    a = mine.activations
+    if a is not None:
+        print(f"activations ({a.source}, {args.precision}): {a.tokens:,} tokens/rank ({args.micro_batch} x "
+              f"{args.seq_len:,}/sp={args.sp}, tp={args.tp}) x {a.layers} units, checkpointing {a.policy}: "
+              f"{a.per_token_layer:,.0f} bytes/token/unit without checkpointing; kept {a.kept / scale:,.2f}, "
+              f"one unit's backward {a.recompute / scale:,.2f}, head {a.head / scale:,.2f}, loss {a.loss / scale:,.2f}"
+              f" -> peak {a.peak / scale:,.2f} {args.unit}" + (f"; host {a.host / scale:,.2f} {args.unit}" if a.host else ""))
+        print(f"predicted peak per device: {mine.predicted_peak / scale:,.2f} {args.unit} (model states "
+              f"{mine.device.total / scale:,.2f} + the larger of activations {a.peak / scale:,.2f} and the optimizer "
+              f"step's scratch {mine.step_scratch / scale:,.2f}); step 1: {mine.first_step_peak / scale:,.2f} "
+              f"{args.unit} (no optimizer state yet during its backward)")
+        for note in a.notes:
+            print(f"note: {note}")
     for note in mine.notes:
         print(f"note: {note}")
     return 0

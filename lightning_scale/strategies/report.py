@@ -229,6 +229,7 @@ def layout_table(strategy: Any) -> str:
         estimates = None
     if engines and estimates is not None:
         rows += memory_rows(strategy, estimates[1], _unit(estimates[1]))
+        rows += plan_rows(strategy, module, _unit(estimates[1]))
     sharded = getattr(strategy, "sharded", None)
     if sharded is not None:  # ZeRO-3: what is gathered at a time (device)
         mem = sharded.memory_bytes()
@@ -305,6 +306,34 @@ def plan_for_batch(strategy: Any, micro_batch: int, seq_len: int) -> Optional[An
     step_numel = max((p.numel() for o in inner if o is not None for g in o.param_groups for p in g["params"]),
                      default=None)
     return with_activations(row, acts, step_tensor_numel=step_numel)
+
+
+def _model_seq_len(module: Any) -> Optional[int]:
+    """The longest sequence the model is built for: GPT ``cfg.seq_len``, HF ``config.max_position_embeddings``."""
+    for m in [module] + list(module.modules()):
+        cfg = getattr(m, "cfg", None) or getattr(m, "config", None)
+        for key in ("seq_len", "max_position_embeddings", "n_positions"):
+            value = getattr(cfg, key, None)
+            if isinstance(value, int) and value > 0:
+                return value
+    return None
+
+
+def plan_rows(strategy: Any, module: Any, unit: str) -> List[Tuple[str, str]]:
+    """The startup table's memory-plan row: the predicted peak per device for one sequence of the model's length
+    (the batch is not known yet; after step 1 the strategy prints the plan for the real batch, measured)."""
+    seq = _model_seq_len(module) if module is not None else None
+    sp = getattr(strategy.topology, "sp", 1)
+    if not seq or seq % sp:
+        return []
+    try:
+        e = plan_for_batch(strategy, 1, seq // sp)
+    except Exception as err:  # noqa: BLE001 -- a plan must never stop a run
+        return [("predicted peak / device", f"unavailable ({type(err).__name__}: {err})")]
+    if e is None:
+        return []
+    return [("predicted peak / device", plan_line(e, unit) + f"; for 1 x {seq:,} tokens (the model's length"
+             + (f", /sp={sp}" if sp > 1 else "") + "); step 1 prints the real batch's, measured")]
 
 
 def _sequence_shape(batch: Any) -> Optional[Tuple[int, int]]:

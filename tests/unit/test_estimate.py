@@ -272,3 +272,79 @@ def test_report_state_table_matches_estimator():
     from lightning_scale.strategies.report import _STATE_PER_ELEMENT
 
     assert _STATE_PER_ELEMENT == STATE_PER_ELEMENT
+
+
+# ------------------------------------------------------------------ the memory plan: activations
+def _meta_gpt(**kw):
+    from lightning_scale.models.gpt import GPTConfig
+
+    with torch.device("meta"):
+        return GPT(GPTConfig(**{"vocab_size": 512, "seq_len": 1024, "n_layer": 3, "n_head": 4, "d_model": 64, **kw}))
+
+
+def test_unit_profile_counts_what_the_block_saves():
+    from lightning_scale.activation_profile import profile_unit
+
+    C, H = 64, 4
+    p = profile_unit(_meta_gpt().blocks[0], 256)
+    # float32 per token: ln1 in + stats, qkv in, qkv out (q, k, v views of one storage), attention out + lse (the
+    # out is laid out (B, T, H, D): attn.proj's input is a view of it), ln2 in + stats, fc in, gelu in, mlp proj in
+    hand = 4 * (C + 2 + C + 3 * C + C + H + C + 2 + C + 4 * C + 4 * C)
+    assert p["saved"] == hand, (p, hand)
+    assert p["input"] == 4 * C
+    assert 4 * C < p["selective"] < p["saved"]  # matmul / attention outputs kept, the rest recomputed
+    tp2 = profile_unit(_meta_gpt().blocks[0], 256, tp=2)
+    assert tp2["saved"] == hand - 4 * (3 * C + C + H + 4 * C + 4 * C) / 2  # attn / mlp regions split
+
+
+def test_activation_plan_follows_the_settings():
+    m = _meta_gpt()
+    plan = lambda **kw: estimate_for_model(m, dp=1, stage=0, precision="32-true", seq_len=1024,  # noqa: E731
+                                           micro_batch=2, **kw)
+    none, full, sel = plan(), plan(activation_checkpointing="full"), plan(activation_checkpointing="selective")
+    assert full.activations.kept < sel.activations.kept < none.activations.kept
+    assert none.activations.kept == 3 * none.activations.per_token_layer * 2048  # n units x s x B*L
+    assert full.activations.kept == 3 * 4 * 64 * 2048  # only the units' inputs
+    assert none.predicted_peak == none.device.total + none.activations.peak
+    assert none.first_step_peak == none.predicted_peak - none.device.optimizer_state
+    sp2 = plan(sp=2)
+    assert sp2.activations.tokens == 1024 and sp2.activations.kept == none.activations.kept / 2
+    assert plan(tp=2).activations.kept < none.activations.kept
+    plain = plan(chunked_loss=0).activations.loss  # the (B, L, V) logits path
+    assert plan(chunked_loss=128).activations.loss == plain / 8  # 128 of 1024 positions at a time
+    assert none.activations.loss == plain / 2  # the GPT's own loss_chunk=512
+    off = plan(activation_checkpointing="full", offload_activations=True)
+    assert off.activations.kept == 2 * 4 * 64 * 2048 and off.activations.host == full.activations.kept
+    bf16 = estimate_for_model(m, dp=1, stage=0, precision="bf16-mixed", seq_len=1024, micro_batch=2)
+    assert bf16.activations.kept == none.activations.kept / 2
+    assert estimate_for_model(m, dp=1, stage=0).activations is None  # no seq_len: model states only, as before
+
+
+def test_activation_plan_bad_input():
+    m = _meta_gpt()
+    for kw, name in (({"sp": 3}, "sp=3 does not divide seq_len=1024"), ({"micro_batch": 0}, "micro_batch=0"),
+                     ({"activation_checkpointing": "some"}, "activation_checkpointing='some'"),
+                     ({"offload_activations": True}, "offload_activations=True needs")):
+        with pytest.raises(ConfigError, match=name):
+            estimate_for_model(m, dp=1, stage=0, seq_len=1024, **kw)
+
+
+def test_cli_prints_the_activation_line_and_the_peak(capsys):
+    from lightning_scale.estimate import activations_for_model, with_activations
+
+    assert main(["--model", "gpt_tiny", "--seq-len", "4096", "--micro-batch", "2", "--ac", "full", "--unit",
+                 "MiB", "--stage", "0"]) == 0
+    out = capsys.readouterr().out
+    act = next(line for line in out.splitlines() if line.startswith("activations ("))
+    assert "8,192 tokens/rank" in act and "checkpointing full" in act
+    m = _model_from_cli("gpt_tiny")
+    e = estimate_for_model(m, dp=1, stage=0, seq_len=4096, micro_batch=2, activation_checkpointing="full")
+    assert f"predicted peak per device: {e.predicted_peak / 2**20:,.2f} MiB" in out
+    assert main(["--params", "1e9", "--seq-len", "128"]) == 2
+    assert "--seq-len needs --model" in capsys.readouterr().err
+
+
+def _model_from_cli(spec):
+    from lightning_scale.estimate import _model_from_spec
+
+    return _model_from_spec(spec)

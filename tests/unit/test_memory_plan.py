@@ -87,6 +87,8 @@ def test_step1_peak_within_15_percent_of_the_plan(tmp_path):
     assert results["long_ac_chunked"]["loss"] * 4 <= results["long_ac"]["loss"], results  # 256 of 2048 positions
     lines = [line for line in stdout.splitlines() if line.startswith("[lightning_scale memory] step 1 peak")]
     assert len(lines) == len(SHAPES), stdout[-3000:]
+    startup = [line for line in stdout.splitlines() if line.strip().startswith("predicted peak / device")]
+    assert len(startup) == len(SHAPES) and "MiB from step 2" in startup[0], stdout[-3000:]  # the startup table row
 
 
 def test_a_wrong_plan_warns(tmp_path):
