@@ -29,7 +29,7 @@ FAMILIES: Dict[str, Tuple[str, dict, str]] = {
                               attn_logit_softcapping=50.0), "alternating sliding/full layers, logit soft-capping"),
     "gemma3": ("gemma3_text", dict(num_key_value_heads=2, head_dim=8, sliding_window=5),
                "per-head q/k norms, per-layer-type rotary, sliding/full layers"),
-    "phi3": ("phi3", dict(num_key_value_heads=2, pad_token_id=0), "fused qkv and gate_up (gathered tp styles)"),
+    "phi3": ("phi3", dict(num_key_value_heads=2, pad_token_id=0), "fused qkv and gate_up (tp: split by parts)"),
     "gpt_neox": ("gpt_neox", dict(rotary_pct=0.5), "fused per-head qkv, partial rotary, parallel residual"),
     "gpt2": ("gpt2", dict(n_inner=64), "learned positions, fused Conv1D c_attn, tied head"),
 }

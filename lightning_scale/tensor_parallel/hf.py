@@ -44,6 +44,30 @@ GPT2_BASE_PLAN: Dict[str, str] = {
 }
 
 
+class LocalHeadsConfig:
+    """One attention's view of a shared Hugging Face config: the head counts of this tp rank (``local``), every
+    other attribute read from and written to the shared config (so ``_attn_implementation`` switches still reach
+    it). Phi3's attention cuts its fused ``qkv_proj`` output at ``config.num_attention_heads * head_dim``."""
+
+    def __init__(self, base, local: Dict[str, int]) -> None:
+        self.__dict__.update(_base=base, _local=dict(local))
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") or name in ("_base", "_local"):  # copy / pickle probes on a half-built object
+            raise AttributeError(name)
+        local = self.__dict__["_local"]
+        return local[name] if name in local else getattr(self._base, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in self._local:
+            raise AttributeError(f"{name} is this tensor-parallel rank's head count ({self._local[name]}); "
+                                 "set it on the model's config before tensor parallelism is applied")
+        setattr(self._base, name, value)
+
+    def __repr__(self) -> str:
+        return f"LocalHeadsConfig({self._local}, base={type(self._base).__name__})"
+
+
 def is_hf_model(model: nn.Module) -> bool:
     return hasattr(model, "base_model_prefix") and hasattr(getattr(model, "config", None), "model_type")
 

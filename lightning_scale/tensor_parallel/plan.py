@@ -27,7 +27,7 @@ import torch.nn as nn
 from lightning_scale.config import ConfigError
 from lightning_scale.tensor_parallel import grads
 from lightning_scale.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from lightning_scale.tensor_parallel.hf import default_plan, is_hf_model
+from lightning_scale.tensor_parallel.hf import LocalHeadsConfig, default_plan, is_hf_model
 from lightning_scale.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -69,6 +69,8 @@ class TensorParallelPlan:
     parent_fixes: Dict[str, Dict[str, int]]  # attention module name -> {attr: local value}
     ties: List[List[Tuple[str, str]]]  # groups of (module name, param name) sharing one tensor
     styles: Dict[str, str] = field(default_factory=dict)
+    # attention module name -> {config attr: local value}: its forward reads head counts from its config
+    config_views: Dict[str, Dict[str, int]] = field(default_factory=dict)
 
 
 def _pattern_regex(pattern: str) -> "re.Pattern":
@@ -118,8 +120,14 @@ def _heads(module: nn.Module) -> Dict[str, int]:
     """Head counts an attention module declares (its own attributes, then its ``config``)."""
     found = {a: v for a in HEAD_ATTRS if isinstance(v := module.__dict__.get(a), int)}
     config = module.__dict__.get("config")
-    if not found and config is not None and isinstance(getattr(module, "head_dim", None), int):
-        found = {f"config.{a}": v for a in CONFIG_HEAD_ATTRS if isinstance(v := getattr(config, a, None), int)}
+    if config is not None and isinstance(getattr(module, "head_dim", None), int):
+        # what the module does not hold itself comes from its config (Phi3 keeps only num_key_value_heads)
+        has_q, has_kv = any(not _is_kv(a) for a in found), any(_is_kv(a) for a in found)
+        for a in CONFIG_HEAD_ATTRS:
+            v = getattr(config, a, None)
+            if isinstance(v, int) and not (has_kv if _is_kv(a) else has_q):
+                found[f"config.{a}"] = v
+        found = dict(sorted(found.items(), key=lambda kv: _is_kv(kv[0])))  # q heads first
     return found
 
 
@@ -251,7 +259,7 @@ def _parent_fixes(model: nn.Module, actions: List[Action], tp: int) -> Dict[str,
             continue
         rep = _check_heads(pname, parent, tp, act.name)
         # kv heads < tp: each rank keeps the one kv head its q heads use
-        local = {a: (1 if rep > 1 and _is_kv(a) else v // tp) for a, v in heads.items() if not a.startswith("config.")}
+        local = {a: (1 if rep > 1 and _is_kv(a) else v // tp) for a, v in heads.items()}  # config.*: for views
         if rep > 1 and isinstance(parent.__dict__.get("num_key_value_groups"), int):  # HF: q heads per local kv head
             local["num_key_value_groups"] = next(v for a, v in heads.items() if not _is_kv(a)) // tp
         head_dim = getattr(parent, "head_dim", None)
@@ -286,6 +294,47 @@ def _ties(model: nn.Module, actions: List[Action]) -> List[List[Tuple[str, str]]
     return groups
 
 
+_GATHERED = ("colwise_gather_output", "colwise_rep")
+_SPLIT_INPUT = ("rowwise_split_input", "rowwise_rep")
+
+
+def _split_gathered_pairs(model: nn.Module, plan: Dict[str, object], tp: int) -> Tuple[Dict[str, object], set]:
+    """A Hugging Face plan's ``colwise_gather_output`` projection feeding a ``rowwise_split_input`` one inside the
+    same module (Phi3's fused ``qkv_proj`` -> ``o_proj`` and ``gate_up_proj`` -> ``down_proj``) kept split instead:
+    the fused output cut per part (``qkv_colwise``: ``[q_r | k_r | v_r]``; ``packed_colwise``: ``[gate_r | up_r]``)
+    and the second projection plain ``rowwise``. Same math, without the all-gather of the activations and the
+    input split in between. Only where tp splits (or, kv heads, replicates) every part; otherwise the declared
+    gathered styles stay. Returns the plan and the attention modules whose forward reads head counts from their
+    config (they get a per-rank view of it)."""
+    modules = dict(model.named_modules())
+    out, views = dict(plan), set()
+    names = {p: getattr(v, "name", v) for p, v in plan.items()}  # the built-in plans hold Style objects
+    for pattern, style in names.items():
+        if style not in _GATHERED or "." not in pattern:
+            continue
+        parent_pat = pattern.rsplit(".", 1)[0]
+        sibling = next((p for p, v in names.items() if v in _SPLIT_INPUT and p.rsplit(".", 1)[0] == parent_pat), None)
+        rx = _pattern_regex(pattern)
+        hits = [n for n in modules if rx.match(n)]
+        if sibling is None or not hits or not all(isinstance(modules[n], nn.Linear) for n in hits):
+            continue
+        parent = modules[_parent_name(hits[0])]
+        out_f = modules[hits[0]].out_features
+        second = next(m for n, m in modules.items() if _pattern_regex(sibling).match(n))
+        parts = _qkv_parts(parent, out_f, infer_head_dim=False)
+        if parts:
+            heads = _heads(parent)
+            q = next(v for a, v in heads.items() if not _is_kv(a))
+            kv = next((v for a, v in heads.items() if _is_kv(a)), q)
+            if q % tp or (kv % tp and kv_replicas(parent, tp) == 1) or second.in_features != parts[0]:
+                continue
+            out[pattern], out[sibling] = "qkv_colwise", "rowwise"
+            views.update(_parent_name(n) for n in hits)
+        elif isinstance(second, nn.Linear) and out_f == 2 * second.in_features and second.in_features % tp == 0:
+            out[pattern], out[sibling] = "packed_colwise", "rowwise"
+    return out, views
+
+
 def plan_tensor_parallel(model: nn.Module, plan: Optional[Dict[str, object]], tp: int, *,
                          sequence_parallel: bool = False) -> TensorParallelPlan:
     """Validate ``plan`` against ``model`` for a tp group of size ``tp``; changes nothing (pure)."""
@@ -294,8 +343,11 @@ def plan_tensor_parallel(model: nn.Module, plan: Optional[Dict[str, object]], tp
     if not isinstance(tp, int) or tp < 1:
         raise ConfigError(f"tp={tp!r} must be a positive integer")
     strict = plan is not None
+    views: set = set()
     if plan is None:
         plan = default_plan(model, sequence_parallel)
+        if is_hf_model(model) and tp > 1:
+            plan, views = _split_gathered_pairs(model, plan, tp)
     if sequence_parallel and is_hf_model(model):
         raise ConfigError("tensor.sequence_parallel=True is supported for the project GPT only: Hugging Face "
                           "models derive positions and masks from the hidden states' sequence length")
@@ -308,9 +360,14 @@ def plan_tensor_parallel(model: nn.Module, plan: Optional[Dict[str, object]], tp
         raise ConfigError(f"tensor.plan: no module of {type(model).__name__} is split by the plan")
     if sequence_parallel:
         _check_sequence_parallel(model, actions)
+    fixes = _parent_fixes(model, actions, tp)
+    config_views = {n: {a.split(".", 1)[1]: v for a, v in fixes.get(n, {}).items() if a.startswith("config.")}
+                    for n in views}
     return TensorParallelPlan(tp=tp, sequence_parallel=sequence_parallel, actions=actions,
-                              parent_fixes=_parent_fixes(model, actions, tp), ties=_ties(model, actions),
-                              styles={a.name: a.style.name for a in actions})
+                              parent_fixes={n: {a: v for a, v in f.items() if not a.startswith("config.")}
+                                            for n, f in fixes.items()},
+                              ties=_ties(model, actions), styles={a.name: a.style.name for a in actions},
+                              config_views=config_views)
 
 
 def _check_sequence_parallel(model: nn.Module, actions: List[Action]) -> None:
@@ -394,6 +451,9 @@ def apply_tensor_parallel(model: nn.Module, plan: Optional[Dict[str, object]] = 
         parent = model.get_submodule(pname)
         for attr, value in attrs.items():
             setattr(parent, attr, value)  # the attention reads these at run time (view(B, T, H_local, D))
+    for pname, attrs in p.config_views.items():
+        parent = model.get_submodule(pname)
+        parent.config = LocalHeadsConfig(parent.config, attrs)  # Phi3: query_pos = config.num_attention_heads * D
     for group_ in p.ties:
         first = getattr(model.get_submodule(group_[0][0]), group_[0][1])
         for mname, pname in group_[1:]:

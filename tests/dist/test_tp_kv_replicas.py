@@ -1,6 +1,6 @@
 """Fewer key/value heads than tp ranks: each rank keeps the kv head its q heads use (issue 14, point 3).
 
-Hugging Face Llama / Qwen2 built from their configs (4 q heads of 8; 1 kv head = multi-query, or 2 = grouped
+Hugging Face Llama / Qwen2 / Phi3 (fused ``qkv_proj``, split by parts) built from their configs (4 q heads of 8; 1 kv head = multi-query, or 2 = grouped
 query) under ``parallelize()`` + ``make_engines()`` with the model's own ``tp_plan``: tp=2 with 1 kv head, tp=4
 with 1 and 2 kv heads, dp2 x tp2 with 1 kv head; ZeRO stage 1 (stage 3 for Qwen2, whose q/k/v biases are split
 like the weights). ``k_proj`` / ``v_proj`` keep ``G * hs / G`` rows per rank (``ShardSpec.splits``); their
@@ -33,8 +33,9 @@ def _build(family: str, kv: int):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    extra = dict(pad_token_id=0, bos_token_id=0, eos_token_id=0) if family == "phi3" else {}
     config = AutoConfig.for_model(family, vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=kv, max_position_embeddings=64)
+                                  num_attention_heads=4, num_key_value_heads=kv, max_position_embeddings=64, **extra)
     config._attn_implementation = "eager"  # repeat_kv with the module's num_key_value_groups
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
@@ -67,7 +68,7 @@ def _reference(family: str, kv: int):
 
 
 # (family, kv heads, flat config); 2 ranks, then 4
-CASES_2 = [("llama", 1, dict(tp=2, stage=1)), ("qwen2", 1, dict(tp=2, stage=3))]
+CASES_2 = [("llama", 1, dict(tp=2, stage=1)), ("qwen2", 1, dict(tp=2, stage=3)), ("phi3", 1, dict(tp=2, stage=1))]
 CASES_4 = [("llama", 1, dict(tp=4, stage=1)), ("llama", 2, dict(tp=4, stage=1)), ("llama", 1, dict(tp=2, stage=1))]
 
 
@@ -99,7 +100,8 @@ def _run(family, kv, layout, rank, world_size):
             loss /= topo.dp
         losses.append(loss.item())
     attn = model.model.layers[0].self_attn
-    out = {"losses": losses, "norms": norms, "k_rows": attn.k_proj.weight.shape[0],
+    k_rows = attn.k_proj.weight.shape[0] if hasattr(attn, "k_proj") else attn.qkv_proj.weight.shape[0]
+    out = {"losses": losses, "norms": norms, "k_rows": k_rows,
            "groups": attn.num_key_value_groups}
     if layout["stage"] < 3:
         out["state"] = pm.full_state_dict()
@@ -140,9 +142,10 @@ def results_2():
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("family,kv,layout", CASES_2, ids=["llama-mqa-tp2", "qwen2-mqa-tp2-zero3"])
+@pytest.mark.parametrize("family,kv,layout", CASES_2, ids=["llama-mqa-tp2", "qwen2-mqa-tp2-zero3", "phi3-mqa-tp2"])
 def test_kv_heads_fewer_than_tp_2_ranks(results_2, family, kv, layout):
-    _check(results_2, family, kv, layout, k_rows=8, groups=2)  # 1 kv head of 8 on each rank, 2 local q heads
+    # 1 kv head of 8 rows on each rank, 2 local q heads; Phi3's fused qkv_proj: [q_r (16) | k (8) | v (8)]
+    _check(results_2, family, kv, layout, k_rows=32 if family == "phi3" else 8, groups=2)
 
 
 @pytest.mark.slow

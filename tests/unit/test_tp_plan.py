@@ -203,6 +203,25 @@ def test_hf_llama_plan_comes_from_the_model():
         plan_tensor_parallel(model, None, 2, sequence_parallel=True)
 
 
+def test_hf_phi3_fused_projections_stay_split_by_parts():
+    """Phi3 declares its fused qkv_proj / gate_up_proj 'colwise_gather_output' feeding 'rowwise_split_input': kept
+    split instead ([q_r | k_r | v_r], [gate_r | up_r]) with plain 'rowwise' after them, and each attention reads
+    its local head count from its own config view (the shared config is untouched)."""
+    from lightning_scale.models import hf_families as F
+
+    model = F.build("phi3")
+    p = plan_tensor_parallel(model, None, 2)
+    acts = {a.name: a for a in p.actions}
+    qkv, gate_up = acts["model.layers.0.self_attn.qkv_proj"], acts["model.layers.0.mlp.gate_up_proj"]
+    assert (qkv.style.name, qkv.weight_spec.parts) == ("qkv_colwise", (32, 16, 16)) and not qkv.style.gather_output
+    assert (gate_up.style.name, gate_up.weight_spec.sections) == ("packed_colwise", 2)
+    assert acts["model.layers.0.self_attn.o_proj"].style.name == "rowwise"
+    assert acts["model.layers.0.mlp.down_proj"].style.name == "rowwise"
+    assert p.config_views["model.layers.0.self_attn"] == {"num_attention_heads": 2}
+    apply_tensor_parallel(model, None, None)  # tp=1: nothing split, no view
+    assert model.model.layers[0].self_attn.config is model.config
+
+
 def test_hf_gpt2_conv1d_qkv_is_split_per_head():
     import transformers
 
