@@ -5,13 +5,14 @@ vocabulary 63: padded at tp=2) are saved with ``save_pretrained`` in float64 wit
 init is told apart. Each rank builds the model on meta with ``lightning_scale.from_pretrained`` (or ``from_config`` +
 ``load_pretrained``) and ``parallelize`` reads only what the rank keeps. Checked:
 
-* zero3 (dp=2), tp=2 (stage 1), pp=2 at stages 1 and 3 (Llama; GPT-2 at stage 1, through its pipeline adapter) and
+* zero3 (dp=2), tp=2 (stage 1), pp=2 at stages 1 and 3 (Llama; GPT-2 at stage 1, through its pipeline adapter; Phi3
+  with one kv head at tp=2: fused projections read by parts, the kv rows by both ranks) and
   the ``from_config`` + ``load_pretrained`` form at zero3, and a frozen base (only the last layer and the head
   train) at zero3 and tp=2: 3 SGD steps of
   losses equal one process that called ``AutoModelForCausalLM.from_pretrained`` on the same directory (float64,
   1e-10), and the bytes each rank read from the files are its share (< 0.62 of the file), not the model;
-* 4 and 8 ranks (slow, one run each): dp2 x tp2 at ZeRO-3 and dp2 x tp2 x pp2 at ZeRO-1, Llama (grouped-query
-  heads) and GPT-2 (tied head across the stages, padded vocabulary): the same losses, and each rank reads about a
+* 4 and 8 ranks (slow, one run each): dp2 x tp2 and (Llama) dp2 x pp2 at ZeRO-3, dp2 x tp2 x pp2 at ZeRO-1, Llama
+  (grouped-query heads) and GPT-2 (tied head across the stages, padded vocabulary): the same losses, and each rank reads about a
   quarter of the file (< 0.36: replicated norms and biases are read whole);
 * bad input (a missing directory, another architecture's directory, a tensor missing from the file): a
   ConfigError naming it on every rank, before anything is allocated;
@@ -38,11 +39,14 @@ transformers = pytest.importorskip("transformers")
 
 STEPS, LR, BATCH, SEQ = 3, 0.5, 4, 12
 CASES = [("llama", "zero3"), ("gpt2", "zero3"), ("llama", "tp2"), ("gpt2", "tp2"), ("llama", "pp2"), ("gpt2", "pp2"),
-         ("llama", "pp2_zero3"), ("llama", "zero3_config"), ("llama", "zero3_frozen"), ("llama", "tp2_frozen")]
-GRID_CASES = {4: [("llama", "dp2_tp2_zero3"), ("gpt2", "dp2_tp2_zero3")], 8: [("llama", "3d"), ("gpt2", "3d")]}
+         ("llama", "pp2_zero3"), ("llama", "zero3_config"), ("llama", "zero3_frozen"), ("llama", "tp2_frozen"),
+         ("phi3", "tp2")]
+GRID_CASES = {4: [("llama", "dp2_tp2_zero3"), ("gpt2", "dp2_tp2_zero3"), ("llama", "dp2_pp2_zero3")],
+              8: [("llama", "3d"), ("gpt2", "3d")]}
 MODES = {"zero3": dict(stage=3), "zero3_config": dict(stage=3), "tp2": dict(stage=1, tp=2),
          "pp2": dict(stage=1, pp=2, microbatches=2), "pp2_zero3": dict(stage=3, pp=2, microbatches=2),
          "zero3_frozen": dict(stage=3), "tp2_frozen": dict(stage=1, tp=2), "dp2_tp2_zero3": dict(stage=3, tp=2),
+         "dp2_pp2_zero3": dict(stage=3, pp=2, microbatches=2),
          "3d": dict(stage=1, tp=2, pp=2, microbatches=2)}
 
 
@@ -52,7 +56,12 @@ def _configs():
                                      tie_word_embeddings=False)
     gpt2 = transformers.GPT2Config(vocab_size=63, n_positions=32, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0,
                                    embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-    return {"llama": (transformers.LlamaForCausalLM, llama), "gpt2": (transformers.GPT2LMHeadModel, gpt2)}
+    # Phi3: fused qkv_proj / gate_up_proj split by parts at tp=2, its one kv head (multi-query) on both ranks
+    phi3 = transformers.Phi3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=32,
+                                   pad_token_id=0, bos_token_id=0, eos_token_id=0, tie_word_embeddings=False)
+    return {"llama": (transformers.LlamaForCausalLM, llama), "gpt2": (transformers.GPT2LMHeadModel, gpt2),
+            "phi3": (transformers.Phi3ForCausalLM, phi3)}
 
 
 def _scaled_(model, seed):
@@ -113,7 +122,7 @@ def hf_dirs(tmp_path_factory):
     del tensors["model.layers.1.mlp.up_proj.weight"]
     save_file(tensors, str(root / "holey" / "model.safetensors"), metadata={"format": "pt"})
     _save_big(root / "big")
-    refs = {name: _reference(str(root / name)) for name in ("llama", "gpt2")}
+    refs = {name: _reference(str(root / name)) for name in ("llama", "gpt2", "phi3")}
     refs["llama_frozen"] = _reference(str(root / "llama"), frozen=True)
     torch.manual_seed(0)
     fresh = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(root / "llama"),
