@@ -23,21 +23,28 @@ Reported per system: tokens/s (median over rounds; global tokens of one step / s
 ratio to the torch counterpart, peak RSS per stage while that system ran (MB, sampled every 10 ms),
 and for lightning_scale three bubbles:
 
-* measured: 1 - sum over ranks of compute time / (pp * makespan), per step, averaged over steps.
-  Compute time is the wall time of the F / B / I / W actions (autograd only; waiting for a
-  receive and posting sends are outside it). The makespan is max(end) - min(start) of the
-  ranks' schedule runs (time.perf_counter stamps, one host), so a rank that finishes early idles
-  until the last one is done, as in the theory; the loss broadcast and optimizer step are outside.
+* measured: from the runtime's trace (``PipelineRuntime(trace=True)``, one event per compute, post
+  and wait; :mod:`lightning_scale.pipeline.runtime_trace`): 1 - sum over ranks of compute time /
+  (pp * makespan), per step, averaged over steps. Compute time is the wall time of the F / B / I / W
+  actions (autograd only; waiting for a receive and posting sends are outside it). The makespan
+  runs from the first event of any rank to the last (time.perf_counter stamps, one host), so a rank
+  that finishes early idles until the last one is done, as in the theory; the loss broadcast and
+  optimizer step are outside.
   Idle time is therefore: waiting for the other stage's data (the schedule bubble, plus the time
   the other stage's extra work takes when stages are unequal), transfer latency, and runtime
   overhead (posting sends / receives, Python between actions).
 * sim (measured stages): the schedule simulated (``validate_schedule``) with zero transfer cost and
   the measured mean time of each (action kind, stage): the bubble this schedule must have with
   these unequal stages. measured - sim is what transfers, runtime overhead and machine noise add.
+* sim + hand-off latency: the same with every transfer taking the median measured hand-off latency
+  (a send's post to the end of the receiver's wait, over transfers the receiver was already
+  waiting for: transfer plus wake-up time).
 * theory (equal stages): (p-1)/(m+p-1) for 1F1B, (p-1)/(v m+p-1) interleaved, (p-1)/(3m+p-1)
   ZB-H1 (F = I = W); it holds only for stages of equal cost, which no split of this GPT achieves.
 
-The per-stage line lists each stage's measured compute per micro-batch (ms; F + B, or F + I + W).
+The per-stage line lists each stage's measured compute per micro-batch (ms; F + B, or F + I + W);
+the "blocked" line, per rank and step, the time spent waiting for receives, waiting for sends (at the
+step's end: a send completes once the peer posted the receive) and posting.
 Compute is wall time: on a machine with fewer free cores than processes (pp=4 on 2 cores, or any
 shared machine), "compute" of one rank includes time its core was taken by another process, so
 the GPT rows there do not measure the schedule.
@@ -160,7 +167,7 @@ def _build(system, cfg, topo, microbatches, partition, sleep_ms):
     if system.startswith("ls"):
         name = {"ls 1f1b": "1f1b", "ls interleaved": "interleaved_1f1b", "ls zero_bubble": "zero_bubble"}[system]
         rt = PipelineRuntime(stage, pp_group=topo.pp_group, pp_ranks=topo.axis_ranks("pp"), loss_fn=loss_fn,
-                             microbatches=microbatches, schedule=name)
+                             microbatches=microbatches, schedule=name, trace=True)
         return (lambda x, y: rt.train_step(x, y)), params, rt
     stages = [tp.PipelineStage(stage.chunk(s), s, stage.num_stages, torch.device("cpu"), group=topo.pp_group)
               for s in stage.stage_ids]
@@ -194,7 +201,7 @@ def _bench_worker(rank, world_size, cfg_kw, batch, microbatches, steps, rounds, 
         x = y = torch.randn(batch, cfg.seq_len, cfg.d_model, generator=torch.Generator().manual_seed(0))
     else:
         x, y = make_batch(cfg, batch, seed=0)
-    # per ls system and step: (start, end, compute_s, {(kind, stage): compute seconds})
+    # per ls system and step: this rank's trace of it (TraceEvent fields as tuples)
     out = {s: {"tok_s": [], "rss_mb": 0.0, "timing": []} for s in SYSTEMS}
     for rnd in range(rounds):
         order = SYSTEMS[rnd % len(SYSTEMS):] + SYSTEMS[:rnd % len(SYSTEMS)]
@@ -212,7 +219,7 @@ def _bench_worker(rank, world_size, cfg_kw, batch, microbatches, steps, rounds, 
                     opt.step()
                     opt.zero_grad(set_to_none=True)
                     if rt is not None:
-                        out[system]["timing"].append((*rt.last_window, rt.last_compute_s, dict(rt.last_action_s)))
+                        out[system]["timing"].append([tuple(e) for e in rt.last_trace])
                 torch.distributed.barrier(topo.pp_group)
                 elapsed = time.perf_counter() - t0
             out[system]["tok_s"].append(steps * batch * cfg.seq_len / elapsed)
@@ -228,31 +235,37 @@ def _theory(system, pp, m):
 
 
 def _bubbles(system, pp, results, microbatches):
-    """(measured bubble, simulated bubble for the measured stage times, {(kind, stage): mean ms per micro-batch})."""
+    """(measured bubble, simulated bubble for the measured stage times, {(kind, stage): mean s per micro-batch},
+    per rank {wait kind: mean s per step})."""
+    from lightning_scale.pipeline.runtime_trace import (TraceEvent, blocked_s, compute_costs, handoff_latencies,
+                                                        measured_bubble)
     from lightning_scale.pipeline.schedule import build_schedule
     from lightning_scale.pipeline.validate import validate_schedule
 
     steps = len(results[0][system]["timing"])
-    measured, action_s = [], {}
-    for k in range(steps):
-        rows = [r[system]["timing"][k] for r in results]
-        makespan = max(row[1] for row in rows) - min(row[0] for row in rows)
-        measured.append(1.0 - sum(row[2] for row in rows) / (pp * makespan))
-        for row in rows:
-            for key, sec in row[3].items():
-                action_s.setdefault(key, []).append(sec / microbatches)
-    costs = {key: statistics.mean(v) for key, v in action_s.items()}
+    traces = [[[TraceEvent(*e) for e in r[system]["timing"][k]] for r in results] for k in range(steps)]
+    measured = [measured_bubble(step) for step in traces]
+    costs = {key: statistics.mean(v) for key, v in compute_costs([tr for step in traces for tr in step]).items()}
+    blocked = []
+    for rank in range(pp):
+        per = [blocked_s(step[rank]) for step in traces]
+        blocked.append({k: statistics.mean(p.get(k, 0.0) for p in per) for k in ("recv_wait", "send_wait",
+                                                                                  "send_post", "recv_post")})
     name = {"ls 1f1b": "1f1b", "ls interleaved": "interleaved_1f1b", "ls zero_bubble": "zero_bubble"}[system]
-    sim = validate_schedule(build_schedule(name, pp, microbatches, V[system]), costs=costs).bubble_fraction
-    return statistics.mean(measured), sim, costs
+    sch = build_schedule(name, pp, microbatches, V[system])
+    sim = validate_schedule(sch, costs=costs).bubble_fraction
+    lat = [x for step in traces for x in handoff_latencies(step)]
+    latency = statistics.median(lat) if lat else 0.0
+    sim_lat = validate_schedule(sch, costs=costs, latency=latency).bubble_fraction
+    return statistics.mean(measured), (sim, sim_lat, latency), costs, blocked
 
 
 def _report(pp, results, microbatches):
     print(f"\n## pp={pp} ({pp} processes), {microbatches} micro-batches")
     print("| system | tokens/s | vs torch | peak RSS MB per stage | bubble measured | bubble sim (measured stages) "
-          "| bubble theory (equal stages) |")
-    print("|---|---|---|---|---|---|---|")
-    stage_lines = []
+          "| measured / sim | sim + measured hand-off latency | bubble theory (equal stages) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    stage_lines, blocked_lines = [], []
     for system in SYSTEMS:
         tok = statistics.median(results[0][system]["tok_s"])
         peer = PEER.get(system)
@@ -260,8 +273,13 @@ def _report(pp, results, microbatches):
         rss = " / ".join(f"{r[system]['rss_mb']:.0f}" for r in results)
         theory = f"{_theory(system, pp, microbatches):.3f}"
         if system.startswith("ls"):
-            measured, sim, costs = _bubbles(system, pp, results, microbatches)
+            measured, sim, costs, blocked = _bubbles(system, pp, results, microbatches)
+            blocked_lines.append(f"{system}: " + "; ".join(
+                f"rank {r} recv wait {b['recv_wait'] * 1e3:.0f} / send wait {b['send_wait'] * 1e3:.0f} / posts "
+                f"{(b['send_post'] + b['recv_post']) * 1e3:.1f}" for r, b in enumerate(blocked)))
+            sim, sim_lat, latency = sim
             bubble, simulated = f"{measured:.3f}", f"{sim:.3f}"
+            vs_sim, with_lat = f"{measured / sim:.2f}" if sim else "", f"{sim_lat:.3f} ({latency * 1e3:.1f} ms)"
             per_stage = {}
             for (kind, s), ms in costs.items():
                 per_stage.setdefault(s, []).append((kind, ms * 1e3))
@@ -269,10 +287,13 @@ def _report(pp, results, microbatches):
                 f"stage {s} " + " + ".join(f"{k} {ms:.1f}" for k, ms in sorted(per_stage[s], key=lambda x: "FBIW".index(x[0])))
                 + f" = {sum(ms for _, ms in per_stage[s]):.1f}" for s in sorted(per_stage)))
         else:
-            bubble = simulated = "n/a"
-        print(f"| {system} | {tok:,.0f} | {ratio} | {rss} | {bubble} | {simulated} | {theory} |")
+            bubble = simulated = vs_sim = with_lat = "n/a"
+        print(f"| {system} | {tok:,.0f} | {ratio} | {rss} | {bubble} | {simulated} | {vs_sim} | {with_lat} | {theory} |")
     print("\ncompute per micro-batch, ms (mean over steps and rounds):")
     for line in stage_lines:
+        print(f"- {line}")
+    print("\nblocked per step, ms (from the trace; mean over steps and rounds):")
+    for line in blocked_lines:
         print(f"- {line}")
 
 

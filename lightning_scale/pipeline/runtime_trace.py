@@ -122,3 +122,21 @@ def blocked_s(events: Sequence[TraceEvent]) -> Dict[str, float]:
         if e.action not in COMPUTE and e.action != "send_done":
             out[e.action] = out.get(e.action, 0.0) + e.t_end - e.t_start
     return out
+
+
+def handoff_latencies(traces: Sequence[Sequence[TraceEvent]]) -> List[float]:
+    """Seconds from a send's post to the end of the receiver's wait for it, for every transfer the receiver was
+    already waiting for when it was posted (so the figure is transfer + wake-up latency, not waiting for compute).
+    ``traces``: every pipeline rank's trace of one step; stage ids are global, so sender and receiver match by
+    (kind, sending stage, micro-batch)."""
+    posts = {(e.kind, e.stage, e.microbatch): e for tr in traces for e in tr if e.action == "send_post"}
+    out = []
+    for tr in traces:
+        for e in tr:
+            if e.action != "recv_wait":
+                continue
+            sender = e.stage - 1 if e.kind == "act" else e.stage + 1
+            post = posts.get((e.kind, sender, e.microbatch))
+            if post is not None and e.t_start <= post.t_start:
+                out.append(e.t_end - post.t_start)
+    return out
