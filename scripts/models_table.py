@@ -36,8 +36,9 @@ def _hand_written(path: str) -> list:
 PRETRAINED = ("Pretrained weights: `AutoModelForCausalLM.from_pretrained(dir)` inside `configure_model` (or "
               "`lightning_scale.from_pretrained` / `load_pretrained`) under zero3, tp=2 and pp=2 reads each rank's "
               "shard / slices / stage from the safetensors files; tested on Llama (zero3, tp2, pp2) and GPT-2 (zero3, "
-              "tp2, pp2), and on both at dp2 x tp2 (ZeRO-3, 4 ranks) and dp2 x tp2 x pp2 (8 ranks), each rank reading "
-              "25-26% of the file, against one process's `from_pretrained`, float64 1e-10 "
+              "tp2, pp2), Phi3 with one kv head at tp2 (fused projections read by parts), and on both at dp2 x tp2 "
+              "(ZeRO-3, 4 ranks), Llama at dp2 x pp2 (ZeRO-3, 4 ranks) and both at dp2 x tp2 x pp2 (8 ranks), each "
+              "rank reading 25-26% of the file, against one process's `from_pretrained`, float64 1e-10 "
               "(`tests/dist/test_pretrained.py`); under Fabric (`init_module(empty_init=True)`, zero3 and tp2; "
               "`tests/strategies/test_pretrained_trainer.py`, float64 1e-10); recipe "
               "in the README, details in [checkpoints.md](checkpoints.md#hugging-face-in-and-out). The other "
@@ -70,11 +71,13 @@ def _litgpt_lines() -> list:
     what = {"neox": "MHA, parallel residual, partial rotary, per-head q/k norms (tp: heads split)",
             "llama": "GQA 4/2, RMSNorm, gated MLP, scaled embedding, sliding window, soft-capping (tp: q heads and "
                      "kv groups split)",
-            "mqa": "one kv group (tp2: the built-in plan refused; a user plan gathering qkv)"}
+            "mqa": "one kv group (tp2: replicated, each rank 2 of 4 q heads and the kv group; a user plan gathering "
+                   "qkv also works)"}
     for name in L.CONFIGS:
         cells = []
         for layout in layouts:
-            case = next(((n, lay, d) for n, lay, d in L.CASES if n == name and lay.startswith(layout)), None)
+            case = next(((n, lay, d) for n, lay, d in L.CASES if n == name and lay == layout), None) or next(
+                ((n, lay, d) for n, lay, d in L.CASES if n == name and lay.startswith(layout)), None)
             if case is None:
                 cells.append("n/a")
                 continue
