@@ -57,20 +57,24 @@ class AsyncSaver:
             raise err
 
     def save(self, path: str, pieces: Iterable[Piece], extras: Optional[Dict[str, Any]] = None, *,
-             meta: Optional[Dict[str, Any]] = None) -> None:
+             meta: Optional[Dict[str, Any]] = None, on_written: Optional[Callable[[], None]] = None) -> None:
+        """Snapshot, then write in the background. ``on_written()`` runs in the writing thread once the folder is in
+        place on every rank (not when the write fails); its error is raised like a failed write's."""
         self.wait()  # one in flight; an earlier failure surfaces here
         start = time.perf_counter()
         snap = self._snapshot(list(pieces))
         extras = copy.deepcopy(extras) if extras else None
         meta = copy.deepcopy(meta) if meta else None
         self.last_snapshot_s = time.perf_counter() - start
-        self._thread = threading.Thread(target=self._run, args=(path, snap, extras, meta), daemon=True,
+        self._thread = threading.Thread(target=self._run, args=(path, snap, extras, meta, on_written), daemon=True,
                                         name="lightning_scale-async-save")
         self._thread.start()
 
-    def _run(self, path: str, pieces: List[Piece], extras, meta) -> None:
+    def _run(self, path: str, pieces: List[Piece], extras, meta, on_written) -> None:
         try:
             self.save_fn(path, pieces, extras, group=self.group, meta=meta)
+            if on_written is not None:
+                on_written()
         except BaseException as exc:  # noqa: BLE001 - handed to the training thread
             self._error = exc
 

@@ -15,7 +15,9 @@ that mixes two steps, and a crash at any moment leaves the previous good checkpo
 
 from __future__ import annotations
 
+import functools
 import os
+import threading
 from typing import Any, Callable, Dict, List, Sequence
 
 import torch
@@ -119,6 +121,8 @@ def save_universal(strategy, checkpoint: Dict[str, Any], path: str) -> None:
     if saver is not None:  # the save in flight is written first, then the removals it held back (defer_removal)
         strategy._deferred_removals = [p for p in getattr(strategy, "_deferred_removals", []) if p != str(path)]
         wait_async_save(strategy)
+        _guard_links(strategy)
+        saver = track_links(strategy, saver, path)
     save_engines(path, strategy.lightning_module, strategy.engines, tp_rank=_tp_rank(strategy),
                  extras={"lightning": {k: v for k, v in checkpoint.items() if k not in _SKIP}},
                  meta={"step": checkpoint.get("global_step"), "layout": _layout(strategy),
@@ -146,12 +150,88 @@ def wait_async_save(strategy, path: Any = None) -> None:
     saver = getattr(strategy, "_async", None)
     if saver is None or (path is not None and str(path) != getattr(strategy, "_async_path", None)):
         return
-    saver.wait()
+    try:
+        saver.wait()
+    except BaseException:
+        # The folder it wrote is absent: keep every folder a removal was queued for (else a later wait, e.g. at
+        # teardown, would remove the previous checkpoint too, leaving none) and leave last.ckpt where it points.
+        strategy._deferred_removals = []
+        if getattr(strategy, "_async_links", None) is not None:
+            strategy._async_links["pending"] = []
+        raise
     pending, strategy._deferred_removals = getattr(strategy, "_deferred_removals", []), []
     if strategy.is_global_zero:
         for old in pending:
             if os.path.lexists(old):  # Lightning may ask for a folder a crashed run already removed
                 folder.remove(old)
+
+
+class _LinkOnWrite:
+    """The AsyncSaver as save_engines sees it, with ``on_written`` bound."""
+
+    def __init__(self, saver, on_written) -> None:
+        self.saver, self.on_written = saver, on_written
+
+    def save(self, *args, **kw) -> None:
+        self.saver.save(*args, on_written=self.on_written, **kw)
+
+
+def track_links(strategy, saver, path: str) -> "_LinkOnWrite":
+    """The save about to start writes ``path``: links to it asked for meanwhile wait until it is written."""
+    links = strategy._async_links = {"path": str(path), "written": False, "pending": []}
+    return _LinkOnWrite(saver, functools.partial(_links_written, strategy, links))
+
+
+def _guard_links(strategy) -> None:
+    """checkpoint_async with ``ModelCheckpoint(save_last="link")``: Lightning links last.ckpt to the checkpoint it
+    just saved, right after the save *starts*. With the write in flight that folder does not exist yet: the link
+    dangles until it is written, and a crash meanwhile leaves a last.ckpt that loads nothing (measured: the first
+    link failed outright, FileNotFoundError, the checkpoint directory not created yet). So the callbacks' link step
+    goes through :func:`_link_when_written`: the link moves (atomically) only once the folder it names is complete."""
+    trainer = getattr(strategy.lightning_module, "_trainer", None)
+    for cb in getattr(trainer, "checkpoint_callbacks", None) or []:
+        if getattr(cb, "save_last", None) == "link" and not getattr(cb, "_lightning_scale_links", False):
+            cb._link_checkpoint = functools.partial(_link_when_written, strategy)  # shadows the staticmethod
+            cb._lightning_scale_links = True
+
+
+def _link_when_written(strategy, trainer, filepath: str, linkpath: str) -> None:
+    """ModelCheckpoint._link_checkpoint's replacement: link now when ``filepath`` is complete, else queue the link
+    for the writing thread (:func:`_links_written`); the previous link stays until then."""
+    links = getattr(strategy, "_async_links", None)
+    if trainer.is_global_zero and os.path.abspath(filepath) != os.path.abspath(linkpath):
+        with _LINKS_LOCK:
+            queued = links is not None and links["path"] == str(filepath) and not links["written"]
+            if queued:
+                links["pending"] = [q for q in links["pending"] if q[1] != linkpath] + [(filepath, linkpath)]
+        if not queued:
+            link_atomically(filepath, linkpath)
+    trainer.strategy.barrier()
+
+
+def _links_written(strategy, links) -> None:
+    """In the writing thread, once ``links["path"]`` is in place on every rank: make the links queued for it."""
+    with _LINKS_LOCK:
+        links["written"] = True
+        pending, links["pending"] = links["pending"], []
+        for filepath, linkpath in pending:
+            link_atomically(filepath, linkpath)
+
+
+_LINKS_LOCK = threading.Lock()
+
+
+def link_atomically(filepath: str, linkpath: str) -> None:
+    """``linkpath`` -> ``filepath`` (relative), replacing a previous link in one rename: at every moment the name
+    resolves to the old target or the new one. A real folder or file there (an earlier save_last=True) is removed
+    first, as Lightning does."""
+    if os.path.isdir(linkpath) and not os.path.islink(linkpath):
+        folder.remove(linkpath)
+    tmp = os.path.join(os.path.dirname(linkpath), f".link-{os.getpid()}.tmp")  # hidden, not matched as a "last"
+    if os.path.lexists(tmp):
+        os.remove(tmp)
+    os.symlink(os.path.relpath(filepath, os.path.dirname(linkpath)), tmp)
+    os.replace(tmp, linkpath)
 
 
 def defer_removal(strategy, path: Any) -> bool:

@@ -106,3 +106,81 @@ def test_one_save_in_flight_and_errors_surface(tmp_path, monkeypatch):
     assert torch.equal(dest, _state()[0][:120])
     with pytest.raises(CheckpointError):
         dcp_format.load(str(tmp_path / "never"), [])
+
+
+# ------------------------------------------------------------------ save_last="link" and failed writes (strategy glue)
+class _Strategy:
+    """What strategies.checkpoint's async glue reads of a Zero3DStrategy."""
+
+    is_global_zero = True
+
+    def __init__(self, save_fn) -> None:
+        self._async = AsyncSaver(save_fn)
+        self._deferred_removals = []
+
+    def barrier(self) -> None:
+        pass
+
+
+def _start(strategy, path, pieces):
+    """save_universal's async branch without engines: the links to ``path`` wait for its write."""
+    from lightning_scale.strategies.checkpoint import track_links
+
+    track_links(strategy, strategy._async, path).save(path, pieces)
+    strategy._async_path = path
+
+
+def test_last_link_moves_only_once_the_folder_is_written(tmp_path):
+    """ModelCheckpoint(save_last="link") links last.ckpt right after the save starts: the link must keep naming the
+    previous complete folder while the new one is written, then name the new one (one rename: never dangling)."""
+    from lightning_scale.strategies.checkpoint import _link_when_written, link_atomically, wait_async_save
+
+    _, pieces = _state()
+    prev, new, last = str(tmp_path / "step=2.ckpt"), str(tmp_path / "step=4.ckpt"), str(tmp_path / "last.ckpt")
+    dcp_format.save(prev, pieces)
+    link_atomically(prev, last)
+    go = threading.Event()
+
+    def held(path, *a, **kw):
+        go.wait(30)
+        dcp_format.save(path, *a, **kw)
+
+    strategy = _Strategy(held)
+    trainer = type("T", (), {"is_global_zero": True, "strategy": strategy})()
+    _start(strategy, new, pieces)
+    _link_when_written(strategy, trainer, new, last)  # what Lightning calls right after save_checkpoint returns
+    assert os.readlink(last) == "step=2.ckpt" and not os.path.exists(new)
+    assert dcp_format.open_checkpoint(last)[1]  # loadable while the write is in flight
+    go.set()
+    wait_async_save(strategy)
+    assert os.readlink(last) == "step=4.ckpt" and dcp_format.open_checkpoint(last)[1]
+    _link_when_written(strategy, trainer, new, last)  # written already: linked at once
+    assert os.readlink(last) == "step=4.ckpt"
+    assert sorted(os.listdir(tmp_path)) == ["last.ckpt", "step=2.ckpt", "step=4.ckpt"]  # no temporary link left
+
+
+def test_a_failed_write_keeps_the_previous_folder_and_link(tmp_path):
+    """The write of step=4 fails while save_top_k's removal of step=2 and the link to step=4 wait for it: the error
+    is raised once, and neither the removal nor the link happens then or at a later wait (teardown's)."""
+    from lightning_scale.strategies.checkpoint import (_link_when_written, defer_removal, link_atomically,
+                                                       wait_async_save)
+
+    _, pieces = _state()
+    prev, new, last = str(tmp_path / "step=2.ckpt"), str(tmp_path / "step=4.ckpt"), str(tmp_path / "last.ckpt")
+    dcp_format.save(prev, pieces, meta={"step": 2})
+    link_atomically(prev, last)
+
+    def failing(*a, **kw):
+        time.sleep(0.1)
+        raise OSError("disk full (test)")
+
+    strategy = _Strategy(failing)
+    trainer = type("T", (), {"is_global_zero": True, "strategy": strategy})()
+    _start(strategy, new, pieces)
+    assert defer_removal(strategy, prev)  # queued while the write is unconfirmed
+    _link_when_written(strategy, trainer, new, last)
+    with pytest.raises(OSError, match="disk full"):
+        wait_async_save(strategy)
+    wait_async_save(strategy)  # teardown's wait: nothing left to do
+    assert os.readlink(last) == "step=2.ckpt" and dcp_format.open_checkpoint(last)[1]["step"] == 2
+    assert sorted(os.listdir(tmp_path)) == ["last.ckpt", "step=2.ckpt"]
