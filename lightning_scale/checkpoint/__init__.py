@@ -7,12 +7,12 @@
 - :mod:`.async_save`: background saves of a step-boundary snapshot;
 - ``python -m lightning_scale.checkpoint``: inspect, consolidate, export-hf (:mod:`.cli`).
 
-Only :class:`CheckpointError` is imported eagerly; the rest load on first use (the CLI starts fast).
+Everything, :class:`CheckpointError` included, loads on first use: importing the package imports no torch, so
+the CLI's ``--help`` and its errors for a missing folder start fast.
 """
 
-from lightning_scale.checkpoint.folder import CheckpointError
-
 _LAZY = {
+    "CheckpointError": "folder",
     "Chunk": "layout", "Piece": "layout", "TPSlice": "layout", "flat_piece": "layout", "tensor_piece": "layout",
     "flat_range_to_chunks": "layout", "save": "dcp_format", "load": "dcp_format", "detect_format": "dcp_format",
     "LoadResult": "dcp_format", "load_hf_weights_": "hf", "load_hf_pieces_": "hf", "read_region": "hf",

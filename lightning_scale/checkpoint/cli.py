@@ -12,6 +12,7 @@ module imports only the standard library, so the commands start fast and never p
 from __future__ import annotations
 
 import argparse
+import glob
 import os
 import sys
 import time
@@ -138,9 +139,21 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _not_a_folder(path: str) -> bool:
+    """What ``folder.resolve`` + ``folder.read_manifest`` reject first, checked without importing torch: not a
+    directory, and no ``.<name>.*.old`` left beside it by an interrupted swap (then ``resolve`` may find a save)."""
+    if os.path.isdir(path):
+        return False
+    head, name = os.path.split(os.path.normpath(path))
+    return os.path.lexists(path) or not glob.glob(os.path.join(glob.escape(head or "."), f".{glob.escape(name)}.*.old"))
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(argv)
     start = time.perf_counter()
+    if _not_a_folder(args.dir):  # the same message as folder.read_manifest's, before torch is imported
+        print(f"error: {args.dir} is not a checkpoint folder", file=sys.stderr)
+        return 2
     from lightning_scale.checkpoint.folder import CheckpointError
 
     try:

@@ -22,7 +22,8 @@ def _run(*args, timeout=120):
 
 
 def test_cli_modules_do_not_import_lightning_or_triton():
-    code = ("import sys, lightning_scale, lightning_scale.estimate, lightning_scale.zero.state_dict; "
+    code = ("import sys, lightning_scale, lightning_scale.estimate, lightning_scale.zero.state_dict, "
+            "lightning_scale.checkpoint.cli; "
             f"print(sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r}))")
     proc, _ = _run("-c", code)
     assert proc.returncode == 0, proc.stderr
@@ -47,6 +48,50 @@ def test_state_dict_cli_bad_folder_is_one_error_line(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert "found in sys.modules" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.strip() == f"error: {tmp_path / 'missing'} is not a sharded checkpoint folder"
+
+
+def _imported(stderr: str):
+    """Top-level package names from ``python -X importtime`` output."""
+    return {ln.rsplit("|", 1)[1].strip().split(".")[0] for ln in stderr.splitlines() if ln.startswith("import time:")}
+
+
+@pytest.mark.parametrize("args", [["--help"], ["inspect", "MISSING"], ["consolidate", "MISSING", "OUT.pt"]])
+def test_checkpoint_cli_help_and_missing_folder_import_no_torch(tmp_path, args):
+    """``--help`` and a folder that is not there answer before torch is imported (package and CLI imports are
+    lazy); the missing folder gets folder.read_manifest's message and exit code 2."""
+    args = [str(tmp_path / a) if a == "MISSING" else a for a in args]
+    proc, seconds = _run("-X", "importtime", "-m", "lightning_scale.checkpoint", *args)
+    print(f"\npython -m lightning_scale.checkpoint {' '.join(args)}: {seconds:.2f} s wall (with -X importtime)")
+    heavy = _imported(proc.stderr) & {"torch", *HEAVY}
+    assert not heavy, f"imported {sorted(heavy)}"
+    assert "found in sys.modules" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    if args == ["--help"]:
+        assert proc.returncode == 0 and "inspect" in proc.stdout, proc.stdout
+    else:
+        assert proc.returncode == 2
+        errors = [ln for ln in proc.stderr.splitlines() if not ln.startswith("import time:")]
+        assert errors == [f"error: {args[1]} is not a checkpoint folder"], errors
+
+
+def test_checkpoint_cli_inspect_start_time(tmp_path):
+    """``inspect`` of a real folder needs torch (meta.pt is a torch.save pickle, DCP's .metadata pickles
+    torch.distributed.checkpoint classes): its time is printed next to ``import torch`` alone and DCP's import;
+    it never imports Lightning or triton."""
+    import torch
+
+    from lightning_scale.checkpoint import dcp_format
+    from lightning_scale.checkpoint.layout import tensor_piece
+
+    path = str(tmp_path / "c.ckpt")
+    dcp_format.save(path, [tensor_piece("model/w", torch.zeros(4, 4))], {}, meta={"step": 1})
+    proc, seconds = _run("-X", "importtime", "-m", "lightning_scale.checkpoint", "inspect", path)
+    assert proc.returncode == 0 and "model/w" in proc.stdout, proc.stderr[-3000:]
+    assert not _imported(proc.stderr) & set(HEAVY), sorted(_imported(proc.stderr) & set(HEAVY))
+    _, plain = _run("-m", "lightning_scale.checkpoint", "inspect", path)
+    _, bare = _run("-c", "import torch")
+    _, dcp = _run("-c", "import torch.distributed.checkpoint")
+    print(f"\ninspect DIR {plain:.2f} s wall; import torch alone {bare:.2f} s, + torch.distributed.checkpoint "
+          f"{dcp:.2f} s")
 
 
 def test_import_lightning_scale_then_lightning_registers_strategies():
