@@ -92,11 +92,11 @@ def test_torchrun_restarts_a_killed_rank_from_the_last_checkpoint(tmp_path, refe
                      "last.ckpt"], names  # the epochs count on as uninterrupted; nothing half-written left
 
 
-def elastic_agents(tmp, name, *args, nodes=2, timeout=240):
+def elastic_agents(tmp, name, *args, nodes=2, nnodes=None, timeout=240):
     """``nodes`` torchrun agents on this host, one rank each, in one elastic c10d rendezvous (``--nnodes=1:nodes``,
-    as on ``nodes`` machines); the rendezvous store is hosted here (``is_host=false`` for every agent), as a head
-    node or etcd would, so that losing any agent leaves it. Returns (the agents' return codes, their output, out
-    lines); kills every agent's and worker's session at the end."""
+    or ``nnodes`` as given, as on ``nodes`` machines); the rendezvous store is hosted here (``is_host=false`` for
+    every agent), as a head node or etcd would, so that losing any agent leaves it. Returns (the agents' return
+    codes, their output, out lines); kills every agent's and worker's session at the end."""
     import subprocess
 
     import torch.distributed as dist
@@ -104,7 +104,7 @@ def elastic_agents(tmp, name, *args, nodes=2, timeout=240):
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, multi_tenant=True, wait_for_workers=False)
     out, pid_dir = tmp / f"{name}.jsonl", tmp / f"{name}.pids"
     pid_dir.mkdir()
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes=1:{nodes}", "--nproc-per-node=1",
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes or f'1:{nodes}'}", "--nproc-per-node=1",
            "--max-restarts=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{store.port}", f"--rdzv-id={name}",
            "--rdzv-conf=is_host=false,last_call_timeout=2", SCRIPT, "--out", str(out), "--pid-dir", str(pid_dir),
            *args]
@@ -124,6 +124,25 @@ def elastic_agents(tmp, name, *args, nodes=2, timeout=240):
         left = _kill_leftovers(pid_dir)
     assert not left, f"worker processes left after the agents ended: {left}"
     return [a.returncode for a in agents], "\n".join(output), _lines(out)
+
+
+@pytest.mark.slow  # two torchrun agents, two attempts of 2 ranks: 40-90 s on the loaded box
+def test_two_node_torchrun_restarts_a_killed_rank_from_the_last_checkpoint(tmp_path, reference):
+    """Multi-host restart, emulated: two torchrun agents (``--nnodes=2 --nproc-per-node=1``, two "nodes" of one rank
+    each, the multi-host recipe's TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, the rendezvous store hosted by the test).
+    Rank 1 SIGKILLs itself (not its agent) at step 5: its agent restarts it, the other agent's rank reports the loss
+    and fails (or is restarted by the re-rendezvous), both agents meet again at world size 2 and the ranks resume
+    the step-4 checkpoint with the uninterrupted run's losses bit for bit; both agents end 0, no process is left."""
+    codes, output, runs = elastic_agents(tmp_path, "two_nodes", "--ckpt-dir", str(tmp_path / "ckpt"),
+                                         "--kill-once", str(tmp_path / "killed"), "--kill-at", "5", nnodes="2")
+    assert codes == [0, 0], output[-6000:]
+    assert (tmp_path / "killed").exists()
+    assert "rank 1" in output and "was killed by a signal" in output, output[-6000:]  # the survivor said so
+    (run,) = runs  # attempt 0's rank 0 never finished
+    assert run["world"] == 2 and run["start_step"] == 4 and run["global_step"] == 8, run
+    assert run["losses"] == {s: reference[s] for s in ("4", "5", "6", "7")}, (run["losses"], reference)
+    print(f"two-node restart: rank 0's agent attempt {run['attempt']} (an agent restarted by the re-rendezvous, "
+          "not by its own worker's failure, does not count it)")
 
 
 @pytest.mark.slow  # two torchrun agents, a re-rendezvous and a 1-rank reference: 40-60 s on the loaded box
