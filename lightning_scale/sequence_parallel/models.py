@@ -69,23 +69,18 @@ def apply_sequence_parallel(module: nn.Module, group, tp_group=None, stage: Opti
     return module
 
 
-def _sp_hf_pipeline(model: nn.Module, stage: nn.Module, group) -> None:
+def _sp_hf_pipeline(model: nn.Module, stage: nn.Module, group, inner_name: str) -> None:
     """The Hugging Face pipeline layers of this rank's stage: positions offset to this rank's slice (the rotary
-    embedding the decoder layers share, or GPT-2's ``wpe``); masks that the layers would build per slice (padding,
-    sliding windows) are ConfigErrors."""
-    from lightning_scale.models.hf_pipeline import HFDecoderLayer, HFEmbedding, HFLearnedPositionEmbedding
+    embedding the decoder layers share, or GPT-2's ``wpe``), and each decoder layer's mask built over the whole
+    sequence (:func:`_whole_sequence_mask`: the padding that rides with the micro-batch gathered over sp; sliding
+    windows across the slice boundary) instead of over its slice."""
+    from lightning_scale.models.hf_pipeline import HFDecoderLayer, HFLearnedPositionEmbedding
 
-    sp, rank = C.group_size(group), C.group_rank(group)
-    family = type(model).__name__
+    rank = C.group_rank(group)
+    masks = _FullMasks(model, inner_name)  # the config with the wrapped implementation's mask functions
     for m in stage.modules():
-        if isinstance(m, HFEmbedding) and m.has_mask:
-            raise ConfigError(f"sp={sp} with pp > 1: {family}'s pipeline layers carry a padding attention_mask, "
-                              "which they turn into a mask per slice; under sp x pp pass full-length sequences "
-                              "without one (padding masks work under sp without pp)", settings=("sp", "pp"))
-        if isinstance(m, HFDecoderLayer) and m.layer_type != "full_attention":
-            raise ConfigError(f"sp={sp} with pp > 1: {family} layer {m.index} is {m.layer_type!r}, a mask the "
-                              "pipeline layers build per slice; sliding windows work under sp without pp",
-                              settings=("sp", "pp"))
+        if isinstance(m, HFDecoderLayer):
+            m._mask = functools.partial(_whole_sequence_mask, group, masks.config, m.layer_type)
     shift = lambda pos: pos + rank * pos.shape[-1]  # noqa: E731  (the layers ask for arange(L / sp))
     patched = set()
     for m in stage.modules():
@@ -97,6 +92,25 @@ def _sp_hf_pipeline(model: nn.Module, stage: nn.Module, group) -> None:
             patched.add(id(m.wpe))
             wpe = m.wpe.forward
             m.wpe.forward = lambda position_ids, _f=wpe: _f(shift(position_ids))
+
+
+@torch.no_grad()
+def _whole_sequence_mask(group, config, layer_type: str, h: torch.Tensor, padding: Optional[torch.Tensor],
+                         position_ids: torch.Tensor):
+    """An :class:`~lightning_scale.models.hf_pipeline.HFDecoderLayer`'s mask under sp: what one process builds for
+    the whole sequence of ``sp x`` this slice's length (None for a plain causal one: sdpa's ``is_causal``, or the
+    causal mask :func:`_hf_attention` builds for eager). Every sp rank of a stage runs the same layers in the same
+    order, so the padding gather lines up."""
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    if padding is None and layer_type == "full_attention":
+        return None
+    batch, length = h.shape[0], h.shape[1] * C.group_size(group)
+    full_padding = _gather_sequence(padding, group) if padding is not None else None
+    positions = torch.arange(length, device=h.device).unsqueeze(0)
+    embeds = torch.empty((batch, length, 1), dtype=h.dtype, device=h.device)  # only its shape and dtype are read
+    fn = create_sliding_window_causal_mask if layer_type == "sliding_attention" else create_causal_mask
+    return fn(config=config, inputs_embeds=embeds, attention_mask=full_padding, cache=None, position_ids=positions)
 
 
 def _check_heads(sp: int, tp: int, heads: int, name: str) -> int:
@@ -309,7 +323,7 @@ def _sp_hf(model: nn.Module, group, tp: int = 1, stage: Optional[nn.Module] = No
     model.set_attn_implementation(name)
     cfg.use_cache = False
     if stage is not None:
-        _sp_hf_pipeline(model, stage, group)
+        _sp_hf_pipeline(model, stage, group, inner_name)
     else:
         masks = _FullMasks(model, inner_name)
         model.base_model.register_forward_pre_hook(functools.partial(_global_positions_and_mask, group, masks),
