@@ -146,6 +146,7 @@ class Unit:
     grads_ready: int = 0
     reduced: bool = False  # reduced in the current backward
     backward_started: bool = False
+    reducing: List[C.Handle] = field(default_factory=list)  # reduce-scatters still reading the full buffers
 
     @property
     def numel(self) -> int:
@@ -296,6 +297,7 @@ class ShardedParameters:
             if not async_op:
                 self._wait(unit)
             return
+        self._wait_reducing(unit)  # its full buffers may still be a reduce-scatter's input
         param_guard.thaw(unit.params)  # plain parameters while gathered (the guard costs nothing per op)
         for b in unit.buckets:
             self._alloc(b)
@@ -316,6 +318,12 @@ class ShardedParameters:
         for h in unit.pending:
             h.wait()
         unit.pending = []
+
+    @staticmethod
+    def _wait_reducing(unit: Unit) -> None:
+        for h in unit.reducing:
+            h.wait()  # idempotent: the handle may also be waited for from self._reductions
+        unit.reducing = []
 
     def _free(self, unit: Unit) -> None:
         if not unit.gathered or unit.kind == "persistent":
@@ -380,10 +388,13 @@ class ShardedParameters:
         if _in_backward():  # activation-checkpoint recompute: the unit was gathered for its backward
             self._gather(unit)
             return
-        if unit.index not in self._order_now:
+        first_use = unit.index not in self._order_now
+        if first_use:
             self._order_now.append(unit.index)
         self._gather(unit)
-        if self.prefetch_depth and unit.kind == "unit" and self.forward_order:
+        # A unit prefetches the next ones; so does the root unit at its first module of the step (the first
+        # block's gather then overlaps the embedding instead of blocking the first block).
+        if self.prefetch_depth and (unit.kind == "unit" or first_use) and self.forward_order:
             self._prefetch(self.forward_order, unit.index)
 
     def _prefetch(self, order: List[int], current: int) -> None:
@@ -429,20 +440,42 @@ class ShardedParameters:
             self._reduce(unit)
 
     def _reduce(self, unit: Unit) -> None:
-        """Reduce-scatter the unit's gradients (zeros where a parameter got none) into the shards."""
+        """Reduce-scatter the unit's gradients (zeros where a parameter got none) into the shards.
+
+        A unit that is freed after its reduction (every kind but the persistent one) stages its gradients in its
+        own full buffer: once all its gradients exist nothing reads its gathered values again, so no second
+        unit-sized buffer is allocated (and zero-filled) per unit per step; the buffer is freed when the
+        reduce-scatter is done. The persistent unit stays gathered, so it stages in a separate buffer."""
+        in_place = unit.kind != "persistent"
+        if in_place:
+            self._wait(unit)  # a prefetch still writing the buffer
         for b in unit.buckets:
-            staging = torch.zeros(b.bucket.padded_numel, dtype=b.full.dtype, device=self.device)
-            for slot in b.bucket.slots:
-                g = slot.param.grad
-                if g is not None:
-                    staging[slot.offset:slot.offset + slot.numel].copy_(g.reshape(-1))
-                    slot.param.grad = None
-            staging.div_(self.world)
+            if in_place:
+                self._alloc(b)  # a unit reduced without being gathered (skipped in this step)
+                staging = b.full
+            else:
+                staging = torch.empty(b.bucket.padded_numel, dtype=b.full.dtype, device=self.device)
+            with torch.autograd._unsafe_preserve_version_counter(b.full):
+                end = 0  # zeros wherever no gradient lands: gaps, padding, parameters that got none
+                for slot in sorted(b.bucket.slots, key=lambda s: s.offset):
+                    if slot.offset > end:
+                        staging[end:slot.offset].zero_()
+                    g = slot.param.grad
+                    if g is not None:
+                        staging[slot.offset:slot.offset + slot.numel].copy_(g.reshape(-1))
+                        slot.param.grad = None
+                    else:
+                        staging[slot.offset:slot.offset + slot.numel].zero_()
+                    end = max(end, slot.offset + slot.numel)
+                staging[end:].zero_()
+                staging.div_(self.world)
             out = torch.empty(b.bucket.shard_numel, dtype=b.full.dtype, device=self.device)
             h = C.reduce_scatter(out, staging, self.group, async_op=True, tag="grad")
 
             def finish(b=b, out=out, h=h, staging=staging) -> None:
                 h.wait()
+                if in_place:
+                    b.full.untyped_storage().resize_(0)
                 if b.grad_device is not None:  # offload: the shard moves to the host as soon as it is reduced
                     out = out.to(device=b.grad_device, dtype=b.grad_dtype)
                 if b.grad_shard is None:
@@ -450,14 +483,18 @@ class ShardedParameters:
                 else:
                     b.grad_shard.add_(out)
 
-            self._reductions.append(C.Handle(None, finish))
-            # Each pending reduction holds a unit-sized staging buffer: keep at most _MAX_INFLIGHT in flight,
-            # so the backward peak stays at a few units' gradients, not the whole model's.
+            handle = C.Handle(None, finish)
+            self._reductions.append(handle)
+            if in_place:
+                unit.reducing.append(handle)
+            # Each pending reduction holds a unit-sized buffer: keep at most _MAX_INFLIGHT in flight, so the
+            # backward peak stays at a few units' gradients, not the whole model's.
             while len(self._reductions) > _MAX_INFLIGHT:
                 self._reductions.pop(0).wait()
         unit.reduced = True
-        if unit.kind == "unit" or unit.kind == "root":
-            self._free(unit)
+        if in_place and unit.gathered:  # freed now; the buffers' storage goes when their reduce-scatter is done
+            unit.gathered = False
+            param_guard.freeze(unit.params)
 
     def _post_backward_final(self) -> None:
         self._callback_queued = False
@@ -473,6 +510,7 @@ class ShardedParameters:
                 self._reduce(u)
         self.wait_reductions()
         for u in self.units:
+            u.reducing = []
             u.grads_ready = 0
             u.reduced = False
             u.backward_started = False
