@@ -13,6 +13,8 @@ Systems (one rank: a world-1 gloo group, the real ``parallelize()`` + engine pat
 * ``ac_chunked``     full checkpointing + the chunked loss
 * ``sparse``         block-sparse attention (BSLongformer, block 64, window 3 blocks, global block 0), nothing else
 * ``sparse_ac_chunked``  block-sparse + full checkpointing + the chunked loss
+* ``ac_chunked_tiled`` / ``sparse_ac_chunked_tiled``  the same + the tiled MLP (``tiled_mlp=512``: each block's MLP
+  runs and recomputes 512 positions at a time, lightning_scale.tiled_mlp)
 
 How memory is measured: ``lightning_scale.memory.LiveTensorBytes`` (a TorchDispatchMode) is active from building
 the model to the end of the optimizer step; the figure is the peak of the live bytes of every tensor storage
@@ -71,6 +73,8 @@ SYSTEMS: Dict[str, dict] = {  # name -> (strategy options, loss_chunk, sparse)
     "ac_chunked": dict(ac="full", chunk=512, sparse=False),
     "sparse": dict(ac=None, chunk=0, sparse=True),
     "sparse_ac_chunked": dict(ac="full", chunk=512, sparse=True),
+    "ac_chunked_tiled": dict(ac="full", chunk=512, sparse=False, tiled=512),
+    "sparse_ac_chunked_tiled": dict(ac="full", chunk=512, sparse=True, tiled=512),
 }
 
 
@@ -83,7 +87,8 @@ def one_step(args, name: str, length: int, topo) -> Tuple[int, float]:
     """(peak live bytes, seconds) of building the model and training one step at ``length`` (with sp > 1: the
     most any rank held, and rank 0's time)."""
     spec = SYSTEMS[name]
-    config = from_flat_kwargs(stage=args.stage, activation_checkpointing=spec["ac"], sp=topo.sp, tp=topo.tp)
+    config = from_flat_kwargs(stage=args.stage, activation_checkpointing=spec["ac"], sp=topo.sp, tp=topo.tp,
+                              tiled_mlp=spec.get("tiled", 0))
     cfg = model_config(args, length, spec["chunk"])
     torch.manual_seed(0)
     with LiveTensorBytes() as mem:

@@ -278,6 +278,11 @@ class ParallelConfig:
     # The checkpointed units' inputs wait in (pinned) host memory between forward and backward, fetched back one
     # unit ahead (lightning_scale.activation_offload). Needs activation_checkpointing; nothing to move on a CPU.
     offload_activations: bool = False
+    # Tiled MLP (lightning_scale.tiled_mlp, ALST's TiledMLP): each unit's MLP runs tiled_mlp positions at a time and
+    # recomputes tile by tile in backward, so its 4d-wide activations exist for one tile. 0: off. Modules: class
+    # names or name patterns; None = the child named mlp (feed_forward, ffn) of every repeated block.
+    tiled_mlp: int = 0
+    tiled_mlp_modules: Optional[tuple] = None
     # torch.compile per unit (lightning_scale.compile; the units are zero.unit_modules' or every repeated block):
     # False, True (torch.compile's defaults: inductor) or a dict of torch.compile options ({"backend": "aot_eager"}).
     compile: Any = False
@@ -321,6 +326,14 @@ class ParallelConfig:
         if units and self.activation_checkpointing is None:
             raise ConfigError(f"activation_checkpointing_units={tuple(units)!r} needs activation_checkpointing="
                               "'full' or 'selective'", settings=("activation_checkpointing",))
+        if not isinstance(self.tiled_mlp, int) or isinstance(self.tiled_mlp, bool) or self.tiled_mlp < 0:
+            raise ConfigError(f"tiled_mlp={self.tiled_mlp!r} must be a number of positions per tile (0: off)")
+        mlps = self.tiled_mlp_modules
+        if mlps is not None and (isinstance(mlps, str) or not all(isinstance(u, str) and u for u in mlps)):
+            raise ConfigError(f"tiled_mlp_modules={mlps!r} must be a list of module class names or name patterns")
+        if mlps and not self.tiled_mlp:
+            raise ConfigError(f"tiled_mlp_modules={tuple(mlps)!r} needs tiled_mlp=N (positions per tile)",
+                              settings=("tiled_mlp",))
         _check_compile(self.compile)
         if world_size is not None:
             spx = f" x sp={self.sp}" if self.sp > 1 else ""

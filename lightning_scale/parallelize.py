@@ -250,6 +250,10 @@ def apply_ac(pm: ParallelModel) -> None:
 
     checkpoint_units(pm.module, pm.config.activation_checkpointing, pm.config.activation_checkpointing_units,
                      offload=pm.config.offload_activations)
+    if pm.config.tiled_mlp:  # inside the units: their MLPs run tile by tile (lightning_scale.tiled_mlp)
+        from lightning_scale.tiled_mlp import tile_mlps
+
+        tile_mlps(pm.module, pm.config.tiled_mlp, pm.config.tiled_mlp_modules, compiled=bool(pm.config.compile))
 
 
 @torch.no_grad()

@@ -139,6 +139,11 @@ def compile_and_checkpointing(strategy: Any, module: Any) -> List[Tuple[str, str
         value = getattr(cfg, option, None)
         if value not in (None, False, "none"):
             rows.append((label, _compile_row(value, module) if option == "compile" else str(value)))
+    if getattr(cfg, "tiled_mlp", 0):
+        from lightning_scale.tiled_mlp import tiled_mlps
+
+        count = len(tiled_mlps(module)) if module is not None else 0
+        rows.append(("tiled MLP", f"{cfg.tiled_mlp} positions per tile ({count} MLPs)"))
     if module is not None and not rows:
         names = {type(m).__name__ for m in module.modules()}
         if "OptimizedModule" in names:
