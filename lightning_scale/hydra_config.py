@@ -57,6 +57,7 @@ def _conf_field(default: Any) -> dataclasses.Field:
 StrategyConf = dataclasses.make_dataclass("StrategyConf", [
     ("name", str, field(default="zero3d")),  # a lightning_scale preset (PRESETS) or any Lightning strategy name
     ("precision", Optional[str], field(default=None)),  # Zero3DStrategy(precision=): wins over the Trainer's flag
+    ("autotune", Any, field(default=None)),  # Zero3DStrategy(autotune=): true or {budget_s: 60, memory: 2GiB, ...}
     *[(flat, _hydra_type(key.type), _conf_field(key.default)) for flat, key in SCHEMA.items()],
 ])
 
@@ -178,6 +179,8 @@ def _check_unused(name: str, cfg: Any) -> None:
     changed = [k for k, v in kwargs.items() if v != SCHEMA[k].default]
     precision = cfg.precision if isinstance(cfg, DictConfig) else getattr(cfg, "precision", None)
     changed += ["precision"] if precision is not None else []
+    changed += ["autotune"] if (cfg.autotune if isinstance(cfg, DictConfig) else getattr(cfg, "autotune", None)) \
+        not in (None, False) else []
     if changed:
         raise ConfigError(f"strategy.name={name!r} is Lightning's own strategy: strategy.{changed[0]} has no effect "
                           f"there (set: {', '.join('strategy.' + k for k in changed)}); use a lightning_scale preset "
@@ -207,7 +210,8 @@ def build_strategy(cfg: Any):
                               "Trainer's precision)")
         from lightning_scale import Zero3DStrategy
 
-        return Zero3DStrategy(config=config, precision=precision)
+        autotune = cfg.autotune if not isinstance(cfg.autotune, DictConfig) else OmegaConf.to_container(cfg.autotune)
+        return Zero3DStrategy(config=config, precision=precision, autotune=autotune)
 
 
 def world_size(cfg: Any) -> int:

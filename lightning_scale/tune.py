@@ -242,12 +242,12 @@ def plan(model, gpt, devices: int, global_batch: int, budget_bytes: float, *, pr
     return survivors + [r for r in rows if r.reason] + rejected
 
 
-def no_fit_message(rows: Sequence[Row], budget_bytes: float) -> str:
+def no_fit_message(rows: Sequence[Row], budget_bytes: float, budget_name: str = "--memory-budget") -> str:
     """One line per candidate family (stage, offload, split): why every member was rejected."""
     fam: Dict[str, List[Row]] = {}
     for r in rows:
         fam.setdefault(r.candidate.family, []).append(r)
-    lines = [f"no layout fits --memory-budget={budget_bytes / MiB:,.1f} MiB per device:"]
+    lines = [f"no layout fits {budget_name}={budget_bytes / MiB:,.1f} MiB per device:"]
     for name, members in fam.items():
         fits = [m for m in members if m.predicted]
         best = min(fits, key=lambda m: m.predicted) if fits else members[0]
@@ -270,8 +270,13 @@ def probe_worker(rank: int, world_size: int, gpt_fields: Dict, cand: Dict, steps
     from lightning_scale.models.gpt import GPT, GPTConfig, lm_loss, make_batch
     from lightning_scale.parallelize import local_topology, parallelize
 
+    from lightning_scale.zero.precision import make_loss_scaler, policy_for
+
     c = Candidate(**cand)
     gpt = GPTConfig(**gpt_fields)
+    # the Trainer's precision: params cast, autocast, the fp16 loss scale (32-true: the engines' defaults)
+    policy = policy_for(precision) if precision != "32-true" else None
+    scaler = make_loss_scaler(policy) if policy is not None else None
     config = from_flat_kwargs(**c.strategy_kwargs())
     topo = local_topology(config, world_size, rank)
     torch.manual_seed(0)
@@ -279,20 +284,28 @@ def probe_worker(rank: int, world_size: int, gpt_fields: Dict, cand: Dict, steps
     with torch.device("meta" if on_meta else "cpu"):
         model = GPT(gpt)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    pm = parallelize(model, config, topo, "cpu", optimizers=[opt], loss_fn=lm_loss)
-    (engine,) = pm.make_engines()
+    pm = parallelize(model, config, topo, "cpu", optimizers=[opt], loss_fn=lm_loss,
+                     param_dtype=policy.param_dtype if policy is not None and c.stage == 3 else None)
+    (engine,) = pm.make_engines(precision=policy, loss_scaler=scaler)
+    if policy is not None and c.stage != 3:
+        model.to(policy.param_dtype)  # what the engines did not own (the precision plugin's convert_module)
+    autocast = (lambda: torch.autocast("cpu", dtype=policy.autocast_dtype)) if policy and policy.autocast_dtype \
+        else contextlib.nullcontext
     local = c.micro_batch * c.accum
 
     def step(i: int) -> None:
         x, y = make_batch(gpt, local * topo.dp, seed=i)
         x, y = x.chunk(topo.dp)[topo.dp_rank], y.chunk(topo.dp)[topo.dp_rank]
+        scale = float(scaler.scale) if policy is not None and policy.loss_scaling else 1.0
         if c.pp > 1:
-            with engine.no_sync():
-                pm.pipeline.runtime.train_step(x, y)
+            with engine.no_sync(), autocast():
+                pm.pipeline.runtime.train_step(x, y, grad_scale=scale)
         else:
             for j, (xm, ym) in enumerate(zip(x.chunk(c.accum), y.chunk(c.accum))):
                 with engine.no_sync() if j < c.accum - 1 else contextlib.nullcontext():
-                    (model.loss(xm, ym) / c.accum).backward()
+                    with autocast():
+                        loss = model.loss(xm, ym)
+                    (loss.float() * (scale / c.accum)).backward()
         engine.reduce_gradients()
         engine.step()
         engine.zero_grad()
@@ -488,7 +501,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--confirm", type=int, default=3, help="the fastest N are measured twice (mean)")
     ap.add_argument("--seq-len", type=int, default=None, help="overrides the model's seq_len")
     ap.add_argument("--global-batch", type=int, default=8, help="sequences per optimizer step (all ranks)")
-    ap.add_argument("--precision", default="32-true")
+    ap.add_argument("--precision", default="32-true", help="the probes' precision: 32-true, bf16-mixed, 16-mixed, ...")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--compile", action="store_true", help="also probe compile=True (slow on CPU)")
     ap.add_argument("--stages", default="0,1,2,3")
@@ -516,8 +529,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     pps=ints(args.pp), acs=tuple(None if a == "none" else a for a in args.ac.split(",")),
                     compile_options=(False, True))
         survivors = [r for r in rows if not r.reason]
-        if args.precision != "32-true" and not args.estimate_only:
-            raise ConfigError(f"--precision={args.precision!r}: the probes run 32-true (CPU); use --estimate-only")
         print(f"{len(rows)} candidates, {len(survivors)} fit {budget / MiB:,.1f} MiB/device")
         if not survivors:
             raise ConfigError(no_fit_message(rows, budget))

@@ -54,7 +54,7 @@ class Zero3DStrategy(GridStrategyMixin, ParallelStrategy):
                  checkpoint_io: Optional[CheckpointIO] = None, precision_plugin: Optional[Precision] = None,
                  process_group_backend: Optional[str] = None, timeout: Optional[timedelta] = default_pg_timeout,
                  start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
-                 precision: Optional[str] = None, **options: Any) -> None:
+                 precision: Optional[str] = None, autotune: Any = None, **options: Any) -> None:
         if config is not None and options:
             raise ConfigError(f"pass either config=ParallelConfig(...) or options, not both (got {sorted(options)})")
         # Errors name settings as the user typed them: keywords (stage=5) when built from options; the Hydra front
@@ -64,6 +64,14 @@ class Zero3DStrategy(GridStrategyMixin, ParallelStrategy):
             self.config = (config or from_flat_kwargs(**options)).validate()
         # `precision=` here wins over the Trainer's flag (Lightning turns '16-mixed' on CPU into bf16).
         self._precision_override = precision
+        # autotune=True | dict: the layout is measured at setup (lightning_scale/strategies/autotune.py); the
+        # keywords given here are fixed, not searched
+        self._autotune, self._autotune_given = autotune, (sorted(options) if config is None else None)
+        self.autotune_result: Optional[Dict[str, Any]] = None
+        if autotune not in (None, False):
+            from lightning_scale.strategies.autotune import options as autotune_options
+
+            autotune_options(autotune)  # bad keys: a ConfigError now, not after the launch
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
@@ -218,6 +226,12 @@ class Zero3DStrategy(GridStrategyMixin, ParallelStrategy):
             if pm is not None and pm.model_parallel:
                 raise ConfigError(f"Zero3DStrategy(tp={cfg.tp}, pp={cfg.pp}) was already applied to another "
                                   "LightningModule; use a new strategy object per model")
+            if fitting and self._autotune not in (None, False) and self.autotune_result is None:
+                from lightning_scale.strategies import autotune
+
+                self.autotune_result = autotune.run(self, trainer, self._autotune, self._autotune_given)
+                self._check_supported()
+                cfg = self.config
             if cfg.pp > 1:
                 PipelineGlue.check_module(self.model, cfg.pp)
             build = (lambda: (self.setup_optimizers(trainer), self.optimizers)[1]) if fitting else None

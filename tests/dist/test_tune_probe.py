@@ -30,3 +30,19 @@ def test_winner_predicted_memory_within_15_percent_of_measured():
     assert res["tokens_per_s"] > 0
     rel = abs(winner.predicted_all - res["measured_bytes"]) / res["measured_bytes"]
     assert rel < 0.15, (winner.candidate.key, winner.predicted_all, res["measured_bytes"])
+
+
+@pytest.mark.timeout(240)
+def test_probe_honours_the_precision():
+    """bf16-mixed probes run (the CLI no longer refuses them) and hold other bytes than 32-true: bf16 parameters next
+    to the fp32 master shards; the memory plan for bf16-mixed predicts that layout."""
+    from lightning_scale.tune import Candidate, predict_bytes
+
+    model = _model_from_spec("gpt_small")
+    c = Candidate(stage=2, offload="none", dp=2, micro_batch=2)
+    fp32 = measure(model.cfg, c, steps=1, warmup=1, timeout=180)
+    bf16 = measure(model.cfg, c, steps=1, warmup=1, timeout=180, precision="bf16-mixed")
+    assert bf16["tokens_per_s"] > 0
+    assert abs(bf16["measured_bytes"] - fp32["measured_bytes"]) / fp32["measured_bytes"] > 0.05, (bf16, fp32)
+    pred32, pred16 = (predict_bytes(model, model.cfg, c, p)[1] for p in ("32-true", "bf16-mixed"))
+    assert (bf16["measured_bytes"] - fp32["measured_bytes"]) * (pred16 - pred32) > 0  # the same direction

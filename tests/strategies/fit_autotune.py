@@ -1,0 +1,75 @@
+"""A Trainer run of the project GPT with Zero3DStrategy(autotune=...) or a layout set by hand (the autotune tests).
+
+Writes, on rank 0, the all-rank mean loss of every step, the strategy's autotune_result and the layout it trained
+with as JSON to --out; a ConfigError is written there as {"error": ...} by every rank that raised it (rank files).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+
+import lightning.pytorch as pl
+import torch
+
+import lightning_scale  # noqa: F401  (registers the strategies)
+from lightning_scale import Zero3DStrategy
+from lightning_scale.config import ConfigError
+from lightning_scale.lit import ByteCorpusDataModule, GPTLightningModule
+from lightning_scale.models.gpt import gpt_tiny
+from fit_gpt import LossRecorder
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--devices", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=4, help="per data-parallel rank")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--d-model", type=int, default=256)
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--seq-len", type=int, default=16)
+    ap.add_argument("--precision", default="32-true")
+    ap.add_argument("--option", action="append", default=[], help="strategy option k=v (Python literal)")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    pl.seed_everything(0, verbose=False)
+    cfg = gpt_tiny(n_layer=args.layers, vocab_size=args.vocab, seq_len=args.seq_len, d_model=args.d_model)
+    model = GPTLightningModule(model=cfg, lr=3e-3, warmup_steps=2, max_steps=args.steps)
+    opts = {}
+    for item in args.option:
+        k, v = item.split("=", 1)
+        try:
+            v = ast.literal_eval(v)
+        except (ValueError, SyntaxError):
+            pass
+        opts[k] = v
+    data = ByteCorpusDataModule(seq_len=cfg.seq_len, batch_size=args.batch, source="random",
+                                vocab_size=cfg.vocab_size, random_length=256, shuffle=False, max_bytes=2**20)
+    strategy = Zero3DStrategy(**opts)
+    recorder = LossRecorder()
+    trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, precision=args.precision,
+                         max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[recorder], limit_val_batches=0,
+                         num_sanity_val_steps=0)
+    try:
+        trainer.fit(model, datamodule=data)
+    except ConfigError as err:
+        with open(f"{args.out}.rank{trainer.global_rank}", "w") as f:
+            json.dump({"error": str(err)}, f)
+        raise
+    if trainer.is_global_zero:
+        c = strategy.config
+        with open(args.out, "w") as f:
+            json.dump({"losses": recorder.losses, "autotune": strategy.autotune_result,
+                       "layout": {"stage": c.zero.stage, "offload": [c.offload.optimizer, c.offload.params],
+                                  "dp": strategy.topology.dp, "tp": c.tp, "pp": c.pp,
+                                  "microbatches": c.pipeline.microbatches, "bucket_mb": c.zero.bucket_mb,
+                                  "ac": c.activation_checkpointing}}, f, default=str)
+
+
+if __name__ == "__main__":
+    main()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()

@@ -1,0 +1,57 @@
+"""Zero3DStrategy(autotune=...) through the Trainer (issue 17 item 4; docs/tune.md "autotune=True"): inside the
+launched ranks, before parallelize(), the layouts of the world size are pruned by the memory plan and the survivors
+timed on the real model and the first real batch; the winner is applied and training goes on."""
+
+import json
+import os
+import sys
+
+import pytest
+
+from lightning_scale.testing import run_script
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "fit_autotune.py")
+# the bench GPT's shape (vocab 8192, d 256, 4 layers, seq 128): with 4 sequences per rank and a budget of 88e6
+# bytes per device only ZeRO-3 + offload (optimizer / all, with full recompute) fits the memory plan
+SHAPE = ["--layers", "4", "--vocab", "8192", "--seq-len", "128", "--batch", "4"]
+ONLY_Z3_OFFLOAD = "autotune={'memory': 88e6, 'tp': 1, 'pp': 1, 'budget_s': 120}"
+
+
+def _fit(tmp_path, name, *args, expect_ok=True, timeout=300):
+    out = tmp_path / f"{name}.json"
+    proc = run_script([sys.executable, SCRIPT, "--out", str(out), *SHAPE, *args], timeout=timeout, cwd=tmp_path,
+                      ranks=2)
+    if expect_ok:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+        return json.loads(out.read_text()), proc
+    return out, proc
+
+
+@pytest.mark.slow  # two Trainer runs of the bench GPT: ~70 s on the loaded 2-core box
+def test_autotune_picks_stage3_offload_and_trains_like_the_hand_set_layout(tmp_path):
+    tuned, proc = _fit(tmp_path, "tuned", "--option", ONLY_Z3_OFFLOAD)
+    result = tuned["autotune"]
+    s = result["settings"]
+    assert s["stage"] == 3 and s["offload"] in ("optimizer", "params", "all"), result["winner"]
+    assert tuned["layout"]["stage"] == 3 and tuned["layout"]["ac"] == s["activation_checkpointing"]  # applied
+    assert tuned["layout"]["offload"] != ["none", "none"]
+    assert all(k.startswith("z3/") and "/none/" not in k for k, _ in [(t["key"], 0) for t in result["table"]])
+    assert any(k.startswith("z0/") and "> budget" in why for k, why in result["rejected"])
+    assert "[lightning_scale autotune] winner: strategy.autotune=null strategy=zero3d strategy.stage=3" in proc.stdout
+    assert proc.stdout.count("| 1 | z3/") == 1  # the ranked table, rank 0 only
+    hand_opts = [f"{k}={v!r}" for k, v in s.items() if k != "dp"]
+    hand, _ = _fit(tmp_path, "hand", *[a for o in hand_opts for a in ("--option", o)])
+    assert hand["autotune"] is None and hand["layout"] == tuned["layout"]
+    assert len(tuned["losses"]) == len(hand["losses"]) == 4
+    diff = max(abs(a - b) for a, b in zip(tuned["losses"], hand["losses"]))
+    assert diff < 1e-5, (tuned["losses"], hand["losses"])
+
+
+def test_autotune_nothing_fits_is_a_config_error_on_every_rank_before_training(tmp_path):
+    out, proc = _fit(tmp_path, "nofit", "--option", "autotune={'memory': '1MiB'}", expect_ok=False, timeout=240)
+    assert proc.returncode != 0 and not out.exists()  # no training step ran (rank 0 writes after fit)
+    for rank in (0, 1):
+        err = json.loads((tmp_path / f"nofit.json.rank{rank}").read_text())["error"]
+        assert "no layout fits autotune.memory=1.0 MiB per device" in err, err
+        assert "stage 3 offload=all dp2 tp1 pp1: predicted" in err and "stage 0 offload=none dp1 tp2 pp1" in err
+    assert "measuring" not in proc.stdout  # pruned before any probe

@@ -1,0 +1,66 @@
+"""Zero3DStrategy(autotune=...) without processes (lightning_scale/strategies/autotune.py): the options, the settings
+the user fixed, conflicts named by key, the Hydra key strategy.autotune."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from lightning_scale import Zero3DStrategy
+from lightning_scale.config import ConfigError, from_flat_kwargs
+from lightning_scale.models.gpt import GPT, gpt_tiny
+from lightning_scale.strategies.autotune import explicit_settings, options, plan_rows, search_space, with_settings
+
+CONF = os.path.join(os.path.dirname(__file__), "..", "..", "conf")
+
+
+def test_options_reject_unknown_keys_and_bad_budgets():
+    assert options(True)["budget_s"] == 60.0 and options({"stages": 3})["stages"] == (3,)
+    with pytest.raises(ConfigError, match=r"autotune: unknown key 'memroy'; known: budget_s, memory"):
+        options({"memroy": "1GiB"})
+    with pytest.raises(ConfigError, match=r"autotune.budget_s=0 must be a positive number"):
+        options({"budget_s": 0})
+    with pytest.raises(ConfigError, match=r"autotune: unknown key 'memroy'"):  # at construction, before the launch
+        Zero3DStrategy(autotune={"memroy": 1})
+
+
+def test_explicit_settings_are_fixed_and_conflicts_name_the_key():
+    cfg = from_flat_kwargs(stage=3, offload="optimizer")
+    assert explicit_settings(cfg, ["stage", "offload", "watchdog"]) == {"stage": 3, "offload": "optimizer"}
+    assert explicit_settings(from_flat_kwargs(stage=2, tp=2), None) == {"tp": 2}  # off the schema default
+    space, splits = search_space(options(True), {"stage": 3}, 4, 4, 2)
+    assert space["stages"] == (3,) and (4, 1, 1) in splits and (1, 2, 2) in splits
+    with pytest.raises(ConfigError, match=r"autotune.stages=\[0, 1\] excludes stage=3, set explicitly"):
+        search_space(options({"stages": [0, 1]}), {"stage": 3}, 2, 4, 2)
+    with pytest.raises(ConfigError, match=r"autotune.tp=\[2\] excludes tp=1"):
+        search_space(options({"tp": 2}), {"tp": 1}, 2, 4, 2)
+    new = with_settings(cfg, stage=1, activation_checkpointing="full")
+    assert new.zero.stage == 1 and new.offload == cfg.offload and new.activation_checkpointing == "full"
+
+
+def test_plan_rows_search_only_the_free_settings():
+    gpt = gpt_tiny(n_layer=2, vocab_size=64, seq_len=16)
+    rows = plan_rows(GPT(gpt), gpt, options({"ac": "none"}), {"stage": 3, "pp": 1}, 2, 4, "32-true", 1e15, 1)
+    keys = [r.candidate.key for r in rows if not r.reason]
+    assert keys and all(k.startswith("z3/") and "pp1" in k and k.endswith("ac-none/eager") for k in keys)
+    assert {"dp2tp1pp1", "dp1tp2pp1"} <= {k.split("/")[2] for k in keys}  # dp and tp splits searched
+    assert all(k.split("/")[3] == "mb4x1" for k in keys)  # pp=1: the dataloader's batch is the micro-batch
+
+
+def test_hydra_strategy_autotune_key():
+    from hydra import compose, initialize_config_dir
+
+    from lightning_scale.hydra_config import build_strategy, register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=os.path.abspath(CONF), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["strategy.autotune={budget_s: 30, memory: 2GiB}"])
+        plain = compose(config_name="config")
+        ddp = compose(config_name="config", overrides=["strategy=ddp", "strategy.autotune=true"])
+    strategy = build_strategy(cfg.strategy)
+    assert strategy._autotune == {"budget_s": 30, "memory": "2GiB"} and strategy._autotune_given is None
+    assert build_strategy(plain.strategy)._autotune is None
+    if ddp.strategy.name not in ("zero3d", "zero0", "zero1", "zero2", "zero3"):
+        with pytest.raises(ConfigError, match=r"strategy.autotune has no effect"):
+            build_strategy(ddp.strategy)
