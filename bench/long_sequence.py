@@ -3,6 +3,7 @@
     python bench/long_sequence.py                                   # budget 512 MiB, every system
     python bench/long_sequence.py --budget-mib 256 --systems dense,ac_chunked --max-len 4096   # smoke run
     python bench/long_sequence.py --sp 2 --systems dense,ac_chunked     # Ulysses: each system at sp=1 and sp=2
+    python bench/long_sequence.py --model llama --systems dense,ac_chunked,ac_chunked_tiled   # HF Llama, rotary
 
 Systems (one rank: a world-1 gloo group, the real ``parallelize()`` + engine path at ZeRO stage 0, AdamW, fp32):
 
@@ -87,6 +88,8 @@ def one_step(args, name: str, length: int, topo) -> Tuple[int, float]:
     """(peak live bytes, seconds) of building the model and training one step at ``length`` (with sp > 1: the
     most any rank held, and rank 0's time)."""
     spec = SYSTEMS[name]
+    if args.model == "llama":
+        return _llama_step(args, spec, length, topo)
     config = from_flat_kwargs(stage=args.stage, activation_checkpointing=spec["ac"], sp=topo.sp, tp=topo.tp,
                               tiled_mlp=spec.get("tiled", 0))
     cfg = model_config(args, length, spec["chunk"])
@@ -118,6 +121,48 @@ def one_step(args, name: str, length: int, topo) -> Tuple[int, float]:
         peak = torch.tensor([float(mem.peak)], dtype=torch.float64)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         return int(peak.item()), seconds
+    return mem.peak, seconds
+
+
+def _llama(args, length: int):
+    """An unchanged Hugging Face LlamaForCausalLM of the bench GPT's width (rotary positions: no table that grows
+    with L; SwiGLU MLP of 4 x d; sdpa), fp32."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=512, intermediate_size=2048, num_hidden_layers=args.layers,
+                      num_attention_heads=args.heads, num_key_value_heads=args.heads, max_position_embeddings=length,
+                      attn_implementation="sdpa", use_cache=False)
+    return LlamaForCausalLM(cfg)
+
+
+def _llama_step(args, spec: dict, length: int, topo) -> Tuple[int, float]:
+    """one_step for ``--model llama``: the loss is HF's own (full logits) without chunking, else the final hidden
+    states through ``lightning_scale.nn.chunked_loss.chunked_cross_entropy`` with the model's ``lm_head``."""
+    from lightning_scale.nn.chunked_loss import chunked_cross_entropy
+
+    if spec["sparse"] or topo.sp > 1 or topo.tp > 1:
+        raise SystemExit("--model llama: the sparse systems, --sp and --tp are GPT-only in this bench")
+    config = from_flat_kwargs(stage=args.stage, activation_checkpointing=spec["ac"], tiled_mlp=spec.get("tiled", 0))
+    torch.manual_seed(0)
+    with LiveTensorBytes() as mem:
+        model = _llama(args, length)
+        pm = parallelize(model, config, topo, "cpu", optimizers=lambda m=model: [torch.optim.AdamW(m.parameters())])
+        (engine,) = pm.make_engines()
+        idx = torch.randint(0, args.vocab, (1, length + 1), generator=torch.Generator().manual_seed(length))
+        x, y = idx[:, :-1], idx[:, 1:]
+        start = time.perf_counter()
+        if spec["chunk"]:
+            hidden = model.model(input_ids=x).last_hidden_state
+            loss = chunked_cross_entropy(hidden, model.lm_head, y, chunk_size=spec["chunk"])
+        else:
+            logits = model(input_ids=x).logits
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+        loss.backward()
+        engine.step()
+        engine.zero_grad()
+        seconds = time.perf_counter() - start
+        engine.remove_hooks()
+        del engine, pm, model, loss
     return mem.peak, seconds
 
 
@@ -161,6 +206,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--budget-mib", type=float, default=512)
     ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--model", choices=("gpt", "llama"), default="gpt",
+                    help="llama: an unchanged HF LlamaForCausalLM of the same width (rotary positions), 1 rank")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=8192)
@@ -198,7 +245,7 @@ def run(rank: int, args, names, store: str) -> None:
     topo = local_topology(from_flat_kwargs(stage=args.stage, tp=tp), world, rank)  # tp > 1: tp=T at dp=sp
     topo_of = lambda name: sp_topo if name.startswith("sp") and sp > 1 else topo  # noqa: E731
     spec_of = lambda name: name.split("_", 1)[1] if name.startswith("sp") and sp > 1 else name  # noqa: E731
-    say(f"# long_sequence: GPT d512 x {args.layers} layers, {args.heads} heads, vocab {args.vocab}, fp32, batch 1, "
+    say(f"# long_sequence: {'GPT' if args.model == 'gpt' else 'HF Llama'} d512 x {args.layers} layers, {args.heads} heads, vocab {args.vocab}, fp32, batch 1, "
         f"AdamW, ZeRO {args.stage}, {world} rank(s){f', tp={tp} in every row' if tp > 1 else ''}; budget {args.budget_mib:.0f} MiB of live tensor bytes per rank; "
         f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} CPUs")
     if sp > 1 and args.peer_length:
