@@ -13,7 +13,8 @@ the order. Each step is a small ``apply_*`` function on an unchanged model (torc
    the sp group, positions and the loss see the whole sequence (:mod:`lightning_scale.sequence_parallel`; instances
    changed, the module tree is not). ZeRO (steps 7 and the engines) then shards over dp x sp.
    :func:`apply_ac` — activation checkpointing (``activation_checkpointing="full" | "selective"``) wraps each unit's
-   forward (:mod:`lightning_scale.activation_checkpointing`; the module tree is unchanged).
+   forward (:mod:`lightning_scale.activation_checkpointing`; the module tree is unchanged); with ``tiled_mlp=N``
+   each unit's MLP runs and recomputes N positions at a time (:mod:`lightning_scale.tiled_mlp`).
 5. :func:`materialize_local` (ZeRO stages 0-2) — a ``meta`` tp model gets only its slices allocated, initialized
    as slices of the full dense layers; dp replicas take dp rank 0's values.
 6. the optimizers: built now over the local parameters (a callable, e.g. Lightning's ``configure_optimizers``),
