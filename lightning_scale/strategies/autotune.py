@@ -334,7 +334,7 @@ def run(strategy, trainer, value: Any, given: Optional[Sequence[str]]) -> Dict[s
     if rank == 0:
         print(format_ranked(ranked), flush=True)
         print("[lightning_scale autotune] winner: " + " ".join(line), flush=True)
-    return {"winner": c.key, "settings": dict(settings(c), dp=c.dp), "overrides": line,
+    return {"winner": c.key, "settings": dict(settings(c), dp=c.dp), "overrides": line, "precision": str(precision),
             "predicted_bytes": winner.predicted, "predicted_all_bytes": winner.predicted_all,
             "measured_bytes": winner.result["measured_bytes"], "fixed": fixed,
             "table": [dict(key=r.candidate.key, **r.result, predicted_bytes=r.predicted,

@@ -55,3 +55,19 @@ def test_autotune_nothing_fits_is_a_config_error_on_every_rank_before_training(t
         assert "no layout fits autotune.memory=1.0 MiB per device" in err, err
         assert "stage 3 offload=all dp2 tp1 pp1: predicted" in err and "stage 0 offload=none dp1 tp2 pp1" in err
     assert "measuring" not in proc.stdout  # pruned before any probe
+
+
+@pytest.mark.slow  # two Trainer runs: ~40 s here
+def test_autotune_tp_winner_at_bf16_trains_like_the_hand_set_layout(tmp_path):
+    """The winner's split differs from the topology setup_environment built (dp2 -> dp1 x tp2): the strategy goes on
+    with the probe's topology (the sampler splits over dp=1); the probes ran at the Trainer's bf16-mixed."""
+    auto = "autotune={'tp': 2, 'stages': [1, 2], 'offloads': ['none'], 'ac': ['none'], 'buckets': [25]}"
+    tuned, _ = _fit(tmp_path, "tuned", "--precision", "bf16-mixed", "--option", auto)
+    result = tuned["autotune"]
+    assert result["precision"] == "bf16-mixed" and result["settings"]["tp"] == 2, result["winner"]
+    assert tuned["layout"]["dp"] == 1 and tuned["layout"]["tp"] == 2
+    hand_opts = [f"{k}={v!r}" for k, v in result["settings"].items() if k != "dp"]
+    hand, _ = _fit(tmp_path, "hand", "--precision", "bf16-mixed", *[a for o in hand_opts for a in ("--option", o)])
+    assert hand["layout"] == tuned["layout"] and len(hand["losses"]) == len(tuned["losses"]) == 4
+    diff = max(abs(a - b) for a, b in zip(tuned["losses"], hand["losses"]))
+    assert diff < 1e-5, (tuned["losses"], hand["losses"])
