@@ -88,6 +88,9 @@ from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from lightning_scale.config import ConfigError
+from lightning_scale.activation_plan import (  # noqa: F401  (re-exported: callers import them from here)
+    AC_POLICIES, ActivationEstimate, _act_bytes, _counted_profile, _policy, _vocab_and_chunk, activations_for_model,
+    estimate_activations)
 
 STAGES = (0, 1, 2, 3)
 OFFLOADS = ("none", "optimizer", "params", "all")
@@ -132,28 +135,6 @@ class Breakdown:
         return {"params": self.params, "grads": self.grads, "master": self.master,
                 "optimizer_state": self.optimizer_state, "gathered": self.gathered,
                 "transient": self.transient, "total": self.total}
-
-
-@dataclass(frozen=True)
-class ActivationEstimate:
-    """Activation bytes per rank for one micro-batch (the memory plan; formulas in the module docstring)."""
-
-    tokens: int  # T = micro_batch * seq_len / sp, the positions one rank's units see
-    layers: int  # n, the repeated units
-    policy: str  # "none" | "full" | "selective"
-    per_token_layer: float  # s: bytes one unit saves per token without checkpointing
-    kept: float  # device bytes kept from forward to backward (all units)
-    recompute: float  # one unit's backward working set (+ its recomputed activations under checkpointing)
-    head: float  # final norm + head inputs
-    loss: float  # logits-sized buffers of the loss step (one chunk's under the chunked loss)
-    host: float = 0.0  # unit inputs offloaded to the host (offload_activations)
-    source: str = "profiled"  # "profiled" (fake-tensor run of one unit) | "counted" (Linear sizes) | "given"
-    notes: Tuple[str, ...] = field(default=())
-
-    @property
-    def peak(self) -> float:
-        """The most activation bytes at once: what is kept + the larger of the loss step and one unit's backward."""
-        return self.kept + max(self.head + self.loss, self.recompute)
 
 
 @dataclass(frozen=True)
@@ -384,129 +365,6 @@ def with_activations(est: MemoryEstimate, acts: Optional[ActivationEstimate],
         k = _state_elements(est.optimizer)
         scratch = (2 if k >= 2 else 1) * step_tensor_numel * _PRECISION_BYTES[est.precision][3]
     return dataclasses.replace(est, activations=acts, step_scratch=float(scratch))
-
-
-# ---------------------------------------------------------------------------------------- activations
-AC_POLICIES = ("none", "full", "selective")
-
-
-def _act_bytes(precision: str) -> int:
-    """Bytes of an activation element: the compute dtype (autocast's under mixed precision)."""
-    return {"32-true": 4, "64-true": 8}.get(_precision_key(precision), 2)
-
-
-def _policy(activation_checkpointing) -> str:
-    policy = "none" if activation_checkpointing in (None, False, "none") else str(activation_checkpointing)
-    if policy not in AC_POLICIES:
-        raise ConfigError(f"activation_checkpointing={activation_checkpointing!r}: must be 'full', 'selective' "
-                          "or None (off)")
-    return policy
-
-
-def estimate_activations(*, seq_len: int, micro_batch: int = 1, layers: int, per_token: Dict[str, float],
-                         hidden: int, vocab: int, precision: str = "bf16-mixed", activation_checkpointing=None,
-                         offload_activations: bool = False, sp: int = 1, tp: int = 1, loss_chunk: int = 0,
-                         source: str = "given", notes: Sequence[str] = ()) -> ActivationEstimate:
-    """The activation plan from one unit's per-token bytes (float32 profile: ``saved``, ``input``, ``selective``,
-    ``backward``; tp already applied) -- the formulas of the module docstring. Pure python."""
-    for name, value in (("seq_len", seq_len), ("micro_batch", micro_batch), ("sp", sp), ("tp", tp),
-                        ("layers", layers)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ConfigError(f"{name}={value!r} must be a positive integer")
-    if seq_len % sp:
-        raise ConfigError(f"sp={sp} does not divide seq_len={seq_len}")
-    if not isinstance(loss_chunk, int) or loss_chunk < 0:
-        raise ConfigError(f"chunked_loss={loss_chunk!r} must be an integer >= 0 (0: not chunked)")
-    policy = _policy(activation_checkpointing)
-    if offload_activations and policy == "none":
-        raise ConfigError("offload_activations=True needs activation_checkpointing='full' or 'selective'")
-    scale = _act_bytes(precision) / 4.0  # the profile runs in float32
-    s, s_in = per_token["saved"] * scale, per_token["input"] * scale
-    s_sel, g = per_token["selective"] * scale, per_token["backward"] * scale
-    local = seq_len // sp
-    T = micro_batch * local
-    kept_per_token = {"none": layers * s, "full": layers * s_in, "selective": layers * s_sel}[policy]
-    host = 0.0
-    if offload_activations:  # the unit inputs wait on the host; the device holds the one in use + the prefetched one
-        host = layers * s_in * T
-        kept_per_token -= (layers - min(layers, 2)) * s_in
-    extra = {"none": g, "full": s - s_in + g, "selective": max(s - s_sel, 0.0) + g}[policy]
-    b = _act_bytes(precision)
-    chunk_tokens = micro_batch * (min(loss_chunk, local) if loss_chunk and local > loss_chunk else local)
-    # loss in fp32 (lm_loss): the log-softmax kept + its gradient + the logits' gradient; + the b-byte logits
-    # when they are not fp32 already
-    loss = chunk_tokens * (vocab / tp) * (3 * 4 + (b if b != 4 else 0))
-    head = 2 * T * hidden * b  # the final norm's input and the head's input
-    return ActivationEstimate(tokens=T, layers=layers, policy=policy, per_token_layer=s, kept=kept_per_token * T,
-                              recompute=extra * T, head=head, loss=loss, host=host, source=source, notes=tuple(notes))
-
-
-def _vocab_and_chunk(module, chunked_loss) -> Tuple[int, int]:
-    """(vocabulary width of the head, this rank's; loss chunk) read from the model (GPT: cfg.loss_chunk)."""
-    import torch.nn as nn
-
-    vocab = 0
-    head = getattr(module, "lm_head", None)
-    if head is None:
-        for m in module.modules():
-            if hasattr(m, "lm_head"):
-                head = m.lm_head
-                break
-    if isinstance(head, nn.Linear):
-        vocab = head.out_features
-    if not vocab:
-        cfg = getattr(module, "cfg", None) or getattr(module, "config", None)
-        vocab = int(getattr(cfg, "vocab_size", 0) or 0)
-    if chunked_loss is None:
-        cfg = getattr(module, "cfg", None)
-        for m in module.modules():
-            cfg = cfg or getattr(m, "cfg", None)
-        chunk = int(getattr(cfg, "loss_chunk", 0) or 0)
-    elif chunked_loss is True:
-        chunk = 512
-    else:
-        chunk = int(chunked_loss or 0)
-    return vocab, chunk
-
-
-def _counted_profile(unit, hidden: int, tp: int) -> Dict[str, float]:
-    """The fallback when a unit's forward cannot run alone: Linear layers' input + output sizes (float32)."""
-    import torch.nn as nn
-
-    lin = [m for m in unit.modules() if isinstance(m, nn.Linear)]
-    outs = sum(m.out_features for m in lin) / tp
-    ins = sum(m.in_features for m in lin) / tp
-    widest = max((m.out_features for m in lin), default=hidden) / tp
-    return {"saved": 4.0 * (ins + outs + 2 * hidden), "input": 4.0 * hidden, "selective": 4.0 * (hidden + outs),
-            "backward": 4.0 * 2 * max(widest, hidden)}
-
-
-def activations_for_model(module, *, seq_len: int, micro_batch: int = 1, precision: str = "bf16-mixed",
-                          activation_checkpointing=None, offload_activations: bool = False, sp: int = 1,
-                          tp: int = 1, chunked_loss=None) -> ActivationEstimate:
-    """The activation plan for ``module``'s largest unit, profiled on fake tensors
-    (:func:`lightning_scale.activation_profile.profile_unit`), else counted from its Linear sizes.
-    ``chunked_loss``: None = the model's own setting (GPT ``loss_chunk``), True = 512, an int = the chunk, 0 = off."""
-    from lightning_scale.activation_profile import hidden_size, profile_unit
-
-    units = [u for u in _units(module) if any(True for _ in u.parameters())]
-    if not units:
-        raise ConfigError("the model has no repeated unit to estimate activations for")
-    unit = max(units, key=lambda u: sum(p.numel() for p in u.parameters()))
-    hidden = hidden_size(unit) or 0
-    vocab, chunk = _vocab_and_chunk(module, chunked_loss)
-    notes, source = [], "profiled"
-    try:
-        per_token = profile_unit(unit, max(1, seq_len // max(sp, 1)), tp=tp, hidden=hidden or None)
-    except Exception as err:  # a unit that needs more than one tensor (masks, rotary tables): count instead
-        per_token, source = _counted_profile(unit, hidden, tp), "counted"
-        notes.append(f"{type(unit).__name__} did not run alone on fake tensors ({type(err).__name__}); activations "
-                     "counted from its Linear sizes")
-    return estimate_activations(seq_len=seq_len, micro_batch=micro_batch, layers=len(units), per_token=per_token,
-                                hidden=hidden, vocab=vocab, precision=precision,
-                                activation_checkpointing=activation_checkpointing,
-                                offload_activations=offload_activations, sp=sp, tp=tp, loss_chunk=chunk,
-                                source=source, notes=notes)
 
 
 # ---------------------------------------------------------------------------------------- table
