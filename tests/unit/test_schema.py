@@ -108,7 +108,7 @@ def test_every_field_is_reachable_from_kwargs_and_hydra(hydra):
 
 def test_hydra_nodes_are_generated_from_the_schemas():
     conf = {f.name: f for f in dataclasses.fields(StrategyConf)}
-    assert set(conf) == set(SCHEMA) | {"name", "precision"}
+    assert set(conf) == set(SCHEMA) | {"name", "precision", "autotune"}  # autotune: the strategy's, not the schema's
     for flat, key in SCHEMA.items():
         assert conf[flat].default == key.default, flat
     gpt = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
