@@ -11,51 +11,13 @@ from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import dataclass
 from typing import Callable, List, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-
-@dataclass(frozen=True)
-class GPTConfig:
-    vocab_size: int = 256
-    seq_len: int = 128
-    n_layer: int = 4
-    n_head: int = 4
-    d_model: int = 256
-    mlp_ratio: int = 4
-    dropout: float = 0.0
-    bias: bool = True
-    tie_weights: bool = False
-    # loss() runs the head + cross-entropy in chunks of this many positions when the sequence is longer (the full
-    # (B, T, vocab) logits never exist; lightning_scale.nn.chunked_loss, docs/long_sequences.md). 0: never.
-    loss_chunk: int = 512
-
-    def validate(self) -> "GPTConfig":
-        for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "mlp_ratio"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"model.{name}={getattr(self, name)} must be >= 1")
-        if not isinstance(self.loss_chunk, int) or self.loss_chunk < 0:
-            raise ValueError(f"model.loss_chunk={self.loss_chunk!r} must be an integer >= 0 (0: never chunk)")
-        if self.d_model % self.n_head:
-            raise ValueError(f"model.n_head={self.n_head} does not divide model.d_model={self.d_model}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"model.dropout={self.dropout} must be in [0, 1)")
-        return self
-
-    def num_params(self) -> int:
-        d, v = self.d_model, self.vocab_size
-        b = 1 if self.bias else 0
-        per_block = (
-            2 * 2 * d  # two LayerNorms
-            + d * 3 * d + b * 3 * d + d * d + b * d  # attention
-            + d * self.mlp_ratio * d + b * self.mlp_ratio * d + self.mlp_ratio * d * d + b * d  # MLP
-        )
-        head = 0 if self.tie_weights else v * d
-        return v * d + self.seq_len * d + self.n_layer * per_block + 2 * d + head
+from lightning_scale.models.gpt_config import GPTConfig, gpt_small, gpt_tiny  # noqa: F401  (torch-free; re-exported)
 
 
 class DenseCausalAttention(nn.Module):
@@ -235,19 +197,6 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -10
     """Mean (or ``reduction="sum"``) next-token cross-entropy, computed in at least fp32 (fp64 logits stay fp64)."""
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=ignore_index, reduction=reduction)
-
-
-def gpt_small(**overrides) -> GPTConfig:
-    """The benchmark GPT of ../shared/PEERS.md: 4 layers, d 256, 4 heads, vocab 8192, seq 128 (7.4M)."""
-    base = dict(vocab_size=8192, seq_len=128, n_layer=4, n_head=4, d_model=256)
-    base.update(overrides)
-    return GPTConfig(**base)
-
-
-def gpt_tiny(**overrides) -> GPTConfig:
-    base = dict(vocab_size=64, seq_len=16, n_layer=2, n_head=4, d_model=32)
-    base.update(overrides)
-    return GPTConfig(**base)
 
 
 def make_batch(cfg: GPTConfig, batch_size: int, seed: int, device: Optional[torch.device] = None):

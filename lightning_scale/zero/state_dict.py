@@ -18,16 +18,29 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Dict, Optional
-
-import torch
+from typing import Dict, Optional, Union
 
 SHARD_KEY = "zero3_model_shard"
+# --dtype / dtype= by name; "keep": each tensor's own dtype. torch is imported only past argparse (fast --help).
+DTYPES = ("float32", "bfloat16", "float16", "float64", "keep")
 
 
-@torch.no_grad()
-def consolidate_checkpoint(path: str, *, strip_prefix: str = "", dtype: Optional[torch.dtype] = torch.float32,
-                           out: Optional[str] = None) -> Dict[str, torch.Tensor]:
+def consolidate_checkpoint(path: str, *, strip_prefix: str = "", dtype: Union["torch.dtype", str, None] = "float32",
+                           out: Optional[str] = None) -> Dict[str, "torch.Tensor"]:
+    """``dtype``: a floating ``torch.dtype`` or its name (``"float32"``, the default), or None / ``"keep"``."""
+    import torch
+
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype={dtype!r}: use one of {', '.join(DTYPES)} or a torch.dtype")
+        dtype = None if dtype == "keep" else getattr(torch, dtype)
+    with torch.no_grad():
+        return _consolidate(path, strip_prefix, dtype, out)
+
+
+def _consolidate(path: str, strip_prefix: str, dtype, out: Optional[str]) -> Dict[str, "torch.Tensor"]:
+    import torch
+
     from lightning_scale.checkpoint import folder  # checks each file against the manifest as it is read
 
     path = folder.resolve(path)  # a save interrupted while swapping folders left the complete one beside it
@@ -78,8 +91,10 @@ def consolidate_checkpoint(path: str, *, strip_prefix: str = "", dtype: Optional
     return state
 
 
-def _merge_dp(ranks: Dict[int, dict], layout: dict) -> Dict[str, torch.Tensor]:
+def _merge_dp(ranks: Dict[int, dict], layout: dict) -> Dict[str, "torch.Tensor"]:
     """One tp rank's parameters, whole over dp: each bucket's dp shards concatenated and cut into slots."""
+    import torch
+
     dp = int(layout["world_size"])
     if sorted(ranks) != list(range(dp)):
         raise ValueError(f"expected ZeRO-3 shards of dp ranks 0..{dp - 1}, found {sorted(ranks)}")
@@ -99,20 +114,25 @@ def _merge_dp(ranks: Dict[int, dict], layout: dict) -> Dict[str, torch.Tensor]:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m lightning_scale.zero.state_dict", description=__doc__.split("\n\n")[0])
     ap.add_argument("checkpoint")
     ap.add_argument("out")
     ap.add_argument("--strip-prefix", default="")
-    ap.add_argument("--dtype", default="float32", help="float32, bfloat16, float16 or 'keep'")
+    ap.add_argument("--dtype", default="float32", help="float32, bfloat16, float16, float64 or 'keep'")
     args = ap.parse_args(argv)
-    dtype = None if args.dtype == "keep" else getattr(torch, args.dtype, None)
-    if not isinstance(dtype, (torch.dtype, type(None))):
+    if args.dtype not in DTYPES:
         print(f"error: --dtype={args.dtype!r}: use float32, bfloat16, float16, float64 or keep", file=sys.stderr)
+        return 2
+    from lightning_scale.checkpoint.cli import _not_a_folder  # standard library only
+
+    if _not_a_folder(args.checkpoint):  # consolidate_checkpoint's message, before torch is imported (~2 s)
+        print(f"error: {args.checkpoint} is not a sharded checkpoint folder", file=sys.stderr)
         return 2
     from lightning_scale.checkpoint.folder import CheckpointError
 
     try:
-        state = consolidate_checkpoint(args.checkpoint, strip_prefix=args.strip_prefix, dtype=dtype, out=args.out)
+        state = consolidate_checkpoint(args.checkpoint, strip_prefix=args.strip_prefix, dtype=args.dtype,
+                                       out=args.out)
     except (OSError, ValueError, CheckpointError) as err:  # a missing / incomplete folder: the message, not a traceback
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -41,13 +41,59 @@ def test_cli_start_time_and_no_runpy_warning(cli):
 
 
 def test_state_dict_cli_bad_folder_is_one_error_line(tmp_path):
-    """Past argparse (torch imported, consolidate_checkpoint called): a folder that is not a checkpoint gives the
-    CLI's own one-line error and exit code 2, no traceback, and no runpy warning."""
-    proc, seconds = _run("-m", "lightning_scale.zero.state_dict", str(tmp_path / "missing"), str(tmp_path / "o.pt"))
-    print(f"\npython -m lightning_scale.zero.state_dict MISSING OUT: {seconds:.2f} s wall")
-    assert proc.returncode == 2, proc.stderr
-    assert "found in sys.modules" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
-    assert proc.stderr.strip() == f"error: {tmp_path / 'missing'} is not a sharded checkpoint folder"
+    """A folder that is not a checkpoint gives the CLI's own one-line error and exit code 2, no traceback, no runpy
+    warning, before torch is imported (the ``lightning_scale.zero`` package is lazy too)."""
+    proc, seconds = _run("-X", "importtime", "-m", "lightning_scale.zero.state_dict", str(tmp_path / "missing"),
+                         str(tmp_path / "o.pt"))
+    print(f"\npython -m lightning_scale.zero.state_dict MISSING OUT: {seconds:.2f} s wall (with -X importtime)")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    heavy = _imported(proc.stderr) & {"torch", *HEAVY}
+    assert not heavy, f"imported {sorted(heavy)}"
+    errors = [ln for ln in proc.stderr.splitlines() if not ln.startswith("import time:")]
+    assert errors == [f"error: {tmp_path / 'missing'} is not a sharded checkpoint folder"], errors
+
+
+def test_state_dict_cli_help_imports_no_torch():
+    proc, _ = _run("-X", "importtime", "-m", "lightning_scale.zero.state_dict", "--help")
+    assert proc.returncode == 0 and "--strip-prefix" in proc.stdout, proc.stderr[-3000:]
+    heavy = _imported(proc.stderr) & {"torch", *HEAVY}
+    assert not heavy, f"imported {sorted(heavy)}"
+
+
+def _shipped_gpt_configs():
+    """Every model name the CLIs accept, the Hydra model group's YAMLs, and the bias / tied-head variants."""
+    import pathlib
+
+    import yaml
+
+    from lightning_scale.models.gpt_config import MODELS, GPTConfig
+
+    out = {name: make() for name, make in MODELS.items()}
+    for path in sorted((pathlib.Path(__file__).parents[2] / "conf" / "model").glob("*.yaml")):
+        out[f"conf/model/{path.name}"] = GPTConfig(**(yaml.safe_load(path.read_text()) or {}))
+    out["gpt_tiny:bias=false"] = MODELS["gpt_tiny"](bias=False)
+    out["gpt_tiny:tie_weights=true"] = MODELS["gpt_tiny"](tie_weights=True)
+    out["gpt_tiny:mlp_ratio=3,n_layer=1"] = MODELS["gpt_tiny"](mlp_ratio=3, n_layer=1)
+    return out
+
+
+def test_torch_free_gpt_counts_equal_the_real_model():
+    """models.gpt_config counts parameters from the config alone; they equal estimate.model_counts of the built GPT
+    (unique parameters, the largest unit, the persistent ones below a threshold) and the parameter names/sizes."""
+    import torch
+
+    from lightning_scale.estimate import model_counts
+    from lightning_scale.models.gpt import GPT
+    from lightning_scale.models.gpt_config import param_counts, parameter_numels
+
+    for name, cfg in _shipped_gpt_configs().items():
+        with torch.device("meta"):
+            model = GPT(cfg)
+        real = [(n, p.numel()) for n, p in model.named_parameters()]
+        assert parameter_numels(cfg) == real, name
+        for threshold in (0, 100, 10**5):
+            assert param_counts(cfg, threshold) == model_counts(model, threshold), (name, threshold)
+        assert cfg.num_params() == sum(p.numel() for p in model.parameters()), name
 
 
 def _imported(stderr: str):
