@@ -37,6 +37,7 @@ from lightning_scale.tensor_parallel.mappings import (
     tp_rank,
     tp_size,
 )
+from lightning_scale.tensor_parallel.overlap import row_linear_chunked
 from lightning_scale.tensor_parallel.sharding import (
     ShardSpec,
     make_spec,
@@ -144,11 +145,14 @@ class _RowLinearFn(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, tag, transposed):
+    def forward(ctx, x, weight, bias, group, tag, transposed, chunks=1, blocking=False):
         ctx.save_for_backward(x, weight)
         ctx.transposed, ctx.has_bias = transposed, bias is not None
-        y = F.linear(x, weight.t() if transposed else weight)  # (*, T, out): partial sums over own inputs
-        _reduce_in_place(y, group, tag)
+        if chunks > 1:  # all-reduce of each row chunk in flight during the next chunk's matmul (overlap.py)
+            y = row_linear_chunked(x, weight, group, tag, transposed, chunks, blocking)
+        else:
+            y = F.linear(x, weight.t() if transposed else weight)  # (*, T, out): partial sums over own inputs
+            _reduce_in_place(y, group, tag)
         return y if bias is None else y.add_(bias)
 
     @staticmethod
@@ -164,7 +168,7 @@ class _RowLinearFn(torch.autograd.Function):
             grad_w = (x2.t().mm(g2) if ctx.transposed else g2.t().mm(x2)).to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g2.sum(0).to(weight.dtype)
-        return grad_x, grad_w, grad_b, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None
 
 
 class _VocabEmbeddingFn(torch.autograd.Function):
@@ -367,8 +371,12 @@ class ColumnParallelLinear(_ParallelLinearBase):
 class RowParallelLinear(_ParallelLinearBase):
     """Input features split over the tp group: ``(*, in / tp) -> (*, out)`` after one all-reduce.
 
-    The bias is replicated and added after the reduction, so it is counted once.
+    The bias is replicated and added after the reduction, so it is counted once. ``overlap_chunks`` > 1
+    (:func:`~lightning_scale.tensor_parallel.overlap.set_overlap`) overlaps the forward all-reduce with the
+    layer's own matmul, chunk by chunk.
     """
+
+    overlap_chunks, overlap_blocking = 1, False
 
     def __init__(self, in_features: int, out_features: int, *, group, bias: bool = True,
                  input_is_parallel: bool = True, sections: int = 1, sequence_parallel: bool = False,
@@ -391,7 +399,8 @@ class RowParallelLinear(_ParallelLinearBase):
             x = scatter_to_region(x, self.group, tag=self.tag)
         if (not self.sequence_parallel and self.tp > 1 and x.dtype == self.weight.dtype
                 and not torch.is_autocast_enabled(x.device.type)):
-            return _RowLinearFn.apply(x, self.weight, self.bias, self.group, self.tag, self.transposed)
+            return _RowLinearFn.apply(x, self.weight, self.bias, self.group, self.tag, self.transposed,
+                                      self.overlap_chunks, self.overlap_blocking)
         y = F.linear(x, self._weight())  # partial sums over this rank's input features
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_region(y, self.group, dim=-2, tag=self.tag)
