@@ -1,41 +1,54 @@
-"""Checkpoint save / load: lightning_scale's universal and sharded formats vs torch DCP and Lightning, 2 CPU ranks.
+"""Checkpoint save / load: lightning_scale's universal and sharded formats vs torch DCP, DeepSpeed and Lightning, CPU.
 
-    python bench/checkpoint.py                       # 2 interleaved rounds, HF Llama 56M (bench/models.py's model)
-    python bench/checkpoint.py --rounds 1 --layers 4 # quick look
-    python bench/checkpoint.py --systems ls_universal,dcp_fsdp2
+    python bench/checkpoint.py                       # 2 interleaved rounds, 2 ranks -> 4 ranks, HF Llama 102M
+    python bench/checkpoint.py --world 4             # 4 ranks -> 2 ranks
+    python bench/checkpoint.py --rounds 1 --layers 1 --hidden 64 --vocab 512   # quick look (seconds)
+    python bench/checkpoint.py --systems ls_universal,dcp_fsdp2,deepspeed
+    python bench/checkpoint.py --reshard-world 0     # the resharded load is dp -> tp=2 in the same processes
 
-Every row trains the same unchanged ``LlamaForCausalLM`` (bench/models.py: hidden 512, 8 layers, vocabulary 32000,
-fp32, AdamW) one step on 2 ranks (dp=2), then, each in the same fresh pair of processes:
+Every row trains the same unchanged ``LlamaForCausalLM`` (bench/models.py's builder: hidden 768, 8 layers, 8 / 4
+heads, MLP 2112, vocabulary 32000, untied head: 102M parameters, fp32, AdamW) one step on ``--world`` ranks (dp),
+then, in the same fresh processes:
 
     save            the whole training state (weights, Adam exp_avg / exp_avg_sq / step) to a new folder
     load            into a fresh model + optimizer of the same layout
-    reshard load    into a fresh model + optimizer of another layout: dp=2 -> tp=2 (2 ranks)
+
+and, in a second launch of ``--reshard-world`` fresh processes (default: 4 when --world is 2, else 2):
+
+    reshard load    into a fresh model + optimizer of the same kind on the new number of ranks (dp=2 -> dp=4 ...)
 
 ls_universal also saves the same state through ``AsyncSaver`` (twice: the first allocates the host buffers; the
 second is timed): "async save blocks" is how long ``save`` held the training thread (the snapshot), "async save
 total" until the folder was in place. After each load the run takes 2 more steps, and their losses are compared
-with the 2 steps the saving model took right after the save (same batches): "resume dloss" is the largest
-difference (0 = bit for bit; tp changes the reduction order, so ~1e-6 there). The loads into a fresh optimizer
-(every row but lightning_fsdp2) allocate its Adam state inside the timed call: the rank's own shards of it are part
-of their peak growth (~215 MiB per rank here); lightning_fsdp2 loads into the live model and optimizer.
+with the 2 steps the saving model took right after the save (same global batches): "resume dloss" is the largest
+difference (0 = bit for bit; another dp size changes the reduction order, so ~1e-6 there). The loads into a fresh
+optimizer (every row but lightning_fsdp2) allocate its Adam state inside the timed call: the rank's own shards of it
+are part of their peak growth; lightning_fsdp2 loads into the live model and optimizer.
 
     ls_universal     lightning_scale parallelize(stage=2) + make_engines; checkpoint.engine_pieces.save_engines /
-                     load_engines (the layout-free DCP format of checkpoint_format="universal"); reshard: tp=2
-                     stage 1 (the model's own tp_plan)
+                     load_engines (the layout-free DCP format of checkpoint_format="universal"); reshard: stage 2 on
+                     the new dp (or, with --reshard-world 0, tp=2 stage 1: the model's own tp_plan)
     ls_sharded       the same engines, checkpoint_format="sharded" (format 2: rank 0 the module state_dict, each
                      rank its engine.state_dict(); strategies.checkpoint.save_sharded / load_sharded); cannot
                      reshard (it refuses another layout)
     dcp_fsdp2        torch fully_shard per decoder layer + root; torch.distributed.checkpoint.state_dict
-                     get_state_dict -> dcp.save; dcp.load -> set_state_dict; reshard: DTensor parallelize_module
-                     tp=2 (bench/models.py's torchtitan plan)
-    lightning_fsdp2  Lightning Trainer + ModelParallelStrategy(data_parallel_size=2) with the fsdp2 row's
+                     get_state_dict -> dcp.save; dcp.load -> set_state_dict; reshard: fully_shard on the new dp (or
+                     DTensor parallelize_module tp=2, bench/models.py's torchtitan plan)
+    deepspeed        deepspeed.initialize ZeRO-2, fp32, the torch AdamW as client optimizer, gradient_clipping 0,
+                     DS_ACCELERATOR=cpu, gloo; engine.save_checkpoint / engine.load_checkpoint; reshard (one timed
+                     call): rank 0 runs deepspeed.checkpoint.ds_to_universal (its CLI's main, --inject_missing_state,
+                     2 extract + 2 merge worker processes: the box's cores) while the others wait, then every rank
+                     load_checkpoint with "checkpoint": {"load_universal": true} on the new dp. "converter workers
+                     peak RSS" is the largest of those worker processes (RUSAGE_CHILDREN, not in the rank's own)
+    lightning_fsdp2  Lightning Trainer + ModelParallelStrategy(data_parallel_size=N) with the fsdp2 row's
                      fully_shard: trainer.save_checkpoint / strategy.load_checkpoint (Lightning's DCP save);
                      checked by the restored local shards' checksum, no reshard row
 
-DeepSpeed (save_checkpoint + ds_to_universal + load) is a row of the issue's table but is not installed here
-(``pip install deepspeed``, see ../shared/PEERS.md): its row reads "not run". Times are seconds of the slower rank;
-bytes are the folder's size on disk; peak growth is each rank's RSS high-water mark above its live RSS just before
-the call (max over ranks). Each (round, system) runs in fresh processes, the order rotated every round. Not a test.
+DeepSpeed needs ``pip install deepspeed torch==<this torch>`` (../shared/PEERS.md); without it its row reads
+"not run" and says why. Times are seconds of the slower rank; bytes are the folder's size on disk; peak growth is
+each rank's RSS high-water mark above its live RSS just before the call (max over ranks); "peak RSS" is the
+process's (max over ranks), of the saving launch and of the resharding launch. Each (round, system) runs in fresh
+processes, the order rotated every round. Not a test.
 """
 
 from __future__ import annotations
@@ -52,13 +65,16 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from models import _dtensor_plan, _fsdp2, _loss, build_llama  # noqa: E402
 
-SYSTEMS = ["ls_universal", "ls_sharded", "dcp_fsdp2", "lightning_fsdp2"]
-PEERS = {"ls_universal": ["dcp_fsdp2", "lightning_fsdp2", "ls_sharded"]}
+SYSTEMS = ["ls_universal", "ls_sharded", "dcp_fsdp2", "deepspeed", "lightning_fsdp2"]
+PEERS = {"ls_universal": ["dcp_fsdp2", "deepspeed", "lightning_fsdp2", "ls_sharded"]}
+RESHARDS = {"ls_universal", "dcp_fsdp2", "deepspeed"}  # the rows with a resharded load
 AFTER = 2  # steps taken after a save / each load
-# the resharded load's layout: "tp" (dp=2 -> tp=2, 2+ ranks) or "stage3" (one rank: ZeRO-2 -> ZeRO-3 / FSDP2 -> a
-# plain module), for lightning_scale and for torch DCP
-RESHARD_LS = {"tp": lambda world: dict(tp=world, stage=1), "stage3": lambda world: dict(stage=3)}
-RESHARD_DCP = {"tp": "tp", "stage3": "plain"}
+# the resharded load's layout: "world" (the same kind of layout on another number of ranks: a second launch, see
+# worker's phase), "tp" (dp=N -> tp=N in the same processes) or "stage3" (one rank: ZeRO-2 -> ZeRO-3 / FSDP2 -> a
+# plain module), for lightning_scale and for torch DCP; DeepSpeed reshards only in "world"
+RESHARD_LS = {"tp": lambda world: dict(tp=world, stage=1), "stage3": lambda world: dict(stage=3),
+              "world": lambda world: dict(stage=2)}
+RESHARD_DCP = {"tp": "tp", "stage3": "plain", "world": "fsdp2"}
 
 
 # ------------------------------------------------------------------------------------------------ measurement
@@ -175,7 +191,7 @@ def _ls_run(system, kw, batches, rank, world, root, device="cpu", reshard=None):
         _, wait_s, _ = _timed(saver.wait)
         out["async_total_s"] = out["async_block_s"] + wait_s
         shutil.rmtree(apath, ignore_errors=True) if rank == 0 else None
-    expected = [step(*b) for b in batches[1:1 + AFTER]]
+    out["expected"] = expected = [step(*b) for b in batches[1:1 + AFTER]]
     del model, engine, step
     model, engine, tp_rank, step = _ls_build(kw, rank, world, device, stage=2)
     if system == "ls_universal":
@@ -188,11 +204,19 @@ def _ls_run(system, kw, batches, rank, world, root, device="cpu", reshard=None):
             engine.load_state_dict(ck["optimizer_states"][0])
     _, out["load_s"], out["load_mb"] = _timed(load)
     out["dloss"] = max(abs(a - b) for a, b in zip(expected, [step(*b) for b in batches[1:1 + AFTER]]))
-    if system == "ls_universal":
+    if system == "ls_universal" and reshard != "world":
         del model, engine, step
-        model, engine, tp_rank, step = _ls_build(kw, rank, world, device, **RESHARD_LS[reshard](world))
-        _, out["reshard_s"], out["reshard_mb"] = _timed(lambda: load_engines(path, model, [engine], tp_rank=tp_rank))
-        out["reshard_dloss"] = max(abs(a - b) for a, b in zip(expected, [step(*b) for b in batches[1:1 + AFTER]]))
+        out.update(_ls_reshard(kw, batches, rank, world, root, device, reshard, expected))
+    return out
+
+
+def _ls_reshard(kw, batches, rank, world, root, device, reshard, expected):
+    from lightning_scale.checkpoint.engine_pieces import load_engines
+
+    path, out = os.path.join(root, "ckpt"), {}
+    model, engine, tp_rank, step = _ls_build(kw, rank, world, device, **RESHARD_LS[reshard](world))
+    _, out["reshard_s"], out["reshard_mb"] = _timed(lambda: load_engines(path, model, [engine], tp_rank=tp_rank))
+    out["reshard_dloss"] = max(abs(a - b) for a, b in zip(expected, [step(*b) for b in batches[1:1 + AFTER]]))
     return out
 
 
@@ -238,7 +262,7 @@ def _dcp_build(kw, mode: str, device="cpu"):
 
 def _dcp_run(kw, batches, root, device="cpu", reshard="tp"):
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model, opt, step = _dcp_build(kw, "fsdp2", device)
     step(*batches[0])
@@ -249,24 +273,119 @@ def _dcp_run(kw, batches, root, device="cpu", reshard="tp"):
         msd, osd = get_state_dict(model, opt)
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
 
-    def load_into(m, o):
-        def load():
-            msd, osd = get_state_dict(m, o)  # allocates the optimizer state (a zero-lr step), DTensor-shaped
-            sd = {"model": msd, "optim": osd}
-            dcp.load(sd, checkpoint_id=path)
-            set_state_dict(m, o, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-        return load
-
     _, out["save_s"], out["save_mb"] = _timed(save)
     out["bytes"] = _folder_bytes(path)
-    expected = [step(*b) for b in batches[1:1 + AFTER]]
+    out["expected"] = expected = [step(*b) for b in batches[1:1 + AFTER]]
     del model, opt, step
     model, opt, step = _dcp_build(kw, "fsdp2", device)
-    _, out["load_s"], out["load_mb"] = _timed(load_into(model, opt))
+    _, out["load_s"], out["load_mb"] = _timed(_dcp_load_into(model, opt, path))
     out["dloss"] = max(abs(a - b) for a, b in zip(expected, [step(*b) for b in batches[1:1 + AFTER]]))
-    del model, opt, step
+    if reshard != "world":
+        del model, opt, step
+        out.update(_dcp_reshard(kw, batches, root, device, reshard, expected))
+    return out
+
+
+def _dcp_load_into(m, o, path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    def load():
+        msd, osd = get_state_dict(m, o)  # allocates the optimizer state (a zero-lr step), DTensor-shaped
+        sd = {"model": msd, "optim": osd}
+        dcp.load(sd, checkpoint_id=path)
+        set_state_dict(m, o, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    return load
+
+
+def _dcp_reshard(kw, batches, root, device, reshard, expected):
+    out = {}
     model, opt, step = _dcp_build(kw, RESHARD_DCP[reshard], device)
-    _, out["reshard_s"], out["reshard_mb"] = _timed(load_into(model, opt))
+    _, out["reshard_s"], out["reshard_mb"] = _timed(_dcp_load_into(model, opt, os.path.join(root, "ckpt")))
+    out["reshard_dloss"] = max(abs(a - b) for a, b in zip(expected, [step(*b) for b in batches[1:1 + AFTER]]))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ DeepSpeed
+def _ds_build(kw, world, batch, universal=False, device="cpu"):
+    """The same Llama under DeepSpeed ZeRO-2 (fp32, torch AdamW as the client optimizer, no clipping), CPU + gloo."""
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+
+    model = build_llama(kw)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    config = {"train_micro_batch_size_per_gpu": batch // world, "gradient_accumulation_steps": 1,
+              "gradient_clipping": 0, "zero_allow_untested_optimizer": True,
+              "zero_optimization": {"stage": 2}, "checkpoint": {"load_universal": universal},
+              "steps_per_print": 10**9, "wall_clock_breakdown": False}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+    rank = dist.get_rank()
+
+    def step(x, y):
+        x, y = x.chunk(world)[rank].to(device), y.chunk(world)[rank].to(device)
+        loss = _loss(engine(input_ids=x).logits, y)
+        engine.backward(loss)
+        engine.step()
+        loss = loss.detach().clone()
+        dist.all_reduce(loss)
+        return float(loss / world)
+
+    return engine, step
+
+
+def _ds_convert(path: str, tag: str, out_tag: str, workers: int) -> None:
+    """deepspeed.checkpoint.ds_to_universal on path/tag -> path/out_tag (what its CLI does, in this process)."""
+    import argparse as _argparse
+    import contextlib
+    import io
+
+    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+    args = _argparse.Namespace(input_folder=os.path.join(path, tag), output_folder=os.path.join(path, out_tag),
+                               num_extract_workers=workers, num_merge_workers=workers, keep_temp_folder=False,
+                               strict=True, inject_missing_state=True)
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):  # its tqdm bars
+        ds_to_universal(args)
+
+
+def _ds_run(kw, batches, rank, world, root, batch, device="cpu"):
+    import torch.distributed as dist
+
+    engine, step = _ds_build(kw, world, batch, device=device)
+    step(*batches[0])
+    path = os.path.join(root, "ckpt")
+    out = {}
+    _, out["save_s"], out["save_mb"] = _timed(lambda: engine.save_checkpoint(path, tag="t"))
+    out["bytes"] = _folder_bytes(path)
+    out["expected"] = [step(*b) for b in batches[1:1 + AFTER]]
+    del engine, step
+    engine, step = _ds_build(kw, world, batch, device=device)
+    _, out["load_s"], out["load_mb"] = _timed(lambda: engine.load_checkpoint(path, tag="t"))
+    out["dloss"] = max(abs(a - b) for a, b in zip(out["expected"], [step(*b) for b in batches[1:1 + AFTER]]))
+    dist.barrier()
+    return out
+
+
+def _ds_reshard(kw, batches, rank, world, root, batch, expected, device="cpu"):
+    """On the new world size: ds_to_universal (rank 0, 2 worker processes) then load_universal, timed as one."""
+    import resource
+
+    import torch.distributed as dist
+
+    path = os.path.join(root, "ckpt")
+    engine, step = _ds_build(kw, world, batch, universal=True, device=device)
+    out = {}
+
+    def convert_and_load():
+        if rank == 0:
+            _ds_convert(path, "t", "t_universal", workers=2)
+        dist.barrier()
+        engine.load_checkpoint(path, tag="t_universal")
+
+    _, out["reshard_s"], out["reshard_mb"] = _timed(convert_and_load)
+    # the conversion's worker processes: their largest peak RSS (not in this process's high-water mark)
+    out["convert_child_rss_mb"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024 if rank == 0 else 0.0
     out["reshard_dloss"] = max(abs(a - b) for a, b in zip(expected, [step(*b) for b in batches[1:1 + AFTER]]))
     return out
 
@@ -323,21 +442,38 @@ def _lightning_run(kw, batches, rank, world, root):
 
 # ------------------------------------------------------------------------------------------------ driver
 def worker(rank: int, world: int, system: str, kw: dict, batch: int, root: str, device: str = "cpu",
-           reshard: str = "tp") -> dict:
+           reshard: str = "tp", phase: str = "save", expected=None) -> dict:
+    """phase "save": train a step, save, load on the same layout (and, unless reshard == "world", the resharded
+    load in the same processes); phase "reshard": a second launch on another number of ranks that loads the
+    checkpoint the save phase left in root and checks its 2 steps against the save phase's ``expected`` losses."""
     import warnings
 
     import torch
 
     warnings.filterwarnings("ignore")
+    if system == "deepspeed":
+        os.environ.setdefault("DS_ACCELERATOR", "cuda" if device.startswith("cuda") else "cpu")
+        os.environ.update(LOCAL_RANK=str(rank))
     g = torch.Generator().manual_seed(1)
     batches = []
     for _ in range(1 + AFTER):
         ids = torch.randint(0, kw["vocab"], (batch, kw["seq"] + 1), generator=g)
         batches.append((ids[:, :-1].contiguous(), ids[:, 1:].contiguous()))
-    if system.startswith("ls_"):
+    if phase == "reshard":
+        if system == "ls_universal":
+            out = _ls_reshard(kw, batches, rank, world, root, device, reshard, expected)
+        elif system == "dcp_fsdp2":
+            out = _dcp_reshard(kw, batches, root, device, reshard, expected)
+        elif system == "deepspeed":
+            out = _ds_reshard(kw, batches, rank, world, root, batch, expected, device)
+        else:
+            raise ValueError(f"{system!r} has no resharded load")
+    elif system.startswith("ls_"):
         out = _ls_run(system, kw, batches, rank, world, root, device, reshard)
     elif system == "dcp_fsdp2":
         out = _dcp_run(kw, batches, root, device, reshard)
+    elif system == "deepspeed":
+        out = _ds_run(kw, batches, rank, world, root, batch, device)
     elif system == "lightning_fsdp2":
         out = _lightning_run(kw, batches, rank, world, root)
     else:
@@ -349,8 +485,8 @@ def worker(rank: int, world: int, system: str, kw: dict, batch: int, root: str, 
 
 
 def _merge(outs):
-    """Slower rank's time, larger rank's memory, rank 0's folder size."""
-    res = {"bytes": outs[0]["bytes"]}
+    """Slower rank's time, larger rank's memory, rank 0's folder size and expected losses."""
+    res = {k: outs[0][k] for k in ("bytes", "expected") if k in outs[0]}
     for k in outs[0]:
         if k.endswith("_s") or k.endswith("_mb") or k.endswith("dloss"):
             res[k] = max(o[k] for o in outs)
@@ -368,7 +504,8 @@ def _table(rounds, systems, failed) -> str:
             ("load_mb", "load peak +MiB", "{:.0f}"), ("reshard_mb", "reshard peak +MiB", "{:.0f}"),
             ("dloss", "resume dloss", "{:.1e}"), ("reshard_dloss", "reshard dloss", "{:.1e}"),
             ("async_block_s", "async save blocks s", "{:.3f}"), ("async_total_s", "async save total s", "{:.2f}"),
-            ("peak_rss_mb", "peak RSS MB", "{:.0f}")]
+            ("peak_rss_mb", "peak RSS MB", "{:.0f}"), ("reshard_peak_rss_mb", "reshard run peak RSS MB", "{:.0f}"),
+            ("convert_child_rss_mb", "converter workers peak RSS MB", "{:.0f}")]
     lines = ["| system | " + " | ".join(c[1] for c in cols) + " |", "|---" * (len(cols) + 1) + "|"]
     for name in systems:
         if name in failed:
@@ -379,21 +516,20 @@ def _table(rounds, systems, failed) -> str:
             v = _med(rounds, name, key)
             cells.append("n/a" if v is None else (f"{v / 2**20:,.1f}" if fmt is None else fmt.format(v)))
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    lines.append("| deepspeed | not run: deepspeed is not installed here |")
     return "\n".join(lines)
 
 
 def _ratios(rounds, failed) -> str:
-    lines = ["| system | peer | save time ratio | load time ratio | reshard load time ratio | bytes ratio |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| system | peer | save time ratio | load time ratio | reshard load time ratio | bytes ratio | "
+             "peak RSS ratio | reshard run peak RSS ratio |", "|---" * 8 + "|"]
     for name, peers in PEERS.items():
         for peer in peers:
             both = [r for r in rounds if name in r and peer in r]
             if not both:
-                lines.append(f"| {name} | {peer} | n/a ({'failed' if peer in failed else 'not run'}) | | | |")
+                lines.append(f"| {name} | {peer} | n/a ({'failed' if peer in failed else 'not run'}) | | | | | |")
                 continue
             cells = []
-            for key in ("save_s", "load_s", "reshard_s", "bytes"):
+            for key in ("save_s", "load_s", "reshard_s", "bytes", "peak_rss_mb", "reshard_peak_rss_mb"):
                 rs = [r[name][key] / r[peer][key] for r in both if key in r[name] and key in r[peer]]
                 cells.append(f"{statistics.median(rs):.2f} ({min(rs):.2f}-{max(rs):.2f})" if rs else "n/a")
             lines.append(f"| {name} | {peer} | " + " | ".join(cells) + " |")
@@ -404,45 +540,80 @@ def _ratios(rounds, failed) -> str:
     return "\n".join(lines) + "\n\n(ratio = lightning_scale / peer in the same round: < 1 is faster / smaller)" + tail
 
 
+def run_row(launch, name, root, world, reshard_world, args_tail):
+    """One (round, system): launch(world, worker_args) -> per-rank results; the save phase on ``world`` ranks, then
+    (reshard_world > 0, a row with a resharded load) the reshard phase on ``reshard_world`` ranks. ``args_tail``:
+    (kw, batch, device). Removes ``root`` (where the checkpoint lives between the two) at the end."""
+    kw, batch, device = args_tail
+    reshard = "world" if reshard_world else ("tp" if world >= 2 else "stage3")
+    os.makedirs(root)
+    try:
+        res = _merge(launch(world, (name, kw, batch, root, device, reshard)))
+        if reshard_world and name in RESHARDS:
+            more = _merge(launch(reshard_world, (name, kw, batch, root, device, reshard, "reshard", res["expected"])))
+            more["reshard_peak_rss_mb"] = more.pop("peak_rss_mb")
+            res.update(more)
+        res.pop("expected", None)
+        return res
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def reshard_label(world, reshard_world) -> str:
+    return f"dp={reshard_world}" if reshard_world else ("tp=%d" % world if world >= 2 else "ZeRO-3 / unsharded")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--batch", type=int, default=4, help="global sequences per step")
+    ap.add_argument("--world", type=int, default=2, help="ranks of the saving layout (dp)")
+    ap.add_argument("--reshard-world", type=int, default=None,
+                    help="ranks of the resharded load (dp; default 4 if --world is 2, else 2); 0: dp -> tp in the "
+                         "same processes (no DeepSpeed reshard)")
+    ap.add_argument("--batch", type=int, default=4, help="global sequences per step (divisible by both worlds)")
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--hidden", type=int, default=768)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--dir", default=None, help="where checkpoints are written (default: a temporary folder)")
     ap.add_argument("--timeout", type=float, default=900)
     args = ap.parse_args()
+    if args.reshard_world is None:
+        args.reshard_world = 4 if args.world == 2 else 2
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     bad = [s for s in systems if s not in SYSTEMS]
     if bad:
         raise SystemExit(f"--systems: unknown {bad}; known: {', '.join(SYSTEMS)}")
+    for flag, w in (("--world", args.world), ("--reshard-world", args.reshard_world)):
+        if w and args.batch % w:
+            raise SystemExit(f"--batch {args.batch} must be divisible by {flag} {w}")
     kw = dict(vocab=args.vocab, hidden=args.hidden, mlp=-(-(args.hidden * 11 // 4) // 64) * 64, layers=args.layers,
               heads=8, kv_heads=4, seq=args.seq)
     from lightning_scale.testing import run_distributed
 
+    failed = {}
+    if "deepspeed" in systems:
+        import importlib.util
+
+        if importlib.util.find_spec("deepspeed") is None:
+            failed["deepspeed"] = "not run: deepspeed is not installed (pip install deepspeed torch==<this torch>)"
     base = tempfile.mkdtemp(prefix="bench_ckpt_", dir=args.dir)
-    rounds, failed = [], {}
+    launch = lambda world, a: run_distributed(worker, world, a, timeout=args.timeout)  # noqa: E731
+    rounds = []
     try:
         for r in range(args.rounds):
             results = {}
             for name in systems[r % len(systems):] + systems[:r % len(systems)]:
                 if name in failed:
                     continue
-                root = os.path.join(base, f"{r}_{name}")
-                os.makedirs(root)
                 try:
-                    outs = run_distributed(worker, 2, (name, kw, args.batch, root), timeout=args.timeout)
+                    results[name] = run_row(launch, name, os.path.join(base, f"{r}_{name}"), args.world,
+                                            args.reshard_world, (kw, args.batch, "cpu"))
                 except Exception as err:  # noqa: BLE001 - report why, keep going with the other rows
                     failed[name] = " | ".join([t.strip() for t in str(err).splitlines() if t.strip()][-3:])
                     print(f"round {r} {name:16s} FAILED: {failed[name]}", flush=True)
                     continue
-                finally:
-                    shutil.rmtree(root, ignore_errors=True)
-                results[name] = _merge(outs) | {"peak_rss_mb": max(o["peak_rss_mb"] for o in outs)}
                 print(f"round {r} {name:16s} " + "  ".join(
                     f"{k} {v:.3g}" for k, v in results[name].items()), flush=True)
             rounds.append(results)
@@ -450,8 +621,12 @@ def main() -> None:
         shutil.rmtree(base, ignore_errors=True)
     from models import _params_m
 
+    with open("/proc/loadavg") as f:
+        load = " ".join(f.read().split()[:3])
+    target = reshard_label(args.world, args.reshard_world)
     print(f"\n## checkpoint save / load, HF Llama {_params_m(kw):.1f}M + AdamW state ({datetime.date.today()}, "
-          f"2 CPU ranks, dp=2 -> dp=2 / tp=2, {args.rounds} rounds, medians)\n")
+          f"{args.world} CPU ranks, dp={args.world} -> dp={args.world} / {target}, {args.rounds} rounds, medians; "
+          f"load average at the end {load})\n")
     print(_table(rounds, systems, failed))
     print("\n### lightning_scale universal vs peers (same rounds)\n")
     print(_ratios(rounds, failed))
