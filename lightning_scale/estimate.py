@@ -37,7 +37,7 @@ stage  params    grads       master+state gathered units          transient (lar
                                                                   a parameter larger than that is a
                                                                   bucket of its own),
                                                                   or the fp32 grad copy P*b_m/N
-3      P*b_p/N   P*b_g/N     P*M/N        (1+d)*U*b_p + Q*b_p     the full grads of three units 3*U*b_g,
+3      P*b_p/N   P*b_g/N     P*M/N        (1+d)*U*b_p + Q*b_p     the full grads of two units 2*U*b_g,
                                                                   or the fp32 grad copy P*b_m/N
 =====  ========  ==========  ===========  ======================  ==================================
 
@@ -278,7 +278,7 @@ def estimate(params, *, dp: int, stage: int, offload: str = "none", precision: s
         bucket_numel = min(P, bucket_mb * 2**20 / b_p)
         backward = min(P, 2 * bucket_numel) * b_g  # at most two staging buckets in flight
     elif stage == 3:
-        backward = 3 * U * b_g  # a unit's grads + its staging copy + one reduce-scatter in flight
+        backward = 2 * U * b_g  # a unit's grads (staged in its own full buffer) + one reduce-scatter in flight
     step = shard * b_m if (b_m and not opt_off) else 0.0
     dev["transient"] = max(backward, step)
     return MemoryEstimate(params=int(P), dp=N, stage=stage, offload=offload, precision=key,
