@@ -412,26 +412,45 @@ def describe(e: MemoryEstimate, largest_unit_params: float = 0, prefetch_depth: 
 
 
 # ---------------------------------------------------------------------------------------- CLI
-def _model_from_spec(spec: str):
-    """``gpt_small`` or ``gpt_small:n_layer=48,d_model=1600`` -> a GPT on the meta device."""
-    import torch
+def _value(text: str):
+    """An override's value: int, float, true/false, else the string."""
+    text = text.strip()
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
-    from lightning_scale.models import gpt
+
+def _config_from_spec(spec: str):
+    """``gpt_small`` or ``gpt_small:n_layer=48,d_model=1600`` -> its GPTConfig (pure Python: no torch)."""
+    from lightning_scale.models.gpt_config import MODELS
 
     name, _, args = spec.partition(":")
-    factories = {"gpt_tiny": gpt.gpt_tiny, "gpt_small": gpt.gpt_small}
-    if name not in factories:
-        raise ConfigError(f"--model={name!r}: must be one of {', '.join(factories)} (optionally name:key=value,...)")
+    if name not in MODELS:
+        raise ConfigError(f"--model={name!r}: must be one of {', '.join(MODELS)} (optionally name:key=value,...)")
     overrides = {}
     for item in filter(None, args.split(",")):
         key, eq, value = item.partition("=")
         if not eq:
             raise ConfigError(f"--model override {item!r}: use key=value")
-        overrides[key.strip()] = int(value) if value.strip().lstrip("-").isdigit() else value.strip()
+        overrides[key.strip()] = _value(value)
     try:
-        cfg = factories[name](**overrides)
-    except TypeError as err:
+        return MODELS[name](**overrides).validate()
+    except (TypeError, ValueError) as err:
         raise ConfigError(f"--model={spec!r}: {err}") from err
+
+
+def _model_from_spec(spec: str):
+    """The spec's GPT on the meta device (imports torch: only the activation profile needs a module)."""
+    import torch
+
+    from lightning_scale.models import gpt
+
+    cfg = _config_from_spec(spec)
     with torch.device("meta"), _no_init(torch):
         return gpt.GPT(cfg)
 
@@ -461,7 +480,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m lightning_scale.estimate", description=__doc__.split("\n\n")[0])
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--params", type=_count, help="trainable parameters, e.g. 13e9")
-    src.add_argument("--model", help="gpt_tiny | gpt_small[:key=value,...] (counted on the meta device)")
+    src.add_argument("--model", help="gpt_tiny | gpt_small[:key=value,...] (counted from the config)")
     ap.add_argument("--dp", type=int, default=1, help="data-parallel ranks N")
     ap.add_argument("--stage", type=int, default=3, help="the ZeRO stage you plan to use (marked with *)")
     ap.add_argument("--offload", default="none", help=f"the offload you plan to use: {', '.join(OFFLOADS)}")
@@ -479,7 +498,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--ranks-per-host", type=int, default=1, help="ranks sharing one host's memory")
     ap.add_argument("--unit", default="GiB", choices=("GiB", "MiB"))
     plan = ap.add_argument_group("the memory plan (activations; needs --model)")
-    plan.add_argument("--seq-len", type=int, default=None, help="tokens per sequence: adds activations + the peak")
+    plan.add_argument("--seq-len", type=int, default=None, help="tokens per sequence: adds activations + the peak (profiles one unit "
+                      "on fake tensors: imports torch, ~2 s more)")
     plan.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per step")
     plan.add_argument("--ac", default="none", choices=AC_POLICIES, help="activation checkpointing per unit")
     plan.add_argument("--offload-activations", action="store_true", help="checkpointed units' inputs on the host")
@@ -490,7 +510,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = ap.parse_args(argv)
     try:
         if args.model:
-            counts = model_counts(_model_from_spec(args.model), args.persistent_threshold)
+            from lightning_scale.models.gpt_config import param_counts  # from the config: no torch
+
+            counts = param_counts(_config_from_spec(args.model), args.persistent_threshold)
             params = counts["params"]
             unit = counts["largest_unit_params"] if args.largest_unit is None else args.largest_unit
             persistent = counts["persistent_params"] or args.persistent

@@ -165,3 +165,28 @@ def test_import_after_lightning_registers_strategies():
     assert "zero1" in StrategyRegistry and StrategyRegistry["zero1"]["init_params"] == {"stage": 1}
     trainer = pl.Trainer(strategy="zero1", accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
     assert isinstance(trainer.strategy, lightning_scale.Zero3DStrategy)
+
+
+@pytest.mark.parametrize("spec", ["gpt_tiny", "gpt_small", "gpt_small:n_layer=48,d_model=1600,tie_weights=true"])
+def test_estimate_model_imports_no_torch_and_prints_the_real_models_table(spec):
+    """``estimate --model`` counts from the config (no torch) and prints what counting the built meta model does."""
+    import io
+    from contextlib import redirect_stdout
+
+    from lightning_scale import estimate as E
+
+    proc, seconds = _run("-X", "importtime", "-m", "lightning_scale.estimate", "--model", spec, "--dp", "8")
+    print(f"\npython -m lightning_scale.estimate --model {spec} --dp 8: {seconds:.2f} s wall (with -X importtime)")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    heavy = _imported(proc.stderr) & {"torch", *HEAVY}
+    assert not heavy, f"imported {sorted(heavy)}"
+    counts = E.model_counts(E._model_from_spec(spec))  # the built model (torch, meta device)
+    rows = E.estimate_all(counts["params"], dp=8, largest_unit_params=counts["largest_unit_params"])
+    expected = io.StringIO()
+    with redirect_stdout(expected):
+        print(E.describe(E.estimate(counts["params"], dp=8, stage=3, largest_unit_params=counts["largest_unit_params"]),
+                         counts["largest_unit_params"]))
+        print(E.format_table(rows, selected=(3, "none")))
+    got = proc.stdout.splitlines()
+    assert got[0].endswith(expected.getvalue().splitlines()[0]), (got[0], expected.getvalue())
+    assert got[1:1 + len(rows) + 2] == expected.getvalue().splitlines()[1:], proc.stdout
