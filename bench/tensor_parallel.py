@@ -5,6 +5,7 @@ one thread each), the same global batch (``--batch`` sequences per step) and Ada
 
   ddp              torch DistributedDataParallel, each rank half the batch (the baseline of every ratio)
   lightning_scale  apply_tensor_parallel(tp=2), built-in plan: vocab-parallel embedding / head / loss
+  lightning_scale_ov  the same + set_overlap(model, 2): row-parallel all-reduces overlapped chunk by chunk
   dtensor          torch parallelize_module: Colwise/Rowwise blocks, Rowwise embedding, Colwise head
                    with Shard(-1) logits + loss_parallel (torchtitan's setup, so no rank gathers logits)
   lightning_mp     Lightning Trainer + ModelParallelStrategy(tensor_parallel_size=2), same DTensor plan
@@ -31,7 +32,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-SYSTEMS = ["ddp", "lightning_scale", "dtensor", "lightning_mp"]
+SYSTEMS = ["ddp", "lightning_scale", "lightning_scale_ov", "dtensor", "lightning_mp"]
 
 
 class _RssPeak:
@@ -107,10 +108,13 @@ def _plain_step(system, cfg, batch, rank):
             opt.zero_grad(set_to_none=True)
             return loss
         return step
-    if system == "lightning_scale":
+    if system in ("lightning_scale", "lightning_scale_ov"):
         from lightning_scale.tensor_parallel import apply_tensor_parallel, sync_tp_grads
+        from lightning_scale.tensor_parallel.overlap import set_overlap
 
         apply_tensor_parallel(model, None, None)
+        if system == "lightning_scale_ov":
+            set_overlap(model, 2)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
         def step(x, y):
