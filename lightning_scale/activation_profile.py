@@ -5,10 +5,11 @@
 choices (e.g. CPU flash attention saves ``out`` and the log-sum-exp, not the ``T x T`` scores). A
 ``saved_tensors_hooks`` pair records every storage autograd saves (parameters excluded: they are model states);
 a dispatch mode records which op made each storage and whether it was made inside a tensor-parallel region.
-Then ``autograd.grad`` w.r.t. the unit's input runs under a live-storage counter: the most bytes alive above the
-saved set during the unit's backward is its backward working set (activation gradients, temporaries).
+Then ``autograd.grad`` w.r.t. the unit's input runs under a live-storage counter that starts from the saved set and
+sees it shrink as the backward frees it: the most bytes alive above the full saved set is the unit's backward
+working set (activation gradients, temporaries).
 
-Tensor-parallel regions (heuristic, documented in :mod:`lightning_scale.estimate`): a storage made inside a
+Tensor-parallel regions (a heuristic; the plan's formulas are in :mod:`lightning_scale.activation_plan`): a storage made inside a
 direct child of the unit that owns ``nn.Linear`` layers (``attn`` / ``mlp``; HF ``self_attn`` / ``mlp``) is
 split over tp ranks; what the norms and the residual stream make is replicated. Pass ``tp=1`` for a unit that
 is already tp-sliced (its shapes are local).
@@ -108,6 +109,7 @@ def profile_unit(unit: nn.Module, tokens: int, tp: int = 1, hidden: Optional[int
     for c in regions:
         handles += [c.register_forward_pre_hook(enter), c.register_forward_hook(leave)]
     saved: Dict[int, int] = {}
+    refs: Dict[int, Any] = {}
     try:
         with FakeTensorMode(allow_non_fake_inputs=False):
             params = {n: nn.Parameter(torch.empty(p.shape, dtype=torch.float32), requires_grad=p.requires_grad)
@@ -120,6 +122,7 @@ def profile_unit(unit: nn.Module, tokens: int, tp: int = 1, hidden: Optional[int
                 key = t.untyped_storage()._cdata
                 if key not in own:
                     saved[key] = t.untyped_storage().nbytes()
+                    refs[key] = StorageWeakRef(t.untyped_storage())
                 return t
 
             with _reparametrize_module(unit, {**params, **buffers}), tracker:
@@ -130,6 +133,11 @@ def profile_unit(unit: nn.Module, tokens: int, tp: int = 1, hidden: Optional[int
                 del params
                 # the backward: saved set + new storages (activation grads, temporaries), live bytes over time
                 base = sum(saved.values())
+                # the saved set is live at the start and shrinks as the backward's nodes free their tensors: the
+                # working set is the absolute peak of (saved still alive + new storages) above the full saved set
+                for key, ref in refs.items():
+                    tracker.live[key] = (ref, saved[key])
+                tracker.current = tracker.peak = base
                 tracker.counting = True
                 tracker.track([grad_out])  # the incoming gradient is alive through the unit's backward
                 torch.autograd.grad(y, x, grad_out)
@@ -144,7 +152,7 @@ def profile_unit(unit: nn.Module, tokens: int, tp: int = 1, hidden: Optional[int
     kept = {k for k in saved if made.get(k, (0, False, False))[1]}
     selective_b = input_b + sum(split(k, saved[k]) for k in kept)
     ratio = saved_b / base if base else 1.0
-    backward_b = tracker.peak * ratio  # new storages at once, above the (shrinking) saved set: an upper bound
+    backward_b = max(tracker.peak - base, 0) * ratio  # above the full saved set, which shrinks meanwhile
     return {"saved": saved_b / tokens, "input": input_b / tokens, "selective": selective_b / tokens,
             "backward": backward_b / tokens, "hidden": float(hidden)}
 
