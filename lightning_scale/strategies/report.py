@@ -327,6 +327,9 @@ def _model_seq_len(module: Any) -> Optional[int]:
 def plan_rows(strategy: Any, module: Any, unit: str) -> List[Tuple[str, str]]:
     """The startup table's memory-plan row: the predicted peak per device for one sequence of the model's length
     (the batch is not known yet; after step 1 the strategy prints the plan for the real batch, measured)."""
+    if getattr(strategy.config, "pp", 1) > 1:  # say so rather than print a number that misses the in-flight ones
+        return [("predicted peak / device", "not modelled for pp > 1 (1F1B keeps up to pp - stage micro-batches of "
+                 "activations in flight on a stage); step 1 is not checked")]
     seq = _model_seq_len(module) if module is not None else None
     sp = getattr(strategy.topology, "sp", 1)
     if not seq or seq % sp:

@@ -103,3 +103,13 @@ if __name__ == "__main__":
     drop = "--drop-activations" in sys.argv
     with open(out, "w") as f:
         json.dump({n: _fit(n, drop) for n in names}, f)
+
+
+def test_startup_row_says_pp_is_not_modelled():
+    from types import SimpleNamespace
+
+    from lightning_scale.strategies.report import plan_rows
+
+    strategy = SimpleNamespace(config=SimpleNamespace(pp=2), topology=SimpleNamespace(sp=1))
+    rows = plan_rows(strategy, None, "MiB")
+    assert rows and rows[0][0] == "predicted peak / device" and rows[0][1].startswith("not modelled for pp > 1"), rows
