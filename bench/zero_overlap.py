@@ -1,8 +1,8 @@
 """Stages 1-2: the background post-step all-gather vs the blocking one vs DDP, paired in the same 2 CPU ranks.
-Stage 3: where a ZeRO-3 step's time goes, prefetch 1 vs 2, parameter guard on / off, vs DDP.
+Stage 3: where a ZeRO-3 step's time goes, and an A/B of its per-gather costs, vs DDP and FSDP2 (see z3_worker).
 
     python bench/zero_overlap.py STAGE STEPS        # e.g. python bench/zero_overlap.py 1 60
-    python bench/zero_overlap.py 3 STEPS            # stage 3 breakdown (see z3_worker)
+    python bench/zero_overlap.py 3 STEPS [VARIANTS]  # stage 3 breakdown + A/B (see z3_worker, Z3)
 
 The same processes hold three copies of the bench GPT (7.4M, AdamW, 1024 tokens/step): torch DDP, ZeroOptimizer with
 ``overlap_param_gather=True`` and with ``False``. They alternate in blocks of 5 consecutive steps (order reversed every
@@ -83,47 +83,133 @@ def _timed_comm(acc):
     return ns
 
 
-def z3_worker(rank, world, steps):
-    """Stage 3 on the bench GPT (7.4M, AdamW, 1024 tokens/step, one unit per block, as bench/zero.py's ls_z3), four
-    copies in the same processes, alternating in blocks of 5 steps (order reversed every block): DDP; ZeRO-3 prefetch
-    1 (bench/zero.py's setting); prefetch 2; prefetch 1 with the parameter guard off (freeze / thaw no-ops: the
-    class swap per parameter per gather / free that c4ac05d added). Per ZeRO-3 step: time blocked waiting for
-    all-gathers (gather_wait) and reduce-scatters (rs_wait), time inside the launching calls, the optimizer step,
-    and the rest (compute + hooks). Medians over blocks, ms per step."""
+def _old_reduce(self, unit):
+    """ShardedParameters._reduce before the gradients were staged in the unit's own full buffer (a fresh zero-filled
+    staging buffer per unit per step, the full buffer freed at once): the "staging" A/B variant."""
+    from lightning_scale.zero import param_shard as PS
+    C = PS.C
+    for b in unit.buckets:
+        staging = torch.zeros(b.bucket.padded_numel, dtype=b.full.dtype, device=self.device)
+        for slot in b.bucket.slots:
+            g = slot.param.grad
+            if g is not None:
+                staging[slot.offset:slot.offset + slot.numel].copy_(g.reshape(-1))
+                slot.param.grad = None
+        staging.div_(self.world)
+        out = torch.empty(b.bucket.shard_numel, dtype=b.full.dtype, device=self.device)
+        h = C.reduce_scatter(out, staging, self.group, async_op=True, tag="grad")
+
+        def finish(b=b, out=out, h=h, staging=staging):
+            h.wait()
+            if b.grad_shard is None:
+                b.grad_shard = out
+            else:
+                b.grad_shard.add_(out)
+
+        self._reductions.append(PS.C.Handle(None, finish))
+        while len(self._reductions) > PS._MAX_INFLIGHT:
+            self._reductions.pop(0).wait()
+    unit.reduced = True
+    if unit.kind in ("unit", "root"):
+        self._free(unit)
+
+
+def _old_pre_forward(self, unit):
+    """ShardedParameters._pre_forward before the root unit prefetched the first block."""
+    from lightning_scale.zero.param_shard import _in_backward
+    if _in_backward():
+        self._gather(unit)
+        return
+    if unit.index not in self._order_now:
+        self._order_now.append(unit.index)
+    self._gather(unit)
+    if self.prefetch_depth and unit.kind == "unit" and self.forward_order:
+        self._prefetch(self.forward_order, unit.index)
+
+
+# stage-3 A/B variants: name -> (prefetch depth, settings of the block)
+Z3 = {
+    "z3": (1, {}),  # bench/zero.py's ls_z3: the current code, collectives through the one-entry indirection
+    "z3_p2": (2, {}),
+    "z3_noguard": (1, {"guard": False}),  # freeze / thaw no-ops (issue 15's class swap per gather / free)
+    "z3_direct": (1, {"direct": True}),  # collectives and Handle.wait called without the compile indirection
+    "z3_dynamo": (1, {"dynamo": True}),  # the indirection pointing at torch.compiler.disable (torch._dynamo imported)
+    "z3_staging": (1, {"old_reduce": True}),  # a separate zero-filled staging buffer per unit (before this change)
+    "z3_before": (1, {"old_reduce": True, "old_prefetch": True}),  # + no root prefetch: the code before both changes
+}
+
+
+def z3_worker(rank, world, steps, only=None):
+    """Stage 3 on the bench GPT (7.4M, AdamW, 1024 tokens/step, one unit per block, as bench/zero.py's ls_z3), several
+    copies in the same processes, alternating in blocks of 5 steps (order reversed every block): DDP, FSDP2
+    (fully_shard per block + root, reshard after forward, bench/zero.py's fsdp2 row) and the ZeRO-3 variants of ``Z3``
+    (the per-gather costs A/B: prefetch depth, parameter guard, compile indirection, staging buffer, root prefetch).
+    Per ZeRO-3 step: time blocked waiting for all-gathers (gather_wait) and reduce-scatters (rs_wait), time inside the
+    launching calls, the optimizer step, and the rest (compute + hooks). Medians over blocks, ms per step."""
+    import types
     from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.distributed.fsdp import fully_shard
+    from lightning_scale.comm import collectives as C
     from lightning_scale.zero import param_guard, param_shard
     from lightning_scale.zero.param_shard import ShardedParameters
     from lightning_scale.zero.stage3_optimizer import Stage3Optimizer
     cfg = gpt_small()
     acc = {k: 0.0 for k in ("gather_launch", "gather_wait", "rs_launch", "rs_wait", "opt")}
-    param_shard.C = _timed_comm(acc)
+    timed = _timed_comm(acc)
+    param_shard.C = timed
     real = (param_guard.freeze, param_guard.thaw)
     noop = (lambda ps: None, lambda ps: None)
+    raw = {id(impl): fn for impl, fn in C._EAGER}
+    disabled = {id(impl): torch.compiler.disable(fn) for impl, fn in C._EAGER}
+    wait_indirect = C.Handle.wait
+    names = ["ddp", "fsdp2"] + [k for k in Z3 if only is None or k in only]
     variants = {}
-    for name in ("ddp", "z3_p1", "z3_p2", "z3_p1_noguard"):
+    for name in names:
         torch.manual_seed(0)
         m = GPT(cfg)
         if name == "ddp":
             mod = DDP(m)
-            o = torch.optim.AdamW(mod.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
-            variants[name] = (mod, o)
+            variants[name] = (mod, torch.optim.AdamW(mod.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1))
             continue
+        if name == "fsdp2":
+            for blk in m.blocks:
+                fully_shard(blk)
+            fully_shard(m)
+            variants[name] = (m, torch.optim.AdamW(m.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1))
+            continue
+        depth, opts = Z3[name]
         o = torch.optim.AdamW(m.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
         sh = ShardedParameters(m, [g["params"] for g in o.param_groups], device=torch.device("cpu"),
-                               prefetch_depth=2 if name == "z3_p2" else 1)
+                               prefetch_depth=depth)
         sh.shard_model()
         Stage3Optimizer(o, sh)
-        if name.endswith("noguard"):
+        if opts.get("old_reduce"):
+            sh._reduce = types.MethodType(_old_reduce, sh)
+        if opts.get("old_prefetch"):
+            sh._pre_forward = types.MethodType(_old_pre_forward, sh)
+        if opts.get("guard") is False:
             param_guard.thaw(list(m.parameters()))  # plain parameters for good; its blocks run with no-op guards
         variants[name] = (m, o)
+
+    def configure(name):
+        opts = Z3.get(name, (1, {}))[1]
+        param_guard.freeze, param_guard.thaw = noop if opts.get("guard") is False else real
+        for impl, _ in C._EAGER:
+            impl[0] = disabled[id(impl)] if opts.get("dynamo") else raw[id(impl)]
+        direct = opts.get("direct", False)
+        C.Handle.wait = wait_indirect.__wrapped__ if direct else wait_indirect
+        timed.all_gather = _timed_comm_one(C.all_gather.__wrapped__ if direct else C.all_gather, acc, "gather")
+        timed.reduce_scatter = _timed_comm_one(C.reduce_scatter.__wrapped__ if direct else C.reduce_scatter, acc, "rs")
+
     times = {k: [] for k in variants}
-    parts = {k: [] for k in variants if k != "ddp"}
+    parts = {k: [] for k in variants if k in Z3}
+    losses = {k: None for k in variants}
     local, block = 8 // world, 5
     for b in range(steps // block + 1):
         order = list(variants) if b % 2 == 0 else list(reversed(list(variants)))
         for k in order:
             mod, o = variants[k]
-            param_guard.freeze, param_guard.thaw = noop if k.endswith("noguard") else real
+            configure(k)
             for key in acc:
                 acc[key] = 0.0
             dist.barrier()
@@ -136,24 +222,43 @@ def z3_worker(rank, world, steps):
                 o.zero_grad()
             total = (time.perf_counter() - t0) / block
             times[k].append(total)
-            if k != "ddp":
+            losses[k] = float(loss.detach())
+            if k in parts:
                 row = {key: v / block for key, v in acc.items()}
                 row["rest"] = total - sum(row.values())
                 parts[k].append(row)
-    param_guard.freeze, param_guard.thaw = real
+    configure("z3")
     med = {k: statistics.median(v[1:]) for k, v in times.items()}
     brk = {k: {key: statistics.median(r[key] for r in rows[1:]) for key in rows[0]} for k, rows in parts.items()}
-    return med, brk
+    return med, brk, losses
+
+
+def _timed_comm_one(fn, acc, prefix):
+    def call(*a, **k):
+        t0 = time.perf_counter()
+        h = fn(*a, **k)
+        acc[f"{prefix}_launch"] += time.perf_counter() - t0
+        return _Timed(h, acc, f"{prefix}_wait") if h is not None else None
+    return call
 
 
 if __name__ == "__main__" and sys.argv[1] == "3":
     steps = int(sys.argv[2])
-    res = run_distributed(z3_worker, 2, (steps,), timeout=1800)
-    for rank, (med, brk) in enumerate(res):
-        print(f"rank {rank}: median ms/step " + ", ".join(f"{k} {1e3 * v:.1f}" for k, v in med.items())
-              + "; ddp/z3: " + ", ".join(f"{k} {med['ddp'] / v:.3f}" for k, v in med.items() if k != "ddp"))
+    only = sys.argv[3].split(",") if len(sys.argv) > 3 else None  # e.g. z3,z3_before
+    with open("/proc/loadavg") as f:
+        print("load before:", f.read().split()[:3])
+    res = run_distributed(z3_worker, 2, (steps, only), timeout=1800)
+    with open("/proc/loadavg") as f:
+        print("load after:", f.read().split()[:3])
+    for rank, (med, brk, losses) in enumerate(res):
+        print(f"rank {rank}: median ms/step " + ", ".join(f"{k} {1e3 * v:.1f}" for k, v in med.items()))
+        print("  tokens/s vs ddp: " + ", ".join(f"{k} {med['ddp'] / v:.3f}" for k, v in med.items() if k != "ddp"))
+        print("  tokens/s vs fsdp2: " + ", ".join(f"{k} {med['fsdp2'] / v:.3f}" for k, v in med.items() if k in Z3))
+        print("  tokens/s vs z3_before: " + ", ".join(f"{k} {med['z3_before'] / v:.3f}" for k, v in med.items()
+                                                      if k in Z3 and "z3_before" in med))
         for k, row in brk.items():
             print(f"  {k}: " + ", ".join(f"{key} {1e3 * v:.1f}" for key, v in row.items()))
+        print("  last loss: " + ", ".join(f"{k} {v:.6f}" for k, v in losses.items()))
 elif __name__ == "__main__":
     stage, steps = int(sys.argv[1]), int(sys.argv[2])
     out = run_distributed(worker, 2, (stage, steps), timeout=900)[0]
