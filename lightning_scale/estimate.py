@@ -125,7 +125,7 @@ class Breakdown:
     master: float = 0.0
     optimizer_state: float = 0.0
     gathered: float = 0.0  # stage 3: peak of gathered units (+ persistent params)
-    transient: float = 0.0  # stage-1 full grads / stage-2 staging bucket / three units' full grads / fp32 grad copy
+    transient: float = 0.0  # stage-1 full grads / stage-2 staging bucket / two units' full grads / fp32 grad copy
 
     @property
     def total(self) -> float:
