@@ -12,7 +12,7 @@ batch 1; one rank (a world-1 NCCL group through ``parallelize()`` at ZeRO stage 
 ``dense`` (no checkpointing, unchunked loss), ``ac``, ``ac_selective``, ``chunked``, ``ac_chunked``, ``sparse``
 and ``sparse_ac_chunked`` (Triton block-sparse attention, BSLongformer block 64); ``ac_offload_chunked`` and
 ``sparse_ac_offload_chunked`` add ``offload_activations=True`` (block inputs in pinned host memory; not counted in
-the device peak).
+the device peak); ``*_tiled`` add ``tiled_mlp=1024`` (each block's MLP run and recomputed 1024 positions at a time).
 
 Memory: ``torch.cuda.max_memory_allocated()`` over building the model + one training step (reset before each
 probe); a probe that raises ``torch.OutOfMemoryError`` does not fit. A length fits when the peak is <= the budget
@@ -45,6 +45,8 @@ SYSTEMS: Dict[str, dict] = {
     "sparse_ac_chunked": dict(ac="full", chunk=1024, sparse=True),
     "ac_offload_chunked": dict(ac="full", chunk=1024, sparse=False, offload=True),
     "sparse_ac_offload_chunked": dict(ac="full", chunk=1024, sparse=True, offload=True),
+    "ac_offload_chunked_tiled": dict(ac="full", chunk=1024, sparse=False, offload=True, tiled=1024),
+    "sparse_ac_offload_chunked_tiled": dict(ac="full", chunk=1024, sparse=True, offload=True, tiled=1024),
 }
 GIB = 2**30
 
@@ -86,7 +88,7 @@ def one_step(args, name: str, length: int, topo, device, timed: bool = False) ->
                                                 global_block_indices=(0,))
             swap_gpt_attention(model, layout)
         config = from_flat_kwargs(stage=0, activation_checkpointing=spec["ac"],
-                                  offload_activations=spec.get("offload", False))
+                                  offload_activations=spec.get("offload", False), tiled_mlp=spec.get("tiled", 0))
         pm = parallelize(model, config, topo, device, optimizers=lambda m=model: [torch.optim.AdamW(m.parameters())])
         (engine,) = pm.make_engines()
         idx = torch.randint(0, cfg.vocab_size, (1, length + 1), device=device)
