@@ -45,8 +45,10 @@ def validate_schedule(schedule: Schedule, costs: Optional[Mapping[object, float]
     """Raise ScheduleError if ``schedule`` is invalid; return its simulated statistics.
 
     ``costs`` maps an action kind (``"F"``, ``"B"``, ``"I"``, ``"W"``) to its cost on every stage,
-    and/or ``(kind, stage)`` to its cost on one stage (e.g. measured per-stage times, so the
-    simulated bubble includes stage imbalance); missing entries fall back to :data:`DEFAULT_COSTS`.
+    ``(kind, stage)`` to its cost on one stage (e.g. measured per-stage times, so the simulated
+    bubble includes stage imbalance), and/or ``(kind, stage, microbatch)`` to the cost of one action
+    (each action's measured time in one step, so the simulation also sees that step's jitter); the
+    most specific entry wins, missing entries fall back to :data:`DEFAULT_COSTS`.
     """
     if len(schedule.actions) != schedule.num_ranks:
         raise ScheduleError(f"schedule {schedule.name!r} lists {len(schedule.actions)} ranks, expected "
@@ -175,7 +177,8 @@ def _check_matching(sch: Schedule) -> None:
 def simulate(sch: Schedule, cost: Mapping[object, float], latency: float = 0.0) -> Tuple[float, List[float]]:
     """Run every rank's list with blocking receives and non-blocking sends; return (makespan, busy).
 
-    ``cost[(kind, stage)]``, when present, overrides ``cost[kind]`` for that stage.
+    ``cost[(kind, stage, microbatch)]``, when present, overrides ``cost[(kind, stage)]``, which overrides
+    ``cost[kind]``.
     """
     p = sch.num_ranks
     ptr, clock, busy = [0] * p, [0.0] * p, [0.0] * p
@@ -188,7 +191,9 @@ def simulate(sch: Schedule, cost: Mapping[object, float], latency: float = 0.0) 
             while ptr[r] < len(acts):
                 a = acts[ptr[r]]
                 if a.kind in COMPUTE:
-                    c = cost.get((a.kind, a.stage), cost[a.kind])
+                    c = cost.get((a.kind, a.stage, a.microbatch))
+                    if c is None:
+                        c = cost.get((a.kind, a.stage), cost[a.kind])
                     clock[r] += c
                     busy[r] += c
                 elif a.kind in (SEND_F, SEND_B):

@@ -157,3 +157,14 @@ def test_per_stage_costs_put_stage_imbalance_into_the_simulated_bubble():
     slow = validate_schedule(sch, {F: 1.0, B: 2.0, (F, 1): 2.0, (B, 1): 4.0})
     assert slow.bubble_fraction > even.bubble_fraction + 0.1
     assert slow.makespan > 2 * 8 * 3.0 - 1e-9  # the slow stage's own work bounds the step
+
+
+def test_per_action_costs_override_per_stage_costs():
+    """costs[(kind, stage, microbatch)] is one action's time (a step's measured jitter): stage 1's first
+    forward 5 units late delays the whole 1F1B step by 5 (every later action depends on it)."""
+    sch = build_schedule("1f1b", 2, 4)
+    even = validate_schedule(sch, {F: 1.0, B: 2.0, (F, 1): 1.0})
+    assert even.makespan == pytest.approx(5 * 3.0)  # (m + p - 1) (F + B)
+    late = validate_schedule(sch, {F: 1.0, B: 2.0, (F, 1): 1.0, (F, 1, 0): 6.0})
+    assert late.makespan == pytest.approx(even.makespan + 5.0)
+    assert late.busy[1] == pytest.approx(even.busy[1] + 5.0) and late.busy[0] == pytest.approx(even.busy[0])
