@@ -355,3 +355,43 @@ def test_vocab_padded_tp_slices_load_true_rows_and_zero_padding(saved):
         dcp_format.load(path, pieces)
         rows = min(8, 13 - 8 * r)
         assert torch.equal(local[:rows], true[8 * r:8 * r + rows]) and (local[rows:] == 0).all()
+
+
+class _CountingFile:
+    def __init__(self, f, counter) -> None:
+        self.f, self.counter = f, counter
+
+    def readinto(self, b):
+        n = self.f.readinto(b)
+        self.counter[0] += n or 0
+        return n
+
+    def read(self, *a):
+        data = self.f.read(*a)
+        self.counter[0] += len(data)
+        return data
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+
+def test_each_storage_item_is_read_from_disk_once(saved, monkeypatch):
+    """The reader reads an item's bytes once (CRC and deserialization from that one buffer), not once per pass."""
+    from lightning_scale.checkpoint import dcp_format, dcp_planners
+
+    path, _ = saved
+    counter = [0]
+    monkeypatch.setattr(dcp_planners, "open", lambda *a, **k: _CountingFile(open(*a, **k), counter), raising=False)
+    pieces, dest = _row_slice_pieces(SHAPES, 0, 1)
+    dcp_format.load(path, pieces)
+    full = _full_state(SHAPES)
+    assert all(torch.equal(t, full[k]) for k, (_, _, t) in dest.items() if k in full)
+    _, meta, _ = dcp_format.open_checkpoint(path)
+    items = sum(length for spans in meta["items"].values() for length, _ in spans.values())
+    assert 0 < counter[0] <= items, (counter[0], items)
