@@ -29,7 +29,7 @@ from lightning_scale.config import (
     config_from_flat,
     speaking,
 )
-from lightning_scale.models.gpt import GPTConfig
+from lightning_scale.models.gpt_config import GPTConfig
 
 _PRIMITIVES = (int, float, bool, str)
 

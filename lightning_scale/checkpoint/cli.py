@@ -26,7 +26,17 @@ def _mib(n: int) -> str:
 
 
 def describe(path: str) -> Dict[str, Any]:
-    """What ``inspect`` prints, as data: format, step, world size, layout, tensors, extras, files."""
+    """What ``inspect`` prints, as data: format, step, world size, layout, tensors, extras, files.
+
+    From the folder's ``summary.json`` (written at save time, see :func:`write_summary`) without importing torch,
+    after checking what loading checks first (the manifest's and every listed file's size, the manifest's and DCP
+    ``.metadata``'s CRC32); from the manifest and the DCP metadata / ``checkpoint.pt`` (torch) for folders saved
+    before the summary existed, or when the summary is missing or does not match."""
+    info = _read_summary(path)
+    return info if info is not None else _describe_with_torch(path)
+
+
+def _describe_with_torch(path: str) -> Dict[str, Any]:
     from lightning_scale.checkpoint import dcp_format, folder
 
     path = folder.resolve(path)
@@ -58,6 +68,61 @@ def describe(path: str) -> Dict[str, Any]:
     out["step"] = out["step"] if out["step"] is not None else base.get("global_step")
     out["extras"] = sorted(k for k in base if k != "state_dict")
     return out
+
+
+# ----------------------------------------------------------------------------------------------- summary.json
+SUMMARY = "summary.json"  # beside the manifest; not listed in it (it is written after it, and records it)
+_SUMMARY_VERSION = 1
+
+
+def write_summary(staging: str, manifest_record: Dict[str, int]) -> None:
+    """At save time (rank 0, torch loaded, after the manifest, before the swap): record what ``inspect`` prints,
+    and the manifest's size and CRC32, so that ``inspect`` later reads it without torch."""
+    import json
+
+    info = _describe_with_torch(staging)
+    info.pop("path")
+    info["summary_version"], info["manifest"] = _SUMMARY_VERSION, dict(manifest_record)
+    with open(os.path.join(staging, SUMMARY), "w") as f:
+        json.dump(info, f, default=str)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _read_summary(path: str) -> Optional[Dict[str, Any]]:
+    """describe() from ``summary.json``, or None (no usable summary: the torch path decides, and names any fault).
+    The checks are those loading makes before it reads anything, done here on the summary's copy of the records."""
+    import json
+    import zlib
+
+    if not os.path.isdir(path):
+        return None  # resolve() (torch) finds a save interrupted while swapping folders
+    try:
+        with open(os.path.join(path, SUMMARY)) as f:
+            info = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(info, dict) or info.get("summary_version") != _SUMMARY_VERSION:
+        return None
+    checks = dict(info["files"])
+    checks["meta.pt"] = info["manifest"]
+    crc = {"meta.pt"} | ({".metadata"} if info["format"] == "dcp" else set())
+    for name, rec in checks.items():
+        full = os.path.join(path, name)
+        if not os.path.isfile(full) or os.path.getsize(full) != rec["size"]:
+            return None
+        if name in crc:
+            value = 0
+            with open(full, "rb") as f:
+                for block in iter(lambda: f.read(8 << 20), b""):
+                    value = zlib.crc32(block, value)
+            if value != rec["crc32"]:
+                return None
+    info.pop("summary_version")
+    info.pop("manifest")
+    info["path"] = path
+    info["tensors"] = {k: {**t, "shape": tuple(t["shape"])} for k, t in info["tensors"].items()}
+    return info
 
 
 def _print_inspect(info: Dict[str, Any]) -> None:
@@ -154,11 +219,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     if _not_a_folder(args.dir):  # the same message as folder.read_manifest's, before torch is imported
         print(f"error: {args.dir} is not a checkpoint folder", file=sys.stderr)
         return 2
+    summary = _read_summary(args.dir) if args.command == "inspect" else None
+    if summary is not None:  # no torch: the folder's summary.json, checked against its files
+        _print_inspect(summary)
+        print(f"({time.perf_counter() - start:.2f} s)", file=sys.stderr)
+        return 0
     from lightning_scale.checkpoint.folder import CheckpointError
 
     try:
         if args.command == "inspect":
-            _print_inspect(describe(args.dir))
+            _print_inspect(_describe_with_torch(args.dir))
         elif args.command == "consolidate":
             n = consolidate(args.dir, args.out, strip_prefix=args.strip_prefix, dtype=args.dtype)
             print(f"wrote {args.out}: {n} tensors")

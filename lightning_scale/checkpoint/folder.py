@@ -122,7 +122,8 @@ def commit(path: str, token: str, files: Dict[str, Dict[str, int]], **meta: Any)
     then swap the staging folder into place and remove the replaced one and stale partial saves."""
     staging = staging_path(path, token)
     manifest = {"version": FORMAT_VERSION, "token": token, "files": dict(files), "created": time.time(), **meta}
-    write_file(staging, MANIFEST, manifest)
+    record = write_file(staging, MANIFEST, manifest)
+    _write_summary(staging, record)
     _fsync_dir(staging)
     fault_point("before_swap")
     replaced = None
@@ -142,6 +143,18 @@ def commit(path: str, token: str, files: Dict[str, Dict[str, int]], **meta: Any)
         _remove(replaced)
     for stale in list(_siblings(path, "partial")) + list(_siblings(path, "old")):
         _remove(stale)  # left by a save killed earlier (this one is committed, so they are not needed)
+
+
+def _write_summary(staging: str, manifest_record: Dict[str, int]) -> None:
+    """``summary.json``: what ``python -m lightning_scale.checkpoint inspect`` prints, read later without torch. Not
+    part of the save's contract: a failure here warns, and ``inspect`` falls back to reading the folder with torch."""
+    from lightning_scale.checkpoint import cli
+
+    try:
+        cli.write_summary(staging, manifest_record)
+    except Exception as exc:  # noqa: BLE001 - never fail a save over the CLI's cache
+        warnings.warn(f"{staging}: {cli.SUMMARY} not written ({type(exc).__name__}: {exc}); inspect will read the "
+                      "checkpoint with torch")
 
 
 def _remove(path: str) -> None:

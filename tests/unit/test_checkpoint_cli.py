@@ -96,3 +96,31 @@ def test_fresh_interpreter_imports_neither_lightning_nor_triton(folders):
     _, rc, has_lightning, has_triton, took = line.split()
     print(f"inspect in a fresh interpreter: {float(took):.2f} s from import to output, {wall:.2f} s wall")
     assert (rc, has_lightning, has_triton) == ("0", "False", "False"), res.stderr
+
+
+def test_inspect_reads_summary_json_and_falls_back_when_it_does_not_match(folders, tmp_path, capsys):
+    """``inspect`` prints the same from summary.json (no torch) as from the folder itself; a folder without the
+    summary (saved before it existed) reads as before; a truncated shard is named, not hidden by the summary."""
+    import shutil
+
+    from lightning_scale.checkpoint import cli
+
+    for name in ("new", "old"):
+        path = str(tmp_path / f"{name}.ckpt")
+        shutil.copytree(folders[name], path)
+        assert cli._read_summary(path) is not None, name  # written by folder.commit
+        with_torch = cli._describe_with_torch(path)
+        assert cli.describe(path) == with_torch, name
+        assert main(["inspect", path]) == 0
+        printed = capsys.readouterr().out
+        os.remove(os.path.join(path, cli.SUMMARY))
+        assert cli._read_summary(path) is None
+        assert main(["inspect", path]) == 0
+        assert capsys.readouterr().out == printed, name
+    path = str(tmp_path / "cut.ckpt")
+    shutil.copytree(folders["new"], path)
+    shard = os.path.join(path, "__0_0.distcp")
+    with open(shard, "r+b") as f:
+        f.truncate(os.path.getsize(shard) - 1)
+    assert main(["inspect", path]) == 2
+    assert f"{shard} is truncated or corrupt" in capsys.readouterr().err

@@ -95,7 +95,8 @@ def _steps(path):
 def test_save_load_roundtrip_and_layout(tmp_path):
     path = tmp_path / "last.ckpt"
     _save(path, 1)
-    assert sorted(os.listdir(path)) == ["checkpoint.pt", "meta.pt", "optim_rank0.pt", "optim_rank1.pt"]
+    assert sorted(os.listdir(path)) == ["checkpoint.pt", "meta.pt", "optim_rank0.pt", "optim_rank1.pt",
+                                     "summary.json"]
     assert _steps(path) == {1}
     meta = folder.read_manifest(str(path))
     assert meta["version"] == 2 and meta["world_size"] == WORLD and set(meta["files"]) == {
