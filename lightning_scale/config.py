@@ -173,12 +173,26 @@ class PipelineConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class TensorParallelConfig:
+    """plan: {pattern: style} over the built-in plan. sequence_parallel: split activations between layers along
+    the sequence. overlap_chunks: each row-parallel layer's forward in this many row chunks, chunk i's all-reduce
+    in flight during chunk i+1's matmul (lightning_scale.tensor_parallel.overlap; 1: off)."""
+
     plan: Optional[Dict[str, str]] = None
     sequence_parallel: bool = False
+    overlap_chunks: int = 1
 
     def validate(self, tp: int) -> "TensorParallelConfig":
         if self.sequence_parallel and tp == 1:
             raise ConfigError("tensor.sequence_parallel=True needs tp > 1", settings=("tp",))
+        n = self.overlap_chunks
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ConfigError(f"tensor.overlap_chunks={n!r} must be an integer >= 1 (1: no overlap)")
+        if n > 1 and tp == 1:
+            raise ConfigError(f"tensor.overlap_chunks={n} needs tp > 1", settings=("tp",))
+        if n > 1 and self.sequence_parallel:
+            raise ConfigError(f"tensor.overlap_chunks={n} with tensor.sequence_parallel=True: the overlap splits the "
+                              "row-parallel all-reduce, which sequence parallelism replaces by a reduce-scatter; "
+                              "use one of the two")
         return self
 
 

@@ -6,7 +6,8 @@ the order. Each step is a small ``apply_*`` function on an unchanged model (torc
 1. **rank 0's weights** (a model built for real): moved to the device and broadcast, so every rank splits the same
    values (a model on ``meta`` skips this: it is initialized piece by piece below).
 2. :func:`apply_tp` — the tensor-parallel plan splits the module over the tp group (each rank keeps its slices;
-   on ``meta`` nothing is allocated).
+   on ``meta`` nothing is allocated); ``tensor.overlap_chunks > 1`` then overlaps each row-parallel layer's forward
+   all-reduce with its own matmul, chunk by chunk (:mod:`lightning_scale.tensor_parallel.overlap`).
 3. :func:`apply_pipeline` — the pipeline stage is cut from the (split) layers; on ``meta`` only this stage is
    allocated and initialized; the other stages' parameters are frozen and freed.
 4. :func:`apply_sp` — Ulysses sequence parallelism (``sp > 1``): each attention runs between two all-to-alls over
@@ -159,6 +160,7 @@ def cross_axis_for(tp_model: Optional[nn.Module], tp_group=None, pp_group=None, 
 # ---------------------------------------------------------------------------------------------------- checks
 def check_config(config: ParallelConfig) -> None:
     """What the composition cannot run yet, rejected on every rank before any model is touched."""
+    config.tensor.validate(config.tp)  # a ParallelConfig built by hand may skip validate()
     if config.compile:
         from lightning_scale.compile import compile_options
 
@@ -209,6 +211,10 @@ def apply_tp(pm: ParallelModel) -> None:
             raise
         pm.tp_name, pm.tp_model = "", pm.module
     apply_tensor_parallel(pm.tp_model, plan, pm.topology.tp_group, sequence_parallel=pm.config.tensor.sequence_parallel)
+    if pm.config.tensor.overlap_chunks > 1:  # row-parallel forward all-reduce overlapped chunk by chunk (overlap.py)
+        from lightning_scale.tensor_parallel.overlap import set_overlap
+
+        set_overlap(pm.tp_model, pm.config.tensor.overlap_chunks)
 
 
 def apply_pipeline(pm: ParallelModel, loss_fn: Optional[Callable] = None, timeout=None) -> None:

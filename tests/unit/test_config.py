@@ -24,6 +24,10 @@ def test_flat_kwargs_route_to_sections():
     (dict(stage=0, offload="optimizer"), r"^offload: optimizer offload needs stage >= 1 \(got stage=0"),
     (dict(stage=2, offload="params"), r"^offload: parameter offload needs stage=3 \(got stage=2\)"),
     (dict(sequence_parallel=True), r"^sequence_parallel=True needs tp > 1"),
+    (dict(tp=2, overlap_chunks=0), r"^overlap_chunks=0 must be an integer >= 1"),
+    (dict(tp=2, overlap_chunks=True), r"^overlap_chunks=True must be an integer >= 1"),
+    (dict(overlap_chunks=2), r"^overlap_chunks=2 needs tp > 1"),
+    (dict(tp=2, sequence_parallel=True, overlap_chunks=2), r"^overlap_chunks=2 with sequence_parallel=True"),
     (dict(initial_scale=0), r"^initial_scale=0 must be > 0"),
 ])
 def test_bad_options_name_the_setting(kwargs, match):
