@@ -10,6 +10,12 @@ global batch. Systems run in interleaved rounds inside the one job, order rotate
 per system (rank 0 prints): tokens/s (median over rounds), ratio to DDP and to DTensor, peak CUDA
 memory per rank (``max_memory_allocated``), final loss. ``--device cpu`` runs the same code on gloo
 for a smoke test without a GPU. Never asserts on time.
+
+``lightning_scale_ov`` is ``lightning_scale`` with ``set_overlap(model, --overlap-chunks)`` (what
+``Zero3DStrategy(overlap_chunks=N)`` applies): each row-parallel forward all-reduce overlapped with its next row
+chunk's matmul. Under autocast (``--precision bf16``) the row-parallel layer takes its unfused path, where the
+chunks do not apply: the row then measures the plain path; ``--precision bf16-true`` (the model cast to bf16, no
+autocast) keeps the overlap on.
 """
 
 from __future__ import annotations
@@ -24,10 +30,10 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-SYSTEMS = ["ddp", "lightning_scale", "dtensor"]
+SYSTEMS = ["ddp", "lightning_scale", "lightning_scale_ov", "dtensor"]
 
 
-def _build(system, cfg, device, rank, world):
+def _build(system, cfg, device, rank, world, args):
     import torch
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -37,13 +43,19 @@ def _build(system, cfg, device, rank, world):
 
     torch.manual_seed(0)
     model = GPT(cfg).to(device)
+    if args.precision == "bf16-true":
+        model = model.to(torch.bfloat16)
     if system == "ddp":
         ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda"
                                                         else None)
         loss_fn = lambda x, y: lm_loss(ddp(x.chunk(world)[rank]), y.chunk(world)[rank])  # noqa: E731
         finish = None
-    elif system == "lightning_scale":
+    elif system in ("lightning_scale", "lightning_scale_ov"):
+        from lightning_scale.tensor_parallel.overlap import set_overlap
+
         apply_tensor_parallel(model, None, None)
+        if system == "lightning_scale_ov":
+            set_overlap(model, args.overlap_chunks)
         loss_fn, finish = model.loss, sync_tp_grads
     else:
         _dtensor_plan(model, init_device_mesh(device.type, (world,)))
@@ -61,8 +73,8 @@ def _run(system, cfg, args, device, rank, world):
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    model, loss_fn, finish, opt = _build(system, cfg, device, rank, world)
-    dtype = {"fp32": None, "bf16": torch.bfloat16}[args.precision]
+    model, loss_fn, finish, opt = _build(system, cfg, device, rank, world, args)
+    dtype = {"fp32": None, "bf16": torch.bfloat16, "bf16-true": None}[args.precision]  # bf16-true: no autocast
     times, loss = [], None
     for i in range(args.warmup + args.steps):
         x, y = (t.to(device) for t in make_batch(cfg, args.batch, seed=100 + i))
@@ -94,7 +106,9 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32768)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=16, help="global sequences per step")
-    parser.add_argument("--precision", choices=["fp32", "bf16"], default="bf16")
+    parser.add_argument("--precision", choices=["fp32", "bf16", "bf16-true"], default="bf16",
+                        help="bf16: autocast over fp32 weights; bf16-true: the model in bf16")
+    parser.add_argument("--overlap-chunks", type=int, default=2, help="row chunks of the lightning_scale_ov row")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
@@ -118,7 +132,7 @@ def main() -> None:
                     d_model=args.d_model)
     runs = {s: [] for s in SYSTEMS}
     for r in range(args.rounds):
-        for system in SYSTEMS[r % 3:] + SYSTEMS[: r % 3]:
+        for system in SYSTEMS[r % len(SYSTEMS):] + SYSTEMS[: r % len(SYSTEMS)]:
             step_s, peak, loss = _run(system, cfg, args, device, rank, world)
             worst = torch.tensor([step_s, peak], dtype=torch.float64, device=device)
             dist.all_reduce(worst, op=dist.ReduceOp.MAX)
