@@ -2,7 +2,7 @@
 
     python examples/train.py                                  # ZeRO-2, 2 CPU processes (or all GPUs), ~2 min
     python examples/train.py strategy=zero1 trainer.devices=4
-    python examples/train.py precision=fp16 model=gpt_tiny trainer=smoke   # real fp16 (the strategy's own plugin)
+    python examples/train.py precision=fp16 model=gpt_smoke trainer=smoke   # real fp16 (the strategy's own plugin)
     python examples/train.py logger=tensorboard                # or logger=wandb (offline), default logger=csv
     python examples/train.py -m strategy=zero1,zero2 trainer=smoke   # Hydra multirun
 

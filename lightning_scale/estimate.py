@@ -427,11 +427,23 @@ def _value(text: str):
 
 def _config_from_spec(spec: str):
     """``gpt_small`` or ``gpt_small:n_layer=48,d_model=1600`` -> its GPTConfig (pure Python: no torch)."""
-    from lightning_scale.models.gpt_config import MODELS
+    import pathlib
+
+    from lightning_scale.models.gpt_config import MODELS, GPTConfig
 
     name, _, args = spec.partition(":")
-    if name not in MODELS:
-        raise ConfigError(f"--model={name!r}: must be one of {', '.join(MODELS)} (optionally name:key=value,...)")
+    conf = pathlib.Path(__file__).resolve().parents[1] / "conf" / "model"  # the Hydra model group, in a checkout
+    hydra = sorted(p.stem for p in conf.glob("*.yaml")) if conf.is_dir() else []
+    if name not in MODELS and name not in hydra:
+        raise ConfigError(f"--model={name!r}: must be one of {', '.join([*MODELS, *hydra])} (optionally "
+                          "name:key=value,...)")
+    if name not in MODELS:  # e.g. gpt_mini: what `python examples/train.py model=gpt_mini` trains
+        import yaml
+
+        fields = yaml.safe_load((conf / f"{name}.yaml").read_text()) or {}
+        make = lambda **kw: GPTConfig(**{**fields, **kw})  # noqa: E731
+    else:
+        make = MODELS[name]
     overrides = {}
     for item in filter(None, args.split(",")):
         key, eq, value = item.partition("=")
@@ -439,7 +451,7 @@ def _config_from_spec(spec: str):
             raise ConfigError(f"--model override {item!r}: use key=value")
         overrides[key.strip()] = _value(value)
     try:
-        return MODELS[name](**overrides).validate()
+        return make(**overrides).validate()
     except (TypeError, ValueError) as err:
         raise ConfigError(f"--model={spec!r}: {err}") from err
 
@@ -480,7 +492,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m lightning_scale.estimate", description=__doc__.split("\n\n")[0])
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--params", type=_count, help="trainable parameters, e.g. 13e9")
-    src.add_argument("--model", help="gpt_tiny | gpt_small[:key=value,...] (counted from the config)")
+    src.add_argument("--model", help="gpt_tiny | gpt_small | a conf/model name (gpt_mini, ...)[:key=value,...] "
+                     "(counted from the config)")
     ap.add_argument("--dp", type=int, default=1, help="data-parallel ranks N")
     ap.add_argument("--stage", type=int, default=3, help="the ZeRO stage you plan to use (marked with *)")
     ap.add_argument("--offload", default="none", help=f"the offload you plan to use: {', '.join(OFFLOADS)}")

@@ -1,7 +1,7 @@
 """The autotuner: the fastest layout that fits, chosen by measurement (issue 17 item 4; docs/tune.md).
 
     python -m lightning_scale.tune --model gpt_small --devices 2 --memory-budget 2GiB --global-batch 8 --budget-s 120
-    python -m lightning_scale.tune --config-name config model=gpt_tiny --devices 2 --memory-budget 512MiB
+    python -m lightning_scale.tune --config-name config model=gpt_smoke --devices 2 --memory-budget 512MiB
     python -m lightning_scale.tune --model gpt_tiny --devices 2 --memory-budget 64MiB --resume tune.jsonl
 
 1. **Candidates**: ZeRO stage x offload (``estimate.CHOICES``) x dp/tp/pp split of ``--devices`` (tp where it

@@ -89,9 +89,9 @@ def _container(cfg):
 def test_assembled_combinations_equal_hydra_composition(composed):
     base, nodes, hydra = composed
     assemble = _assembler(base, nodes)
-    sample = [("pipeline", "sgd", "bf16", "longformer", "gpt_tiny"), ("zero3", "onebit_adam", "fp16", "dense",
-              "gpt_medium"), ("tensor", "adamw", "bf16_true", "bigbird", "gpt_small"),
-              ("ddp", "onebit_adam", "fp32", "variable", "gpt_tiny")]
+    sample = [("pipeline", "sgd", "bf16", "longformer", "gpt_smoke"), ("zero3", "onebit_adam", "fp16", "dense",
+              "gpt_medium"), ("tensor", "adamw", "bf16_true", "bigbird", "gpt_mini"),
+              ("ddp", "onebit_adam", "fp32", "variable", "gpt_smoke")]
     for combo in sample:
         want = hydra(*(f"{g}={o}" for g, o in zip(GROUPS, combo)))
         want.logger = None  # not a combination group (it resolves ${hydra:runtime.output_dir}, set only in an app)
@@ -133,9 +133,9 @@ SMOKE = ["trainer=smoke", "trainer.max_steps=4", "trainer.val_check_interval=2",
 # Representative: the 1-bit Adam at ZeRO-2 on the default clipping (compression on from step 3),
 # ZeRO-3 with a sparse layout, a pipeline with SGD and another layout.
 DEFAULT_RUNS = [
-    ("zero2", "onebit_adam", "fp32", "dense", "gpt_tiny"),
-    ("zero3", "adamw", "fp32", "longformer", "gpt_tiny"),
-    ("pipeline", "sgd", "fp32", "fixed", "gpt_tiny"),
+    ("zero2", "onebit_adam", "fp32", "dense", "gpt_smoke"),
+    ("zero3", "adamw", "fp32", "longformer", "gpt_smoke"),
+    ("pipeline", "sgd", "fp32", "fixed", "gpt_smoke"),
 ]
 
 
@@ -149,16 +149,16 @@ def _covering_runs():
         if strategy == "tensor":  # sparse layouts are refused under tp (see the refusal rule above)
             opts[2] = "dense"
         if "offload" in strategy:  # the large models are covered by ddp / zero0; offload steps on the CPU are slow
-            opts[3] = "gpt_tiny"
+            opts[3] = "gpt_smoke"
         runs.append([strategy, optimizer, *opts[1:]])
-    # Suite time: gpt_medium steps take 10-60x longer than gpt_small on 2 CPU cores (block-sparse layouts run
+    # Suite time: gpt_medium steps take 10-60x longer than gpt_mini on 2 CPU cores (block-sparse layouts run
     # Triton kernels in the interpreter there): it trains in one run, under ddp with dense attention; its other
-    # runs take gpt_small, and a sparse layout that was on gpt_medium moves to a dense run on a smaller model.
+    # runs take gpt_mini, and a sparse layout that was on gpt_medium moves to a dense run on a smaller model.
     for run in runs:
         if run[4] != "gpt_medium":
             continue
         if run[0] != "ddp":
-            run[4] = "gpt_small"
+            run[4] = "gpt_mini"
         elif run[3] != "dense":
             other = next(o for o in runs if o[4] != "gpt_medium" and o[3] == "dense" and o[0] != "tensor")
             run[3], other[3] = other[3], run[3]
@@ -195,4 +195,4 @@ def test_every_option_trains_somewhere(tmp_path, combo):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_bf16_mixed_with_sparse_attention_trains(tmp_path):
-    _train(tmp_path, ("zero2", "adamw", "bf16", "longformer", "gpt_tiny"))
+    _train(tmp_path, ("zero2", "adamw", "bf16", "longformer", "gpt_smoke"))

@@ -42,7 +42,7 @@ def test_budget_where_only_stage3_offload_fits_picks_it():
     assert any(r.candidate.stage == 0 and "> budget" in r.reason for r in rejected)
     line = survivors[0].candidate.overrides()
     assert "strategy.stage=3" in line and f"strategy.offload={survivors[0].candidate.offload}" in line
-    check_overrides(line, ["model=gpt_small"])  # real Hydra keys, accepted by the pre-training checks
+    check_overrides(line, ["model=gpt_mini"])  # real Hydra keys, accepted by the pre-training checks
 
 
 def test_no_fit_lists_every_family_and_why(capsys):
