@@ -10,6 +10,18 @@ if not torch.cuda.is_available():
 
 # Tests import helpers that sit next to them (tests/dist/zero_workers.py ...); spawned ranks inherit sys.path.
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+# The repository root holds `kernels/` (installed as `lightning_scale.kernels`). `python -m pytest` puts the root
+# first on sys.path, where that folder shadows the unrelated PyPI package `kernels`, which transformers (>= 5)
+# imports when it is installed: every Hugging Face model would then fail to import. Keep the root on sys.path (a
+# checkout used through PYTHONPATH still imports lightning_scale from it), but after site-packages.
+_at_root = [p for p in sys.path if os.path.abspath(p or os.getcwd()) == ROOT]
+if _at_root:
+    sys.path[:] = [p for p in sys.path if p not in _at_root] + [ROOT]
+_shadow = sys.modules.get("kernels")
+if _shadow is not None and os.path.abspath(getattr(_shadow, "__file__", None) or "").startswith(ROOT + os.sep):
+    del sys.modules["kernels"]
 for sub in ("dist", "strategies", "unit", "kernels"):
     path = os.path.join(HERE, sub)
     if path not in sys.path:
