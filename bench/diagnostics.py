@@ -8,6 +8,8 @@ Overhead rows (tokens/s ratio to the same system with the diagnostics off, per r
                (one store check) that the Lightning callback makes
     debug      LIGHTNING_SCALE_DEBUG_COLLECTIVES=1: every collective fingerprinted through the store
     noguard    (ls_z3 only) the ZeRO-3 freed-parameter guard disabled: its cost is the ratio off / noguard
+Then the watchdog's cost per call (should_stop + step_done per step, one heartbeat tick), timed call by call, as a
+share of the median 'off' step: the bound that the tokens/s rows cannot resolve on a shared box.
 Each (round, system, mode) runs in fresh processes, in rotated order. The store here is run_distributed's
 FileStore (Lightning / torchrun use a TCPStore). Fault rows: one rank hangs (hang_timeout 3 s), raises,
 is SIGKILLed, or gets SIGTERM; the time is from the fault (written by the faulting rank) to all ranks exited.
@@ -69,6 +71,26 @@ def speed_worker(rank: int, world: int, system: str, mode: str, steps: int, warm
     return {"tokens_per_s": tokens / elapsed, "loss": float(loss.detach())}
 
 
+def cost_worker(rank: int, world: int, calls: int):
+    """What the watchdog adds per step on the training thread, timed call by call (a bound that the tokens/s noise
+    of a shared box cannot hide): ``should_stop`` (one store check) and ``step_done``; and one heartbeat tick (the
+    side thread's work every ``heartbeat_interval``: a JSON heartbeat set + an abort / stop-request check)."""
+    wd = start_watchdog(DiagnosticsConfig())
+    dist.barrier()
+    t0 = time.perf_counter()
+    for i in range(calls):
+        trace.step_done(i + 1)
+        wd.should_stop(i + 1)
+    per_step = (time.perf_counter() - t0) / calls
+    t0 = time.perf_counter()
+    for _ in range(calls // 10):
+        wd._tick()
+    per_tick = (time.perf_counter() - t0) / (calls // 10)
+    dist.barrier()
+    wd.close()
+    return {"per_step_s": per_step, "per_tick_s": per_tick, "interval_s": wd.config.heartbeat_interval}
+
+
 def fault_worker(rank: int, world: int, kind: str, mark: str):
     import signal
 
@@ -120,6 +142,7 @@ def main() -> None:
     ap.add_argument("--global-batch", type=int, default=8)
     ap.add_argument("--systems", default="ls_z2,ls_z3")
     ap.add_argument("--faults", default="hang,raise,sigkill,sigterm")
+    ap.add_argument("--calls", type=int, default=2000, help="calls timed for the per-call watchdog cost row")
     args = ap.parse_args()
     systems = args.systems.split(",")
     runs = [(s, m) for s in systems for m in MODES + (["noguard"] if s == "ls_z3" else [])]
@@ -137,6 +160,13 @@ def main() -> None:
         ratios = [a / b for a, b in zip(results[(system, mode)], results[(system, "off")])]
         print(f"| {system} | {mode} | {statistics.median(results[(system, mode)]):.0f} | "
               f"{statistics.median(ratios):.3f} ({', '.join(f'{r:.3f}' for r in ratios)}) |")
+    cost = run_distributed(cost_worker, 2, args=(args.calls,), timeout=300)[0]
+    off = statistics.median(v for s in systems for v in results[(s, "off")])
+    step_s = args.global_batch * gpt_small().seq_len / off  # tokens per step / tokens per second
+    share = (cost["per_step_s"] + cost["per_tick_s"] * step_s / cost["interval_s"]) / step_s
+    print(f"\nwatchdog cost per call (rank 0, {args.calls} calls): should_stop + step_done "
+          f"{cost['per_step_s'] * 1e6:.0f} us/step, heartbeat tick {cost['per_tick_s'] * 1e6:.0f} us every "
+          f"{cost['interval_s']:g} s; against the median 'off' step ({step_s * 1e3:.0f} ms): {share:.4%} of a step")
     if args.faults:
         print("\n| fault (rank 1 at step 5) | fault -> all ranks exited (s) | outcome |")
         print("|---|---|---|")
