@@ -21,30 +21,38 @@ counts the 8192 x 256 embedding table like the head). ``compute`` gives [embeddi
 
 Reported per system: tokens/s (median over rounds; global tokens of one step / step time), the
 ratio to the torch counterpart, peak RSS per stage while that system ran (MB, sampled every 10 ms),
-and for lightning_scale three bubbles:
+and bubbles, for both systems from the same kind of record:
 
-* measured: from the runtime's trace (``PipelineRuntime(trace=True)``, one event per compute, post
-  and wait; :mod:`lightning_scale.pipeline.runtime_trace`): 1 - sum over ranks of compute time /
-  (pp * makespan), per step, averaged over steps. Compute time is the wall time of the F / B / I / W
-  actions (autograd only; waiting for a receive and posting sends are outside it). The makespan
-  runs from the first event of any rank to the last (time.perf_counter stamps, one host), so a rank
-  that finishes early idles until the last one is done, as in the theory; the loss broadcast and
-  optimizer step are outside.
+* the record: lightning_scale's runtime trace (``PipelineRuntime(trace=True)``, one event per compute,
+  post and wait; :mod:`lightning_scale.pipeline.runtime_trace`); for torch, each
+  ``forward_one_chunk`` (+ the last stage's loss) and ``backward_one_chunk`` call timed by wrapping
+  those methods on its stage objects (so torch's per-chunk bookkeeping counts as its compute). Both
+  are time.perf_counter stamps on one host, so ranks compare.
+* measured: 1 - sum over ranks of compute time / (pp * makespan) per step, averaged over steps; the
+  makespan runs from the first compute of any rank to the last, so a rank that finishes early idles
+  until the last one is done, as in the theory; the loss hand-out and the optimizer step are outside.
   Idle time is therefore: waiting for the other stage's data (the schedule bubble, plus the time
   the other stage's extra work takes when stages are unequal), transfer latency, and runtime
   overhead (posting sends / receives, Python between actions).
-* sim (measured stages): the schedule simulated (``validate_schedule``) with zero transfer cost and
-  the measured mean time of each (action kind, stage): the bubble this schedule must have with
-  these unequal stages. measured - sim is what transfers, runtime overhead and machine noise add.
-* sim + hand-off latency: the same with every transfer taking the median measured hand-off latency
-  (a send's post to the end of the receiver's wait, over transfers the receiver was already
-  waiting for: transfer plus wake-up time).
+* sim (each action's measured time): the schedule simulated (``validate_schedule``) per step with
+  zero transfer cost and every action's own measured duration in that step (stage imbalance and
+  that step's jitter included), averaged over steps: the bubble this schedule must have with these
+  very compute times. measured / sim - 1 is what transfers and runtime overhead add (the 10% target).
+  The table says when torch's compute order differs from our schedule's (then its sim is of ours).
+* sim (mean stage times): the same with the mean time of each (action kind, stage): without the
+  jitter (under load the jitter alone makes measured exceed this one).
+* sim + hand-off latency (lightning_scale): the per-action sim with every transfer taking the median
+  measured hand-off latency (a send's post to the end of the receiver's wait, over transfers the
+  receiver was already waiting for: transfer plus wake-up time).
 * theory (equal stages): (p-1)/(m+p-1) for 1F1B, (p-1)/(v m+p-1) interleaved, (p-1)/(3m+p-1)
   ZB-H1 (F = I = W); it holds only for stages of equal cost, which no split of this GPT achieves.
 
+torch runs with ``return_outputs=False`` (our train_step keeps no outputs either).
+
 The per-stage line lists each stage's measured compute per micro-batch (ms; F + B, or F + I + W);
 the "blocked" line, per rank and step, the time spent waiting for receives, waiting for sends (at the
-step's end: a send completes once the peer posted the receive) and posting.
+step's end: a send completes once the peer posted the receive), posting, Python between actions
+(other) and after the schedule (epilogue).
 Compute is wall time: on a machine with fewer free cores than processes (pp=4 on 2 cores, or any
 shared machine), "compute" of one rank includes time its core was taken by another process, so
 the GPT rows there do not measure the schedule.
@@ -146,7 +154,8 @@ def _synthetic_loss(out, target):
 
 
 def _build(system, cfg, topo, microbatches, partition, sleep_ms):
-    """A fresh model split into this rank's stage(s); returns (step_fn, params, runtime or None)."""
+    """A fresh model split into this rank's stage(s); returns (step_fn, params, trace of the last step: a callable
+    returning TraceEvent tuples, compute only for torch)."""
     import torch
     from torch.distributed import pipelining as tp
 
@@ -168,25 +177,65 @@ def _build(system, cfg, topo, microbatches, partition, sleep_ms):
         name = {"ls 1f1b": "1f1b", "ls interleaved": "interleaved_1f1b", "ls zero_bubble": "zero_bubble"}[system]
         rt = PipelineRuntime(stage, pp_group=topo.pp_group, pp_ranks=topo.axis_ranks("pp"), loss_fn=loss_fn,
                              microbatches=microbatches, schedule=name, trace=True)
-        return (lambda x, y: rt.train_step(x, y)), params, rt
+        # the step's epilogue (tied-gradient sum + loss hand-out) as one extra event, outside the schedule's
+        return (lambda x, y: rt.train_step(x, y)), params, (lambda: [tuple(e) for e in rt.last_trace] + [
+            ("epilogue", -1, -1, "", rt.last_window[1], rt.last_window[1] + rt.last_epilogue_s)])
     stages = [tp.PipelineStage(stage.chunk(s), s, stage.num_stages, torch.device("cpu"), group=topo.pp_group)
               for s in stage.stage_ids]
     if v == 1:
         sched = tp.Schedule1F1B(stages[0], n_microbatches=microbatches, loss_fn=loss_fn)
     else:
         sched = tp.ScheduleInterleaved1F1B(stages, n_microbatches=microbatches, loss_fn=loss_fn)
+    events = _time_torch_schedule(sched, stages)
 
     def step(x, y):
+        # return_outputs=False: the runtime's train_step keeps no outputs either (torch's default would keep
+        # every micro-batch's logits on the last stage and concatenate them after the schedule)
+        events.clear()
         if stage.is_first and stage.is_last:
-            sched.step(x, target=y)
+            sched.step(x, target=y, return_outputs=False)
         elif stage.is_first:
-            sched.step(x)
+            sched.step(x, return_outputs=False)
         elif stage.is_last:
-            sched.step(target=y, losses=[])
+            sched.step(target=y, losses=[], return_outputs=False)
         else:
-            sched.step()
+            sched.step(return_outputs=False)
 
-    return step, params, None
+    return step, params, lambda: list(events)
+
+
+def _time_torch_schedule(sched, stages):
+    """Record torch's compute like the runtime's trace: one ("F" | "B", stage, micro-batch, "", t0, t1) per
+    ``forward_one_chunk`` / ``backward_one_chunk`` call (the chunk's bookkeeping inside those calls included),
+    the last stage's loss added to its F (the runtime's F includes the loss). Instance attributes shadow the
+    methods, so the schedule's own code runs unchanged. Returns the list the current step appends to."""
+    events: list = []
+
+    def timed(fn, kind, stage_id):
+        def run(chunk_id, *args, **kwargs):
+            t0 = time.perf_counter()
+            out = fn(chunk_id, *args, **kwargs)
+            events.append((kind, stage_id, chunk_id, "", t0, time.perf_counter()))
+            return out
+        return run
+
+    for st in stages:
+        st.forward_one_chunk = timed(st.forward_one_chunk, "F", st.stage_index)
+        st.backward_one_chunk = timed(st.backward_one_chunk, "B", st.stage_index)
+    compute_loss = sched._maybe_compute_loss
+
+    def loss(stage, output, target_mbs, mb_index, *args, **kwargs):
+        t0 = time.perf_counter()
+        compute_loss(stage, output, target_mbs, mb_index, *args, **kwargs)
+        dt = time.perf_counter() - t0
+        for k in range(len(events) - 1, -1, -1):
+            e = events[k]
+            if e[:3] == ("F", stage.stage_index, mb_index):
+                events[k] = e[:5] + (e[5] + dt,)
+                break
+
+    sched._maybe_compute_loss = loss
+    return events
 
 
 def _bench_worker(rank, world_size, cfg_kw, batch, microbatches, steps, rounds, partition, sleep_ms):
@@ -206,7 +255,7 @@ def _bench_worker(rank, world_size, cfg_kw, batch, microbatches, steps, rounds, 
     for rnd in range(rounds):
         order = SYSTEMS[rnd % len(SYSTEMS):] + SYSTEMS[:rnd % len(SYSTEMS)]
         for system in order:
-            step, params, rt = _build(system, cfg, topo, microbatches, partition, sleep_ms)
+            step, params, trace = _build(system, cfg, topo, microbatches, partition, sleep_ms)
             opt = torch.optim.AdamW(params, lr=1e-4)
             step(x, y)  # warm-up: shapes exchanged, allocator primed
             opt.step()
@@ -218,13 +267,12 @@ def _bench_worker(rank, world_size, cfg_kw, batch, microbatches, steps, rounds, 
                     step(x, y)
                     opt.step()
                     opt.zero_grad(set_to_none=True)
-                    if rt is not None:
-                        out[system]["timing"].append([tuple(e) for e in rt.last_trace])
+                    out[system]["timing"].append(trace())
                 torch.distributed.barrier(topo.pp_group)
                 elapsed = time.perf_counter() - t0
             out[system]["tok_s"].append(steps * batch * cfg.seq_len / elapsed)
             out[system]["rss_mb"] = max(out[system]["rss_mb"], rss.peak_mb)
-            del step, params, rt, opt
+            del step, params, trace, opt
     return out
 
 
@@ -234,67 +282,103 @@ def _theory(system, pp, m):
     return (pp - 1) / (V[system] * m + pp - 1)
 
 
+SCHEDULE = {"ls 1f1b": "1f1b", "torch 1f1b": "1f1b", "ls interleaved": "interleaved_1f1b",
+            "torch interl.": "interleaved_1f1b", "ls zero_bubble": "zero_bubble"}
+
+
 def _bubbles(system, pp, results, microbatches):
-    """(measured bubble, simulated bubble for the measured stage times, {(kind, stage): mean s per micro-batch},
-    per rank {wait kind: mean s per step})."""
-    from lightning_scale.pipeline.runtime_trace import (TraceEvent, blocked_s, compute_costs, handoff_latencies,
-                                                        measured_bubble)
+    """Bubbles of one system from its per-step traces (every rank's), as a dict:
+
+    measured: 1 - compute / (pp x makespan) per step (compute events only, both systems), mean over steps;
+    sim: the schedule simulated per step with each action's own measured time in that step (so stage
+      imbalance and that step's jitter are in it; transfers free), mean over steps;
+    sim_mean: the same with the mean time of each (kind, stage) over all steps;
+    same_order: every rank ran its computes in the simulated schedule's order (for torch: its schedule
+      is the same as ours, so the simulation is of what it ran);
+    and for lightning_scale (whose trace has the transfers): sim_lat (sim with every transfer taking the median
+    measured hand-off latency), latency, costs {(kind, stage): mean s}, blocked per rank {wait kind: s per step}.
+    """
+    from lightning_scale.pipeline.runtime_trace import (COMPUTE, TraceEvent, blocked_s, compute_costs,
+                                                        handoff_latencies, measured_bubble)
     from lightning_scale.pipeline.schedule import build_schedule
     from lightning_scale.pipeline.validate import validate_schedule
 
     steps = len(results[0][system]["timing"])
     traces = [[[TraceEvent(*e) for e in r[system]["timing"][k]] for r in results] for k in range(steps)]
-    measured = [measured_bubble(step) for step in traces]
-    costs = {key: statistics.mean(v) for key, v in compute_costs([tr for step in traces for tr in step]).items()}
-    blocked = []
-    for rank in range(pp):
-        per = [blocked_s(step[rank]) for step in traces]
-        blocked.append({k: statistics.mean(p.get(k, 0.0) for p in per) for k in ("recv_wait", "send_wait",
-                                                                                  "send_post", "recv_post")})
-    name = {"ls 1f1b": "1f1b", "ls interleaved": "interleaved_1f1b", "ls zero_bubble": "zero_bubble"}[system]
-    sch = build_schedule(name, pp, microbatches, V[system])
-    sim = validate_schedule(sch, costs=costs).bubble_fraction
-    lat = [x for step in traces for x in handoff_latencies(step)]
-    latency = statistics.median(lat) if lat else 0.0
-    sim_lat = validate_schedule(sch, costs=costs, latency=latency).bubble_fraction
-    return statistics.mean(measured), (sim, sim_lat, latency), costs, blocked
+    compute = [[[e for e in tr if e.action in COMPUTE] for tr in step] for step in traces]
+    sch = build_schedule(SCHEDULE[system], pp, microbatches, V[system])
+    order = [[(a.kind, a.stage, a.microbatch) for a in acts if a.kind in COMPUTE] for acts in sch.actions]
+    same_order = all([(e.action, e.stage, e.microbatch) for e in sorted(tr, key=lambda e: e.t_start)] == order[r]
+                      for step in compute for r, tr in enumerate(step))
+    per_action = [{(e.action, e.stage, e.microbatch): e.t_end - e.t_start for tr in step for e in tr}
+                  for step in compute]
+    costs = {key: statistics.mean(v) for key, v in compute_costs([tr for step in compute for tr in step]).items()}
+    out = dict(measured=statistics.mean(measured_bubble(step) for step in compute),
+               sim=statistics.mean(validate_schedule(sch, costs=c).bubble_fraction for c in per_action),
+               sim_mean=validate_schedule(sch, costs=costs).bubble_fraction, same_order=same_order, costs=costs)
+    if system.startswith("ls"):
+        lat = [x for step in traces for x in handoff_latencies(step)]
+        out["latency"] = latency = statistics.median(lat) if lat else 0.0
+        out["sim_lat"] = statistics.mean(validate_schedule(sch, costs=c, latency=latency).bubble_fraction
+                                         for c in per_action)
+        out["blocked"] = []
+        for rank in range(pp):
+            per = [blocked_s(step[rank]) for step in traces]
+            # other: the rank's schedule window (first to last event) not inside any event: runtime Python
+            # between actions
+            other = [max(e.t_end for e in step[rank] if e.action != "epilogue")
+                     - min(e.t_start for e in step[rank]) - sum(e.t_end - e.t_start for e in step[rank]
+                                                               if e.action not in ("epilogue", "send_done"))
+                     for step in traces]
+            out["blocked"].append(dict({k: statistics.mean(p.get(k, 0.0) for p in per)
+                                        for k in ("recv_wait", "send_wait", "send_post", "recv_post", "epilogue")},
+                                       other=statistics.mean(other)))
+    return out
 
 
 def _report(pp, results, microbatches):
     print(f"\n## pp={pp} ({pp} processes), {microbatches} micro-batches")
-    print("| system | tokens/s | vs torch | peak RSS MB per stage | bubble measured | bubble sim (measured stages) "
-          "| measured / sim | sim + measured hand-off latency | bubble theory (equal stages) |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    stage_lines, blocked_lines = [], []
+    print("| system | tokens/s | vs torch | peak RSS MB per stage | bubble measured | bubble sim (each action's "
+          "measured time) | measured / sim | sim (mean stage times) | sim + hand-off latency | theory (equal stages) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    stage_lines, blocked_lines, order_notes = [], [], []
     for system in SYSTEMS:
         tok = statistics.median(results[0][system]["tok_s"])
         peer = PEER.get(system)
         ratio = f"{tok / statistics.median(results[0][peer]['tok_s']):.2f}x" if peer else ""
         rss = " / ".join(f"{r[system]['rss_mb']:.0f}" for r in results)
         theory = f"{_theory(system, pp, microbatches):.3f}"
-        if system.startswith("ls"):
-            measured, sim, costs, blocked = _bubbles(system, pp, results, microbatches)
+        b = _bubbles(system, pp, results, microbatches)
+        if not b["same_order"]:
+            order_notes.append(f"{system}: its compute order differs from our {SCHEDULE[system]!r} schedule's, so "
+                               "its sim columns simulate ours with its action times")
+        with_lat = ""
+        if "blocked" in b:
             blocked_lines.append(f"{system}: " + "; ".join(
-                f"rank {r} recv wait {b['recv_wait'] * 1e3:.0f} / send wait {b['send_wait'] * 1e3:.0f} / posts "
-                f"{(b['send_post'] + b['recv_post']) * 1e3:.1f}" for r, b in enumerate(blocked)))
-            sim, sim_lat, latency = sim
-            bubble, simulated = f"{measured:.3f}", f"{sim:.3f}"
-            vs_sim, with_lat = f"{measured / sim:.2f}" if sim else "", f"{sim_lat:.3f} ({latency * 1e3:.1f} ms)"
-            per_stage = {}
-            for (kind, s), ms in costs.items():
-                per_stage.setdefault(s, []).append((kind, ms * 1e3))
-            stage_lines.append(f"{system}: " + "; ".join(
-                f"stage {s} " + " + ".join(f"{k} {ms:.1f}" for k, ms in sorted(per_stage[s], key=lambda x: "FBIW".index(x[0])))
-                + f" = {sum(ms for _, ms in per_stage[s]):.1f}" for s in sorted(per_stage)))
-        else:
-            bubble = simulated = vs_sim = with_lat = "n/a"
-        print(f"| {system} | {tok:,.0f} | {ratio} | {rss} | {bubble} | {simulated} | {vs_sim} | {with_lat} | {theory} |")
-    print("\ncompute per micro-batch, ms (mean over steps and rounds):")
+                f"rank {r} recv wait {x['recv_wait'] * 1e3:.0f} / send wait {x['send_wait'] * 1e3:.0f} / posts "
+                f"{(x['send_post'] + x['recv_post']) * 1e3:.1f} / other {x['other'] * 1e3:.1f} / epilogue "
+                f"{x['epilogue'] * 1e3:.1f}" for r, x in enumerate(b["blocked"])))
+            with_lat = f"{b['sim_lat']:.3f} ({b['latency'] * 1e3:.1f} ms)"
+        per_stage = {}
+        for (kind, s), sec in b["costs"].items():
+            per_stage.setdefault(s, []).append((kind, sec * 1e3))
+        stage_lines.append(f"{system}: " + "; ".join(
+            f"stage {s} " + " + ".join(f"{k} {ms:.1f}" for k, ms in sorted(per_stage[s], key=lambda x: "FBIW".index(x[0])))
+            + f" = {sum(ms for _, ms in per_stage[s]):.1f}" for s in sorted(per_stage)))
+        vs_sim = f"{b['measured'] / b['sim']:.2f}" if b["sim"] else ""
+        print(f"| {system} | {tok:,.0f} | {ratio} | {rss} | {b['measured']:.3f} | {b['sim']:.3f} | {vs_sim} | "
+              f"{b['sim_mean']:.3f} | {with_lat} | {theory} |")
+    print("\ncompute per micro-batch, ms (mean over steps and rounds; torch: forward_one_chunk (+ loss) / "
+          "backward_one_chunk):")
     for line in stage_lines:
         print(f"- {line}")
-    print("\nblocked per step, ms (from the trace; mean over steps and rounds):")
+    print("\nblocked per step, ms (from the trace; mean over steps and rounds; other = the rank's schedule window "
+          "outside every event: runtime Python between actions; epilogue = after the schedule: tied-gradient sum + "
+          "loss hand-out):")
     for line in blocked_lines:
         print(f"- {line}")
+    for line in order_notes:
+        print(f"- note: {line}")
 
 
 def main() -> None:

@@ -15,7 +15,8 @@
 Gradients accumulate in ``.grad`` like a normal backward (nothing is zeroed), so optimizers,
 gradient clipping and accumulation over several ``train_step`` calls work as usual. After the
 schedule, gradients of parameters tied across ranks (embedding / LM head) are summed between their
-holders, and the mean loss is broadcast from the last stage, so every pipeline rank returns it.
+holders, and the last stage sends the mean loss to every other pipeline rank (without waiting for
+it to arrive), so every pipeline rank returns it.
 
 If anything raises mid-schedule, the runtime makes its pipeline neighbours fail at once
 (:meth:`P2P.abort`) and re-raises: no rank is left blocked in a receive. A ``timeout`` bounds
@@ -37,7 +38,6 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Un
 import torch
 import torch.distributed as dist
 
-from lightning_scale.comm.collectives import broadcast
 from lightning_scale.comm.p2p import P2P, PendingRecv
 from lightning_scale.config import ConfigError
 from lightning_scale.pipeline import schedule as S
@@ -47,6 +47,7 @@ from lightning_scale.pipeline.stage import PipelineStage
 from lightning_scale.pipeline.validate import validate_schedule
 
 Key = Tuple[int, int]  # (stage, microbatch)
+_IN_FLIGHT: List[PendingRecv] = []  # loss sends not yet seen complete, of any runtime of this process
 
 
 @dataclass
@@ -119,7 +120,7 @@ class PipelineRuntime:
         self.device = next((p.device for p in stage.parameters()), torch.device("cpu"))
         split = sch.splits_backward
         self._splitters = {s: WeightGradSplitter(stage.chunk(s)) for s in stage.stage_ids} if split else {}
-        # Timing of this rank's last schedule run (not the tied-gradient sum, not the loss broadcast):
+        # Timing of this rank's last schedule run (not the tied-gradient sum, not the loss hand-out):
         # wall time, compute (F/B/I/W), time blocked on peers (receives, final wait for sends),
         # compute per (action kind, stage), and the (start, end) time.perf_counter() stamps. On one
         # host perf_counter is the system monotonic clock, so stamps of different ranks compare:
@@ -130,6 +131,8 @@ class PipelineRuntime:
         self.last_action_s: dict[tuple[str, int], float] = {}
         self.last_window: tuple[float, float] = (0.0, 0.0)
         self.last_trace: List[TraceEvent] = []  # filled only with trace=True
+        # seconds the last step spent after its schedule (tied-gradient sum, loss hand-out)
+        self.last_epilogue_s = 0.0
         self.sync_tied_parameters()
 
     def _check_group(self, pp_group) -> None:
@@ -158,8 +161,11 @@ class PipelineRuntime:
             step = self._new_step(inputs, targets, train=True, grad_scale=grad_scale)
             snapshots = [t.param.grad.clone() if t.param.grad is not None else None for t in self.stage.tied]
             self._run(self.schedule, step)
+            t0 = time.perf_counter()
             self._sum_tied_grads(snapshots)
-            return self._mean_loss(step)
+            loss = self._mean_loss(step)
+            self.last_epilogue_s = time.perf_counter() - t0
+            return loss
 
     @torch.no_grad()
     def eval_step(self, inputs: torch.Tensor, targets: Optional[torch.Tensor] = None, *,
@@ -171,7 +177,9 @@ class PipelineRuntime:
             step = self._new_step(inputs, targets, train=False, grad_scale=1.0)
             step.keep_outputs = return_outputs
             self._run(self._eval_schedule, step)
+            t0 = time.perf_counter()
             loss = self._mean_loss(step)
+            self.last_epilogue_s = time.perf_counter() - t0
         if not return_outputs:
             return loss
         outs = torch.cat([step.results[i] for i in range(self.microbatches)]) if self.stage.is_last else None
@@ -316,7 +324,9 @@ class PipelineRuntime:
 
     def _forward(self, s: int, i: int, x: torch.Tensor, step: _Step) -> None:
         last = s == self.stage.num_stages - 1
-        if step.train and x.is_floating_point():
+        if step.train and s > 0 and x.is_floating_point():
+            # stage 0's input gradient has no consumer: asking for it would run the whole input-gradient
+            # path of the first layer (for a float input) for nothing
             x = x.detach().requires_grad_(True)
         chunk = self.stage.chunk(s)
         splitter = self._splitters.get(s) if step.train else None
@@ -354,14 +364,33 @@ class PipelineRuntime:
 
     # ------------------------------------------------------------------ after the schedule
     def _mean_loss(self, step: _Step) -> Optional[torch.Tensor]:
-        """Mean micro-batch loss of the last stage, on every pp rank (None when it had no targets)."""
+        """Mean micro-batch loss of the last stage, on every pp rank (None when it had no targets).
+
+        The last stage sends it to each other rank point to point and does not wait: it already has the
+        value, and under gloo a send completes only once the peer posts the receive, i.e. (1F1B) after
+        the first stage's last backward, which would hold the last stage's optimizer step behind it.
+        Its sends are waited with the next step's (``P2P.wait_sends``). Not a collective broadcast:
+        with gloo's, middle ranks also waited there for ranks still computing (bench/pipeline.py,
+        pp=4: up to ~100 ms per step on rank 2)."""
         buf = torch.zeros(2, dtype=torch.float64, device=self.device)  # [loss, has loss]
         if self.stage.is_last and step.losses:
             buf[0] = torch.stack([loss.to(torch.float64) for loss in step.losses]).mean()
             buf[1] = 1.0
         if self.stage.pp > 1:
-            broadcast(buf, src=self.pp_ranks[-1], group=self.pp_group, tag="pp_loss")
+            if self.stage.is_last:
+                # Kept alive past this runtime too: a gloo send whose handle is freed before the peer posts its
+                # receive never arrives, and a caller may drop this runtime right after its last step.
+                _IN_FLIGHT[:] = [h for h in _IN_FLIGHT if not h.is_completed()]
+                _IN_FLIGHT.extend(self.p2p.send(buf, dst, "loss") for dst in self.pp_ranks[:-1])
+                return buf[0].clone() if buf[1] > 0 else None
+            buf = self.p2p.recv(self.pp_ranks[-1], "loss", device=self.device).wait()
         return buf[0] if buf[1] > 0 else None
+
+    def wait_pending(self) -> None:
+        """Wait for the sends this rank left in flight (the last stage's loss of the last step); every step
+        waits them at its end anyway. Call it before tearing down the process group right after a step."""
+        if self.p2p is not None:
+            self.p2p.wait_sends()
 
     def _sum_tied_grads(self, snapshots: Sequence[Optional[torch.Tensor]]) -> None:
         """Add the other holder's contribution of this step to each tied parameter's gradient."""

@@ -146,3 +146,51 @@ def test_split_backward_falls_back_when_a_parameter_has_two_owners():
     gx, work = backward_input(out, None, idx, records, splitter.splittable)
     assert gx is None and work == []
     assert emb.weight.grad is not None  # the full backward ran in I
+
+
+class _NeedsInputGrad(torch.autograd.Function):
+    """Identity that records, per backward, whether autograd asked it for its input's gradient."""
+
+    asked: list = []
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        _NeedsInputGrad.asked.append(ctx.needs_input_grad[0])
+        return grad
+
+
+class _Probe(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(_NeedsInputGrad.apply(x))
+
+
+@pytest.mark.parametrize("schedule,v", [("interleaved_1f1b", 2), ("zero_bubble", 1)])
+def test_first_stage_does_not_compute_its_input_gradient(schedule, v):
+    """A float batch into stage 0: no stage consumes its gradient, so autograd is never asked for it (before: the
+    runtime made every stage input require a gradient, and stage 0 computed one for nothing); the second layer's
+    input still gets its gradient. Gradients equal plain autograd."""
+    torch.manual_seed(0)
+    layers = [_Probe(), _Probe()]
+    ref = [_Probe(), _Probe()]
+    for a, b in zip(ref, layers):
+        a.load_state_dict(b.state_dict())
+    stage = build_stage(layers, pp=1, pp_rank=0, virtual_stages=v, partition="uniform")
+    rt = PipelineRuntime(stage, loss_fn=lambda out, t: (out - t).pow(2).mean(), microbatches=2, schedule=schedule)
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    _NeedsInputGrad.asked = []
+    rt.train_step(x, y)
+    # 2 micro-batches: only the second layer's probe runs a backward (its input needs a gradient); the first
+    # layer's probe sees an input that requires none, so autograd never reaches it
+    assert _NeedsInputGrad.asked == [True, True], _NeedsInputGrad.asked
+    ((ref[1](ref[0](x[:2])) - y[:2]).pow(2).mean() / 2 + (ref[1](ref[0](x[2:])) - y[2:]).pow(2).mean() / 2).backward()
+    for a, b in zip(ref, layers):
+        for pa, pb in zip(a.parameters(), b.parameters()):
+            torch.testing.assert_close(pb.grad, pa.grad, rtol=0, atol=1e-6)
