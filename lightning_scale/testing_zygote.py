@@ -115,6 +115,20 @@ def close_all() -> None:
 
 
 # ---------------------------------------------------------------------------------------------- the zygote itself
+def _demote_checkout_roots() -> None:
+    """``python -c`` puts the working directory ("") first on sys.path. In a lightning_scale checkout that is the
+    repository root, whose ``kernels/`` folder (shipped as ``lightning_scale.kernels``) would shadow the PyPI package
+    ``kernels`` that transformers imports: preloading transformers would fail. Drop "" (a script run as ``python
+    SCRIPT`` has its own folder there, which ``_run`` inserts) and move any other checkout root (PYTHONPATH) after
+    site-packages, where it still provides lightning_scale."""
+    if sys.path and sys.path[0] == "":
+        del sys.path[0]
+    roots = [p for p in sys.path if os.path.isdir(os.path.join(p or ".", "kernels"))
+             and os.path.isdir(os.path.join(p or ".", "lightning_scale"))]
+    if roots:
+        sys.path[:] = [p for p in sys.path if p not in roots] + roots
+
+
 def _serve() -> None:
     status_of: Dict[int, str] = {}
 
@@ -128,6 +142,7 @@ def _serve() -> None:
 
     signal.signal(signal.SIGTERM, end)
     _pdeathsig(signal.SIGTERM)  # the parent died (even by SIGKILL / os._exit): take every child's group down
+    _demote_checkout_roots()
     for name in sys.argv[1:]:
         __import__(name)
     sys.stdout.write("ready\n")
@@ -194,11 +209,9 @@ def _run(kind: str, argv: List[str]) -> int:
 
         script = os.path.abspath(argv[0])
         extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
-        sys.path[1:1] = extra  # as the interpreter would put the request's PYTHONPATH
-        if sys.path and sys.path[0] == "":  # the zygote runs as `python -c`: `python SCRIPT` has its folder there
-            sys.path[0] = os.path.dirname(script)
-        else:
-            sys.path.insert(0, os.path.dirname(script))
+        sys.path[0:0] = extra  # as the interpreter would put the request's PYTHONPATH
+        _demote_checkout_roots()
+        sys.path.insert(0, os.path.dirname(script))  # `python SCRIPT` has its folder first
         runpy.run_path(script, run_name="__main__")
         return 0
     if kind == "entry":  # run_distributed's rank: argv = [job, rank]
