@@ -405,8 +405,16 @@ def format_table(estimates: Sequence[MemoryEstimate], *, selected: Optional[Tupl
     return "\n".join(lines)
 
 
+def _human_count(n: float) -> str:
+    """1.3B / 124.4M / 912.1K: three significant figures at any size (0.001B said nothing for a 0.9M model)."""
+    for div, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= div:
+            return f"{n / div:,.3g}{unit}" if n / div < 1000 else f"{n / div:,.0f}{unit}"
+    return f"{int(n)}"
+
+
 def describe(e: MemoryEstimate, largest_unit_params: float = 0, prefetch_depth: int = 1) -> str:
-    return (f"{e.params / 1e9:,.3f}B trainable params, dp={e.dp}, {e.precision}, optimizer={e.optimizer} "
+    return (f"{_human_count(e.params)} trainable params, dp={e.dp}, {e.precision}, optimizer={e.optimizer} "
             f"({_state_elements(e.optimizer)} state elements/param), largest unit {largest_unit_params / 1e6:,.1f}M "
             f"params, prefetch_depth={prefetch_depth}")
 

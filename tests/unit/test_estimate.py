@@ -348,3 +348,10 @@ def _model_from_cli(spec):
     from lightning_scale.estimate import _model_from_spec
 
     return _model_from_spec(spec)
+
+
+def test_header_counts_parameters_at_any_size():
+    from lightning_scale.estimate import _human_count
+
+    assert [_human_count(n) for n in (875_264, 124_439_808, 13e9, 1_234e9, 512)] == ["875K", "124M", "13B", "1,234B",
+                                                                                     "512"]
