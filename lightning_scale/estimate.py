@@ -303,12 +303,14 @@ def _unique_trainable(params: Iterable) -> List:
 
 
 def _units(module) -> List:
-    """The repeated units: ``layer_modules()`` of the module or of its first submodule that has it,
-    else the module's children."""
+    """The repeated units: ``layer_modules()`` of the module or of its first submodule that has it, else the children
+    of every ModuleList of one class (a Hugging Face model's decoder layers), else the module's children."""
     for m in module.modules():
         if callable(getattr(m, "layer_modules", None)):
             return list(m.layer_modules())
-    return list(module.children())
+    from lightning_scale.zero.param_shard import resolve_units  # ZeRO-3's discovery: a ModuleList of one class
+
+    return [m for _, m in resolve_units(module)] or list(module.children())
 
 
 def model_counts(module, persistent_threshold: int = 0) -> Dict[str, int]:

@@ -97,6 +97,67 @@ class Row:
     result: Optional[Dict] = None  # what a probe measured (tokens_per_s, measured_bytes, ...) or {"error": ...}
 
 
+@dataclass(frozen=True)
+class Shape:
+    """What the planner needs of a model that is not the package GPT (``--module``, ``autotune=True``): head and layer
+    counts (tp / pp divisibility), the sequence length and vocabulary of the probes' random tokens, and the parameters
+    of the embeddings and the head (a pipeline's heaviest stage). ``module``: the LightningModule's import path (the
+    CLI's probes build it in each rank); ``n_head`` None: unknown, tp is not searched."""
+
+    n_head: Optional[int]
+    n_layer: int
+    seq_len: int
+    vocab_size: int
+    d_model: int = 0
+    n_kv_head: Optional[int] = None
+    embed_params: int = 0
+    head_params: int = 0
+    tie_weights: bool = False
+    module: Optional[str] = None
+    name: str = "model"
+    sys_path: Tuple[str, ...] = ()
+
+
+def find_model(root, setting: str = "--module"):
+    """(model, Shape or the GPT's config) inside a LightningModule (or a model): the package GPT, else a Hugging Face
+    ``PreTrainedModel`` (its config gives heads, layers, vocabulary), else ``root`` itself if the estimator finds
+    repeated units in it (a ModuleList of one class, or ``layer_modules()``)."""
+    from lightning_scale.estimate import _units
+
+    gpts = [m for m in root.modules() if type(m).__name__ == "GPT" and hasattr(m, "cfg")]
+    if gpts:
+        return gpts[0], gpts[0].cfg
+    for m in root.modules():
+        cfg = getattr(m, "config", None)
+        if cfg is not None and hasattr(cfg, "num_hidden_layers") and callable(getattr(m, "get_input_embeddings", None)):
+            emb, head = m.get_input_embeddings(), m.get_output_embeddings()
+            embed = sum(p.numel() for p in emb.parameters()) if emb is not None else 0
+            tied = bool(getattr(cfg, "tie_word_embeddings", False))
+            out = 0 if (head is None or tied) else sum(p.numel() for p in head.parameters())
+            heads = getattr(cfg, "num_attention_heads", None)
+            return m, Shape(n_head=heads, n_layer=int(cfg.num_hidden_layers),
+                            seq_len=int(getattr(cfg, "max_position_embeddings", 128) or 128),
+                            vocab_size=int(cfg.vocab_size), d_model=int(getattr(cfg, "hidden_size", 0) or 0),
+                            n_kv_head=getattr(cfg, "num_key_value_heads", heads), embed_params=embed,
+                            head_params=out, tie_weights=tied, name=type(m).__name__)
+    units = [u for u in _units(root) if any(True for _ in u.parameters())]
+    embeds = [m for m in root.modules() if type(m).__name__ == "Embedding"]
+    if len(units) < 2 or not embeds:
+        raise ConfigError(f"{setting}: the tuner needs a model the estimator can count: the package GPT, a Hugging Face "
+                          f"PreTrainedModel, or repeated units (a ModuleList of one block class) with a token "
+                          f"nn.Embedding; none found in {type(root).__name__} after configure_model()")
+    return root, Shape(n_head=None, n_layer=len(units), seq_len=128, vocab_size=int(embeds[0].num_embeddings),
+                       embed_params=sum(e.weight.numel() for e in embeds), name=type(root).__name__)
+
+
+def _embed_head(gpt) -> Tuple[float, float]:
+    """Parameters of the embeddings (token + learned positions) and of an untied head."""
+    if isinstance(gpt, Shape):
+        return float(gpt.embed_params), float(gpt.head_params)
+    embed = gpt.vocab_size * gpt.d_model + gpt.seq_len * gpt.d_model
+    return float(embed), float(0 if gpt.tie_weights else gpt.vocab_size * gpt.d_model)
+
+
 def parse_bytes(text: str) -> int:
     """``2GiB``, ``512MiB``, ``1.5e9`` -> bytes."""
     units = {"kib": 2**10, "mib": MiB, "gib": GiB, "tib": 2**40, "kb": 1e3, "mb": 1e6, "gb": 1e9, "b": 1}
@@ -139,8 +200,13 @@ def enumerate_candidates(gpt, devices: int, global_batch: int, *, stages=(0, 1, 
             dp = devices // (tp * pp)
             probe = Candidate(stage=0, offload="none", dp=dp, tp=tp, pp=pp)
             why = ""
-            if gpt.n_head % tp:
+            kv = getattr(gpt, "n_kv_head", None)
+            if tp > 1 and gpt.n_head is None:
+                why = f"tp={tp}: the head count of {getattr(gpt, 'name', 'the model')} is unknown"
+            elif gpt.n_head % tp:
                 why = f"tp={tp} does not divide model.n_head={gpt.n_head}"
+            elif kv and kv % tp:
+                why = f"tp={tp} does not divide the {kv} key/value heads"
             elif pp > 1 and gpt.n_layer % pp:
                 why = f"pp={pp} does not divide model.n_layer={gpt.n_layer}"
             elif global_batch % dp:
@@ -180,8 +246,7 @@ def predict_bytes(model, gpt, c: Candidate, precision: str = "32-true") -> Tuple
     from lightning_scale import estimate as E
 
     counts = E.model_counts(model)
-    embed = gpt.vocab_size * gpt.d_model + gpt.seq_len * gpt.d_model
-    head = 0 if gpt.tie_weights else gpt.vocab_size * gpt.d_model
+    embed, head = _embed_head(gpt)
     blocks = counts["params"] - embed - head
     params = counts["params"] if c.pp == 1 else blocks / c.pp + max(embed, head)  # the heaviest stage
     params /= c.tp
@@ -205,7 +270,30 @@ def predict_bytes(model, gpt, c: Candidate, precision: str = "32-true") -> Tuple
         step_numel = max(unit, params - counts["largest_unit_params"] * gpt.n_layer / c.pp / c.tp) / c.dp
     est = E.with_activations(est, acts, step_tensor_numel=step_numel)
     device = est.device.total + est.activation_bytes + est.step_scratch
-    return device, device + est.host.total
+    return device, one_memory_bytes(est)
+
+
+def one_memory_bytes(est) -> float:
+    """The peak live tensor bytes of a step when device and host are one memory (a CPU run): what the probes measure.
+
+    Each model state counts once, wherever it lives: offload's host copy of a tensor in the same dtype *is* the
+    device tensor on a CPU (the reducer aliases the fp32 master to the parameter shard, the gradient copy to the
+    gradient shard: ``master_aliased``), so in fp32 the host master and host gradients are not added again; in mixed
+    precision they are real fp32 copies. The step's transients are phases, not a sum: the activation peak (at the
+    loss, before a gradient exists) with the gathered units, or the end of the backward (its staging buffers + the
+    gradients), or the optimizer step (the gradients + its scratch). Stages 0-2 without offload keep their flat
+    gradient buffer between steps; ZeRO-3 and the offloaded copies free theirs at ``zero_grad``. Checked against the
+    probes' measurement on the bench GPT (fp32, 2 ranks): every stage x offload, mb 4 + full AC and mb 1 without AC,
+    within 0-12% (docs/tune.md)."""
+    from lightning_scale.estimate import _PRECISION_BYTES
+
+    d, h = est.device, est.host
+    aliased = _PRECISION_BYTES[est.precision][2] == 0  # no separate master dtype: the copies would be aliases
+    resident = d.params + h.params + d.master + d.optimizer_state + h.optimizer_state + (0.0 if aliased else h.master)
+    grads = max(d.grads, h.grads) if aliased else d.grads + h.grads
+    if est.stage < 3 and est.offload == "none":  # the flat gradient buffer (stage 0: full, 1-2: the shard) stays
+        resident, grads = resident + grads, 0.0  # allocated between steps (zero_grad zeroes it)
+    return resident + max(est.activation_bytes + d.gathered, d.transient + grads, grads + est.step_scratch)
 
 
 def prior(c: Candidate) -> float:
@@ -221,6 +309,7 @@ def prior(c: Candidate) -> float:
     t *= 1.0 + 0.03 * (c.accum - 1) if c.pp == 1 else 1.0
     t *= 1.0 + 0.2 / c.micro_batch  # a forward of one sequence runs the small-matrix kernels
     t *= 1.02 if (c.stage < 3 and c.bucket_mb < 10) else 1.0
+    t *= 0.95 if c.compile else 1.0  # inductor fuses the elementwise ops (a guess; the probe decides)
     return t
 
 
@@ -257,8 +346,17 @@ def no_fit_message(rows: Sequence[Row], budget_bytes: float, budget_name: str = 
 
 
 # ------------------------------------------------------------------------------------------------ measure
+def _probe_config(c: "Candidate", compile_setting):
+    from lightning_scale.config import from_flat_kwargs
+
+    kw = c.strategy_kwargs()
+    if c.compile and compile_setting not in (None, True):
+        kw["compile"] = compile_setting  # e.g. {"backend": "aot_eager"}: the capture path without inductor's C++ build
+    return from_flat_kwargs(**kw)
+
+
 def probe_worker(rank: int, world_size: int, gpt_fields: Dict, cand: Dict, steps: int, warmup: int,
-                 precision: str) -> Dict:
+                 precision: str, compile_setting=True) -> Dict:
     """One rank of a probe: the layout through parallelize() + the engines, ``warmup + steps`` optimizer steps on
     random tokens; then one more step under LiveTensorBytes for the measured peak."""
     import contextlib
@@ -277,7 +375,7 @@ def probe_worker(rank: int, world_size: int, gpt_fields: Dict, cand: Dict, steps
     # the Trainer's precision: params cast, autocast, the fp16 loss scale (32-true: the engines' defaults)
     policy = policy_for(precision) if precision != "32-true" else None
     scaler = make_loss_scaler(policy) if policy is not None else None
-    config = from_flat_kwargs(**c.strategy_kwargs())
+    config = _probe_config(c, compile_setting)
     topo = local_topology(config, world_size, rank)
     torch.manual_seed(0)
     on_meta = c.stage == 3 or c.tp > 1 or c.pp > 1
@@ -319,8 +417,60 @@ def probe_worker(rank: int, world_size: int, gpt_fields: Dict, cand: Dict, steps
     baseline = _live_bytes()
     with LiveTensorBytes() as mem:
         step(warmup + steps)
-    return {"step_s": statistics.median(times[warmup:]), "measured_bytes": baseline + mem.peak,
-            "baseline_bytes": baseline}
+    median = statistics.median(times[warmup:])
+    from lightning_scale.compile import compile_stats, compiled_units
+
+    return {"step_s": median, "measured_bytes": baseline + mem.peak, "baseline_bytes": baseline,
+            "compile_s": max(0.0, sum(times[:warmup]) - warmup * median), "compiled_units": len(compiled_units(model)),
+            "graphs": compile_stats()["graphs"]}
+
+
+def build_module(path: str, meta: bool = False, setting: str = "--module"):
+    """``pkg.mod:Class`` -> the LightningModule built with no arguments, ``configure_model()`` run (on ``meta``)."""
+    import contextlib
+    import importlib
+
+    import torch
+
+    mod, _, cls = path.partition(":")
+    try:
+        lm = getattr(importlib.import_module(mod), cls)()
+    except (ImportError, AttributeError, ValueError) as err:
+        raise ConfigError(f"{setting}={path!r}: {type(err).__name__}: {err} (use pkg.module:LightningModuleClass)") \
+            from None
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        if callable(getattr(lm, "configure_model", None)):
+            lm.configure_model()
+    return lm
+
+
+def module_worker(rank: int, world_size: int, shape: Dict, cand: Dict, steps: int, warmup: int,
+                  precision: str, compile_setting=True) -> Dict:
+    """One rank of a ``--module`` probe: the LightningModule built here (``configure_model`` on meta where the strategy
+    would: ZeRO-3, tp, pp), its ``configure_optimizers``, ``training_step((tokens, targets), 0)`` on random tokens
+    (:func:`lightning_scale.strategies.autotune.measure_module`, the in-process probe's body)."""
+    for entry in shape.get("sys_path") or ():
+        if entry not in sys.path:
+            sys.path.append(entry)
+    import torch
+
+    from lightning_scale.config import from_flat_kwargs
+    from lightning_scale.parallelize import local_topology
+    from lightning_scale.strategies.autotune import measure_module
+
+    c = Candidate(**cand)
+    config = _probe_config(c, compile_setting)
+    topo = local_topology(config, world_size, rank)
+    torch.manual_seed(0)
+    lm = build_module(shape["module"], meta=config.meta_init and (c.stage == 3 or c.tp > 1 or c.pp > 1))
+    g = torch.Generator().manual_seed(1)
+    local = c.micro_batch * c.accum
+    ids = torch.randint(0, shape["vocab_size"], (local * topo.dp, shape["seq_len"] + 1), generator=g)
+    ids = ids.chunk(topo.dp)[topo.dp_rank]
+    batch = (ids[:, :-1].contiguous(), ids[:, 1:].contiguous())
+    torch.distributed.barrier()
+    res = measure_module(lm, config, topo, "cpu", batch, steps, warmup, precision, accum=c.accum if c.pp == 1 else 1)
+    return dict(res, baseline_bytes=res["states_bytes"])
 
 
 def _live_bytes() -> int:
@@ -350,18 +500,23 @@ def _live_bytes() -> int:
 
 
 def measure(gpt, c: Candidate, *, steps: int = 4, warmup: int = 2, precision: str = "32-true",
-            timeout: float = 300.0) -> Dict:
+            timeout: float = 300.0, compile_setting=True) -> Dict:
     """Probe one candidate in a fresh process group; tokens/s of the slowest rank, the largest rank's bytes."""
     from lightning_scale.testing import run_distributed
 
     t0 = time.perf_counter()
-    ranks = run_distributed(probe_worker, c.dp * c.tp * c.pp, args=(dataclasses.asdict(gpt), dataclasses.asdict(c),
-                            steps, warmup, precision), timeout=timeout)
+    worker = module_worker if isinstance(gpt, Shape) else probe_worker
+    if isinstance(gpt, Shape) and not gpt.module:
+        raise ConfigError("the CLI probes of a model that is not the package GPT need its LightningModule: --module")
+    ranks = run_distributed(worker, c.dp * c.tp * c.pp, args=(dataclasses.asdict(gpt), dataclasses.asdict(c),
+                            steps, warmup, precision, compile_setting), timeout=timeout)
     step_s = max(r["step_s"] for r in ranks)
     tokens = c.dp * c.micro_batch * c.accum * gpt.seq_len
     return {"tokens_per_s": tokens / step_s, "step_s": step_s,
             "measured_bytes": max(r["measured_bytes"] for r in ranks),
-            "probe_s": time.perf_counter() - t0}
+            "compile_s": max(r.get("compile_s", 0.0) for r in ranks),
+            "compiled_units": min(r.get("compiled_units", 0) for r in ranks),
+            "graphs": max(r.get("graphs", 0) for r in ranks), "probe_s": time.perf_counter() - t0}
 
 
 # ------------------------------------------------------------------------------------------------ the loop
@@ -424,12 +579,14 @@ def tune(rows: List[Row], gpt, *, budget_s: float = 300.0, max_probes: Optional[
 
 
 def format_ranked(ranked: Sequence[Row], limit: int = 15) -> str:
-    lines = ["| # | layout | tokens/s | predicted device MiB/rank | predicted device+host | measured MiB/rank |",
-             "|---|---|---|---|---|---|"]
+    """tokens/s are the steady steps' (after the warm-up); ``compile s``: the warm-up's seconds above that pace (the
+    inductor compile of a compiled layout, ~0 for eager), not in tokens/s."""
+    lines = ["| # | layout | tokens/s | compile s | predicted device MiB/rank | predicted one memory (CPU) | "
+             "measured MiB/rank |", "|---|---|---|---|---|---|---|"]
     for i, r in enumerate(ranked[:limit]):
         m = r.result.get("measured_bytes")
-        lines.append(f"| {i + 1} | {r.candidate.key} | {r.result['tokens_per_s']:,.0f} | {r.predicted / MiB:,.1f} | "
-                     f"{r.predicted_all / MiB:,.1f} | "
+        lines.append(f"| {i + 1} | {r.candidate.key} | {r.result['tokens_per_s']:,.0f} | "
+                     f"{r.result.get('compile_s', 0.0):,.1f} | {r.predicted / MiB:,.1f} | {r.predicted_all / MiB:,.1f} | "
                      f"{'-' if m is None else f'{m / MiB:,.1f}'} |")
     return "\n".join(lines)
 
@@ -456,20 +613,12 @@ def _model(args):
     from lightning_scale.estimate import _model_from_spec
 
     if args.module:
-        import importlib
-
-        mod, _, cls = args.module.partition(":")
-        lm = getattr(importlib.import_module(mod), cls)()
-        import torch
-
-        with torch.device("meta"):
-            if hasattr(lm, "configure_model"):
-                lm.configure_model()
-        gpts = [m for m in lm.modules() if type(m).__name__ == "GPT" and hasattr(m, "cfg")]
-        if not gpts:
-            raise ConfigError(f"--module={args.module!r}: the tuner probes lightning_scale GPT models; none found in "
-                              f"{cls} after configure_model()")
-        return gpts[0], gpts[0].cfg, [f"model.{k}={getattr(gpts[0].cfg, k)}" for k in _SHAPE]
+        lm = build_module(args.module, meta=True)
+        model, shape = find_model(lm)
+        if not isinstance(shape, Shape):  # the package GPT: its Hydra keys
+            return model, shape, [f"model.{k}={getattr(shape, k)}" for k in _SHAPE]
+        shape = dataclasses.replace(shape, module=args.module, sys_path=tuple(p for p in sys.path if p))
+        return model, shape, None
     if args.config_name or args.overrides:
         from hydra import compose, initialize_config_dir
         from omegaconf import OmegaConf
@@ -493,7 +642,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("overrides", nargs="*", help="Hydra overrides of conf/ (with --config-name)")
     ap.add_argument("--config-name", default=None)
     ap.add_argument("--model", default="gpt_small", help="gpt_tiny / gpt_small[:key=value,...]")
-    ap.add_argument("--module", default=None, help="pkg.mod:LightningModule holding a lightning_scale GPT")
+    ap.add_argument("--module", default=None, help="pkg.mod:LightningModule (built with no arguments; configure_model "
+                    "builds the package GPT, a Hugging Face model, or repeated blocks; training_step takes (tokens, targets))")
     ap.add_argument("--devices", type=int, default=2)
     ap.add_argument("--memory-budget", default="2GiB", help="per device")
     ap.add_argument("--budget-s", type=float, default=300.0)
@@ -503,7 +653,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--global-batch", type=int, default=8, help="sequences per optimizer step (all ranks)")
     ap.add_argument("--precision", default="32-true", help="the probes' precision: 32-true, bf16-mixed, 16-mixed, ...")
     ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--compile", action="store_true", help="also probe compile=True (slow on CPU)")
+    ap.add_argument("--compile", action="store_true", help="also probe compile=True (per-unit inductor; its compile "
+                    "seconds are reported apart from the steady tokens/s; ~1 min per compiled probe on a loaded 2-core CPU)")
+    ap.add_argument("--compile-backend", default="inductor", help="the compiled probes' torch.compile backend "
+                    "(aot_eager: Dynamo + AOTAutograd without inductor's C++ build, for a quick check of the path)")
     ap.add_argument("--stages", default="0,1,2,3")
     ap.add_argument("--offloads", default=None, help="e.g. none,optimizer")
     ap.add_argument("--tp", default=None, help="tp sizes to try, e.g. 1,2")
@@ -515,7 +668,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = ap.parse_args(argv)
     try:
         model, gpt, base = _model(args)
-        if args.seq_len:
+        if args.seq_len and isinstance(gpt, Shape):
+            gpt = dataclasses.replace(gpt, seq_len=args.seq_len)
+        elif args.seq_len:
             from lightning_scale.estimate import _model_from_spec
 
             gpt = dataclasses.replace(gpt, seq_len=args.seq_len)
@@ -538,13 +693,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         else:
             path = args.resume or args.results
             ranked = tune(rows, gpt, budget_s=args.budget_s, max_probes=args.max_probes, results_path=path,
-                          confirm=args.confirm, steps=args.steps, precision=args.precision)
+                          confirm=args.confirm, steps=args.steps, precision=args.precision,
+                          compile_setting=True if args.compile_backend == "inductor" else {"backend": args.compile_backend})
             if not ranked:
                 raise ConfigError("every probed layout failed; see the results file " + path)
             print(format_ranked(ranked))
         line = ranked[0].candidate.overrides(args.precision)
-        check_overrides(line, base)
-        print("\nwinner: python examples/train.py " + " ".join(base + line))
+        if base is None:  # a LightningModule of its own: the strategy's settings, not examples/train.py's config
+            kw = ", ".join(f"{k}={v!r}" for k, v in ranked[0].candidate.strategy_kwargs().items())
+            print(f"\nwinner: Zero3DStrategy({kw}) on {ranked[0].candidate.dp * ranked[0].candidate.tp * ranked[0].candidate.pp}"
+                  f" devices, {ranked[0].candidate.micro_batch} sequences per micro-batch x {ranked[0].candidate.accum}")
+        else:
+            check_overrides(line, base)
+            print("\nwinner: python examples/train.py " + " ".join(base + line))
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -125,11 +125,11 @@ def default_memory(device: torch.device, local_world: int) -> float:
 
 
 def find_gpt(module: torch.nn.Module):
-    gpts = [m for m in module.modules() if type(m).__name__ == "GPT" and hasattr(m, "cfg")]
-    if not gpts:
-        raise ConfigError(f"autotune: the memory plan needs a lightning_scale GPT inside {type(module).__name__}; "
-                          "none found (set the layout by hand, or run python -m lightning_scale.tune)")
-    return gpts[0]
+    """(the model the memory plan counts, its GPTConfig or :class:`lightning_scale.tune.Shape`): the package GPT, a
+    Hugging Face PreTrainedModel, or repeated units with a token embedding (else a ConfigError)."""
+    from lightning_scale.tune import find_model
+
+    return find_model(module, "autotune")
 
 
 def first_batch(trainer) -> Any:
@@ -162,29 +162,47 @@ def plan_rows(gpt_module, gpt, opts, fixed, world: int, batch_size: int, precisi
 
 # ------------------------------------------------------------------------------------------------ one probe
 def _optimizers(module) -> List[torch.optim.Optimizer]:
-    from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
+    from lightning.pytorch.core.optimizer import _configure_optimizers, _init_optimizers_and_lr_schedulers
 
+    if getattr(module, "_trainer", None) is None:  # a CLI probe: no Trainer, the module's own configure_optimizers
+        return _configure_optimizers(module.configure_optimizers())[0]
     return _init_optimizers_and_lr_schedulers(module)[0]
 
 
 def probe(strategy, trainer, cand, config: ParallelConfig, topo, batch, steps: int, warmup: int) -> Dict[str, float]:
     """One layout on a copy of the LightningModule: seconds per optimizer step (median) and live bytes at the peak."""
-    from lightning_scale.parallelize import parallelize
-    from lightning_scale.memory import LiveTensorBytes
-    from lightning_scale.strategies.pipeline_glue import PipelineGlue, split_batch
-    from lightning_scale.strategies.precision import ZeroPrecision
     from lightning_scale.tune import _live_bytes
 
     base = _live_bytes()
     lm = strategy.lightning_module
     module = copy.deepcopy(lm, memo={id(trainer): trainer, id(lm._trainer): lm._trainer})
     module.trainer = trainer  # the same Trainer (configure_optimizers may read it)
+    batch = strategy.batch_to_device(batch) if topo.sp == 1 else batch
+    return measure_module(module, config, topo, strategy.root_device, batch, steps, warmup,
+                          strategy.precision_plugin.precision, strategy._timeout, base_bytes=base)
+
+
+def measure_module(module, config: ParallelConfig, topo, device, batch, steps: int, warmup: int, precision,
+                   timeout=None, *, base_bytes: Optional[int] = None, accum: int = 1) -> Dict[str, float]:
+    """A LightningModule (consumed: parallelized in place) through ``parallelize()`` + the engines at ``precision``:
+    ``warmup + steps`` optimizer steps of its ``training_step`` on ``batch`` (``accum`` micro-batches of it per step at
+    pp = 1; the pipeline schedule at pp > 1), then one more under ``LiveTensorBytes``. Returns the median step, the
+    warm-up's extra seconds over that median (``compile_s``: the compile of a ``compile=True`` layout), the live
+    model-state bytes between steps and the step's peak above them. Used by ``autotune=True`` (on a copy, in the
+    launched ranks) and by the CLI's probes of ``--module`` (built in each probe rank)."""
+    from lightning_scale.memory import LiveTensorBytes
+    from lightning_scale.parallelize import parallelize
+    from lightning_scale.strategies.pipeline_glue import PipelineGlue, split_batch
+    from lightning_scale.strategies.precision import ZeroPrecision
+    from lightning_scale.tune import _live_bytes
+
+    base = _live_bytes() if base_bytes is None else base_bytes
     module.log = module.log_dict = lambda *a, **k: None  # no loop is running: a probe logs nothing
-    plugin = ZeroPrecision(strategy.precision_plugin.precision, config.loss_scale)
-    plugin.device_type = strategy.root_device.type
+    plugin = ZeroPrecision(precision, config.loss_scale)
+    plugin.device_type = torch.device(device).type
     stage3, pp = config.zero.stage == 3, config.pp
-    pm = parallelize(module, config, topo, strategy.root_device, optimizers=lambda: _optimizers(module),
-                     loss_fn=PipelineGlue.loss_fn(module) if pp > 1 else None, timeout=strategy._timeout,
+    pm = parallelize(module, config, topo, device, optimizers=lambda: _optimizers(module),
+                     loss_fn=PipelineGlue.loss_fn(module) if pp > 1 else None, timeout=timeout,
                      param_dtype=plugin.policy.param_dtype if stage3 else None)
     engines = pm.make_engines(precision=plugin.policy, loss_scaler=plugin.loss_scaler,
                               overlap_comm=config.zero.overlap_comm and len(pm.optimizers) == 1
@@ -192,7 +210,10 @@ def probe(strategy, trainer, cand, config: ParallelConfig, topo, batch, steps: i
     if not stage3:
         plugin.convert_module(module)
     glue = PipelineGlue(pm.pipeline) if pp > 1 else None
-    batch = strategy.batch_to_device(batch) if topo.sp == 1 else batch
+    if glue is None and accum > 1:
+        parts = [tuple(t.chunk(accum)[j] for t in batch) for j in range(accum)]
+    else:
+        parts = [batch]
 
     def step() -> None:
         scale = float(plugin.loss_scaler.scale) if plugin.policy.loss_scaling else 1.0
@@ -202,10 +223,12 @@ def probe(strategy, trainer, cand, config: ParallelConfig, topo, batch, steps: i
             with contextlib_stack(engines), plugin.forward_context():
                 glue.runtime.train_step(inputs, targets, grad_scale=scale)
         else:
-            with plugin.forward_context():
-                out = module.training_step(batch, 0)
-            loss = out["loss"] if isinstance(out, dict) else out
-            (loss.float() * scale).backward()
+            for j, part in enumerate(parts):
+                with contextlib_stack(engines) if j < len(parts) - 1 else contextlib_stack(()):
+                    with plugin.forward_context():
+                        out = module.training_step(part, 0)
+                    loss = out["loss"] if isinstance(out, dict) else out
+                    (loss.float() * (scale / len(parts))).backward()
         for engine in engines:
             engine.reduce_gradients()
             engine.step()
@@ -221,12 +244,13 @@ def probe(strategy, trainer, cand, config: ParallelConfig, topo, batch, steps: i
         states = _live_bytes() - base
         with LiveTensorBytes() as mem:
             step()
-        return {"step_s": statistics.median(times[warmup:]), "measured_bytes": float(states + mem.peak),
-                "states_bytes": float(states), "peak_bytes": float(mem.peak)}
+        median = statistics.median(times[warmup:])
+        return {"step_s": median, "measured_bytes": float(states + mem.peak), "states_bytes": float(states),
+                "peak_bytes": float(mem.peak), "compile_s": max(0.0, sum(times[:warmup]) - warmup * median)}
     finally:
         for engine in engines:
             engine.remove_hooks()
-        del engines, pm, module, glue
+        del engines, pm, glue
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -270,11 +294,11 @@ def run(strategy, trainer, value: Any, given: Optional[Sequence[str]]) -> Dict[s
     opts = options(value)
     world, rank = strategy.world_size, strategy.global_rank
     fixed = explicit_settings(strategy.config, given)
-    gpt_module = find_gpt(strategy.lightning_module)
+    gpt_module, shape = find_gpt(strategy.lightning_module)
     batch = first_batch(trainer)
     x = batch[0] if isinstance(batch, (tuple, list)) else next(iter(batch.values())) if isinstance(batch, dict) else batch
     batch_size, seq_len = int(x.shape[0]), int(x.shape[-1])
-    gpt = dataclasses.replace(gpt_module.cfg, seq_len=seq_len)
+    gpt = dataclasses.replace(shape, seq_len=seq_len)
     budget = (parse_bytes(opts["memory"]) if opts["memory"] is not None
               else default_memory(strategy.root_device, strategy.num_processes))
     precision = strategy.precision_plugin.precision
@@ -307,15 +331,15 @@ def run(strategy, trainer, value: Any, given: Optional[Sequence[str]]) -> Dict[s
                 res = probe(strategy, trainer, c, cfg, topologies[split], batch, opts["steps"], opts["warmup"])
         except Exception as err:  # noqa: BLE001 - a failing layout is a result; the others still run
             error, res = f"{type(err).__name__}: {str(err).strip().splitlines()[-1][:160] if str(err) else ''}", None
-        failed, step_s, measured, st, pk = _max([float(bool(error))] + [res[k] if res else 0.0 for k in (
-            "step_s", "measured_bytes", "states_bytes", "peak_bytes")], strategy.root_device)
+        failed, step_s, measured, st, pk, res_compile = _max([float(bool(error))] + [res[k] if res else 0.0 for k in (
+            "step_s", "measured_bytes", "states_bytes", "peak_bytes", "compile_s")], strategy.root_device)
         probes += 1
         if failed:
             row.result = {"error": _agree(error or "failed on another rank")}
         else:
             tokens = c.dp * batch_size * seq_len
             row.result = {"tokens_per_s": tokens / step_s, "step_s": step_s, "measured_bytes": measured,
-                          "states_bytes": st, "peak_bytes": pk}
+                          "states_bytes": st, "peak_bytes": pk, "compile_s": res_compile}
         speed = f"{row.result['tokens_per_s']:,.0f} tokens/s" if not failed else row.result["error"]
         say(f"[lightning_scale autotune] [{i + 1}/{len(survivors)}] {c.key}: {speed} "
             f"({time.perf_counter() - start:,.0f}/{opts['budget_s']:g} s)", flush=True)

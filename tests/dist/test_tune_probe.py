@@ -1,8 +1,12 @@
 """The autotuner's probe on 2 ranks: the winner of a budget only stage 3 + offload fits, measured once; the memory
 plan's prediction for it is within 15% of the measured step (live tensor bytes: on a CPU host and device are one
-memory, so the prediction compared is device + host)."""
+memory, so the prediction compared is :func:`lightning_scale.tune.one_memory_bytes`: every state once, offload's fp32
+host copies being aliases of the device shard there, the step's phases not summed); compiled probes; a Hugging Face
+Llama through ``--module``."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -46,3 +50,45 @@ def test_probe_honours_the_precision():
     assert abs(bf16["measured_bytes"] - fp32["measured_bytes"]) / fp32["measured_bytes"] > 0.05, (bf16, fp32)
     pred32, pred16 = (predict_bytes(model, model.cfg, c, p)[1] for p in ("32-true", "bf16-mixed"))
     assert (bf16["measured_bytes"] - fp32["measured_bytes"]) * (pred16 - pred32) > 0  # the same direction
+
+
+@pytest.mark.slow  # two probes, one compiling (aot_eager: inductor's C++ build did not finish in 500 s at load 35)
+@pytest.mark.timeout(600)
+def test_compile_probe_compiles_and_reports_compile_time_apart():
+    """``--compile`` rows are real compiled probes: the units compiled (Dynamo graphs > 0; none for the eager twin),
+    the warm-up's compile seconds reported apart from the steady steps' tokens/s. The backend is aot_eager (Dynamo +
+    AOTAutograd, the same capture as inductor without its C++ build, as tests/dist/test_compile.py does)."""
+    from lightning_scale.tune import Candidate
+
+    model = _model_from_spec("gpt_tiny")
+    eager = Candidate(stage=2, offload="none", dp=2, micro_batch=1)
+    compiled = Candidate(stage=2, offload="none", dp=2, micro_batch=1, compile=True)
+    a = measure(model.cfg, eager, steps=2, warmup=2, timeout=300)
+    b = measure(model.cfg, compiled, steps=2, warmup=2, timeout=500, compile_setting={"backend": "aot_eager"})
+    assert a["graphs"] == 0 and a["compiled_units"] == 0, a
+    assert b["graphs"] >= 1 and b["compiled_units"] >= 1, b
+    assert b["tokens_per_s"] > 0 and b["compile_s"] > 1.0, b  # the first step's capture + compile, not in tokens/s
+    print(f"eager {a['tokens_per_s']:,.0f} tokens/s (warm-up extra {a['compile_s']:.1f} s); compiled "
+          f"{b['tokens_per_s']:,.0f} tokens/s, compile {b['compile_s']:.1f} s, probe {b['probe_s']:.0f} s")
+
+
+@pytest.mark.timeout(400)
+def test_module_hf_llama_is_probed_through_the_cli(tmp_path, capsys):
+    """``--module`` with a LightningModule holding a Hugging Face LlamaForCausalLM: the ranks build it, its own
+    configure_optimizers / training_step run; a ZeRO-3 + offload-all layout and a tp=2 layout are measured."""
+    from lightning_scale.tune import main
+
+    results = tmp_path / "r.jsonl"
+    rc = main(["--module", "tune_llama_module:TinyLlama", "--devices", "2", "--global-batch", "2", "--seq-len", "32",
+               "--memory-budget", "1GiB", "--stages", "3", "--offloads", "all", "--ac", "none", "--pp", "1",
+               "--max-probes", "3", "--confirm", "0", "--steps", "1", "--results", str(results)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    rows = [json.loads(line) for line in results.read_text().splitlines()]
+    assert all("tokens_per_s" in r for r in rows), rows
+    keys = {r["key"].split("/mb")[0] for r in rows}
+    assert keys == {"z3/all/dp2tp1pp1", "z3/all/dp1tp2pp1"}, keys
+    assert "winner: Zero3DStrategy(stage=" in out
+    for r in rows:
+        print(f"{r['key']}: predicted one memory {r['predicted_all_bytes'] / 2**20:.1f} MiB, measured "
+              f"{r['measured_bytes'] / 2**20:.1f} MiB")

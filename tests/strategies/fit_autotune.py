@@ -1,4 +1,4 @@
-"""A Trainer run of the project GPT with Zero3DStrategy(autotune=...) or a layout set by hand (the autotune tests).
+"""A Trainer run of the project GPT (or, ``--llama``, a Hugging Face Llama) with Zero3DStrategy(autotune=...) or a layout set by hand (the autotune tests).
 
 Writes, on rank 0, the all-rank mean loss of every step, the strategy's autotune_result and the layout it trained
 with as JSON to --out; a ConfigError is written there as {"error": ...} by every rank that raised it (rank files).
@@ -31,12 +31,19 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--seq-len", type=int, default=16)
     ap.add_argument("--precision", default="32-true")
+    ap.add_argument("--llama", action="store_true", help="a Hugging Face LlamaForCausalLM (tune_llama_module)")
     ap.add_argument("--option", action="append", default=[], help="strategy option k=v (Python literal)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     pl.seed_everything(0, verbose=False)
     cfg = gpt_tiny(n_layer=args.layers, vocab_size=args.vocab, seq_len=args.seq_len, d_model=args.d_model)
-    model = GPTLightningModule(model=cfg, lr=3e-3, warmup_steps=2, max_steps=args.steps)
+    if args.llama:
+        from tune_llama_module import TinyLlama
+
+        model = TinyLlama(vocab_size=args.vocab, num_hidden_layers=args.layers, hidden_size=args.d_model,
+                          intermediate_size=2 * args.d_model, max_position_embeddings=max(64, args.seq_len))
+    else:
+        model = GPTLightningModule(model=cfg, lr=3e-3, warmup_steps=2, max_steps=args.steps)
     opts = {}
     for item in args.option:
         k, v = item.split("=", 1)

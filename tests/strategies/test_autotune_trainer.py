@@ -3,6 +3,7 @@ launched ranks, before parallelize(), the layouts of the world size are pruned b
 timed on the real model and the first real batch; the winner is applied and training goes on."""
 
 import json
+import math
 import os
 import sys
 
@@ -39,6 +40,9 @@ def test_autotune_picks_stage3_offload_and_trains_like_the_hand_set_layout(tmp_p
     assert any(k.startswith("z0/") and "> budget" in why for k, why in result["rejected"])
     assert "[lightning_scale autotune] winner: strategy.autotune=null strategy=zero3d strategy.stage=3" in proc.stdout
     assert proc.stdout.count("| 1 | z3/") == 1  # the ranked table, rank 0 only
+    # the in-process probe's live bytes vs the memory plan on one memory (a CPU: the offloaded states counted once)
+    rel = abs(result["predicted_all_bytes"] - result["measured_bytes"]) / result["measured_bytes"]
+    assert rel < 0.15, (result["winner"], result["predicted_all_bytes"], result["measured_bytes"])
     hand_opts = [f"{k}={v!r}" for k, v in s.items() if k != "dp"]
     hand, _ = _fit(tmp_path, "hand", *[a for o in hand_opts for a in ("--option", o)])
     assert hand["autotune"] is None and hand["layout"] == tuned["layout"]
@@ -71,3 +75,22 @@ def test_autotune_tp_winner_at_bf16_trains_like_the_hand_set_layout(tmp_path):
     assert hand["layout"] == tuned["layout"] and len(hand["losses"]) == len(tuned["losses"]) == 4
     diff = max(abs(a - b) for a, b in zip(tuned["losses"], hand["losses"]))
     assert diff < 1e-5, (tuned["losses"], hand["losses"])
+
+
+@pytest.mark.slow  # one Trainer run with 3 probes of a Hugging Face Llama: ~60 s here
+def test_autotune_takes_a_hugging_face_llama_module(tmp_path):
+    """A LightningModule whose configure_model builds transformers' LlamaForCausalLM (no package GPT): the memory plan
+    counts it (heads / key-value heads / layers from its config, decoder layers as units), the probes run its own
+    training_step, the winner is applied and training goes on."""
+    auto = ("autotune={'stages': [2, 3], 'offloads': ['none', 'all'], 'tp': [1, 2], 'pp': 1, 'ac': ['none'], "
+            "'buckets': [25], 'max_probes': 3, 'budget_s': 200}")
+    tuned, proc = _fit(tmp_path, "llama", "--llama", "--vocab", "2048", "--d-model", "128", "--seq-len", "32",
+                       "--option", auto, timeout=400)
+    result = tuned["autotune"]
+    assert len(result["table"]) == 3, result["table"]
+    s = result["settings"]
+    assert tuned["layout"]["stage"] == s["stage"] and tuned["layout"]["tp"] == s["tp"], (result["winner"], tuned)
+    assert len(tuned["losses"]) == 4 and all(math.isfinite(v) for v in tuned["losses"]), tuned["losses"]
+    for row in result["table"]:
+        print(f"{row['key']}: predicted one memory {row['predicted_all_bytes'] / 2**20:.1f} MiB, measured "
+              f"{row['measured_bytes'] / 2**20:.1f} MiB, {row['tokens_per_s']:,.0f} tokens/s")

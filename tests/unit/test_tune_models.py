@@ -1,0 +1,78 @@
+"""The autotuner beyond the package GPT (issue 17 item 4): a LightningModule holding a Hugging Face Llama is counted
+(heads, key/value heads, layers, embeddings from its config; the decoder layers as units), compile rows are searched
+with --compile, the one-memory prediction (what a CPU probe measures) counts offloaded states once; bad modules are
+ConfigErrors naming --module."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+import pytest
+import torch
+
+from lightning_scale.config import ConfigError
+from lightning_scale.estimate import _model_from_spec, estimate, model_counts
+from lightning_scale.tune import Candidate, Shape, build_module, find_model, main, one_memory_bytes, plan
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "strategies"))
+
+LLAMA = "tune_llama_module:TinyLlama"
+
+
+def test_hf_llama_module_is_counted_from_its_config():
+    lm = build_module(LLAMA, meta=True)
+    model, shape = find_model(lm)
+    assert type(model).__name__ == "LlamaForCausalLM" and isinstance(shape, Shape)
+    assert (shape.n_head, shape.n_kv_head, shape.n_layer, shape.vocab_size) == (4, 2, 4, 2048)
+    assert shape.embed_params == shape.head_params == 2048 * 128  # untied head
+    counts = model_counts(model)
+    layer = sum(p.numel() for p in model.model.layers[0].parameters())
+    assert counts["largest_unit_params"] == layer  # the decoder layer, not LlamaModel
+    rows = plan(model, dataclasses.replace(shape, seq_len=32), 4, 8, 1e12, stages=(1,), acs=(None,), buckets=(25,))
+    why = {r.candidate.tp: r.reason for r in rows if r.reason}
+    assert "tp=4 does not divide the 2 key/value heads" in why[4]
+    assert any(not r.reason and r.candidate.tp == 2 for r in rows)
+
+
+def test_module_without_a_countable_model_is_a_config_error_naming_module(capsys):
+    assert main(["--module", "torch.nn:Identity", "--estimate-only"]) == 2
+    err = capsys.readouterr().err
+    assert "--module" in err and "Identity" in err
+    assert main(["--module", "no_such_module_x:Thing", "--estimate-only"]) == 2
+    assert "--module='no_such_module_x:Thing'" in capsys.readouterr().err
+
+
+def test_module_estimate_only_prints_the_strategy_winner(capsys):
+    rc = main(["--module", LLAMA, "--devices", "2", "--global-batch", "4", "--seq-len", "32", "--memory-budget",
+               "1GiB", "--estimate-only"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "winner: Zero3DStrategy(stage=" in out and "on 2 devices" in out
+
+
+def test_compile_rows_are_searched_only_with_compile():
+    model = _model_from_spec("gpt_small")
+    space = dict(stages=(2,), offloads=("none",), tps=(1,), pps=(1,), acs=(None,), buckets=(25,),
+                 compile_options=(False, True))
+    off = plan(model, model.cfg, 2, 4, 1e12, **space)
+    assert all(r.reason.startswith("compile:") for r in off if r.candidate.compile)
+    on = plan(model, model.cfg, 2, 4, 1e12, allow_compile=True, **space)
+    fit = [r.candidate for r in on if not r.reason]
+    assert any(c.compile for c in fit) and any(not c.compile for c in fit)
+    assert all("strategy.compile=true" in c.overrides() for c in fit if c.compile)
+
+
+@pytest.mark.parametrize("stage,offload", [(1, "optimizer"), (2, "optimizer"), (3, "optimizer"), (3, "all")])
+def test_one_memory_counts_offloaded_states_once(stage, offload):
+    """On a CPU the fp32 host master / gradient copies are the device shard (aliases): the one-memory prediction of
+    an offloaded layout equals the same stage's without offload minus the kept gradient buffer (stages 1-2) or the
+    step scratch on the device (stage 3); at bf16-mixed the host's fp32 copies are real and add."""
+    kw = dict(dp=2, stage=stage, precision="32-true", largest_unit_params=1e5, optimizer="adamw")
+    on, off = estimate(1e6, offload=offload, **kw), estimate(1e6, offload="none", **kw)
+    assert one_memory_bytes(on) <= one_memory_bytes(off)
+    resident = 1e6 * 4 / (2 if stage == 3 else 1) + 2 * 1e6 * 4 / 2  # params (stage 3: the shard) + Adam's moments
+    assert one_memory_bytes(on) >= resident
+    mixed = dict(kw, precision="bf16-mixed")
+    assert one_memory_bytes(estimate(1e6, offload=offload, **mixed)) > one_memory_bytes(on) * 0.5
