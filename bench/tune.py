@@ -2,6 +2,7 @@
 
     python bench/tune.py                          # sweep every candidate, then the tuner; prints both ratios
     python bench/tune.py --share 0.15 --steps 4
+    python bench/tune.py --model gpt_small:n_layer=8,d_model=192,n_head=6,vocab_size=4096,seq_len=256  # out of sample
 
 Both measure with the same probe (lightning_scale.tune.measure: parallelize() + engines in a fresh 2-rank group,
 ``--steps`` timed steps after 2 warm-up steps). The sweep measures every candidate that fits; the tuner measures the
@@ -34,13 +35,16 @@ def main() -> None:
     ap.add_argument("--share", type=float, default=0.12, help="the tuner's probes, as a share of the survivors")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--memory-budget-mib", type=float, default=2048)
+    ap.add_argument("--model", default="gpt_small", help="an estimator spec (gpt_small[:key=value,...]); the prior's "
+                    "factors were fitted on gpt_small, so another shape is an out-of-sample check")
     args = ap.parse_args()
-    model = _model_from_spec("gpt_small")
+    model = _model_from_spec(args.model)
     space = dict(stages=(0, 2, 3), offloads=("none", "optimizer"), buckets=(25.0,), acs=(None, "full"))
     rows = plan(model, model.cfg, 2, args.global_batch, args.memory_budget_mib * 2**20, **space)
     survivors = [r for r in rows if not r.reason]
     probes = max(1, math.ceil(args.share * len(survivors)))
-    print(f"{len(rows)} candidates, {len(survivors)} fit; the tuner probes {probes}", flush=True)
+    print(f"{args.model}: {len(rows)} candidates, {len(survivors)} fit; the tuner probes {probes}; "
+          f"load average {os.getloadavg()[0]:.1f}", flush=True)
     quiet = lambda s: None  # noqa: E731
     for rnd in range(args.rounds):
         out = {}
@@ -71,6 +75,7 @@ def main() -> None:
                 print(f"  head-to-head {i + 1}: pick / sweep best = {ratios[-1]:.3f}", flush=True)
             print(f"head-to-head median (pick / sweep best, {args.h2h} interleaved pairs): "
                   f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})")
+        print(f"load average {os.getloadavg()[0]:.1f} after round {rnd + 1}", flush=True)
         top = "\n".join(f"  {r.candidate.key}: {r.result['tokens_per_s']:,.0f}" for r in sweep[:8])
         print("\nsweep top 8:\n" + top, flush=True)
 
