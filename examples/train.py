@@ -14,6 +14,7 @@ matplotlib) and prints the final validation loss, tokens/s and where everything 
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import hydra
@@ -23,7 +24,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 import lightning_scale  # noqa: F401  (registers the strategies)
-from lightning_scale.config import PRESETS
+from lightning_scale.config import PRESETS, ConfigError
 from lightning_scale.config import HYDRA, speaking
 from lightning_scale.hydra_config import check_before_training, register_configs, resolve_devices
 from lightning_scale.lit import ByteCorpusDataModule, GPTLightningModule
@@ -90,6 +91,14 @@ def _plot(out_dir: str) -> str:
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float:
+    try:
+        return _train(cfg)
+    except ConfigError as err:  # the user's own words, not Hydra's "Error executing job" and a traceback
+        print(f"ConfigError: {err}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def _train(cfg: DictConfig) -> float:
     strategy = _strategy(cfg)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     out_dir = HydraConfig.get().runtime.output_dir
@@ -118,7 +127,9 @@ def main(cfg: DictConfig) -> float:
             accumulate_grad_batches=t.accumulate_grad_batches, gradient_clip_val=t.gradient_clip_val,
             log_every_n_steps=t.log_every_n_steps, enable_progress_bar=t.enable_progress_bar,
             default_root_dir=out_dir, logger=logger,
+            # TQDM: Lightning's rich bar prints "Epoch 0/-2" for a run bounded by max_steps (max_epochs=-1)
             callbacks=[throughput, checkpoint, last_val, RunMetrics(t.log_every_n_steps)]
+            + ([pl.callbacks.TQDMProgressBar()] if t.enable_progress_bar else [])
             + ([pl.callbacks.LearningRateMonitor()] if logger else []),
         )
         trainer.fit(module, datamodule=data, ckpt_path=cfg.ckpt_path)
