@@ -72,6 +72,7 @@ def test_compile_probe_compiles_and_reports_compile_time_apart():
           f"{b['tokens_per_s']:,.0f} tokens/s, compile {b['compile_s']:.1f} s, probe {b['probe_s']:.0f} s")
 
 
+@pytest.mark.slow  # three 2-rank probes of the Llama: 169 s at load ~35
 @pytest.mark.timeout(400)
 def test_module_hf_llama_is_probed_through_the_cli(tmp_path, capsys):
     """``--module`` with a LightningModule holding a Hugging Face LlamaForCausalLM: the ranks build it, its own
