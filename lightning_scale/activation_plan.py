@@ -29,6 +29,11 @@ selective    n * s_sel * T               (max(s - s_sel, 0) + g) * T
   the compute dtype is not fp32 (``b' = b``, else 0).
 * peak = kept + max(head + loss, recompute).
 
+* ``tiled_mlp=N``: the unit is profiled with its MLP and norms tiled (:func:`lightning_scale.tiled_mlp.tiled_unit`):
+  ``s`` then counts the MLP's input (or, after a tiled norm, the norm's input, shared with the norm) instead of the
+  MLP's ``4d``-wide hiddens, and ``g`` one tile's recompute and the summed parameter gradients (one MLP's, twice:
+  the running sum and the tile's) instead of the whole sequence's hiddens. The counted fallback ignores it.
+
 Not modelled: pipeline parallelism (pp > 1 keeps several micro-batches in flight per stage), the attention's
 own working set beyond what the profile sees (SDPA kernels' scratch on GPU), allocator fragmentation / caching,
 and the data loader. A unit that does not run alone on fake tensors (masks, rotary tables) is counted from its
@@ -176,11 +181,15 @@ def _counted_profile(unit, hidden: int, tp: int) -> Dict[str, float]:
 
 def activations_for_model(module, *, seq_len: int, micro_batch: int = 1, precision: str = "bf16-mixed",
                           activation_checkpointing=None, offload_activations: bool = False, sp: int = 1,
-                          tp: int = 1, chunked_loss=None) -> ActivationEstimate:
+                          tp: int = 1, chunked_loss=None, tiled_mlp: int = 0) -> ActivationEstimate:
     """The activation plan for ``module``'s largest unit, profiled on fake tensors
     (:func:`lightning_scale.activation_profile.profile_unit`), else counted from its Linear sizes.
-    ``chunked_loss``: None = the model's own setting (GPT ``loss_chunk``), True = 512, an int = the chunk, 0 = off."""
+    ``chunked_loss``: None = the model's own setting (GPT ``loss_chunk``), True = 512, an int = the chunk, 0 = off.
+    ``tiled_mlp``: the ``tiled_mlp=N`` setting -- the unit is profiled with its MLP and norms tiled over N
+    positions (:func:`lightning_scale.tiled_mlp.tiled_unit`; a unit tiled already is profiled as it is), so the
+    saved set holds the MLP's input, not its ``4d``-wide hiddens, and the backward's working set one tile's."""
     from lightning_scale.activation_profile import hidden_size, profile_unit
+    from lightning_scale.tiled_mlp import tiled_unit
 
     units = [u for u in _units(module) if any(True for _ in u.parameters())]
     if not units:
@@ -190,7 +199,10 @@ def activations_for_model(module, *, seq_len: int, micro_batch: int = 1, precisi
     vocab, chunk = _vocab_and_chunk(module, chunked_loss)
     notes, source = [], "profiled"
     try:
-        per_token = profile_unit(unit, max(1, seq_len // max(sp, 1)), tp=tp, hidden=hidden or None)
+        with tiled_unit(unit, tiled_mlp or 0):
+            per_token = profile_unit(unit, max(1, seq_len // max(sp, 1)), tp=tp, hidden=hidden or None)
+        if tiled_mlp:
+            notes.append(f"tiled_mlp={tiled_mlp}: the unit profiled with its MLP and norms tiled")
     except Exception as err:  # a unit that needs more than one tensor (masks, rotary tables): count instead
         per_token, source = _counted_profile(unit, hidden, tp), "counted"
         notes.append(f"{type(unit).__name__} did not run alone on fake tensors ({type(err).__name__}); activations "

@@ -58,7 +58,7 @@ class _Tiled(torch.autograd.Function):
     """``y = cat(fn(x_tile) for each tile)``; backward recomputes tile by tile, parameter gradients summed."""
 
     @staticmethod
-    def forward(ctx, fn, tokens: int, params: Sequence[nn.Parameter], x: torch.Tensor, *flat_params):
+    def forward(ctx, fn, tokens: int, params: Sequence[nn.Parameter], source, x: torch.Tensor, *flat_params):
         ctx.fn, ctx.tokens, ctx.params = fn, tokens, list(params)  # read at backward time (ZeRO-3 swaps .data)
         dev = x.device
         ctx.autocast = (torch.is_autocast_enabled(dev.type), torch.get_autocast_dtype(dev.type))
@@ -66,20 +66,29 @@ class _Tiled(torch.autograd.Function):
         for tile in x.split(tokens, dim=SEQ_DIM):
             ctx.states.append(_rng_state(dev))
             outs.append(fn(tile))
-        ctx.save_for_backward(x)
+        # ``source`` (a tiled norm's function, its input h): keep h, which the norm's node keeps anyway, instead of
+        # x = norm(h); the backward recomputes each tile of x from h. Saved through save_for_backward, so that
+        # activation checkpointing's hooks see it like any saved tensor.
+        ctx.norm = source[0] if source is not None else None
+        ctx.save_for_backward(source[1] if source is not None else x)
         return torch.cat(outs, dim=SEQ_DIM)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        (x,) = ctx.saved_tensors
+        (x,) = ctx.saved_tensors  # the input, or the input of the tiled norm that made it (ctx.norm)
         params = ctx.params
         trainable = [p for p in params if p.requires_grad]
-        grad_x = torch.empty_like(x) if ctx.needs_input_grad[3] else None
+        grad_x = None
         grads: List[Optional[torch.Tensor]] = [None] * len(trainable)
         start = 0
         for tile, g, state in zip(x.split(ctx.tokens, dim=SEQ_DIM), grad.split(ctx.tokens, dim=SEQ_DIM), ctx.states):
-            tile = tile.detach().requires_grad_(grad_x is not None)
             with _restored(state, x.device, ctx.autocast):
+                if ctx.norm is not None:
+                    with torch.no_grad():
+                        tile = ctx.norm(tile)
+                if grad_x is None and ctx.needs_input_grad[4]:  # the MLP input's shape / dtype (norm: its output)
+                    grad_x = tile.new_empty(x.shape)
+                tile = tile.detach().requires_grad_(grad_x is not None)
                 out = ctx.fn(tile)
             inputs = ([tile] if grad_x is not None else []) + trainable
             got = torch.autograd.grad(out, inputs, g, allow_unused=True)
@@ -93,18 +102,34 @@ class _Tiled(torch.autograd.Function):
             del out, got
         by_id = {id(p): gi for p, gi in zip(trainable, grads)}
         param_grads = [by_id.get(id(p)) if p.requires_grad else None for p in params]
-        return (None, None, None, grad_x, *param_grads)
+        return (None, None, None, None, grad_x, *param_grads)
 
 
 def _tiled_forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     inner = self.__dict__.get("_tiled_inner_forward") or type(self).forward.__get__(self)
-    tokens = self._tiled_mlp
+    tokens = self._tiled_tokens
     if args or kwargs or not torch.is_tensor(x) or x.dim() < 2 or x.shape[SEQ_DIM] <= tokens or \
             not torch.is_grad_enabled():
         return inner(x, *args, **kwargs)  # short sequences / evaluation: nothing to save anyway
     params = [p for p in self.parameters()]
     apply = self.__dict__.get("_tiled_apply") or _Tiled.apply  # under compile: a deliberate graph break
-    return apply(inner, tokens, params, x, *params)
+    eager = "_tiled_apply" not in self.__dict__  # compiled units: no norm tiling, no tensor attributes
+    source = x.__dict__.get(_SOURCE) if eager and getattr(self, "_tiled_mlp", None) is not None else None
+    if source is not None and source[1].shape != x.shape:
+        source = None
+    out = apply(inner, tokens, params, source, x, *params)
+    if eager and getattr(self, "_tiled_norm", None) is not None:
+        out.__dict__[_SOURCE] = (inner, x)  # for the MLP this output feeds (if any): keep x, recompute the norm
+    return out
+
+
+_SOURCE = "_ls_tiled_norm_source"  # attribute of a tiled norm's output: (the norm's function, its input)
+TILE_NORMS = True  # tile_mlps' default for ``norms`` (bench/long_sequence.py A/B-tests it)
+
+
+def _is_norm(m: nn.Module) -> bool:
+    """A position-wise normalization (LayerNorm, RMSNorm, HF's LlamaRMSNorm, ...): no Linear inside."""
+    return "norm" in type(m).__name__.lower() and not any(isinstance(c, nn.Linear) for c in m.modules())
 
 
 def _default_mlps(unit: nn.Module) -> List[Tuple[str, nn.Module]]:
@@ -112,7 +137,7 @@ def _default_mlps(unit: nn.Module) -> List[Tuple[str, nn.Module]]:
 
 
 def tile_mlps(module: nn.Module, tokens: int, mlps: Optional[Sequence[str]] = None,
-              setting: str = "tiled_mlp", compiled: bool = False) -> List[str]:
+              setting: str = "tiled_mlp", compiled: bool = False, norms: Optional[bool] = None) -> List[str]:
     """Tile the MLP of every unit of ``module`` over ``tokens`` positions (0 / None: nothing); returns their names.
 
     ``mlps``: module class names or fnmatch patterns on qualified names; None: the child named ``mlp`` (also
@@ -120,7 +145,13 @@ def tile_mlps(module: nn.Module, tokens: int, mlps: Optional[Sequence[str]] = No
     :func:`~lightning_scale.zero.param_shard.resolve_units`). A model where nothing matches, or a mixture-of-experts
     MLP (routing is position-wise, but its auxiliary load-balancing loss is not a per-position sum), is a
     ``ConfigError`` naming ``setting``. ``compiled``: the units will be compiled; the tiled region is then a
-    deliberate graph break (``torch.compiler.disable``), the MLP's tiles run eager."""
+    deliberate graph break (``torch.compiler.disable``), the MLP's tiles run eager.
+
+    ``norms`` (default :data:`TILE_NORMS`, True; not with ``compiled``): the normalization layers that are direct
+    children of the tiled MLPs' parents (``ln1`` / ``ln2``; HF ``input_layernorm`` / ``post_attention_layernorm``)
+    run tiled too: each keeps only its input (HF's RMSNorm would keep its float32 ``x * rsqrt`` as well), and an MLP
+    fed by such a norm keeps the norm's input instead of its output, recomputing the norm per tile in its backward.
+    Exact like the MLP's tiles (the norm is position-wise)."""
     if not tokens:
         return []
     if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
@@ -145,12 +176,24 @@ def tile_mlps(module: nn.Module, tokens: int, mlps: Optional[Sequence[str]] = No
                               settings=(setting,))
         if getattr(m, "_tiled_mlp", None) is not None:
             raise ConfigError(f"{setting}={tokens}: {name} is tiled already", settings=(setting,))
-        m._tiled_mlp = tokens
-        m._tiled_inner_forward = m.__dict__.get("forward")  # None: the class' forward
-        if compiled:
-            m._tiled_apply = torch.compiler.disable(_Tiled.apply)
-        m.forward = types.MethodType(_tiled_forward, m)
+        _wrap(m, tokens, "_tiled_mlp", compiled)
+    if (TILE_NORMS if norms is None else norms) and not compiled:
+        named = dict(module.named_modules())
+        parents = {name.rpartition(".")[0] for name, _ in found}
+        for parent in parents:
+            for child in named[parent].children() if parent in named else ():
+                if _is_norm(child) and getattr(child, "_tiled_tokens", None) is None:
+                    _wrap(child, tokens, "_tiled_norm", compiled)
     return [name for name, _ in found]
+
+
+def _wrap(m: nn.Module, tokens: int, kind: str, compiled: bool) -> None:
+    setattr(m, kind, tokens)
+    m._tiled_tokens = tokens
+    m._tiled_inner_forward = m.__dict__.get("forward")  # None: the class' forward
+    if compiled:
+        m._tiled_apply = torch.compiler.disable(_Tiled.apply)
+    m.forward = types.MethodType(_tiled_forward, m)
 
 
 def tiled_mlps(module: nn.Module) -> List[str]:
@@ -158,4 +201,37 @@ def tiled_mlps(module: nn.Module) -> List[str]:
     return [n for n, m in module.named_modules() if getattr(m, "_tiled_mlp", None) is not None]
 
 
-__all__ = ["tile_mlps", "tiled_mlps"]
+@contextlib.contextmanager
+def tiled_unit(unit: nn.Module, tokens: int, norms: Optional[bool] = None):
+    """``unit`` (one block) with its MLP children (``mlp`` / ``feed_forward`` / ``ffn``) and, with ``norms``
+    (default :data:`TILE_NORMS`), its norm children tiled as :func:`tile_mlps` tiles them, restored on exit -- for
+    the memory plan's profile of one unit (:mod:`lightning_scale.activation_profile`). A unit tiled already, or
+    ``tokens`` 0, is used as it is."""
+    wrapped: List[nn.Module] = []
+    if tokens and not any(getattr(m, "_tiled_tokens", None) is not None for m in unit.modules()):
+        for _, m in _default_mlps(unit):
+            _wrap(m, tokens, "_tiled_mlp", False)
+            wrapped.append(m)
+        if wrapped and (TILE_NORMS if norms is None else norms):
+            for child in unit.children():
+                if _is_norm(child):
+                    _wrap(child, tokens, "_tiled_norm", False)
+                    wrapped.append(child)
+    try:
+        yield unit
+    finally:
+        for m in wrapped:
+            inner = m.__dict__.pop("_tiled_inner_forward", None)
+            del m.forward
+            if inner is not None:
+                m.forward = inner
+            for attr in ("_tiled_mlp", "_tiled_norm", "_tiled_tokens"):
+                m.__dict__.pop(attr, None)
+
+
+def tiled_norms(module: nn.Module) -> List[str]:
+    """Names of the normalization layers :func:`tile_mlps` tiled alongside the MLPs."""
+    return [n for n, m in module.named_modules() if getattr(m, "_tiled_norm", None) is not None]
+
+
+__all__ = ["TILE_NORMS", "tile_mlps", "tiled_mlps", "tiled_norms", "tiled_unit"]

@@ -294,7 +294,8 @@ def plan_for_batch(strategy: Any, micro_batch: int, seq_len: int) -> Optional[An
     source, tp = _profile_source(strategy, module)
     kwargs = dict(seq_len=seq_len, micro_batch=micro_batch, precision=precision, activation_checkpointing=ac,
                   offload_activations=offload, sp=1, tp=tp)
-    if source is not None:
+    if source is not None:  # the live units are tiled already; the GPT rebuilt on meta is tiled for its profile
+        kwargs["tiled_mlp"] = int(getattr(cfg, "tiled_mlp", 0) or 0)
         acts = activations_for_model(source, **kwargs)
     else:
         from lightning_scale.activation_profile import hidden_size

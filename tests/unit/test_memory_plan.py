@@ -4,7 +4,8 @@ One Trainer process fits the project GPT for one step at 4 shapes (short / long 
 off / full; and long + full + the chunked loss), CPU, float32, ZeRO-0, one rank: the strategy's measured step-1 peak (the engines' bytes at the step's
 start + ``LiveTensorBytes``' peak over the step) is within 15% of the plan's prediction, and the plan's activation
 term is a real share of it (so the check cannot pass on model states alone). A prediction made wrong on purpose
-(the activation term dropped) makes the strategy warn. Run as a script, this file is that Trainer process.
+(the activation term dropped) makes the strategy warn. With ``tiled_mlp=256`` (2 shapes) the plan profiles the unit
+tiled and stays within 15%, where the untiled profile is > 15% above the measurement. Run as a script, this file is that Trainer process.
 """
 
 from __future__ import annotations
@@ -15,16 +16,21 @@ import warnings
 
 import pytest
 
-SHAPES = {  # name: (seq_len, micro_batch, activation_checkpointing, loss chunk)
-    "short": (128, 2, None, 0),
-    "short_ac": (128, 2, "full", 0),
-    "long": (2048, 2, None, 0),
-    "long_ac": (2048, 2, "full", 0),
-    "long_ac_chunked": (2048, 2, "full", 256),  # + the chunked loss: one chunk's logits at a time
+SHAPES = {  # name: (seq_len, micro_batch, activation_checkpointing, loss chunk, tiled_mlp)
+    "short": (128, 2, None, 0, 0),
+    "short_ac": (128, 2, "full", 0, 0),
+    "long": (2048, 2, None, 0, 0),
+    "long_ac": (2048, 2, "full", 0, 0),
+    "long_ac_chunked": (2048, 2, "full", 256, 0),  # + the chunked loss: one chunk's logits at a time
 }
+TILED = {  # the tiled MLP (and norms), 256 positions per tile: the plan profiles the unit tiled
+    "long_tiled": (2048, 2, None, 0, 256),
+    "long_ac_chunked_tiled": (2048, 2, "full", 256, 256),
+}
+SHAPES.update(TILED)
 
 
-def _fit(name: str, drop_activations: bool = False) -> dict:
+def _fit(name: str, drop_activations: bool = False, untiled_too: bool = False) -> dict:
     import lightning.pytorch as pl
     import torch
     from torch.utils.data import DataLoader, TensorDataset
@@ -35,7 +41,7 @@ def _fit(name: str, drop_activations: bool = False) -> dict:
     from lightning_scale.models.gpt import GPTConfig
     from lightning_scale.strategies import report
 
-    seq, batch, ac, chunk = SHAPES[name]
+    seq, batch, ac, chunk, tiled = SHAPES[name]
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=1024, seq_len=seq, n_layer=4, n_head=4, d_model=128, loss_chunk=chunk)
     data = torch.randint(0, cfg.vocab_size, (batch * 2, seq + 1))
@@ -50,7 +56,7 @@ def _fit(name: str, drop_activations: bool = False) -> dict:
             return dataclasses.replace(e, activations=dataclasses.replace(e.activations, kept=0, recompute=0,
                                                                           head=0, loss=0))
         report.plan_for_batch = states_only
-    strategy = Zero3DStrategy(stage=0, activation_checkpointing=ac)
+    strategy = Zero3DStrategy(stage=0, activation_checkpointing=ac, tiled_mlp=tiled)
     trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=1, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          precision="32-true")
@@ -60,9 +66,20 @@ def _fit(name: str, drop_activations: bool = False) -> dict:
         trainer.fit(module, train_dataloaders=loader)
     plan = strategy.memory_plan
     a = plan["estimate"].activations
-    return {"measured": plan["measured"], "predicted": plan["predicted"], "ratio": plan["ratio"],
-            "activations": a.peak, "loss": a.loss, "policy": a.policy, "tokens": a.tokens,
-            "warned": [str(w.message) for w in caught if "[lightning_scale memory]" in str(w.message)]}
+    out = {"measured": plan["measured"], "predicted": plan["predicted"], "ratio": plan["ratio"],
+           "activations": a.peak, "loss": a.loss, "policy": a.policy, "tokens": a.tokens,
+           "warned": [str(w.message) for w in caught if "[lightning_scale memory]" in str(w.message)]}
+    if untiled_too:  # the same plan with the tiles left out of the profile
+        import dataclasses
+
+        config = strategy.config
+        strategy.config = dataclasses.replace(config, tiled_mlp=0)
+        try:
+            e = report.plan_for_batch(strategy, batch, seq)
+        finally:
+            strategy.config = config
+        out["untiled_predicted"] = e.first_step_peak
+    return out
 
 
 def _run(tmp_path, *args) -> dict:
@@ -75,7 +92,8 @@ def _run(tmp_path, *args) -> dict:
 
 
 def test_step1_peak_within_15_percent_of_the_plan(tmp_path):
-    results, stdout = _run(tmp_path, *SHAPES)
+    shapes = [n for n in SHAPES if n not in TILED]
+    results, stdout = _run(tmp_path, *shapes)
     for name, r in results.items():
         assert abs(r["ratio"] - 1) <= 0.15, (name, results)
         assert not r["warned"], (name, r)
@@ -86,9 +104,22 @@ def test_step1_peak_within_15_percent_of_the_plan(tmp_path):
     assert results["long_ac"]["policy"] == "full" and results["long"]["tokens"] == 4096
     assert results["long_ac_chunked"]["loss"] * 4 <= results["long_ac"]["loss"], results  # 256 of 2048 positions
     lines = [line for line in stdout.splitlines() if line.startswith("[lightning_scale memory] step 1 peak")]
-    assert len(lines) == len(SHAPES), stdout[-3000:]
+    assert len(lines) == len(shapes), stdout[-3000:]
     startup = [line for line in stdout.splitlines() if line.strip().startswith("predicted peak / device")]
-    assert len(startup) == len(SHAPES) and "MiB from step 2" in startup[0], stdout[-3000:]  # the startup table row
+    assert len(startup) == len(shapes) and "MiB from step 2" in startup[0], stdout[-3000:]  # the startup table row
+
+
+def test_tiled_mlp_step1_peak_within_15_percent_of_the_plan(tmp_path):
+    """tiled_mlp=256 (without / with full AC and the chunked loss): the plan profiles the unit tiled, so the step-1
+    peak stays within 15% of it; the untiled profile would over-predict (checked in the same process: the plan
+    without the tiles is > 15% above the measurement)."""
+    results, stdout = _run(tmp_path, *TILED, "--untiled-too")
+    for name, r in results.items():
+        assert abs(r["ratio"] - 1) <= 0.15, (name, results)
+        assert not r["warned"], (name, r)
+        assert r["untiled_predicted"] > 1.15 * r["measured"], (name, r)  # the tiles' share is real
+    lines = [line for line in stdout.splitlines() if line.startswith("[lightning_scale memory] step 1 peak")]
+    assert len(lines) == len(TILED), stdout[-3000:]
 
 
 def test_a_wrong_plan_warns(tmp_path):
@@ -102,7 +133,7 @@ if __name__ == "__main__":
     out, names = sys.argv[1], [a for a in sys.argv[2:] if not a.startswith("--")]
     drop = "--drop-activations" in sys.argv
     with open(out, "w") as f:
-        json.dump({n: _fit(n, drop) for n in names}, f)
+        json.dump({n: _fit(n, drop, "--untiled-too" in sys.argv) for n in names}, f)
 
 
 def test_startup_row_says_pp_is_not_modelled():

@@ -7,6 +7,9 @@
 * bf16 autocast: the recompute runs under the forward's autocast (gradients equal the untiled autocast run's);
 * memory: the step's peak live tensor bytes at L=1024 fall by at least the untiled MLP's hidden activations minus
   one tile's (measured with lightning_scale.memory.LiveTensorBytes);
+* the blocks' norms run tiled too and the MLP keeps the post-attention norm's input, not its output (one B x L x d
+  tensor per block less saved, counted with saved_tensors_hooks; gradients exact); the memory plan's tiled profile
+  (activations_for_model(tiled_mlp=N)) keeps less and leaves the model untiled;
 * bad settings are ConfigErrors naming them.
 """
 
@@ -19,7 +22,7 @@ import torch
 
 from lightning_scale.config import ConfigError, from_flat_kwargs
 from lightning_scale.models.gpt import GPT, gpt_tiny, make_batch
-from lightning_scale.tiled_mlp import tile_mlps, tiled_mlps
+from lightning_scale.tiled_mlp import tile_mlps, tiled_mlps, tiled_norms
 
 
 def _gpt(**kw):
@@ -59,6 +62,8 @@ def test_tiled_hf_llama_equals_untiled():
     model = copy.deepcopy(ref)
     names = tile_mlps(model, 4)
     assert names and all(n.endswith(".mlp") for n in names), names
+    norms = tiled_norms(model)  # the blocks' RMSNorms run tiled too (the default); the final norm does not
+    assert {n.rsplit(".", 1)[1] for n in norms} == {"input_layernorm", "post_attention_layernorm"}, norms
     x = torch.randint(1, 96, (2, 16), generator=torch.Generator().manual_seed(0))
     out = []
     for m in (ref, model):
@@ -103,6 +108,60 @@ def test_each_parameter_hook_fires_once_per_backward():
     x, y = make_batch(model.cfg, 2, seed=0)
     model.loss(x, y).backward()
     assert counts and set(counts.values()) == {1}, {n: c for n, c in counts.items() if c != 1}
+
+
+def _saved_bytes(model, x, y):
+    """Bytes of the distinct non-parameter storages autograd saves in one forward (the loss' included)."""
+    params = {p.untyped_storage()._cdata for p in model.parameters()}
+    saved = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s._cdata not in params:
+            saved[s._cdata] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model.loss(x, y)
+    return sum(saved.values()), loss
+
+
+@pytest.mark.parametrize("ac", [None, "full"])
+def test_tiled_norms_keep_their_input_and_the_mlp_keeps_the_norms_input(ac):
+    """norms=True (the default): each block's ln1 / ln2 runs tiled and the MLP keeps ln2's input (kept by ln2
+    anyway) instead of ln2's output: one B x L x d tensor per block less is saved; gradients stay exact."""
+    from lightning_scale.activation_checkpointing import checkpoint_units
+
+    B, L = 2, 32
+    saved, grads = {}, {}
+    for norms in (False, True):
+        model = _gpt(seq_len=L)
+        tile_mlps(model, 8, norms=norms)
+        assert bool(tiled_norms(model)) == norms
+        x, y = make_batch(model.cfg, B, seed=0)
+        saved[norms], _ = _saved_bytes(model, x, y)  # without AC: every block's saved set
+        if ac:
+            checkpoint_units(model, ac)
+        grads[norms] = _grads(model, x, y)
+    d, n = model.cfg.d_model, model.cfg.n_layer
+    assert saved[False] - saved[True] >= n * B * L * d * 8, (saved, n * B * L * d * 8)
+    assert abs(float(grads[True][0] - grads[False][0])) < 1e-12
+    assert max((grads[True][1][k] - grads[False][1][k]).abs().max().item() for k in grads[False][1]) < 1e-12
+
+
+def test_the_plans_tiled_profile_leaves_the_model_untiled():
+    """activations_for_model(tiled_mlp=N) profiles the unit tiled (the MLP's L x 4d hiddens no longer kept) and
+    restores the module's forwards afterwards."""
+    from lightning_scale.activation_plan import activations_for_model
+
+    model = _gpt(seq_len=256).float()
+    kw = dict(seq_len=256, micro_batch=1, precision="32-true", activation_checkpointing=None)
+    plain = activations_for_model(model, **kw)
+    tiled = activations_for_model(model, **kw, tiled_mlp=32)
+    assert tiled_mlps(model) == [] and tiled_norms(model) == []
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    assert tiled.kept < plain.kept - 256 * 4 * model.cfg.d_model * 4 * model.cfg.n_layer, (tiled, plain)
+    assert any("tiled_mlp=32" in n for n in tiled.notes)
 
 
 def test_autocast_recompute_matches_untiled_autocast():
