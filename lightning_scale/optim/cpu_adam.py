@@ -1,7 +1,7 @@
 """The offload optimizer step: re-create the user's optimizer over CPU master shards, fastest kernel first.
 
-Under ``offload="optimizer"`` the fp32 master shards and the optimizer state live on the host and the
-step runs there. The step is memory-bound: Adam reads param, grad, m, v and writes param, m, v, 28
+Under ``offload="optimizer"`` (and whenever the masters live on a CPU device, as in CPU training) the fp32
+master shards and the optimizer state live on the host and the step runs there. The step is memory-bound: Adam reads param, grad, m, v and writes param, m, v, 28
 bytes per fp32 element, so the kernel that makes one pass over memory wins. ``bench/optimizer_step.py``
 on 50M fp32 elements, 2-core CPU machine (2026-11-30, bench/RESULTS.md): torch's ``fused=True`` CPU
 AdamW 64 ms/step (~22 GB/s, at the measured memory bandwidth), DeepSpeed's C++ ``DeepSpeedCPUAdam``

@@ -127,7 +127,10 @@ class ShardEngine:
     def _make_inner(optimizer: torch.optim.Optimizer, groups: List[Dict[str, Any]],
                     offload: bool = False) -> torch.optim.Optimizer:
         groups = [g for g in groups if g["params"]] or groups
-        if offload:  # the step runs on the CPU: the fastest measured CPU implementation of the user's class
+        on_cpu = all(p.device.type == "cpu" for g in groups for p in g["params"])
+        # The step runs on the CPU (offload, or masters on a CPU device): the fastest measured CPU implementation
+        # of the user's class (torch's fused AdamW: ~10x the for-loop; tp=2 HF Llama step 1.42x, helper B 96bf139)
+        if offload or on_cpu:
             from lightning_scale.optim.cpu_adam import make_offload_optimizer
 
             return make_offload_optimizer(type(optimizer), groups, optimizer.defaults)
