@@ -15,7 +15,11 @@ Systems (one rank: a world-1 gloo group, the real ``parallelize()`` + engine pat
 * ``sparse``         block-sparse attention (BSLongformer, block 64, window 3 blocks, global block 0), nothing else
 * ``sparse_ac_chunked``  block-sparse + full checkpointing + the chunked loss
 * ``ac_chunked_tiled`` / ``sparse_ac_chunked_tiled``  the same + the tiled MLP (``tiled_mlp=512``: each block's MLP
-  runs and recomputes 512 positions at a time, lightning_scale.tiled_mlp)
+  and its norms run and recompute 512 positions at a time, lightning_scale.tiled_mlp; the MLP keeps the norm's
+  input, not its output)
+* ``ac_chunked_tiled_mlp_only``  the tiled MLP without the tiled norms (``tile_mlps(norms=False)``: the MLP keeps
+  its own input; the norms run whole) -- the A/B of the norms' share
+* ``ac_chunked_tiled256``  ``ac_chunked_tiled`` with 256-position tiles
 
 How memory is measured: ``lightning_scale.memory.LiveTensorBytes`` (a TorchDispatchMode) is active from building
 the model to the end of the optimizer step; the figure is the peak of the live bytes of every tensor storage
@@ -53,7 +57,9 @@ import tempfile
 import time
 from typing import Dict, Optional, Tuple
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# appended, not prepended: the repository root holds a `kernels/` folder that would shadow the PyPI `kernels`
+# package transformers imports (HF Llama rows)
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("LIGHTNING_SCALE_SKIP_REGISTER", "1")
 
 import torch  # noqa: E402
@@ -75,6 +81,8 @@ SYSTEMS: Dict[str, dict] = {  # name -> (strategy options, loss_chunk, sparse)
     "sparse": dict(ac=None, chunk=0, sparse=True),
     "sparse_ac_chunked": dict(ac="full", chunk=512, sparse=True),
     "ac_chunked_tiled": dict(ac="full", chunk=512, sparse=False, tiled=512),
+    "ac_chunked_tiled_mlp_only": dict(ac="full", chunk=512, sparse=False, tiled=512, norms=False),
+    "ac_chunked_tiled256": dict(ac="full", chunk=512, sparse=False, tiled=256),
     "sparse_ac_chunked_tiled": dict(ac="full", chunk=512, sparse=True, tiled=512),
 }
 
@@ -88,6 +96,9 @@ def one_step(args, name: str, length: int, topo) -> Tuple[int, float]:
     """(peak live bytes, seconds) of building the model and training one step at ``length`` (with sp > 1: the
     most any rank held, and rank 0's time)."""
     spec = SYSTEMS[name]
+    import lightning_scale.tiled_mlp as tiled
+
+    tiled.TILE_NORMS = spec.get("norms", True)  # tile_mlps' default, read when parallelize() tiles
     if args.model == "llama":
         return _llama_step(args, spec, length, topo)
     config = from_flat_kwargs(stage=args.stage, activation_checkpointing=spec["ac"], sp=topo.sp, tp=topo.tp,
@@ -151,9 +162,9 @@ def _llama_step(args, spec: dict, length: int, topo) -> Tuple[int, float]:
         idx = torch.randint(0, args.vocab, (1, length + 1), generator=torch.Generator().manual_seed(length))
         x, y = idx[:, :-1], idx[:, 1:]
         start = time.perf_counter()
-        if spec["chunk"]:
-            hidden = model.model(input_ids=x).last_hidden_state
-            loss = chunked_cross_entropy(hidden, model.lm_head, y, chunk_size=spec["chunk"])
+        if spec["chunk"]:  # no local name for the hidden states: they would outlive their use through backward
+            loss = chunked_cross_entropy(model.model(input_ids=x).last_hidden_state, model.lm_head, y,
+                                         chunk_size=spec["chunk"])
         else:
             logits = model(input_ids=x).logits
             loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
