@@ -363,7 +363,8 @@ def _report(pp, results, microbatches):
         for (kind, s), sec in b["costs"].items():
             per_stage.setdefault(s, []).append((kind, sec * 1e3))
         stage_lines.append(f"{system}: " + "; ".join(
-            f"stage {s} " + " + ".join(f"{k} {ms:.1f}" for k, ms in sorted(per_stage[s], key=lambda x: "FBIW".index(x[0])))
+            f"stage {s} " + " + ".join(f"{k} {ms:.1f}" for k, ms in sorted(per_stage[s],
+                                                                            key=lambda x: "FBIW".index(x[0])))
             + f" = {sum(ms for _, ms in per_stage[s]):.1f}" for s in sorted(per_stage)))
         vs_sim = f"{b['measured'] / b['sim']:.2f}" if b["sim"] else ""
         print(f"| {system} | {tok:,.0f} | {ratio} | {rss} | {b['measured']:.3f} | {b['sim']:.3f} | {vs_sim} | "
