@@ -15,8 +15,7 @@
 Gradients accumulate in ``.grad`` like a normal backward (nothing is zeroed), so optimizers,
 gradient clipping and accumulation over several ``train_step`` calls work as usual. After the
 schedule, gradients of parameters tied across ranks (embedding / LM head) are summed between their
-holders, and the last stage sends the mean loss to every other pipeline rank (without waiting for
-it to arrive), so every pipeline rank returns it.
+holders, and the mean loss is broadcast from the last stage, so every pipeline rank returns it.
 
 If anything raises mid-schedule, the runtime makes its pipeline neighbours fail at once
 (:meth:`P2P.abort`) and re-raises: no rank is left blocked in a receive. A ``timeout`` bounds
@@ -38,6 +37,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Un
 import torch
 import torch.distributed as dist
 
+from lightning_scale.comm.collectives import broadcast
 from lightning_scale.comm.p2p import P2P, PendingRecv
 from lightning_scale.config import ConfigError
 from lightning_scale.pipeline import schedule as S
@@ -47,7 +47,6 @@ from lightning_scale.pipeline.stage import PipelineStage
 from lightning_scale.pipeline.validate import validate_schedule
 
 Key = Tuple[int, int]  # (stage, microbatch)
-_IN_FLIGHT: List[PendingRecv] = []  # loss sends not yet seen complete, of any runtime of this process
 
 
 @dataclass
@@ -366,29 +365,20 @@ class PipelineRuntime:
     def _mean_loss(self, step: _Step) -> Optional[torch.Tensor]:
         """Mean micro-batch loss of the last stage, on every pp rank (None when it had no targets).
 
-        The last stage sends it to each other rank point to point and does not wait: it already has the
-        value, and under gloo a send completes only once the peer posts the receive, i.e. (1F1B) after
-        the first stage's last backward, which would hold the last stage's optimizer step behind it.
-        Its sends are waited with the next step's (``P2P.wait_sends``). Not a collective broadcast:
-        with gloo's, middle ranks also waited there for ranks still computing (bench/pipeline.py,
-        pp=4: up to ~100 ms per step on rank 2)."""
+        A broadcast from the last stage. 266806c replaced it with point-to-point sends the last stage did not
+        wait for (gloo's broadcast holds the last stage until the first stage's last backward); that version
+        hung tests/dist/test_pipeline_trace.py in a clean-clone CI run (rank 0 blocked on the loss header of a
+        later runtime while rank 1 had finished), so the broadcast is back until the hand-out is made safe."""
         buf = torch.zeros(2, dtype=torch.float64, device=self.device)  # [loss, has loss]
         if self.stage.is_last and step.losses:
             buf[0] = torch.stack([loss.to(torch.float64) for loss in step.losses]).mean()
             buf[1] = 1.0
         if self.stage.pp > 1:
-            if self.stage.is_last:
-                # Kept alive past this runtime too: a gloo send whose handle is freed before the peer posts its
-                # receive never arrives, and a caller may drop this runtime right after its last step.
-                _IN_FLIGHT[:] = [h for h in _IN_FLIGHT if not h.is_completed()]
-                _IN_FLIGHT.extend(self.p2p.send(buf, dst, "loss") for dst in self.pp_ranks[:-1])
-                return buf[0].clone() if buf[1] > 0 else None
-            buf = self.p2p.recv(self.pp_ranks[-1], "loss", device=self.device).wait()
+            broadcast(buf, src=self.pp_ranks[-1], group=self.pp_group, tag="pp_loss")
         return buf[0] if buf[1] > 0 else None
 
     def wait_pending(self) -> None:
-        """Wait for the sends this rank left in flight (the last stage's loss of the last step); every step
-        waits them at its end anyway. Call it before tearing down the process group right after a step."""
+        """Wait for any send this rank left in flight; every step waits its sends at its end anyway."""
         if self.p2p is not None:
             self.p2p.wait_sends()
 
