@@ -311,6 +311,9 @@ def plan_for_batch(strategy: Any, micro_batch: int, seq_len: int) -> Optional[An
     inner = [getattr(e, "inner", None) or _engine_optimizer(e) for e in getattr(strategy, "engines", []) or []]
     step_numel = max((p.numel() for o in inner if o is not None for g in o.param_groups for p in g["params"]),
                      default=None)
+    stepped = [o for o in inner if o is not None]
+    if stepped and all(getattr(o, "offload_step_impl", None) == "fused" for o in stepped):
+        step_numel = 0  # torch's fused Adam/AdamW (CPU masters): one pass over each tensor, no temporaries of its size
     return with_activations(row, acts, step_tensor_numel=step_numel)
 
 
