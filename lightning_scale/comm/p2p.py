@@ -25,7 +25,7 @@ import torch.distributed as dist
 from lightning_scale.comm.accounting import record
 from lightning_scale.diagnostics import trace as _trace
 
-TAGS = {"act": 11, "grad": 12, "tied": 13, "loss": 14}
+TAGS = {"act": 11, "grad": 12, "tied": 13}
 _ABORT_TAG = 99
 _MAX_DIMS = 8
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,

@@ -377,11 +377,6 @@ class PipelineRuntime:
             broadcast(buf, src=self.pp_ranks[-1], group=self.pp_group, tag="pp_loss")
         return buf[0] if buf[1] > 0 else None
 
-    def wait_pending(self) -> None:
-        """Wait for any send this rank left in flight; every step waits its sends at its end anyway."""
-        if self.p2p is not None:
-            self.p2p.wait_sends()
-
     def _sum_tied_grads(self, snapshots: Sequence[Optional[torch.Tensor]]) -> None:
         """Add the other holder's contribution of this step to each tied parameter's gradient."""
         me = self.stage.pp_rank
