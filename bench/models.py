@@ -16,6 +16,8 @@ The model is an unchanged ``LlamaForCausalLM`` built from ``LlamaConfig`` (no do
     ls_tp2_vp        the same plan with the head ``vocab_colwise``: logits stay split over the vocabulary and the
                      loss is ``tensor_parallel_state(model).cross_entropy`` (what dtensor_tp's Shard(-1) head +
                      loss_parallel does; the README's tp loss recipe)
+    ls_tp2_vp_unshared  ls_tp2_vp with every column layer reducing its own input gradient (5 all-reduces per
+                     block in the backward instead of 2: q/k/v and gate/up no longer share one, ``SharedInput``)
     ls_pp2           parallelize(pp=2, microbatches=2, 1F1B): the automatic HF pipeline adapter
     fsdp2            torch fully_shard per decoder layer + root (reshard after forward), plain loop
     dtensor_tp       torch parallelize_module: Colwise q/k/v/gate/up, Rowwise o/down, Rowwise embedding,
@@ -43,13 +45,15 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import peak_rss_mb, peer_table, ratio_table, round_ratios, write_plot  # noqa: E402
 
-SYSTEMS = ["ddp", "ls_z2", "ls_z3", "ls_tp2", "ls_tp2_vp", "ls_pp2", "fsdp2", "dtensor_tp", "lightning_fsdp2",
-           "lightning_tp"]
+SYSTEMS = ["ddp", "ls_z2", "ls_z3", "ls_tp2", "ls_tp2_vp", "ls_tp2_vp_unshared", "ls_pp2", "fsdp2", "dtensor_tp",
+           "lightning_fsdp2", "lightning_tp"]
 PEERS = {"ls_z3": [("lightning_fsdp2", 1.05), ("fsdp2", 1.05)], "ls_tp2": [("lightning_tp", 1.3),
-         ("dtensor_tp", 1.3)], "ls_tp2_vp": [("lightning_tp", 1.3), ("dtensor_tp", 1.3), ("ls_tp2", None)],
+         ("dtensor_tp", 1.3)], "ls_tp2_vp": [("lightning_tp", 1.3), ("dtensor_tp", 1.3), ("ls_tp2", None),
+                                             ("ls_tp2_vp_unshared", None)],
+         "ls_tp2_vp_unshared": [("dtensor_tp", 1.3)],
          "ls_z2": [("ddp", None)], "ls_pp2": [("ddp", None)]}
 LS = {"ls_z2": dict(stage=2), "ls_z3": dict(stage=3), "ls_tp2": dict(tp=2, stage=1), "ls_tp2_vp": dict(tp=2, stage=1),
-      "ls_pp2": dict(pp=2, stage=1, microbatches=2)}
+      "ls_tp2_vp_unshared": dict(tp=2, stage=1), "ls_pp2": dict(pp=2, stage=1, microbatches=2)}
 
 
 def build_llama(kw: dict):
@@ -106,7 +110,7 @@ def _plain_step(system: str, model, rank: int, world: int):
         from lightning_scale.parallelize import local_topology, parallelize
 
         kwargs, loss_fn = dict(LS[system]), _loss
-        if system == "ls_tp2_vp":  # the model's own plan, the head's logits left split over the vocabulary
+        if system.startswith("ls_tp2_vp"):  # the model's own plan, the head's logits left split over the vocabulary
             from lightning_scale.tensor_parallel import tensor_parallel_state
             from lightning_scale.tensor_parallel.hf import hf_plan
 
@@ -119,6 +123,12 @@ def _plain_step(system: str, model, rank: int, world: int):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         pm = parallelize(model, config, topo, "cpu", optimizers=[opt], loss_fn=loss_fn)
         (engine,) = pm.make_engines()
+        if system == "ls_tp2_vp_unshared":  # every column layer reduces its own input gradient (5 per block)
+            from lightning_scale.tensor_parallel import ColumnParallelLinear
+
+            for m in model.modules():
+                if isinstance(m, ColumnParallelLinear):
+                    m.shared_input = None
 
         def step(x, y):
             if pm.pipeline is not None:

@@ -31,6 +31,7 @@ from lightning_scale.tensor_parallel.mappings import (
     _reduce_in_place,
     _reduce_scatter_async,
     gather_from_region,
+    gather_from_sequence_region,
     reduce_from_region,
     reduce_scatter_to_sequence_region,
     scatter_to_region,
@@ -58,11 +59,14 @@ class _ColumnLinearFn(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, tag, sequence_parallel, transposed):
+    def forward(ctx, x, weight, bias, group, tag, sequence_parallel, transposed, siblings=None):
         x_full = _gather(x, x.dim() - 2, group, tag) if sequence_parallel else x  # (*, T, in)
         ctx.save_for_backward(x_full, weight)
         ctx.group, ctx.tag, ctx.sequence_parallel, ctx.transposed = group, tag, sequence_parallel, transposed
         ctx.has_bias = bias is not None
+        ctx.siblings = siblings
+        if siblings is not None:
+            siblings.expect()
         return F.linear(x_full, weight.t() if transposed else weight, bias)  # (*, T, out_local)
 
     @staticmethod
@@ -72,7 +76,9 @@ class _ColumnLinearFn(torch.autograd.Function):
         grad_x = handle = None
         if ctx.needs_input_grad[0]:
             grad_x = grad.matmul(w)  # (*, T, in): this rank's partial sum
-            if ctx.sequence_parallel:
+            if ctx.siblings is not None:  # summed with the siblings'; the last one reduces the sum (else None)
+                grad_x, handle = ctx.siblings.add(grad_x)
+            elif ctx.sequence_parallel:
                 grad_x, handle = _reduce_scatter_async(grad_x, grad_x.dim() - 2, ctx.group, ctx.tag)
             else:
                 handle = _reduce_async(grad_x, ctx.group, ctx.tag)
@@ -86,7 +92,55 @@ class _ColumnLinearFn(torch.autograd.Function):
         if handle is not None:
             handle.wait()
             grad_x = grad_x.to(x_full.dtype)
-        return grad_x, grad_w, grad_b, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None
+
+
+class _SiblingGrads:
+    """The input-gradient partial sums of the column layers that read one tensor in one forward.
+
+    Each layer's forward ``expect()``s one gradient; its backward ``add()``s its partial sum. The last one starts
+    the all-reduce of the sum (asynchronous: it overlaps that layer's weight-gradient matmul, as a lone column
+    layer's does) and returns the reduced gradient; the others return None (zero). :class:`_SiblingEntry`, the
+    node all of them read from, runs after every one of them: if some layer's backward never ran (its output
+    did not reach the loss) it reduces what was summed itself, then re-arms for another backward."""
+
+    def __init__(self, group, tag: str) -> None:
+        self.group, self.tag = group, tag
+        self.uses = self.pending = 0
+        self.buf: Optional[torch.Tensor] = None
+
+    def expect(self) -> None:
+        self.uses += 1
+        self.pending += 1
+
+    def add(self, partial: torch.Tensor):
+        """(reduced sum, its all-reduce handle) from the last sibling; (None, None) before."""
+        self.buf = partial if self.buf is None else self.buf.add_(partial)  # partial: a fresh tensor
+        self.pending -= 1
+        if self.pending > 0:
+            return None, None
+        buf, self.buf = self.buf, None
+        return buf, _reduce_async(buf, self.group, self.tag)
+
+    def finish(self, grad: torch.Tensor) -> torch.Tensor:
+        buf, self.buf, self.pending = self.buf, None, self.uses  # re-armed (retain_graph)
+        if buf is None:
+            return grad
+        collectives.all_reduce(buf, self.group, tag=self.tag)  # the layers whose backward ran, summed
+        return grad + buf.to(grad.dtype)
+
+
+class _SiblingEntry(torch.autograd.Function):
+    """Identity forward on the siblings' common input; backward: :meth:`_SiblingGrads.finish`."""
+
+    @staticmethod
+    def forward(ctx, x, siblings):
+        ctx.siblings = siblings
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.siblings.finish(grad), None
 
 
 class _ReplicaGradSum(torch.autograd.Function):
@@ -221,6 +275,47 @@ def _init_linear_(full_weight: torch.Tensor, full_bias: Optional[torch.Tensor], 
         nn.init.uniform_(full_bias, -bound, bound)
 
 
+class SharedInput:
+    """One input-gradient reduction for sibling column-parallel layers that read the same tensor.
+
+    Separate ``q_proj`` / ``k_proj`` / ``v_proj`` (or ``gate_proj`` / ``up_proj``) each hold a partial sum of
+    the gradient of their common input; reducing each alone costs one all-reduce per layer (5 per Hugging Face
+    Llama block). Megatron's ``f`` operator reduces the *sum* once. The first sibling to see a tensor ``x`` in a
+    forward opens an entry for it (:class:`_SiblingEntry`, identity forward); a sibling that receives the very
+    same tensor object joins it. In the backward the partial sums are added up and the last sibling all-reduces
+    the sum, overlapped with its own weight-gradient matmul (:class:`_SiblingGrads`). Sequence parallel: the entry
+    is :func:`gather_from_sequence_region` (one all-gather forward, one reduce-scatter backward, for all
+    siblings). A sibling fed another tensor opens its own entry (correct, just not shared). The entry is kept only
+    while the siblings' parent module runs (its forward pre/post hooks clear it): no activation outlives it.
+    """
+
+    def __init__(self, group, tag: str, sequence_parallel: bool) -> None:
+        self.group, self.tag, self.sequence_parallel = group, tag, sequence_parallel
+        self.entries = 0  # entries opened (a test hook: how many distinct inputs were reduced)
+        self._x = self._entry = None
+
+    def clear(self, *_args, **_kwargs) -> None:
+        self._x = self._entry = None
+
+    @torch.compiler.disable
+    def enter(self, x: torch.Tensor):
+        """(``x`` as the siblings' matmuls read it, its :class:`_SiblingGrads` or None), opened once per tensor."""
+        if not self.sequence_parallel and not (x.requires_grad and torch.is_grad_enabled()):
+            return x, None  # no input gradient to reduce
+        if self._x is not x:
+            if self.sequence_parallel:
+                entry = (gather_from_sequence_region(x, self.group, dim=x.dim() - 2, tag=self.tag), None)
+            else:
+                siblings = _SiblingGrads(self.group, self.tag)
+                entry = (_SiblingEntry.apply(x, siblings), siblings)
+            self._x, self._entry = x, entry
+            self.entries += 1
+        return self._entry
+
+    def __deepcopy__(self, memo) -> "SharedInput":
+        return SharedInput(self.group, self.tag, self.sequence_parallel)  # no cached activation copied
+
+
 class _ParallelLinearBase(nn.Module):
     """Shared bookkeeping: group, tag, Conv1D layout, full-then-slice init, slicing from a dense layer."""
 
@@ -316,6 +411,8 @@ class ColumnParallelLinear(_ParallelLinearBase):
         self.gather_output, self.sections, self.sequence_parallel = gather_output, sections, sequence_parallel
         # True when an enclosing module already all-gathered the sequence (its backward reduce-scatters)
         self.input_gathered = input_gathered
+        # set by apply_tensor_parallel on siblings reading one input (q/k/v, gate/up): one reduction for all
+        self.shared_input: Optional[SharedInput] = None
         what = f"{name or 'ColumnParallelLinear'} out_features"
         self.weight_spec = make_spec(1 if transposed else 0, out_features, self.tp, sections=sections, pad=pad,
                                      what=what, parts=parts, splits=splits)
@@ -350,6 +447,12 @@ class ColumnParallelLinear(_ParallelLinearBase):
         weight, bias = self._params_for_forward()
         if self.input_gathered or self.tp == 1:  # 'sequence_gather' module hook did the communication
             y = F.linear(x, weight.t() if self.transposed else weight, bias)
+        elif self.shared_input is not None:  # siblings' gradients summed, then reduced once (SharedInput)
+            x, siblings = self.shared_input.enter(x)
+            if siblings is None:  # sequence parallel (gathered once) or no input gradient
+                y = F.linear(x, weight.t() if self.transposed else weight, bias)
+            else:
+                y = _ColumnLinearFn.apply(x, weight, bias, self.group, self.tag, False, self.transposed, siblings)
         else:
             y = _ColumnLinearFn.apply(x, weight, bias, self.group, self.tag, self.sequence_parallel,
                                       self.transposed)

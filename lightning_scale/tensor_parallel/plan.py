@@ -31,6 +31,7 @@ from lightning_scale.tensor_parallel.hf import LocalHeadsConfig, default_plan, i
 from lightning_scale.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
+    SharedInput,
     VocabParallelEmbedding,
     dense_features,
     is_conv1d,
@@ -416,13 +417,35 @@ def _sequence_gather_hook(group, tag: str, name: str):
     return hook
 
 
+def _share_sibling_inputs(model: nn.Module, state: TensorParallelState, group, sequence_parallel: bool) -> None:
+    """Column-parallel layers under one parent (HF ``q_proj`` / ``k_proj`` / ``v_proj``, ``gate_proj`` /
+    ``up_proj``; litgpt ``fc_1`` / ``fc_2``) get one :class:`SharedInput`: when they read the same tensor, its
+    gradient is reduced over tp once (Megatron's ``f``) instead of once per layer. Found from the plan's result
+    (which children are column-parallel), not from names; the parent's forward hooks bound the cache."""
+    siblings: Dict[str, List[ColumnParallelLinear]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, ColumnParallelLinear) and "." in name and not module.input_gathered and module.tp > 1:
+            siblings.setdefault(_parent_name(name), []).append(module)
+    for pname, layers in siblings.items():
+        if len(layers) < 2:
+            continue
+        share = SharedInput(group, f"tp/{pname}.input", sequence_parallel)
+        for layer in layers:
+            layer.shared_input = share
+        parent = model.get_submodule(pname)
+        state.hooks.append(parent.register_forward_pre_hook(share.clear))
+        state.hooks.append(parent.register_forward_hook(share.clear, always_call=True))
+        state.shared_inputs[pname] = share
+
+
 def apply_tensor_parallel(model: nn.Module, plan: Optional[Dict[str, object]] = None, group=None, *,
-                          sequence_parallel: bool = False) -> nn.Module:
+                          sequence_parallel: bool = False, share_inputs: bool = True) -> nn.Module:
     """Split ``model`` in place over the tp process ``group`` following ``plan`` (None: built-in plan).
 
     Every rank of ``group`` must call it on an identical model (same seed or same checkpoint); each
-    keeps only its shards. Returns the model. Afterwards: ``model(...)`` runs tensor-parallel, the
-    project GPT's ``model.loss`` uses the vocabulary-parallel cross-entropy, and
+    keeps only its shards. ``share_inputs=False`` keeps one input-gradient reduction per column-parallel layer
+    (see :func:`_share_sibling_inputs`; for comparisons). Returns the model. Afterwards: ``model(...)`` runs
+    tensor-parallel, the project GPT's ``model.loss`` uses the vocabulary-parallel cross-entropy, and
     :func:`~lightning_scale.tensor_parallel.state.tensor_parallel_state` describes what was done.
     """
     tp = tp_size(group)
@@ -458,6 +481,8 @@ def apply_tensor_parallel(model: nn.Module, plan: Optional[Dict[str, object]] = 
         first = getattr(model.get_submodule(group_[0][0]), group_[0][1])
         for mname, pname in group_[1:]:
             setattr(model.get_submodule(mname), pname, first)
+    if share_inputs:
+        _share_sibling_inputs(model, state, group, sequence_parallel)
     if sequence_parallel:
         _mark_sequence_parallel_partials(model, split_modules, replicated_in_region)
     state.partial_grad_names = [n for n, prm in model.named_parameters() if tp_partial_grad(prm)]

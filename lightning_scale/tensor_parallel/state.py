@@ -33,6 +33,8 @@ class TensorParallelState:
     hooks: List[Any] = field(default_factory=list)
     # replicated parameters whose gradient is a per-rank partial sum (by name: .to() may swap the objects)
     partial_grad_names: List[str] = field(default_factory=list)
+    # parent module name -> the SharedInput its sibling column-parallel layers use (one input-gradient reduction)
+    shared_inputs: Dict[str, Any] = field(default_factory=dict)
 
     def partial_grad_params(self, model: nn.Module) -> List[torch.nn.Parameter]:
         params = [model.get_parameter(n) for n in self.partial_grad_names]
