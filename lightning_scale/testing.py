@@ -32,6 +32,10 @@ from lightning_scale import testing_zygote
 RANK_PRELOAD = ("torch", "torch.distributed")
 SCRIPT_PRELOAD = ("torch", "torch.distributed", "lightning.pytorch", "lightning.fabric", "lightning_scale.strategies",
                   "hydra", "omegaconf")
+# For ranks that build Hugging Face models: torch._dynamo (2.5 s of CPU; transformers and
+# lightning_scale.tensor_parallel import it), transformers and its modeling_utils (3 s): ~6 s per rank otherwise,
+# 50 s of CPU for one 8-rank test. ``run_distributed(..., preload=HF_RANK_PRELOAD)``.
+HF_RANK_PRELOAD = (*RANK_PRELOAD, "torch._dynamo", "transformers", "transformers.modeling_utils")
 
 
 def _use_zygote() -> bool:
@@ -202,8 +206,12 @@ def collect_results(tmp: str, procs: List[subprocess.Popen], timeout: float,
 
 def run_distributed(fn: Callable, world_size: int, args: Sequence[Any] = (), *, timeout: float = 180.0,
                     backend: str = "gloo", threads: int = 1, tmp_dir: Optional[str] = None,
-                    env: Optional[dict] = None) -> List[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return each rank's result."""
+                    env: Optional[dict] = None, preload: Sequence[str] = RANK_PRELOAD) -> List[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return each rank's result.
+
+    ``preload``: the modules the ranks' zygote imports once (see :mod:`lightning_scale.testing_zygote`); name the
+    heavy imports of ``fn``'s module and of what it calls (``HF_RANK_PRELOAD``, litgpt ...) so that no rank pays
+    them. Modules that read per-test environment variables at import time must not be preloaded."""
     if os.environ.get("LIGHTNING_SCALE_RANK_WORKER"):
         # Importing fn's module inside a rank ran module-level code that launches ranks again: a fork bomb.
         raise RuntimeError("run_distributed was called inside a rank; guard module-level launches with "
@@ -231,7 +239,7 @@ def run_distributed(fn: Callable, world_size: int, args: Sequence[Any] = (), *, 
         for r in range(world_size):
             if fork:
                 out, err = os.path.join(tmp, f"stdout_{r}"), os.path.join(tmp, f"stderr_{r}")
-                procs.append(testing_zygote.zygote(RANK_PRELOAD).fork(
+                procs.append(testing_zygote.zygote(tuple(preload)).fork(
                     "entry", [job, str(r)], child_env, os.getcwd(), out, err, os.path.join(tmp, f"exit_{r}")))
             else:
                 procs.append(subprocess.Popen([sys.executable, "-c", code, job, str(r)], env=child_env,

@@ -132,7 +132,7 @@ def main() -> None:
               "supported by the automatic pipeline adapter: OPT, Falcon -> `ConfigError` asking for "
               "`pipeline_layers()`; they declare no `tp_plan` -> `ConfigError` asking for `tensor.plan`.",
               "", "dp2 x tp2 x pp2 (8 ranks, eager, ZeRO-1 over dp, 3 SGD steps, float64; "
-              "`test_family_at_dp2_tp2_pp2_matches_one_process`, slow): " + ", ".join(GRID) + " - per-step losses "
+              "`test_families_at_dp2_tp2_pp2_match_one_process`, slow): " + ", ".join(GRID) + " - per-step losses "
               "within 1e-7 of one process (at most 8.9e-16 seen on 2026-12-02)."]
     lines += ["", PRETRAINED]
     lines += _litgpt_lines() + tail

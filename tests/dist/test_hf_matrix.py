@@ -8,7 +8,7 @@ case itself, so the comparison is per step, in float64, tolerance 1e-7 (Gemma ke
 internals: its eager and sdpa runs differ by 1e-9 in float64). The default run covers the
 families whose layout differs (sliding-window Mistral, Gemma3's q/k norms, Phi3's gathered
 fused projections, GPT-NeoX's interleaved qkv, GPT-2's learned positions and Conv1D); the full matrix is ``slow``,
-and so is the 8-rank dp2 x tp2 x pp2 case of ``GRID``'s families (one process's losses within 1e-7).
+and so is the 8-rank dp2 x tp2 x pp2 run of ``GRID``'s families (one launch; one process's losses within 1e-7).
 ``scripts/models_table.py`` runs the full matrix and writes ``docs/models.md`` from its result.
 """
 
@@ -19,7 +19,7 @@ import warnings
 import pytest
 import torch
 
-from lightning_scale.testing import run_distributed
+from lightning_scale.testing import HF_RANK_PRELOAD, run_distributed
 
 STEPS, LR, SEQ, BATCH = 3, 0.5, 12, 4
 FAST = ["mistral", "gemma3", "phi3", "gpt_neox", "gpt2"]  # Llama runs in tests/strategies/test_hf_models.py
@@ -161,16 +161,33 @@ def grid_worker(rank: int, world_size: int, name: str, attn: str) -> list:
     return losses
 
 
+def grid_families_worker(rank: int, world_size: int, names, attn: str) -> dict:
+    """grid_worker for each family in turn, in one launch of the 8 ranks (starting them is most of a case's time)."""
+    out = {}
+    for name in names:
+        try:
+            out[name] = grid_worker(rank, world_size, name, attn)
+        except Exception as err:
+            raise RuntimeError(f"{name} ({attn}) at dp2 x tp2 x pp2 failed on rank {rank}") from err
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("name", GRID)
 @pytest.mark.parametrize("attn", ["eager"])  # Llama's sdpa passed as well (8.9e-16); left out for the suite's time
-def test_family_at_dp2_tp2_pp2_matches_one_process(attn, name):
-    """A family on the whole grid (8 ranks): what the Trainer's 3D layout runs, without Lightning."""
+def test_families_at_dp2_tp2_pp2_match_one_process(attn):
+    """Each family of GRID on the whole grid (8 ranks, one launch): what the Trainer's 3D layout runs, without
+    Lightning; per family, per rank, per step, within 1e-7 of one process."""
     pytest.importorskip("transformers")
-    ref = _reference(name, attn, False)
-    for rank, got in enumerate(run_distributed(grid_worker, 8, (name, attn), timeout=540)):
-        assert max(abs(a - b) for a, b in zip(got, ref)) < 1e-7, (rank, got, ref)
+    refs = {name: _reference(name, attn, False) for name in GRID}
+    results = run_distributed(grid_families_worker, 8, (GRID, attn), timeout=540, preload=HF_RANK_PRELOAD)
+    bad = {}
+    for rank, per_family in enumerate(results):
+        assert sorted(per_family) == sorted(GRID), per_family.keys()
+        for name, got in per_family.items():
+            if not max(abs(a - b) for a, b in zip(got, refs[name])) < 1e-7:
+                bad[(name, rank)] = (got, refs[name])
+    assert not bad, bad
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
@@ -193,7 +210,7 @@ def test_gpt2_pipeline_layers_are_the_model(attn):
 
 
 def run_matrix(families, timeout: float = 600.0) -> dict:
-    results = run_distributed(matrix_worker, 2, (list(families),), timeout=timeout)
+    results = run_distributed(matrix_worker, 2, (list(families),), timeout=timeout, preload=HF_RANK_PRELOAD)
     assert results[0].keys() == results[1].keys()
     return results[0]
 
