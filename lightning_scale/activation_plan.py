@@ -34,7 +34,8 @@ selective    n * s_sel * T               (max(s - s_sel, 0) + g) * T
   MLP's ``4d``-wide hiddens, and ``g`` one tile's recompute and the summed parameter gradients (one MLP's, twice:
   the running sum and the tile's) instead of the whole sequence's hiddens. The counted fallback ignores it.
 
-Not modelled: pipeline parallelism (pp > 1 keeps several micro-batches in flight per stage), the attention's
+pp > 1: :mod:`lightning_scale.pipeline_plan` walks each pipeline rank's schedule with these per-micro-batch
+numbers (the micro-batches in flight, the p2p buffers). Not modelled: the attention's
 own working set beyond what the profile sees (SDPA kernels' scratch on GPU), allocator fragmentation / caching,
 and the data loader. A unit that does not run alone on fake tensors (masks, rotary tables) is counted from its
 Linear layers' sizes instead (``source="counted"``, with a note).
@@ -43,11 +44,12 @@ Linear layers' sizes instead (``source="counted"``, with a note).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 from lightning_scale.config import ConfigError
 
-__all__ = ["AC_POLICIES", "ActivationEstimate", "estimate_activations", "activations_for_model"]
+__all__ = ["AC_POLICIES", "ActivationEstimate", "UnitProfile", "estimate_activations", "activations_for_model",
+           "profile_model"]
 
 
 def _precision_key(precision: str) -> str:
@@ -78,11 +80,21 @@ class ActivationEstimate:
     host: float = 0.0  # unit inputs offloaded to the host (offload_activations)
     source: str = "profiled"  # "profiled" (fake-tensor run of one unit) | "counted" (Linear sizes) | "given"
     notes: Tuple[str, ...] = field(default=())
+    # pp > 1: the walk of this rank's schedule (lightning_scale.pipeline_plan.PipelinePeak); its peak is the peak
+    pipeline: Optional[Any] = None
 
     @property
     def peak(self) -> float:
-        """The most activation bytes at once: what is kept + the larger of the loss step and one unit's backward."""
+        """The most activation bytes at once: what is kept + the larger of the loss step and one unit's backward
+        (pp > 1: the schedule walk's step-1 peak, micro-batches in flight and p2p buffers included)."""
+        if self.pipeline is not None:
+            return self.pipeline.peak
         return self.kept + max(self.head + self.loss, self.recompute)
+
+    @property
+    def steady_peak(self) -> float:
+        """The peak from step 2 on: the same, except that at pp > 1 receives are prefetched from the start."""
+        return self.pipeline.steady if self.pipeline is not None else self.peak
 
 
 AC_POLICIES = ("none", "full", "selective")
@@ -179,15 +191,24 @@ def _counted_profile(unit, hidden: int, tp: int) -> Dict[str, float]:
             "backward": 4.0 * 2 * max(widest, hidden)}
 
 
-def activations_for_model(module, *, seq_len: int, micro_batch: int = 1, precision: str = "bf16-mixed",
-                          activation_checkpointing=None, offload_activations: bool = False, sp: int = 1,
-                          tp: int = 1, chunked_loss=None, tiled_mlp: int = 0) -> ActivationEstimate:
-    """The activation plan for ``module``'s largest unit, profiled on fake tensors
-    (:func:`lightning_scale.activation_profile.profile_unit`), else counted from its Linear sizes.
-    ``chunked_loss``: None = the model's own setting (GPT ``loss_chunk``), True = 512, an int = the chunk, 0 = off.
-    ``tiled_mlp``: the ``tiled_mlp=N`` setting -- the unit is profiled with its MLP and norms tiled over N
-    positions (:func:`lightning_scale.tiled_mlp.tiled_unit`; a unit tiled already is profiled as it is), so the
-    saved set holds the MLP's input, not its ``4d``-wide hiddens, and the backward's working set one tile's."""
+@dataclass(frozen=True)
+class UnitProfile:
+    """One model's activation inputs: the largest unit's per-token bytes and the shapes around it."""
+
+    per_token: Dict[str, float]
+    layers: int  # repeated units of the whole model
+    hidden: int
+    vocab: int
+    chunk: int  # the loss chunk (0: not chunked)
+    unit_type: type
+    source: str
+    notes: Tuple[str, ...]
+
+
+def profile_model(module, *, seq_len: int, sp: int = 1, tp: int = 1, chunked_loss=None,
+                  tiled_mlp: int = 0) -> UnitProfile:
+    """Profile ``module``'s largest unit on fake tensors for ``seq_len / sp`` positions
+    (:func:`lightning_scale.activation_profile.profile_unit`), else count it from its Linear sizes."""
     from lightning_scale.activation_profile import hidden_size, profile_unit
     from lightning_scale.tiled_mlp import tiled_unit
 
@@ -207,8 +228,22 @@ def activations_for_model(module, *, seq_len: int, micro_batch: int = 1, precisi
         per_token, source = _counted_profile(unit, hidden, tp), "counted"
         notes.append(f"{type(unit).__name__} did not run alone on fake tensors ({type(err).__name__}); activations "
                      "counted from its Linear sizes")
-    return estimate_activations(seq_len=seq_len, micro_batch=micro_batch, layers=len(units), per_token=per_token,
-                                hidden=hidden, vocab=vocab, precision=precision,
+    return UnitProfile(per_token=per_token, layers=len(units), hidden=hidden, vocab=vocab, chunk=chunk,
+                       unit_type=type(unit), source=source, notes=tuple(notes))
+
+
+def activations_for_model(module, *, seq_len: int, micro_batch: int = 1, precision: str = "bf16-mixed",
+                          activation_checkpointing=None, offload_activations: bool = False, sp: int = 1,
+                          tp: int = 1, chunked_loss=None, tiled_mlp: int = 0) -> ActivationEstimate:
+    """The activation plan for ``module``'s largest unit, profiled on fake tensors
+    (:func:`lightning_scale.activation_profile.profile_unit`), else counted from its Linear sizes.
+    ``chunked_loss``: None = the model's own setting (GPT ``loss_chunk``), True = 512, an int = the chunk, 0 = off.
+    ``tiled_mlp``: the ``tiled_mlp=N`` setting -- the unit is profiled with its MLP and norms tiled over N
+    positions (:func:`lightning_scale.tiled_mlp.tiled_unit`; a unit tiled already is profiled as it is), so the
+    saved set holds the MLP's input, not its ``4d``-wide hiddens, and the backward's working set one tile's."""
+    prof = profile_model(module, seq_len=seq_len, sp=sp, tp=tp, chunked_loss=chunked_loss, tiled_mlp=tiled_mlp)
+    return estimate_activations(seq_len=seq_len, micro_batch=micro_batch, layers=prof.layers,
+                                per_token=prof.per_token, hidden=prof.hidden, vocab=prof.vocab, precision=precision,
                                 activation_checkpointing=activation_checkpointing,
-                                offload_activations=offload_activations, sp=sp, tp=tp, loss_chunk=chunk,
-                                source=source, notes=notes)
+                                offload_activations=offload_activations, sp=sp, tp=tp, loss_chunk=prof.chunk,
+                                source=prof.source, notes=prof.notes)

@@ -51,6 +51,11 @@ class _Tracker(TorchDispatchMode):
         super().__init__()
         self.saved_ops = saved_ops
         self.made: Dict[int, tuple] = {}  # key -> (nbytes, op is a selective-checkpoint saved op, in tp region)
+        # every output storage of a selective-checkpoint saved op (bytes, in a tp region): selective checkpointing
+        # keeps them all alive, while here some die at once and their keys get reused, so they are listed as made
+        self.selected: list = []
+        self._selected_live: Dict[int, Any] = {}
+        self.selecting = True
         self.region = 0
         self.counting = False
         self.live: Dict[int, tuple] = {}
@@ -75,7 +80,14 @@ class _Tracker(TorchDispatchMode):
         for t in outs:
             key = t.untyped_storage()._cdata
             if key not in inputs and key not in self.made:
-                self.made[key] = (t.untyped_storage().nbytes(), func in self.saved_ops, self.region > 0)
+                # the selective policy keeps a saved op's outputs only with grad mode on (activation_checkpointing)
+                kept = func in self.saved_ops and torch.is_grad_enabled()
+                self.made[key] = (t.untyped_storage().nbytes(), kept, self.region > 0)
+            if self.selecting and func in self.saved_ops and torch.is_grad_enabled() and key not in inputs:
+                ref = self._selected_live.get(key)
+                if ref is None or ref.expired():  # a new storage (not another view of a listed one)
+                    self._selected_live[key] = StorageWeakRef(t.untyped_storage())
+                    self.selected.append((t.untyped_storage().nbytes(), self.region > 0))
         if self.counting:
             self._sweep()
             self.track([t for t in outs if t.untyped_storage()._cdata not in inputs])
@@ -84,9 +96,9 @@ class _Tracker(TorchDispatchMode):
 
 def profile_unit(unit: nn.Module, tokens: int, tp: int = 1, hidden: Optional[int] = None) -> Dict[str, float]:
     """Per-token bytes of one unit at ``tokens`` positions (batch 1), float32: ``saved`` (all autograd keeps),
-    ``input`` (the unit's input, what full checkpointing keeps), ``selective`` (input + the outputs of the ops
-    selective checkpointing keeps), ``backward`` (the backward's working set above the saved set). ``tp`` > 1
-    divides what tensor-parallel regions make. Raises if the unit's forward cannot run on one tensor."""
+    ``input`` (the unit's input, what full checkpointing keeps), ``selective`` (input + every output of the
+    ops selective checkpointing keeps, whether autograd saves it or not), ``backward`` (the backward's working
+    set above the saved set). ``tp`` > 1 divides what tensor-parallel regions make. Raises if the unit's forward cannot run on one tensor."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.nn.utils.stateless import _reparametrize_module
 
@@ -129,6 +141,7 @@ def profile_unit(unit: nn.Module, tokens: int, tp: int = 1, hidden: Optional[int
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                     y = inner(x)
                 y = y[0] if isinstance(y, (tuple, list)) else y
+                tracker.selecting = False  # the forward's saved-op outputs are listed; the backward's are not kept
                 grad_out = torch.empty(y.shape, dtype=y.dtype)
                 del params
                 # the backward: saved set + new storages (activation grads, temporaries), live bytes over time
@@ -149,8 +162,9 @@ def profile_unit(unit: nn.Module, tokens: int, tp: int = 1, hidden: Optional[int
     split = lambda key, n: n / tp if made.get(key, (0, False, False))[2] else n  # noqa: E731
     saved_b = sum(split(k, n) for k, n in saved.items())
     input_b = x.untyped_storage().nbytes()
-    kept = {k for k in saved if made.get(k, (0, False, False))[1]}
-    selective_b = input_b + sum(split(k, saved[k]) for k in kept)
+    # selective checkpointing caches every output of a saved op for the recompute, also those autograd itself does
+    # not save (an output projection feeding the residual add): all of them count, not only the saved ones
+    selective_b = input_b + sum(n / tp if in_region else n for n, in_region in tracker.selected)
     ratio = saved_b / base if base else 1.0
     backward_b = max(tracker.peak - base, 0) * ratio  # above the full saved set, which shrinks meanwhile
     return {"saved": saved_b / tokens, "input": input_b / tokens, "selective": selective_b / tokens,

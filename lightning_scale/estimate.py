@@ -159,7 +159,8 @@ class MemoryEstimate:
     def predicted_peak(self) -> float:
         """Device bytes per rank at the peak of a training step from step 2 on: model states (the table's total:
         params, grads, master, optimizer state, gathered units, transient) + the activation peak."""
-        return self.device.total + max(self.activation_bytes, self.step_scratch)
+        steady = self.activations.steady_peak if self.activations is not None else 0.0
+        return self.device.total + max(steady, self.step_scratch)
 
     @property
     def first_step_peak(self) -> float:

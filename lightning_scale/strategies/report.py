@@ -162,8 +162,9 @@ def _offload_choice(offload: Any) -> str:
     return names[(opt, par)]
 
 
-def _estimates(strategy: Any) -> Optional[Tuple[List[Any], Any, int, Tuple[int, str]]]:
-    """(every row, this run's row, params counted, (stage, offload)) for this rank's real model, or None."""
+def _estimates(strategy: Any, params: Optional[int] = None) -> Optional[Tuple[List[Any], Any, int, Tuple[int, str]]]:
+    """(every row, this run's row, params counted, (stage, offload)) for this rank's real model, or None.
+    ``params``: the trainable parameters of another rank (another pipeline stage) instead of this rank's."""
     module = _module(strategy)
     if module is None:
         return None
@@ -172,7 +173,8 @@ def _estimates(strategy: Any) -> Optional[Tuple[List[Any], Any, int, Tuple[int, 
     engines: List[Any] = list(getattr(strategy, "engines", []) or [])
     # The engines' buckets hold exactly the trainable parameters this rank's (tp/pp-local) model trains.
     bucketed = [b.numel for e in engines for b in getattr(e, "buckets", [])]
-    params = max(sum(bucketed) if bucketed else counts["params"], 1)
+    if params is None:
+        params = max(sum(bucketed) if bucketed else counts["params"], 1)
     optimizer: Any = "adam"
     if engines and _engine_optimizer(engines[0]) is not None:
         name = type(_engine_optimizer(engines[0])).__name__.lower()
@@ -277,10 +279,65 @@ def _profile_source(strategy: Any, module: Any) -> Tuple[Any, int]:
     return None, 1
 
 
+def _profile(strategy: Any, module: Any, seq_len: int) -> Tuple[Any, int]:
+    """(the unit profile the plan uses, the tp split applied to it) for ``seq_len`` positions per rank."""
+    from lightning_scale.activation_plan import UnitProfile, profile_model
+    from lightning_scale.activation_profile import hidden_size
+    from lightning_scale.estimate import _counted_profile, _units, _vocab_and_chunk
+
+    source, tp = _profile_source(strategy, module)
+    if source is not None:  # the live units are tiled already; the GPT rebuilt on meta is tiled for its profile
+        return profile_model(source, seq_len=seq_len, sp=1, tp=tp,
+                             tiled_mlp=int(getattr(strategy.config, "tiled_mlp", 0) or 0)), tp
+    inner = getattr(module, "model", None) or module
+    units = [u for u in _units(inner) if any(True for _ in u.parameters())]
+    hidden = hidden_size(units[0]) or 0
+    vocab, chunk = _vocab_and_chunk(inner, None)
+    return UnitProfile(per_token=_counted_profile(units[0], hidden, 1), layers=len(units), hidden=hidden,
+                       vocab=vocab, chunk=chunk, unit_type=type(units[0]), source="counted", notes=()), 1
+
+
+def _step_numel(strategy: Any) -> Optional[float]:
+    """The largest tensor the engines' optimizers step (0 when every one is torch's fused Adam/AdamW)."""
+    inner = [getattr(e, "inner", None) or _engine_optimizer(e) for e in getattr(strategy, "engines", []) or []]
+    step_numel = max((p.numel() for o in inner if o is not None for g in o.param_groups for p in g["params"]),
+                     default=None)
+    stepped = [o for o in inner if o is not None]
+    if stepped and all(getattr(o, "offload_step_impl", None) == "fused" for o in stepped):
+        step_numel = 0  # torch's fused Adam/AdamW (CPU masters): one pass over each tensor, no temporaries of its size
+    return step_numel
+
+
+def _pipeline(strategy: Any) -> Any:
+    """This rank's pipeline (stage, runtime, micro-batches) at pp > 1, else None."""
+    glue = getattr(strategy, "_pipeline", None)
+    return glue if glue is not None and getattr(glue, "runtime", None) is not None else None
+
+
+def stage_plan(strategy: Any, prof: Any, tp: int, micro_batch: int, seq_len: int, *, pp_rank: int,
+               units: Dict[int, int], schedule: Any, prefetch: int, tied_numel: int) -> Any:
+    """The activations of pipeline rank ``pp_rank`` for a batch of ``micro_batch`` sequences split into the
+    schedule's micro-batches (:func:`lightning_scale.pipeline_plan.pipeline_activations`)."""
+    from lightning_scale.pipeline_plan import pipeline_activations
+
+    cfg = strategy.config
+    m = schedule.num_microbatches
+    if micro_batch % m:
+        raise ConfigError(f"pipeline.microbatches={m} does not divide the batch size {micro_batch}")
+    offload = bool(getattr(cfg, "offload_activations", False)) and strategy.root_device.type != "cpu"
+    return pipeline_activations(
+        schedule=schedule, pp_rank=pp_rank, units=units, seq_len=seq_len, micro_batch=micro_batch // m,
+        per_token=prof.per_token, hidden=prof.hidden, vocab=prof.vocab,
+        precision=str(getattr(strategy.precision_plugin, "precision", "32-true")),
+        activation_checkpointing=getattr(cfg, "activation_checkpointing", None), offload_activations=offload, tp=tp,
+        prefetch=prefetch, tied_numel=tied_numel, source=prof.source, notes=prof.notes)
+
+
 def plan_for_batch(strategy: Any, micro_batch: int, seq_len: int) -> Optional[Any]:
     """This run's estimate row with the activations of ``micro_batch`` sequences of ``seq_len`` (this rank's
-    positions, after the sp split) attached; None without a model."""
-    from lightning_scale.estimate import _counted_profile, activations_for_model, estimate_activations, with_activations
+    positions, after the sp split) attached; None without a model. At pp > 1 ``micro_batch`` is the whole batch
+    of the step (the schedule splits it) and the activations are this pipeline rank's schedule walk."""
+    from lightning_scale.estimate import estimate_activations, with_activations
 
     estimates = _estimates(strategy)
     if estimates is None:
@@ -291,30 +348,20 @@ def plan_for_batch(strategy: Any, micro_batch: int, seq_len: int) -> Optional[An
     ac = getattr(cfg, "activation_checkpointing", None)
     # nothing moves on a CPU run: the units' inputs stay where they are (host memory already)
     offload = bool(getattr(cfg, "offload_activations", False)) and strategy.root_device.type != "cpu"
-    source, tp = _profile_source(strategy, module)
-    kwargs = dict(seq_len=seq_len, micro_batch=micro_batch, precision=precision, activation_checkpointing=ac,
-                  offload_activations=offload, sp=1, tp=tp)
-    if source is not None:  # the live units are tiled already; the GPT rebuilt on meta is tiled for its profile
-        kwargs["tiled_mlp"] = int(getattr(cfg, "tiled_mlp", 0) or 0)
-        acts = activations_for_model(source, **kwargs)
+    prof, tp = _profile(strategy, module, seq_len)
+    glue = _pipeline(strategy) if getattr(cfg, "pp", 1) > 1 else None
+    if glue is not None:
+        stage = glue.stage
+        units = {s: sum(1 for m in stage.chunk(s).modules() if type(m) is prof.unit_type) for s in stage.stage_ids}
+        acts = stage_plan(strategy, prof, tp, micro_batch, seq_len, pp_rank=stage.pp_rank, units=units,
+                          schedule=glue.runtime.schedule, prefetch=glue.runtime.prefetch,
+                          tied_numel=sum(t.param.numel() for t in stage.tied))
     else:
-        from lightning_scale.activation_profile import hidden_size
-        from lightning_scale.estimate import _units, _vocab_and_chunk
-
-        inner = getattr(module, "model", None) or module
-        units = [u for u in _units(inner) if any(True for _ in u.parameters())]
-        hidden = hidden_size(units[0]) or 0
-        vocab, chunk = _vocab_and_chunk(inner, None)
-        acts = estimate_activations(layers=len(units), per_token=_counted_profile(units[0], hidden, 1),
-                                    hidden=hidden, vocab=vocab, loss_chunk=chunk, source="counted", **kwargs)
-    # the optimizer the engine steps (on its flat shards), else the user's
-    inner = [getattr(e, "inner", None) or _engine_optimizer(e) for e in getattr(strategy, "engines", []) or []]
-    step_numel = max((p.numel() for o in inner if o is not None for g in o.param_groups for p in g["params"]),
-                     default=None)
-    stepped = [o for o in inner if o is not None]
-    if stepped and all(getattr(o, "offload_step_impl", None) == "fused" for o in stepped):
-        step_numel = 0  # torch's fused Adam/AdamW (CPU masters): one pass over each tensor, no temporaries of its size
-    return with_activations(row, acts, step_tensor_numel=step_numel)
+        acts = estimate_activations(seq_len=seq_len, micro_batch=micro_batch, layers=prof.layers,
+                                    per_token=prof.per_token, hidden=prof.hidden, vocab=prof.vocab,
+                                    precision=precision, activation_checkpointing=ac, offload_activations=offload,
+                                    sp=1, tp=tp, loss_chunk=prof.chunk, source=prof.source, notes=prof.notes)
+    return with_activations(row, acts, step_tensor_numel=_step_numel(strategy))
 
 
 def _model_seq_len(module: Any) -> Optional[int]:
@@ -328,17 +375,57 @@ def _model_seq_len(module: Any) -> Optional[int]:
     return None
 
 
+def _stage_rows(strategy: Any, module: Any, seq: int, unit: str) -> List[Tuple[str, str]]:
+    """pp > 1: one 'predicted peak / device' row per pipeline rank, for one sequence of ``seq`` positions per
+    micro-batch: this rank's from its engines, the others' model states from their layers' parameters (the
+    runtime's partition, ``stage.bounds``), every rank's activations from a walk of its own schedule."""
+    from lightning_scale.estimate import _unique_trainable, with_activations
+    from lightning_scale.pipeline.layers import pipeline_layers
+
+    glue = _pipeline(strategy)
+    if glue is None:
+        return []
+    stage, sch = glue.stage, glue.runtime.schedule
+    prof, tp = _profile(strategy, module, seq)
+    layers = pipeline_layers(module)
+    bounds = stage.bounds
+    rows = []
+    for r in range(stage.pp):
+        ids = sch.rank_stages(r)
+        held = [layer for s in ids for layer in layers[bounds[s]:bounds[s + 1]]]
+        units = {s: sum(1 for layer in layers[bounds[s]:bounds[s + 1]] for m in layer.modules()
+                        if type(m) is prof.unit_type) for s in ids}
+        mine = r == stage.pp_rank
+        params = None if mine else max(sum(p.numel() for p in _unique_trainable(
+            p for layer in held for p in layer.parameters())), 1)
+        row = _estimates(strategy, params)[1]
+        tied = sum(t.param.numel() for t in stage.tied) if mine else 0
+        if not mine:  # a parameter this rank's layers share with another rank's (a tied embedding / head)
+            others = {id(p) for layer in layers if layer not in held for p in layer.parameters()}
+            tied = sum(p.numel() for p in _unique_trainable(p for layer in held for p in layer.parameters())
+                       if id(p) in others)
+        acts = stage_plan(strategy, prof, tp, sch.num_microbatches, seq, pp_rank=r, units=units, schedule=sch,
+                          prefetch=glue.runtime.prefetch, tied_numel=tied)
+        e = with_activations(row, acts, step_tensor_numel=_step_numel(strategy) if mine else None)
+        rows.append((f"predicted peak / device, pp rank {r}", plan_line(e, unit)))
+    return rows
+
+
 def plan_rows(strategy: Any, module: Any, unit: str) -> List[Tuple[str, str]]:
     """The startup table's memory-plan row: the predicted peak per device for one sequence of the model's length
-    (the batch is not known yet; after step 1 the strategy prints the plan for the real batch, measured)."""
-    if getattr(strategy.config, "pp", 1) > 1:  # say so rather than print a number that misses the in-flight ones
-        return [("predicted peak / device", "not modelled for pp > 1 (1F1B keeps up to pp - stage micro-batches of "
-                 "activations in flight on a stage); step 1 is not checked")]
+    (the batch is not known yet; after step 1 the strategy prints the plan for the real batch, measured). At
+    pp > 1 one row per pipeline rank, one sequence per micro-batch."""
     seq = _model_seq_len(module) if module is not None else None
     sp = getattr(strategy.topology, "sp", 1)
     if not seq or seq % sp:
         return []
+    pp = getattr(strategy.config, "pp", 1)
     try:
+        if pp > 1:
+            rows = _stage_rows(strategy, module, seq // sp, unit)
+            note = (f"for {strategy.config.pipeline.microbatches} micro-batches of 1 x {seq:,} tokens (the model's "
+                    "length" + (f", /sp={sp}" if sp > 1 else "") + "); step 1 prints each stage's real batch, measured")
+            return rows + [("", note)] if rows else []
         e = plan_for_batch(strategy, 1, seq // sp)
     except Exception as err:  # noqa: BLE001 -- a plan must never stop a run
         return [("predicted peak / device", f"unavailable ({type(err).__name__}: {err})")]
@@ -363,10 +450,15 @@ def plan_line(e: Any, unit: str = "MiB") -> str:
     scale = GiB if unit == "GiB" else 2**20
     a = e.activations
     states = e.device.total
+    pipe = ""
+    if a.pipeline is not None:
+        w = a.pipeline
+        pipe = (f", {w.in_flight} of {w.microbatches} micro-batches in flight ({w.schedule}, at {w.at}), "
+                f"p2p buffers {_fmt(w.p2p, scale, unit)}")
     return (f"{_fmt(e.first_step_peak, scale, unit)} step 1, {_fmt(e.predicted_peak, scale, unit)} from step 2 "
             f"(model states {_fmt(states, scale, unit)} + activations {_fmt(a.peak, scale, unit)}: "
             f"{a.tokens:,} tokens x {a.layers} units, checkpointing {a.policy}, kept {_fmt(a.kept, scale, unit)}, "
-            f"loss {_fmt(a.loss, scale, unit)})")
+            f"loss {_fmt(a.loss, scale, unit)}{pipe})")
 
 
 class MemoryPlan(pl.Callback):
@@ -389,16 +481,14 @@ class MemoryPlan(pl.Callback):
         from lightning_scale.compile import compiled_units
 
         shape = _sequence_shape(batch)
-        if self.strategy.config.pp > 1 or compiled_units(self.strategy.model):
-            # pp: the schedule's micro-batches in flight are not modelled; compiled units: a dispatch mode around
-            # step 1 would change what Dynamo captures
-            self.plan["skipped"] = "pp > 1" if self.strategy.config.pp > 1 else "compiled units"
+        if compiled_units(self.strategy.model):  # a dispatch mode around step 1 would change what Dynamo captures
+            self.plan["skipped"] = "compiled units"
             self._done = True
             return
         try:
             e = plan_for_batch(self.strategy, *shape) if shape else None
-        except ConfigError as err:
-            e, self.plan["error"] = None, str(err)
+        except Exception as err:  # noqa: BLE001 -- a plan must never stop a run
+            e, self.plan["error"] = None, f"{type(err).__name__}: {err}"
         if e is None:
             self._done = True
             return
@@ -427,7 +517,14 @@ class MemoryPlan(pl.Callback):
             self._mode.__exit__(None, None, None)
             measured = self.plan["baseline"] + self._mode.peak
         self._mode, self._done = None, True
-        self.finish(measured, trainer.is_global_zero)
+        self.finish(measured, self._reports(trainer))
+
+    def _reports(self, trainer: Any) -> bool:
+        """Rank 0 prints; at pp > 1 the first rank of every pipeline stage (dp, sp, tp coordinates 0)."""
+        if getattr(self.strategy.config, "pp", 1) <= 1:
+            return trainer.is_global_zero
+        c = self.strategy.topology.coords()
+        return c.dp == 0 and c.sp == 0 and c.tp == 0
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:  # a run that stopped inside step 1
         if self._mode is not None and self._mode != "cuda":
@@ -444,12 +541,14 @@ class MemoryPlan(pl.Callback):
         if not rank_zero:
             return
         e = self.plan["estimate"]
-        print(f"{PLAN_PREFIX} step 1 peak per device: measured {measured / 2**20:,.2f} MiB, predicted "
+        pipe = e.activations.pipeline
+        where = f" (pp rank {pipe.pp_rank})" if pipe is not None else ""
+        print(f"{PLAN_PREFIX} step 1 peak per device{where}: measured {measured / 2**20:,.2f} MiB, predicted "
               f"{predicted / 2**20:,.2f} MiB (ratio {ratio:.2f}); plan: {plan_line(e)}", flush=True)
         if not self.plan["within"]:
             import warnings
 
-            warnings.warn(f"{PLAN_PREFIX} step 1's measured peak {measured / 2**20:,.2f} MiB differs from the "
+            warnings.warn(f"{PLAN_PREFIX} step 1's measured peak{where} {measured / 2**20:,.2f} MiB differs from the "
                           f"memory plan's {predicted / 2**20:,.2f} MiB by {abs(ratio - 1):.0%} (> "
                           f"{PLAN_TOLERANCE:.0%}); see docs/long_sequences.md, the memory plan", stacklevel=2)
 

@@ -1,0 +1,93 @@
+"""The memory plan at pp > 1 (lightning_scale/pipeline_plan.py): the walk of a pipeline rank's schedule.
+
+Pure: the schedules of lightning_scale.pipeline.schedule, per-micro-batch bytes given by hand. The in-flight count
+is 1F1B's min(pp - s, m) and GPipe's m without either being written into the walk; interleaved / zero-bubble agree
+with the schedule validator's live count; the sent buffers stay until the step's end; receives are prefetched only
+once their channel's shape is known (step 1 vs the steady state).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_scale.pipeline.schedule import build_schedule
+from lightning_scale.pipeline.validate import validate_schedule
+from lightning_scale.pipeline_plan import StageBytes, pipeline_activations, schedule_peak
+
+
+def _peaks(name, p, m, v=1, **bytes_):
+    sch = build_schedule(name, p, m, v)
+    return [schedule_peak(sch, r, {s: StageBytes(**{"keep": 100.0, "backward": 10.0, **bytes_})
+                                   for s in sch.rank_stages(r)}) for r in range(p)]
+
+
+@pytest.mark.parametrize("p,m", [(2, 1), (2, 4), (3, 2), (4, 8)])
+def test_1f1b_keeps_min_pp_minus_stage_micro_batches(p, m):
+    for s, w in enumerate(_peaks("1f1b", p, m)):
+        assert w.max_in_flight == min(p - s, m), (s, w)
+        assert w.peak == 100.0 * min(p - s, m) + 10.0, (s, w)  # the live ones + one backward's working set
+        assert w.at.startswith("B(")
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 3)])
+def test_gpipe_keeps_every_micro_batch(p, m):
+    assert [w.max_in_flight for w in _peaks("gpipe", p, m)] == [m] * p
+
+
+@pytest.mark.parametrize("name,p,m,v", [("interleaved_1f1b", 2, 4, 2), ("interleaved_1f1b", 4, 8, 2),
+                                        ("zero_bubble", 2, 4, 1), ("zero_bubble", 4, 8, 1)])
+def test_other_schedules_follow_their_action_lists(name, p, m, v):
+    sch = build_schedule(name, p, m, v)
+    stats = validate_schedule(sch)
+    for r, w in enumerate(_peaks(name, p, m, v)):
+        # the validator counts a micro-batch live from F to B / I; the walk keeps it to W (an upper bound)
+        assert w.max_in_flight >= stats.peak_live[r], (r, w, stats.peak_live)
+        if name != "zero_bubble":
+            assert w.max_in_flight == stats.peak_live[r], (r, w, stats.peak_live)
+
+
+def test_sent_buffers_stay_until_the_end_of_the_step():
+    # nothing kept: only the sends. Stage 0 of 1F1B (pp=2, m=4) sends an activation per forward and holds them
+    # all at its last backward; stage 1 sends an input gradient per backward
+    sch = build_schedule("1f1b", 2, 4)
+    w0 = schedule_peak(sch, 0, {0: StageBytes(keep=0.0, backward=0.0, out=1.0)})
+    w1 = schedule_peak(sch, 1, {1: StageBytes(keep=0.0, backward=0.0, grad=1.0)})
+    assert (w0.peak, w0.p2p) == (4.0, 4.0) and w0.at == "F(s0,m3)", w0  # from its last forward on
+    assert w1.peak == 4.0 and w1.at == "B(s1,m3)", w1  # the last stage sends no activation, 4 gradients
+
+
+def test_receives_prefetch_once_the_shape_is_known():
+    sch = build_schedule("gpipe", 2, 4)
+    stages = {1: StageBytes(keep=0.0, backward=0.0, recv_f=1.0)}
+    w = schedule_peak(sch, 1, stages, prefetch=2)
+    # step 1: the first receive learns the header, so at most the next 2 are posted ahead of the schedule
+    assert w.peak == 2.0 and w.steady == 2.0, w
+    assert schedule_peak(sch, 1, stages, prefetch=0).peak == 0.0
+
+
+def test_tied_exchange_counts_after_the_schedule():
+    sch = build_schedule("1f1b", 2, 2)
+    w = schedule_peak(sch, 0, {0: StageBytes(keep=1.0, backward=0.0)}, tied_bytes=50.0)
+    assert w.peak == 50.0 and w.at == "tied gradient exchange", w
+
+
+def test_stage_activations_from_one_unit_profile():
+    sch = build_schedule("1f1b", 2, 4)
+    prof = {"saved": 1000.0, "input": 100.0, "selective": 300.0, "backward": 200.0}
+    common = dict(schedule=sch, seq_len=64, micro_batch=1, per_token=prof, hidden=32, vocab=128,
+                  precision="32-true")
+    a0 = pipeline_activations(pp_rank=0, units={0: 2}, **common)
+    a1 = pipeline_activations(pp_rank=1, units={1: 2}, **common)
+    T, sent = 64, 64 * 32 * 4
+    # stage 0: 2 micro-batches of 2 units + one unit's backward + the p2p buffers then: at B(s0,m1) the 3
+    # activations sent so far and 2 output gradients received ahead of the schedule
+    assert a0.peak == 2 * 2 * 1000 * T + 200 * T + 5 * sent and a0.pipeline.at == "B(s0,m1)", a0
+    assert a0.pipeline.in_flight == 2 and a0.head == 0 and a0.loss == 0
+    # the last stage: 1 micro-batch + the head + the fp32 log-softmax it keeps, then the loss step
+    lsm = T * 128 * 4
+    head, loss = 2 * T * 32 * 4, T * 128 * 12
+    assert a1.pipeline.in_flight == 1
+    assert a1.peak >= 2 * 1000 * T + max(head + loss, 200 * T), a1
+    full = pipeline_activations(pp_rank=0, units={0: 2}, activation_checkpointing="full", **common)
+    assert full.peak < a0.peak and full.pipeline.in_flight == 2
+    assert lsm > 0
