@@ -32,6 +32,10 @@ import torch
 pytest.importorskip("litgpt", reason="litgpt is not installed (pip install litgpt==0.5.13 --no-deps)")
 
 from lightning_scale.testing import run_distributed  # noqa: E402
+from lightning_scale.testing import RANK_PRELOAD  # noqa: E402
+
+# litgpt imports Lightning, transformers and torch._dynamo (13 s of CPU): once, in the ranks' zygote
+PRELOAD = (*RANK_PRELOAD, "litgpt")
 
 STEPS, BATCH, SEQ, LR, VOCAB = 3, 4, 12, 1e-2, 96
 CONFIGS = {
@@ -183,7 +187,7 @@ def ckpt_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def results(ckpt_dir):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    return run_distributed(litgpt_worker, 2, (ckpt_dir,), timeout=400)
+    return run_distributed(litgpt_worker, 2, (ckpt_dir,), timeout=400, preload=PRELOAD)
 
 
 @pytest.mark.timeout(500)
@@ -234,7 +238,7 @@ def test_losses_equal_one_process(results, name, layout, dtype):
 def test_gqa_dp2_tp2_equals_one_process():
     """4 ranks: grouped-query heads split over tp, rows over dp (slow)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    results = run_distributed(litgpt_worker, 4, timeout=400)
+    results = run_distributed(litgpt_worker, 4, timeout=400, preload=PRELOAD)
     # dp sums half-batch gradients (another order than one process): after Adam's division the parameters of
     # near-zero gradients differ by a few 1e-9 (8.8e-9 seen; the same at dp2 x tp1); the losses stay within 1e-10
     worst = _check_case(results, *CASES_4[0], state_tol=1e-8)
