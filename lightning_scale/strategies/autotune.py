@@ -4,8 +4,9 @@ item 4; docs/tune.md "autotune=True").
 Inside the ranks Lightning already launched (no new processes), before ``parallelize()``:
 
 1. **Space**: ZeRO stage x offload x dp/tp/pp split of the world size x micro-batches (pp > 1) x buckets x
-   activation checkpointing; a setting the user set explicitly (``Zero3DStrategy(stage=3, autotune=True)``, a Hydra
-   value other than the schema default) is fixed, and an ``autotune`` restriction that excludes it is a ConfigError.
+   activation checkpointing (x compile with ``autotune.compile``); a setting the user set explicitly
+   (``Zero3DStrategy(stage=3, autotune=True)``, a Hydra value other than the schema default) is fixed, and an
+   ``autotune`` restriction that excludes it is a ConfigError.
 2. **Prune** with the memory plan of :mod:`lightning_scale.tune` (the LightningModule's lightning_scale GPT, the
    sequence length and per-rank batch of the dataloader's first batch) against ``memory`` per device; nothing fits:
    a ConfigError listing every family and why, on every rank (the plan is deterministic), before training.
@@ -13,6 +14,10 @@ Inside the ranks Lightning already launched (no new processes), before ``paralle
    ``parallelize()`` + the engines with the Trainer's precision, ``warmup + steps`` optimizer steps of
    ``training_step`` on the first real batch; the slowest rank's median step and the largest rank's live tensor
    bytes (all-reduced, so every rank holds the same table); the copy, its engines and hooks freed after each.
+   Each probe runs on process groups of its own: a probe that raises on some ranks only is agreed at once
+   (:class:`ProbeGuard`: the first error published on the c10d store, the probe groups broken so no rank waits in
+   a collective for a timeout) and ranked ``failed: rank R: <error>``; the search goes on with the next layout.
+   ``compile=[False, True]`` searches compile per unit too (compile seconds apart from the steady step).
    Rank 0 decides whether the time box (``budget_s``) allows the next probe and which row won (broadcast).
 4. **Apply** the winner's settings to the strategy (config and topology) and go on; rank 0 prints the ranked table
    and the override line; ``strategy.autotune_result`` records it. The RNG states are restored, so training runs
@@ -23,10 +28,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import datetime
 import gc
 import random
 import statistics
+import threading
 import time
+import uuid
 import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -36,8 +44,9 @@ import torch.distributed as dist
 from lightning_scale.config import SCHEMA, ConfigError, ParallelConfig, config_from_flat
 
 KNOWN = {"budget_s": 60.0, "memory": None, "steps": 2, "warmup": 1, "max_probes": None, "stages": None,
-         "offloads": None, "tp": None, "pp": None, "ac": None, "buckets": (5.0, 25.0), "microbatches": None}
-SEARCHED = ("stage", "offload", "tp", "pp", "dp", "bucket_mb", "activation_checkpointing", "microbatches")
+         "offloads": None, "tp": None, "pp": None, "ac": None, "buckets": (5.0, 25.0), "microbatches": None,
+         "compile": None, "probe_timeout_s": 300.0}
+SEARCHED = ("stage", "offload", "tp", "pp", "dp", "bucket_mb", "activation_checkpointing", "microbatches", "compile")
 
 
 def options(value: Any) -> Dict[str, Any]:
@@ -50,14 +59,36 @@ def options(value: Any) -> Dict[str, Any]:
     if unknown:
         raise ConfigError(f"autotune: unknown key {unknown[0]!r}; known: {', '.join(KNOWN)}")
     out = dict(KNOWN, **value)
-    for key in ("stages", "offloads", "tp", "pp", "ac", "buckets", "microbatches"):
+    for key in ("stages", "offloads", "tp", "pp", "ac", "buckets", "microbatches", "compile"):
         if out[key] is not None and not isinstance(out[key], (list, tuple)):
             out[key] = (out[key],)
         if out[key] is not None:
             out[key] = tuple(None if v in ("none", None) and key == "ac" else v for v in out[key])
-    if not isinstance(out["budget_s"], (int, float)) or out["budget_s"] <= 0:
-        raise ConfigError(f"autotune.budget_s={out['budget_s']!r} must be a positive number of seconds")
+    for key in ("budget_s", "probe_timeout_s"):
+        if not isinstance(out[key], (int, float)) or isinstance(out[key], bool) or out[key] <= 0:
+            raise ConfigError(f"autotune.{key}={out[key]!r} must be a positive number of seconds")
+    if out["compile"] is not None:
+        _check_compile_values(out["compile"])
     return out
+
+
+def _check_compile_values(values: Sequence[Any]) -> None:
+    """``autotune.compile``: eager (False) and at most one compiled setting (True or torch.compile options)."""
+    from lightning_scale.config import _check_compile
+
+    for v in values:
+        try:
+            _check_compile(v)
+        except ConfigError as err:
+            raise ConfigError(f"autotune.compile={list(values)!r}: {err}") from None
+    if len([v for v in values if v]) > 1:
+        raise ConfigError(f"autotune.compile={list(values)!r}: at most one compiled setting (True or one dict of "
+                          f"torch.compile options) next to False")
+
+
+def compile_setting(values: Sequence[Any]) -> Any:
+    """The compiled setting of a searched ``compile`` list (what a candidate with ``compile=True`` probes with)."""
+    return next((v for v in values if v), True)
 
 
 def explicit_settings(config: ParallelConfig, given: Optional[Sequence[str]]) -> Dict[str, Any]:
@@ -106,6 +137,9 @@ def search_space(opts: Dict[str, Any], fixed: Dict[str, Any], world: int, n_head
     space = dict(stages=pick("stages", "stage", (0, 1, 2, 3)), offloads=pick("offloads", "offload", None),
                  acs=pick("ac", "activation_checkpointing", (None, "full")),
                  buckets=pick("buckets", "bucket_mb", (5.0, 25.0)))
+    compiles = pick("compile", "compile", (False,))
+    _check_compile_values(compiles)
+    space["compile_options"] = tuple(dict.fromkeys(bool(v) for v in compiles))
     tps, pps = pick("tp", "tp", _divisors(world)), pick("pp", "pp", _divisors(world))
     splits = [(world // (t * p), t, p) for t in tps for p in pps if world % (t * p) == 0]
     if "dp" in fixed and fixed["dp"] is not None:
@@ -155,7 +189,7 @@ def plan_rows(gpt_module, gpt, opts, fixed, world: int, batch_size: int, precisi
         else:
             mbs = [batch_size]
         rows += plan(gpt_module, gpt, world, dp * batch_size, budget, precision=precision, tps=(tp,), pps=(pp,),
-                     micro_batches=tuple(mbs) or (batch_size,), **space)
+                     micro_batches=tuple(mbs) or (batch_size,), allow_compile=True, **space)
     survivors = sorted((r for r in rows if not r.reason), key=lambda r: (r.prior, r.predicted))
     return survivors + [r for r in rows if r.reason]
 
@@ -169,34 +203,41 @@ def _optimizers(module) -> List[torch.optim.Optimizer]:
     return _init_optimizers_and_lr_schedulers(module)[0]
 
 
-def probe(strategy, trainer, cand, config: ParallelConfig, topo, batch, steps: int, warmup: int) -> Dict[str, float]:
-    """One layout on a copy of the LightningModule: seconds per optimizer step (median) and live bytes at the peak."""
-    from lightning_scale.tune import _live_bytes
+def prepare(strategy, trainer, config: ParallelConfig, batch) -> Tuple[torch.nn.Module, Any, int]:
+    """(a copy of the LightningModule on this rank's device where ``parallelize()`` would move it, the batch there, the
+    live bytes before it). Nothing here communicates: a failure on one rank is agreed before the probe's first
+    collective (``parallelize()`` broadcasts rank 0's parameters over the default group)."""
+    from lightning_scale.materialize import has_meta
+    from lightning_scale.tune_probe import _live_bytes
 
     base = _live_bytes()
     lm = strategy.lightning_module
     module = copy.deepcopy(lm, memo={id(trainer): trainer, id(lm._trainer): lm._trainer})
     module.trainer = trainer  # the same Trainer (configure_optimizers may read it)
-    batch = strategy.batch_to_device(batch) if topo.sp == 1 else batch
-    return measure_module(module, config, topo, strategy.root_device, batch, steps, warmup,
-                          strategy.precision_plugin.precision, strategy._timeout, base_bytes=base)
+    if not has_meta(module, recurse=True) and (config.zero.stage != 3 or config.tp > 1 or config.pp > 1):
+        module.to(strategy.root_device)  # ZeRO-3 alone places its shards itself
+    batch = strategy.batch_to_device(batch) if config.sp == 1 else batch
+    return module, batch, base
 
 
 def measure_module(module, config: ParallelConfig, topo, device, batch, steps: int, warmup: int, precision,
-                   timeout=None, *, base_bytes: Optional[int] = None, accum: int = 1) -> Dict[str, float]:
+                   timeout=None, *, base_bytes: Optional[int] = None, accum: int = 1, group=None) -> Dict[str, float]:
     """A LightningModule (consumed: parallelized in place) through ``parallelize()`` + the engines at ``precision``:
     ``warmup + steps`` optimizer steps of its ``training_step`` on ``batch`` (``accum`` micro-batches of it per step at
     pp = 1; the pipeline schedule at pp > 1), then one more under ``LiveTensorBytes``. Returns the median step, the
     warm-up's extra seconds over that median (``compile_s``: the compile of a ``compile=True`` layout), the live
     model-state bytes between steps and the step's peak above them. Used by ``autotune=True`` (on a copy, in the
-    launched ranks) and by the CLI's probes of ``--module`` (built in each probe rank)."""
+    launched ranks) and by the CLI's probes of ``--module`` (built in each probe rank). ``group``: the steps'
+    barrier (the default group unless given: ``autotune=True`` keeps the probes off it)."""
     from lightning_scale.memory import LiveTensorBytes
     from lightning_scale.parallelize import parallelize
     from lightning_scale.strategies.pipeline_glue import PipelineGlue, split_batch
     from lightning_scale.strategies.precision import ZeroPrecision
-    from lightning_scale.tune import _live_bytes
+    from lightning_scale.compile import compile_stats, compiled_units
+    from lightning_scale.tune_probe import _live_bytes
 
     base = _live_bytes() if base_bytes is None else base_bytes
+    graphs0 = compile_stats()["graphs"]
     module.log = module.log_dict = lambda *a, **k: None  # no loop is running: a probe logs nothing
     plugin = ZeroPrecision(precision, config.loss_scale)
     plugin.device_type = torch.device(device).type
@@ -237,7 +278,7 @@ def measure_module(module, config: ParallelConfig, topo, device, batch, steps: i
     try:
         times = []
         for _ in range(warmup + steps):
-            dist.barrier()
+            dist.barrier(group=group)
             t0 = time.perf_counter()
             step()
             times.append(time.perf_counter() - t0)
@@ -246,7 +287,9 @@ def measure_module(module, config: ParallelConfig, topo, device, batch, steps: i
             step()
         median = statistics.median(times[warmup:])
         return {"step_s": median, "measured_bytes": float(states + mem.peak), "states_bytes": float(states),
-                "peak_bytes": float(mem.peak), "compile_s": max(0.0, sum(times[:warmup]) - warmup * median)}
+                "peak_bytes": float(mem.peak), "compile_s": max(0.0, sum(times[:warmup]) - warmup * median),
+                "graphs": float(compile_stats()["graphs"] - graphs0),
+                "compiled_units": float(len(compiled_units(module)))}
     finally:
         for engine in engines:
             engine.remove_hooks()
@@ -272,6 +315,150 @@ class contextlib_stack:
         return self.stack.__exit__(*exc)
 
 
+# ------------------------------------------------------------------------------------------------ a failing probe
+_BREAK_TAG = 97  # the tag of the receive that breaks a probe group's connections (never sent)
+
+
+def probe_groups(config: ParallelConfig, world: int, rank: int, timeout_s: float):
+    """(a Topology for one probe, this rank's groups of it, the whole-world group of it): every axis on new process
+    groups (the world-sized ones too, which the Trainer's topology maps to the default group) with a bounded
+    timeout, so a failed probe can break its groups without touching the default group the search agrees on and the
+    Trainer trains on. Collective: every rank calls it."""
+    from lightning_scale.topology import AXES, Topology
+
+    config.validate(world)
+    topo = Topology(dp=config.resolved_dp(world), pp=config.pp, tp=config.tp, sp=config.sp, rank=rank)
+    timeout = datetime.timedelta(seconds=float(timeout_s))
+    mine: List[Any] = []
+
+    def make(ranks: Sequence[int]):
+        group = dist.new_group(list(ranks), timeout=timeout)  # collective over all ranks, members or not
+        if rank in ranks:
+            mine.append(group)
+            return group
+        return None
+
+    for axis in AXES:
+        for ranks in topo.all_axis_ranks(axis):
+            group = make(ranks)
+            if group is not None:
+                topo._groups[axis] = group
+    if topo.sp > 1:
+        for ranks in topo.all_dp_sp_ranks():
+            group = make(ranks)
+            if group is not None:
+                topo._groups["dp_sp"] = group
+    whole = make(range(world))
+    return topo, mine, whole
+
+
+def break_groups(groups: Sequence[Any], rank: int) -> None:
+    """Make every peer blocked on this rank in one of ``groups`` fail now, not at the groups' timeout. gloo: a receive
+    that times out closes the connection to that peer, and the peer's pending operations on the group raise
+    "Connection closed by peer" (gloo's ``abort()`` leaves the connections open; lightning_scale/comm/p2p.py uses the
+    same receive); other backends: ``abort()``. Best effort: the caller records the original error."""
+    for group in groups:
+        try:
+            backend = str(dist.get_backend(group))
+            peers = [r for r in dist.get_process_group_ranks(group) if r != rank]
+        except Exception:  # noqa: BLE001 - destroyed already
+            continue
+        if backend != "gloo":
+            try:
+                group.abort()
+            except Exception:  # noqa: BLE001
+                pass
+            continue
+        for peer in peers:
+            try:
+                dist.irecv(torch.empty(1), src=peer, group=group, tag=_BREAK_TAG).wait(
+                    datetime.timedelta(milliseconds=1))
+            except Exception:  # noqa: BLE001 - the timeout is the point
+                pass
+
+
+class ProbeGuard:
+    """One probe's failure, agreed without waiting for a timeout. The first rank whose probe raises publishes its
+    error on the c10d store (``compare_set``: the first one wins; a peer's later "Connection closed" never replaces
+    it) and breaks its probe groups; a thread on every rank polls the store and breaks its own groups as soon as
+    another rank's failure shows, so a rank blocked in any collective of the probe (whatever group, whatever
+    backend) raises at once. The probe groups are destroyed afterwards; the default group is never broken."""
+
+    def __init__(self, store, key: str, groups: Sequence[Any], rank: int, poll_s: float = 0.05) -> None:
+        self.store, self.key, self.groups, self.rank, self.poll_s = store, key, list(groups), rank, poll_s
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._broken = threading.Lock()
+        self._done = False
+
+    def __enter__(self) -> "ProbeGuard":
+        if self.store is not None:
+            self._thread = threading.Thread(target=self._watch, name="lightning_scale-autotune-probe", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            try:
+                if self.store.check([self.key]):
+                    self._break()
+                    return
+            except Exception:  # noqa: BLE001 - the store is gone: the failing rank's own break still works
+                return
+
+    def _break(self) -> None:
+        with self._broken:
+            if not self._done:
+                self._done = True
+                break_groups(self.groups, self.rank)
+
+    def fail(self, error: str) -> None:
+        """This rank's probe raised ``error``: publish it (if first), then break the groups."""
+        if self.store is not None:
+            try:
+                self.store.compare_set(self.key, "", f"rank {self.rank}: {error}")
+            except Exception:  # noqa: BLE001
+                pass
+        self._break()
+
+    def first_error(self) -> str:
+        if self.store is None:
+            return ""
+        try:
+            return self.store.get(self.key).decode() if self.store.check([self.key]) else ""
+        except Exception:  # noqa: BLE001
+            return ""
+
+
+def _describe(err: BaseException) -> str:
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[-1][:160] if text else ''}"
+
+
+def _store():
+    try:
+        from lightning_scale.diagnostics.watchdog import default_store
+
+        return default_store()
+    except Exception:  # noqa: BLE001 - no c10d store: only the failing rank's own break
+        return None
+
+
+def _agreed_error(local: str, guard: Optional[ProbeGuard]) -> str:
+    """The probe's error on every rank: the first one published (the store), else the first rank's in rank order."""
+    every: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (dist.get_rank(), local))
+    first = guard.first_error() if guard is not None else ""
+    if first:
+        return first
+    return next((f"rank {r}: {e}" for r, e in every if e), "")
+
+
 # ------------------------------------------------------------------------------------------------ the search
 def _agree(obj: Any) -> Any:
     """Rank 0's value on every rank."""
@@ -284,6 +471,55 @@ def _max(values: Sequence[float], device) -> List[float]:
     t = torch.tensor(list(values), dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
+
+
+_RESULT_KEYS = ("step_s", "measured_bytes", "states_bytes", "peak_bytes", "compile_s", "graphs", "compiled_units")
+
+
+def probe_one(strategy, trainer, c, cfg: ParallelConfig, batch, opts: Dict[str, Any], key: str) -> Dict[str, Any]:
+    """One candidate on every rank: the result (the slowest rank's step, the largest rank's bytes), or
+    ``{"error": "rank R: ..."}`` on every rank when it raised on any (agreed at once: :class:`ProbeGuard`)."""
+    world, rank = strategy.world_size, strategy.global_rank
+    # a compiled layout recompiles once at its second step (Dynamo's first guards fail): 2 warm-up steps at least
+    warmup = max(opts["warmup"], 2) if c.compile else opts["warmup"]
+    t0 = time.perf_counter()
+    error, module = "", None
+    try:
+        module, dev_batch, base = prepare(strategy, trainer, cfg, batch)
+    except Exception as err:  # noqa: BLE001
+        error = _describe(err)
+    if _max([float(bool(error))], strategy.root_device)[0]:  # agreed before the probe's first collective
+        return {"error": _agreed_error(error, None), "probe_s": time.perf_counter() - t0}
+    topo, groups, whole = probe_groups(cfg, world, rank, opts["probe_timeout_s"])
+    res = None
+    guard = ProbeGuard(_store(), key, groups, rank)
+    try:
+        with guard:
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    res = measure_module(module, cfg, topo, strategy.root_device, dev_batch, opts["steps"],
+                                         warmup, strategy.precision_plugin.precision,
+                                         datetime.timedelta(seconds=float(opts["probe_timeout_s"])), base_bytes=base,
+                                         group=whole)
+            except Exception as err:  # noqa: BLE001 - a failing layout is a result; the others still run
+                error = _describe(err)
+                guard.fail(error)
+        del module
+        failed, *values = _max([float(bool(error))] + [res[k] if res else 0.0 for k in _RESULT_KEYS],
+                               strategy.root_device)
+        if failed:
+            return {"error": _agreed_error(error, guard), "probe_s": time.perf_counter() - t0}
+        out = dict(zip(_RESULT_KEYS, values))
+        out.update(probe_s=time.perf_counter() - t0, warmup=warmup)
+        return out
+    finally:
+        for group in groups:
+            try:
+                dist.destroy_process_group(group)
+            except Exception:  # noqa: BLE001 - broken by the failure: gone either way
+                pass
+        gc.collect()
 
 
 def run(strategy, trainer, value: Any, given: Optional[Sequence[str]]) -> Dict[str, Any]:
@@ -307,11 +543,12 @@ def run(strategy, trainer, value: Any, given: Optional[Sequence[str]]) -> Dict[s
     survivors = [r for r in rows if not r.reason]
     if not survivors:
         raise ConfigError("autotune: " + no_fit_message(rows, budget, "autotune.memory"))
+    compiled = compile_setting((fixed["compile"],) if "compile" in fixed else (opts["compile"] or ()))
     states = _rng_states()
-    topologies = {(strategy.topology.dp, strategy.topology.tp, strategy.topology.pp): strategy.topology}
     start, say = time.perf_counter(), (print if rank == 0 else (lambda *a, **k: None))
     say(f"[lightning_scale autotune] {len(rows)} layouts, {len(survivors)} fit {budget / MiB:,.1f} MiB/device; "
         f"measuring (budget {opts['budget_s']:g} s)", flush=True)
+    run_key = _agree(f"ls_autotune/{uuid.uuid4().hex[:12]}")  # this search's keys on the c10d store
     probes = 0
     for i, row in enumerate(survivors):
         go = _agree(probes == 0 or (time.perf_counter() - start < opts["budget_s"] and
@@ -319,64 +556,57 @@ def run(strategy, trainer, value: Any, given: Optional[Sequence[str]]) -> Dict[s
         if not go:
             break
         c = row.candidate
-        cfg = settings_config(strategy.config, c, world)
+        cfg = settings_config(strategy.config, c, world, compiled)
         check_config(cfg)
-        split = (c.dp, c.tp, c.pp)
-        if split not in topologies:
-            topologies[split] = local_topology(cfg, world, rank)
-        error = ""
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                res = probe(strategy, trainer, c, cfg, topologies[split], batch, opts["steps"], opts["warmup"])
-        except Exception as err:  # noqa: BLE001 - a failing layout is a result; the others still run
-            error, res = f"{type(err).__name__}: {str(err).strip().splitlines()[-1][:160] if str(err) else ''}", None
-        failed, step_s, measured, st, pk, res_compile = _max([float(bool(error))] + [res[k] if res else 0.0 for k in (
-            "step_s", "measured_bytes", "states_bytes", "peak_bytes", "compile_s")], strategy.root_device)
+        result = probe_one(strategy, trainer, c, cfg, batch, opts, f"{run_key}/{i}")
         probes += 1
-        if failed:
-            row.result = {"error": _agree(error or "failed on another rank")}
-        else:
-            tokens = c.dp * batch_size * seq_len
-            row.result = {"tokens_per_s": tokens / step_s, "step_s": step_s, "measured_bytes": measured,
-                          "states_bytes": st, "peak_bytes": pk, "compile_s": res_compile}
-        speed = f"{row.result['tokens_per_s']:,.0f} tokens/s" if not failed else row.result["error"]
+        if "error" not in result:
+            result["tokens_per_s"] = c.dp * batch_size * seq_len / result["step_s"]
+        row.result = result
+        speed = f"{result['tokens_per_s']:,.0f} tokens/s" if "error" not in result else "failed: " + result["error"]
         say(f"[lightning_scale autotune] [{i + 1}/{len(survivors)}] {c.key}: {speed} "
             f"({time.perf_counter() - start:,.0f}/{opts['budget_s']:g} s)", flush=True)
     _set_rng_states(states)
     ranked = sorted((r for r in survivors if r.result and "tokens_per_s" in r.result),
                     key=lambda r: -r.result["tokens_per_s"])
+    failed = [r for r in survivors if r.result and "error" in r.result]
     if not ranked:
         raise ConfigError("autotune: every probed layout failed: " +
-                          "; ".join(f"{r.candidate.key}: {r.result['error']}" for r in survivors if r.result))
+                          "; ".join(f"{r.candidate.key}: {r.result['error']}" for r in failed))
     key = _agree(ranked[0].candidate.key)
     winner = next(r for r in ranked if r.candidate.key == key)
     c = winner.candidate
-    strategy.config = settings_config(strategy.config, c, world)
-    strategy.topology = topologies[(c.dp, c.tp, c.pp)]
+    strategy.config = settings_config(strategy.config, c, world, compiled)
+    if (c.dp, c.tp, c.pp) != (strategy.topology.dp, strategy.topology.tp, strategy.topology.pp):
+        strategy.topology = local_topology(strategy.config, world, rank)  # the Trainer's groups, not the probe's
     line = ["strategy.autotune=null"] + [o for o in c.overrides(str(precision)) if not o.startswith("precision")]
+    if c.compile and compiled is not True:
+        line = [o if o != "strategy.compile=true" else "strategy.compile={" + ", ".join(
+            f"{k}: {v}" for k, v in compiled.items()) + "}" for o in line]
     if rank == 0:
-        print(format_ranked(ranked), flush=True)
+        print(format_ranked(ranked, failed=failed), flush=True)
         print("[lightning_scale autotune] winner: " + " ".join(line), flush=True)
-    return {"winner": c.key, "settings": dict(settings(c), dp=c.dp), "overrides": line, "precision": str(precision),
-            "predicted_bytes": winner.predicted, "predicted_all_bytes": winner.predicted_all,
+    return {"winner": c.key, "settings": dict(settings(c, compiled), dp=c.dp), "overrides": line,
+            "precision": str(precision), "predicted_bytes": winner.predicted,
+            "predicted_all_bytes": winner.predicted_all,
             "measured_bytes": winner.result["measured_bytes"], "fixed": fixed,
             "table": [dict(key=r.candidate.key, **r.result, predicted_bytes=r.predicted,
-                           predicted_all_bytes=r.predicted_all) for r in ranked],
+                           predicted_all_bytes=r.predicted_all) for r in ranked + failed],
             "rejected": [(r.candidate.key, r.reason) for r in rows if r.reason],
             "seconds": time.perf_counter() - start}
 
 
-def settings(c) -> Dict[str, Any]:
+def settings(c, compiled: Any = True) -> Dict[str, Any]:
+    """The strategy settings of candidate ``c`` (``compiled``: the compile setting of a compiled candidate)."""
     out = dict(stage=c.stage, offload=c.offload, tp=c.tp, pp=c.pp, bucket_mb=c.bucket_mb,
-               activation_checkpointing=c.ac)
+               activation_checkpointing=c.ac, compile=compiled if c.compile else False)
     if c.pp > 1:
         out["microbatches"] = c.accum
     return out
 
 
-def settings_config(config: ParallelConfig, c, world: int) -> ParallelConfig:
-    cfg = with_settings(config, **settings(c))
+def settings_config(config: ParallelConfig, c, world: int, compiled: Any = True) -> ParallelConfig:
+    cfg = with_settings(config, **settings(c, compiled))
     if cfg.dp is not None and cfg.dp != c.dp:
         cfg = with_settings(cfg, dp=c.dp)
     return cfg.validate(world)

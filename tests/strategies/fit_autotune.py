@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import ast
+import itertools
 import json
+import time
 
 import lightning.pytorch as pl
 import torch
@@ -19,6 +21,27 @@ from lightning_scale.config import ConfigError
 from lightning_scale.lit import ByteCorpusDataModule, GPTLightningModule
 from lightning_scale.models.gpt import gpt_tiny
 from fit_gpt import LossRecorder
+
+_COPIES = itertools.count()  # the probes' deep copies of the module, in order (the module trained last)
+
+
+def failing_probes(cls, rank: int, probes: str):
+    """``cls`` whose ``training_step`` raises on ``rank`` only, in the first probe (``probes="first"``) or in every
+    probe (``"all"``): after 2 s, so the other ranks are inside the step's collectives by then."""
+
+    class FailingProbes(cls):
+        original = None  # the module trained after the search (set by main; a class attribute: not deep-copied)
+
+        def training_step(self, batch, batch_idx):
+            if "_copy_no" not in self.__dict__:
+                self._copy_no = next(_COPIES)  # set on the copy: each probe's deepcopy of the original is new
+            if self is not FailingProbes.original and self.trainer.global_rank == rank and (
+                    probes == "all" or self._copy_no == 0):
+                time.sleep(2.0)
+                raise RuntimeError(f"injected failure on rank {rank} (probe copy {self._copy_no})")
+            return super().training_step(batch, batch_idx)
+
+    return FailingProbes
 
 
 def main() -> None:
@@ -33,6 +56,8 @@ def main() -> None:
     ap.add_argument("--precision", default="32-true")
     ap.add_argument("--llama", action="store_true", help="a Hugging Face LlamaForCausalLM (tune_llama_module)")
     ap.add_argument("--option", action="append", default=[], help="strategy option k=v (Python literal)")
+    ap.add_argument("--fail-rank", type=int, default=None, help="training_step raises on this rank in --fail-probes")
+    ap.add_argument("--fail-probes", default="first", choices=("first", "all"))
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     pl.seed_everything(0, verbose=False)
@@ -43,7 +68,11 @@ def main() -> None:
         model = TinyLlama(vocab_size=args.vocab, num_hidden_layers=args.layers, hidden_size=args.d_model,
                           intermediate_size=2 * args.d_model, max_position_embeddings=max(64, args.seq_len))
     else:
-        model = GPTLightningModule(model=cfg, lr=3e-3, warmup_steps=2, max_steps=args.steps)
+        cls = GPTLightningModule if args.fail_rank is None else failing_probes(GPTLightningModule, args.fail_rank,
+                                                                              args.fail_probes)
+        model = cls(model=cfg, lr=3e-3, warmup_steps=2, max_steps=args.steps)
+        if args.fail_rank is not None:
+            cls.original = model
     opts = {}
     for item in args.option:
         k, v = item.split("=", 1)

@@ -18,9 +18,9 @@ SHAPE = ["--layers", "4", "--vocab", "8192", "--seq-len", "128", "--batch", "4"]
 ONLY_Z3_OFFLOAD = "autotune={'memory': 88e6, 'tp': 1, 'pp': 1, 'budget_s': 120}"
 
 
-def _fit(tmp_path, name, *args, expect_ok=True, timeout=300):
+def _fit(tmp_path, name, *args, expect_ok=True, timeout=300, shape=SHAPE):
     out = tmp_path / f"{name}.json"
-    proc = run_script([sys.executable, SCRIPT, "--out", str(out), *SHAPE, *args], timeout=timeout, cwd=tmp_path,
+    proc = run_script([sys.executable, SCRIPT, "--out", str(out), *shape, *args], timeout=timeout, cwd=tmp_path,
                       ranks=2)
     if expect_ok:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -94,3 +94,63 @@ def test_autotune_takes_a_hugging_face_llama_module(tmp_path):
     for row in result["table"]:
         print(f"{row['key']}: predicted one memory {row['predicted_all_bytes'] / 2**20:.1f} MiB, measured "
               f"{row['measured_bytes'] / 2**20:.1f} MiB, {row['tokens_per_s']:,.0f} tokens/s")
+
+
+SMALL = ["--layers", "2", "--vocab", "512", "--d-model", "64", "--seq-len", "16", "--batch", "4"]
+TWO_STAGES = "'stages': [2, 3], 'offloads': ['none'], 'tp': 1, 'pp': 1, 'ac': ['none'], 'buckets': [25]"
+
+
+@pytest.mark.slow  # one Trainer run, 2 probes: ~30 s here
+def test_autotune_a_probe_failing_on_one_rank_is_agreed_at_once_and_the_search_goes_on(tmp_path):
+    """The first probe (z2, best by the prior) raises on rank 1 only, 2 s into its first step, while rank 0 is inside
+    the step's gradient collective: both ranks record it as failed with rank 1's error right away (the probe groups'
+    timeout is 900 s, the default group's 1800 s: neither is waited for), z3 is measured, wins and trains."""
+    auto = f"autotune={{{TWO_STAGES}, 'probe_timeout_s': 900}}"
+    tuned, proc = _fit(tmp_path, "fail1", "--fail-rank", "1", "--option", auto, shape=SMALL, timeout=300)
+    result = tuned["autotune"]
+    rows = {r["key"].split("/")[0]: r for r in result["table"]}
+    assert set(rows) == {"z2", "z3"}, result["table"]
+    err = rows["z2"]["error"]
+    assert err.startswith("rank 1: RuntimeError: injected failure on rank 1"), err
+    assert rows["z2"]["probe_s"] < 60, rows["z2"]  # the failure agreed in seconds, not at a timeout
+    assert "tokens_per_s" in rows["z3"] and result["winner"].startswith("z3/"), result
+    assert tuned["layout"]["stage"] == 3 and len(tuned["losses"]) == 4
+    assert all(math.isfinite(v) for v in tuned["losses"]), tuned["losses"]
+    assert "| - | z2/none/dp2tp1pp1/mb4x1/b25/ac-none/eager | failed: rank 1: RuntimeError: injected" in proc.stdout
+    print(f"failed probe {rows['z2']['probe_s']:.1f} s, search {result['seconds']:.1f} s")
+
+
+@pytest.mark.slow  # one Trainer run, 2 failing probes: ~50 s here (load ~19)
+def test_autotune_every_probe_failing_is_a_config_error_listing_why(tmp_path):
+    auto = f"autotune={{{TWO_STAGES}}}"
+    out, proc = _fit(tmp_path, "failall", "--fail-rank", "1", "--fail-probes", "all", "--option", auto, shape=SMALL,
+                     expect_ok=False, timeout=240)
+    assert proc.returncode != 0 and not out.exists()
+    for rank in (0, 1):
+        err = json.loads((tmp_path / f"failall.json.rank{rank}").read_text())["error"]
+        assert "autotune: every probed layout failed: z2/none/dp2tp1pp1" in err, err
+        assert err.count("rank 1: RuntimeError: injected failure on rank 1") == 2, err
+
+
+@pytest.mark.slow  # one Trainer run, 2 probes, one compiling (aot_eager): ~60 s here
+def test_autotune_searches_compile_in_process_and_reports_compile_seconds_apart(tmp_path):
+    """``autotune={'compile': [False, {'backend': 'aot_eager'}]}``: the eager and the compiled layout are both probed
+    in the launched ranks; the compiled one compiled its units (Dynamo graphs > 0, none for the eager probe) and its
+    warm-up's compile seconds are reported apart from its steady tokens/s; the winner trains."""
+    auto = ("autotune={'compile': [False, {'backend': 'aot_eager'}], 'stages': [2], 'offloads': ['none'], 'tp': 1, "
+            "'pp': 1, 'ac': ['none'], 'buckets': [25], 'warmup': 1, 'steps': 2}")
+    tuned, proc = _fit(tmp_path, "compile", "--option", auto, shape=SMALL, timeout=400)
+    result = tuned["autotune"]
+    rows = {r["key"].rsplit("/", 1)[1]: r for r in result["table"]}
+    assert set(rows) == {"eager", "compile"}, result["table"]
+    eager, compiled = rows["eager"], rows["compile"]
+    assert eager["graphs"] == 0 and eager["compiled_units"] == 0, eager
+    assert compiled["graphs"] >= 1 and compiled["compiled_units"] >= 1, compiled
+    assert compiled["compile_s"] > 1.0 and compiled["compile_s"] > compiled["step_s"], compiled
+    assert compiled["tokens_per_s"] > 0 and eager["tokens_per_s"] > 0
+    assert compiled["warmup"] == 2 and eager["warmup"] == 1  # a compiled probe warms up past its recompile
+    s = result["settings"]
+    assert s["compile"] in (False, {"backend": "aot_eager"}), s
+    assert len(tuned["losses"]) == 4 and all(math.isfinite(v) for v in tuned["losses"]), tuned["losses"]
+    print(f"eager {eager['tokens_per_s']:,.0f} tokens/s; compiled {compiled['tokens_per_s']:,.0f} tokens/s, compile "
+          f"{compiled['compile_s']:.1f} s, {compiled['graphs']:.0f} graphs; winner {result['winner']}")

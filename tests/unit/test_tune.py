@@ -89,3 +89,22 @@ def test_resume_skips_finished_candidates(tmp_path):
     again = tune(rows, model.cfg, max_probes=1, results_path=path, measure_fn=fake, log=logs.append, confirm=0)
     assert calls and not set(calls) & set(done)  # finished ones read back, not measured
     assert sum("skipped" in line for line in logs) == 2 and len(again) == 3
+
+
+def test_failed_probes_are_listed_after_the_ranked_rows():
+    from lightning_scale.tune import format_ranked
+
+    model = _model()
+    rows = plan(model, model.cfg, 2, 4, 1e15, stages=(2,), offloads=("none",), **SPACE)
+
+    def fake(gpt, c, **kw):
+        if c.key == rows[0].candidate.key:
+            raise RuntimeError("CUDA out of memory on rank 1")
+        return {"tokens_per_s": 1000.0, "measured_bytes": 1.0}
+
+    ranked = tune(rows, model.cfg, max_probes=2, measure_fn=fake, log=lambda s: None, confirm=0)
+    failed = [r for r in rows if r.result and "error" in r.result]
+    assert len(ranked) == 1 and [r.candidate.key for r in failed] == [rows[0].candidate.key]
+    table = format_ranked(ranked, failed=failed)
+    assert table.splitlines()[-1].startswith(f"| - | {rows[0].candidate.key} | failed: RuntimeError: CUDA out of "
+                                             f"memory on rank 1 |"), table

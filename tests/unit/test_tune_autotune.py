@@ -25,6 +25,28 @@ def test_options_reject_unknown_keys_and_bad_budgets():
         Zero3DStrategy(autotune={"memroy": 1})
 
 
+def test_compile_and_probe_timeout_options():
+    opts = options({"compile": [False, {"backend": "aot_eager"}], "probe_timeout_s": 30})
+    assert opts["compile"] == (False, {"backend": "aot_eager"}) and opts["probe_timeout_s"] == 30
+    with pytest.raises(ConfigError, match=r"autotune.compile=\[True, \{'backend': 'aot_eager'\}\]: at most one"):
+        options({"compile": [True, {"backend": "aot_eager"}]})
+    with pytest.raises(ConfigError, match=r"autotune.compile=\[False, 'yes'\]: compile='yes' must be True"):
+        options({"compile": [False, "yes"]})
+    with pytest.raises(ConfigError, match=r"autotune.probe_timeout_s=0 must be a positive number"):
+        options({"probe_timeout_s": 0})
+    space, _ = search_space(options({"compile": [False, True]}), {}, 2, 4, 2)
+    assert space["compile_options"] == (False, True)
+    assert search_space(options(True), {}, 2, 4, 2)[0]["compile_options"] == (False,)  # not searched by default
+    assert search_space(options(True), {"compile": True}, 2, 4, 2)[0]["compile_options"] == (True,)  # fixed
+    with pytest.raises(ConfigError, match=r"autotune.compile=\[False\] excludes compile=True, set explicitly"):
+        search_space(options({"compile": False}), {"compile": True}, 2, 4, 2)
+    gpt = gpt_tiny(n_layer=2, vocab_size=64, seq_len=16)
+    opts = options({"compile": [False, True], "stages": 2, "offloads": "none", "tp": 1, "pp": 1, "ac": "none",
+                    "buckets": 25})
+    rows = plan_rows(GPT(gpt), gpt, opts, {}, 2, 4, "32-true", 1e15, 1)
+    assert sorted(r.candidate.key.rsplit("/", 1)[1] for r in rows if not r.reason) == ["compile", "eager"]
+
+
 def test_explicit_settings_are_fixed_and_conflicts_name_the_key():
     cfg = from_flat_kwargs(stage=3, offload="optimizer")
     assert explicit_settings(cfg, ["stage", "offload", "watchdog"]) == {"stage": 3, "offload": "optimizer"}

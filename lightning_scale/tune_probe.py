@@ -1,0 +1,189 @@
+"""The autotuner's probes (issue 17 item 4; docs/tune.md "Measuring"): one candidate layout measured in a fresh
+process group (:func:`measure`, through ``lightning_scale.testing.run_distributed``), each rank running
+:func:`probe_worker` (the package GPT on random tokens) or :func:`module_worker` (a ``--module`` LightningModule built
+in the rank, its own ``training_step``). :mod:`lightning_scale.tune` keeps the candidates, the memory plan, the
+search and the CLI, and re-exports these names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import sys
+import time
+from typing import Dict
+
+from lightning_scale.config import ConfigError
+
+
+def _probe_config(c, compile_setting):
+    from lightning_scale.config import from_flat_kwargs
+
+    kw = c.strategy_kwargs()
+    if c.compile and compile_setting not in (None, True):
+        kw["compile"] = compile_setting  # e.g. {"backend": "aot_eager"}: the capture path without inductor's C++ build
+    return from_flat_kwargs(**kw)
+
+
+def probe_worker(rank: int, world_size: int, gpt_fields: Dict, cand: Dict, steps: int, warmup: int,
+                 precision: str, compile_setting=True) -> Dict:
+    """One rank of a probe: the layout through parallelize() + the engines, ``warmup + steps`` optimizer steps on
+    random tokens; then one more step under LiveTensorBytes for the measured peak."""
+    import contextlib
+
+    import torch
+
+    from lightning_scale.memory import LiveTensorBytes
+    from lightning_scale.models.gpt import GPT, GPTConfig, lm_loss, make_batch
+    from lightning_scale.parallelize import local_topology, parallelize
+    from lightning_scale.tune import Candidate
+    from lightning_scale.zero.precision import make_loss_scaler, policy_for
+
+    c = Candidate(**cand)
+    gpt = GPTConfig(**gpt_fields)
+    # the Trainer's precision: params cast, autocast, the fp16 loss scale (32-true: the engines' defaults)
+    policy = policy_for(precision) if precision != "32-true" else None
+    scaler = make_loss_scaler(policy) if policy is not None else None
+    config = _probe_config(c, compile_setting)
+    topo = local_topology(config, world_size, rank)
+    torch.manual_seed(0)
+    on_meta = c.stage == 3 or c.tp > 1 or c.pp > 1
+    with torch.device("meta" if on_meta else "cpu"):
+        model = GPT(gpt)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    pm = parallelize(model, config, topo, "cpu", optimizers=[opt], loss_fn=lm_loss,
+                     param_dtype=policy.param_dtype if policy is not None and c.stage == 3 else None)
+    (engine,) = pm.make_engines(precision=policy, loss_scaler=scaler)
+    if policy is not None and c.stage != 3:
+        model.to(policy.param_dtype)  # what the engines did not own (the precision plugin's convert_module)
+    autocast = (lambda: torch.autocast("cpu", dtype=policy.autocast_dtype)) if policy and policy.autocast_dtype \
+        else contextlib.nullcontext
+    local = c.micro_batch * c.accum
+
+    def step(i: int) -> None:
+        x, y = make_batch(gpt, local * topo.dp, seed=i)
+        x, y = x.chunk(topo.dp)[topo.dp_rank], y.chunk(topo.dp)[topo.dp_rank]
+        scale = float(scaler.scale) if policy is not None and policy.loss_scaling else 1.0
+        if c.pp > 1:
+            with engine.no_sync(), autocast():
+                pm.pipeline.runtime.train_step(x, y, grad_scale=scale)
+        else:
+            for j, (xm, ym) in enumerate(zip(x.chunk(c.accum), y.chunk(c.accum))):
+                with engine.no_sync() if j < c.accum - 1 else contextlib.nullcontext():
+                    with autocast():
+                        loss = model.loss(xm, ym)
+                    (loss.float() * (scale / c.accum)).backward()
+        engine.reduce_gradients()
+        engine.step()
+        engine.zero_grad()
+
+    times = []
+    for i in range(warmup + steps):
+        torch.distributed.barrier()
+        t0 = time.perf_counter()
+        step(i)
+        times.append(time.perf_counter() - t0)
+    baseline = _live_bytes()
+    with LiveTensorBytes() as mem:
+        step(warmup + steps)
+    median = statistics.median(times[warmup:])
+    from lightning_scale.compile import compile_stats, compiled_units
+
+    return {"step_s": median, "measured_bytes": baseline + mem.peak, "baseline_bytes": baseline,
+            "compile_s": max(0.0, sum(times[:warmup]) - warmup * median), "compiled_units": len(compiled_units(model)),
+            "graphs": compile_stats()["graphs"]}
+
+
+def build_module(path: str, meta: bool = False, setting: str = "--module"):
+    """``pkg.mod:Class`` -> the LightningModule built with no arguments, ``configure_model()`` run (on ``meta``)."""
+    import contextlib
+    import importlib
+
+    import torch
+
+    mod, _, cls = path.partition(":")
+    try:
+        lm = getattr(importlib.import_module(mod), cls)()
+    except (ImportError, AttributeError, ValueError) as err:
+        raise ConfigError(f"{setting}={path!r}: {type(err).__name__}: {err} (use pkg.module:LightningModuleClass)") \
+            from None
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        if callable(getattr(lm, "configure_model", None)):
+            lm.configure_model()
+    return lm
+
+
+def module_worker(rank: int, world_size: int, shape: Dict, cand: Dict, steps: int, warmup: int,
+                  precision: str, compile_setting=True) -> Dict:
+    """One rank of a ``--module`` probe: the LightningModule built here (``configure_model`` on meta where the strategy
+    would: ZeRO-3, tp, pp), its ``configure_optimizers``, ``training_step((tokens, targets), 0)`` on random tokens
+    (:func:`lightning_scale.strategies.autotune.measure_module`, the in-process probe's body)."""
+    for entry in shape.get("sys_path") or ():
+        if entry not in sys.path:
+            sys.path.append(entry)
+    import torch
+
+    from lightning_scale.parallelize import local_topology
+    from lightning_scale.strategies.autotune import measure_module
+    from lightning_scale.tune import Candidate
+
+    c = Candidate(**cand)
+    config = _probe_config(c, compile_setting)
+    topo = local_topology(config, world_size, rank)
+    torch.manual_seed(0)
+    lm = build_module(shape["module"], meta=config.meta_init and (c.stage == 3 or c.tp > 1 or c.pp > 1))
+    g = torch.Generator().manual_seed(1)
+    local = c.micro_batch * c.accum
+    ids = torch.randint(0, shape["vocab_size"], (local * topo.dp, shape["seq_len"] + 1), generator=g)
+    ids = ids.chunk(topo.dp)[topo.dp_rank]
+    batch = (ids[:, :-1].contiguous(), ids[:, 1:].contiguous())
+    torch.distributed.barrier()
+    res = measure_module(lm, config, topo, "cpu", batch, steps, warmup, precision, accum=c.accum if c.pp == 1 else 1)
+    return dict(res, baseline_bytes=res["states_bytes"])
+
+
+def _live_bytes() -> int:
+    """Bytes of distinct non-meta storages reachable from Python (model states between steps)."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    seen, total = set(), 0
+    for obj in gc.get_objects():
+        try:
+            ts = [obj] + ([obj.grad] if obj.grad is not None else []) if torch.is_tensor(obj) else []
+        except Exception:  # noqa: BLE001
+            continue
+        for t in ts:
+            try:
+                s = t.untyped_storage()
+                key = (s.data_ptr(), s.nbytes())
+            except Exception:  # noqa: BLE001 - meta / wrapper tensors
+                continue
+            if key in seen or s.device.type == "meta":
+                continue
+            seen.add(key)
+            total += s.nbytes()
+    return total
+
+
+def measure(gpt, c: "Candidate", *, steps: int = 4, warmup: int = 2, precision: str = "32-true",
+            timeout: float = 300.0, compile_setting=True) -> Dict:
+    """Probe one candidate in a fresh process group; tokens/s of the slowest rank, the largest rank's bytes."""
+    from lightning_scale.testing import run_distributed
+    from lightning_scale.tune import Shape
+
+    t0 = time.perf_counter()
+    worker = module_worker if isinstance(gpt, Shape) else probe_worker
+    if isinstance(gpt, Shape) and not gpt.module:
+        raise ConfigError("the CLI probes of a model that is not the package GPT need its LightningModule: --module")
+    ranks = run_distributed(worker, c.dp * c.tp * c.pp, args=(dataclasses.asdict(gpt), dataclasses.asdict(c),
+                            steps, warmup, precision, compile_setting), timeout=timeout)
+    step_s = max(r["step_s"] for r in ranks)
+    tokens = c.dp * c.micro_batch * c.accum * gpt.seq_len
+    return {"tokens_per_s": tokens / step_s, "step_s": step_s,
+            "measured_bytes": max(r["measured_bytes"] for r in ranks),
+            "compile_s": max(r.get("compile_s", 0.0) for r in ranks),
+            "compiled_units": min(r.get("compiled_units", 0) for r in ranks),
+            "graphs": max(r.get("graphs", 0) for r in ranks), "probe_s": time.perf_counter() - t0}
