@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_scale.testing import run_distributed
+from lightning_scale.testing import HF_RANK_PRELOAD, run_distributed
 
 STEPS, BATCH, LR = 3, 4, 3e-3
 GPT_MODEL = dict(n_layer=2, vocab_size=64, seq_len=16, loss_chunk=4)  # sp=2: 8 local positions, 2 chunks
@@ -183,19 +183,19 @@ def _compare(results, cases, world_size, references):
 
 @pytest.mark.timeout(240)
 def test_sp2_gpt_llama_match_one_process(references):
-    results = run_distributed(_train, 2, args=(CASES_2,), timeout=200)[0]
+    results = run_distributed(_train, 2, args=(CASES_2,), timeout=200, preload=HF_RANK_PRELOAD)[0]
     _compare(results, CASES_2, 2, references)
 
 
 @pytest.mark.timeout(240)
 def test_sp2_sparse_gpt2_eager_match_one_process(references):
-    results = run_distributed(_train, 2, args=(CASES_2_MORE,), timeout=200)[0]
+    results = run_distributed(_train, 2, args=(CASES_2_MORE,), timeout=200, preload=HF_RANK_PRELOAD)[0]
     _compare(results, CASES_2_MORE, 2, references)
 
 
 @pytest.mark.timeout(300)
 def test_sp4_and_dp2_sp2_match_one_process(references):
-    results = run_distributed(_train, 4, args=(CASES_4,), timeout=260)[0]
+    results = run_distributed(_train, 4, args=(CASES_4,), timeout=260, preload=HF_RANK_PRELOAD)[0]
     _compare(results, CASES_4, 4, references)
 
 
@@ -220,7 +220,7 @@ def _bad(rank: int, world_size: int):
 
 @pytest.mark.timeout(120)
 def test_bad_models_are_config_errors_on_every_rank():
-    for messages in run_distributed(_bad, 2, timeout=100):
+    for messages in run_distributed(_bad, 2, timeout=100, preload=HF_RANK_PRELOAD):
         heads, seq, linear = messages
         assert heads.startswith("sp=2 does not divide model.n_head=3"), heads
         assert seq.startswith("sp=2 does not divide model.seq_len=15"), seq

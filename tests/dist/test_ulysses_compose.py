@@ -22,7 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_scale.testing import run_distributed
+from lightning_scale.testing import HF_RANK_PRELOAD, run_distributed
 from test_ulysses import LR, STEPS, _batch, _build, _loss, _reference
 
 
@@ -111,7 +111,7 @@ CASES_TP2_SP2 = [("gpt", 2, 2, 0), ("gpt", 2, 2, 3), ("llama-sdpa", 2, 2, 0), ("
 
 @pytest.mark.timeout(420)
 def test_tp2_sp2_match_one_process():
-    results, bad = run_distributed(_train, 4, args=(CASES_TP2_SP2,), timeout=380)[0]
+    results, bad = run_distributed(_train, 4, args=(CASES_TP2_SP2,), timeout=380, preload=HF_RANK_PRELOAD)[0]
     for case in CASES_TP2_SP2:
         family, tp, sp, stage = case
         losses, state = results[case]
@@ -151,7 +151,7 @@ def _train_pp(rank: int, world_size: int, cases):
 def test_pp2_sp2_match_one_process():
     """Each stage's attention runs over its sp group; micro-batches carry L / sp; the last stage's loss is the
     whole-sequence mean of each micro-batch (the reference: the mean over micro-batches of those)."""
-    results = run_distributed(_train_pp, 4, args=(CASES_PP2_SP2,), timeout=380)[0]
+    results = run_distributed(_train_pp, 4, args=(CASES_PP2_SP2,), timeout=380, preload=HF_RANK_PRELOAD)[0]
     for case in CASES_PP2_SP2:
         losses, state = results[case]
         ref_losses, ref_state = _reference(case[0], MICRO)  # dp = 1: the mean over the 2 micro-batches
@@ -192,7 +192,7 @@ def test_sp2_tp2_pp2_on_8_ranks_match_one_process():
     heads are split again by Ulysses over sp, two pipeline stages carry (B / M, L / sp) micro-batches. The GPT (1f1b
     at ZeRO 0, gpipe at ZeRO 1) and HF Llama through the pipeline adapter (sdpa, grouped-query kv heads split by tp):
     every rank's loss and the consolidated parameters equal one process on the full sequences within 1e-10."""
-    results = run_distributed(_train_3d, 8, args=(CASES_3D_SP,), timeout=560)[0]
+    results = run_distributed(_train_3d, 8, args=(CASES_3D_SP,), timeout=560, preload=HF_RANK_PRELOAD)[0]
     for case in CASES_3D_SP:
         losses, state = results[case]
         ref_losses, ref_state = _reference(case[0], MICRO)  # dp = 1: the mean over the micro-batches

@@ -21,7 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_scale.testing import run_distributed
+from lightning_scale.testing import HF_RANK_PRELOAD, run_distributed
 
 STEPS, BATCH, SEQ, LR = 3, 4, 16, 3e-3
 
@@ -130,7 +130,7 @@ CASES_FAMILIES = [("qwen2-sdpa", "plain", 0), ("qwen2-eager", "padright", 3), ("
 
 @pytest.mark.timeout(240)
 def test_llama_padding_and_packed_masks_under_sp2_match_one_process():
-    results, bad = run_distributed(_train, 2, args=(CASES_LLAMA,), timeout=200)[0]
+    results, bad = run_distributed(_train, 2, args=(CASES_LLAMA,), timeout=200, preload=HF_RANK_PRELOAD)[0]
     _check(results, CASES_LLAMA)
     assert bad is not None and bad[0].startswith("sp=2: a prepared attention mask (4-D) cannot be cut"), bad
     assert bad[1] == ("sp",)
@@ -138,7 +138,7 @@ def test_llama_padding_and_packed_masks_under_sp2_match_one_process():
 
 @pytest.mark.timeout(240)
 def test_qwen2_mistral_under_sp2_match_one_process():
-    results, _ = run_distributed(_train, 2, args=(CASES_FAMILIES,), timeout=200)[0]
+    results, _ = run_distributed(_train, 2, args=(CASES_FAMILIES,), timeout=200, preload=HF_RANK_PRELOAD)[0]
     _check(results, CASES_FAMILIES)
 
 
@@ -218,7 +218,7 @@ def test_padding_and_sliding_window_masks_under_pp2_sp2_match_one_process():
     sdpa and eager, with padding under sdpa; under eager a padded query whose window holds only padding is NaN in
     one process as well), Qwen2 (its per-layer-type masks, padding): every rank's loss and the
     parameters equal one process on the full sequences within 1e-10."""
-    results = run_distributed(_train_pp, 4, args=(CASES_PP,), timeout=380)[0]
+    results = run_distributed(_train_pp, 4, args=(CASES_PP,), timeout=380, preload=HF_RANK_PRELOAD)[0]
     for case in CASES_PP:
         losses, state = results[case]
         ref_losses, ref_state = _reference_micro(case[0], case[1])
