@@ -32,7 +32,7 @@ import warnings
 import pytest
 import torch
 
-from lightning_scale.testing import live_rss_bytes, run_distributed
+from lightning_scale.testing import HF_RANK_PRELOAD, live_rss_bytes, run_distributed
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
@@ -254,7 +254,8 @@ def grid_worker(rank, world, root):
 @pytest.mark.parametrize("world", [4, 8])
 def test_pretrained_at_4_and_8_ranks_reads_a_quarter(hf_dirs, world):
     refs = hf_dirs["refs"]
-    for rank, res in enumerate(run_distributed(grid_worker, world, (hf_dirs["root"],), timeout=540)):
+    results = run_distributed(grid_worker, world, (hf_dirs["root"],), timeout=540, preload=HF_RANK_PRELOAD)
+    for rank, res in enumerate(results):
         for (arch, mode), got in res.items():
             diff = max(abs(a - b) for a, b in zip(got["losses"], refs[arch]))
             assert diff < 1e-10, (rank, arch, mode, got["losses"], refs[arch])
@@ -265,7 +266,7 @@ def test_pretrained_at_4_and_8_ranks_reads_a_quarter(hf_dirs, world):
 @pytest.fixture(scope="module")
 def results(hf_dirs):
     """One 2-rank run for every check of this module (starting ranks and importing transformers is the slow part)."""
-    return run_distributed(worker, 2, (hf_dirs["root"],), timeout=240)
+    return run_distributed(worker, 2, (hf_dirs["root"],), timeout=240, preload=HF_RANK_PRELOAD)
 
 
 @pytest.mark.timeout(300)
