@@ -4,6 +4,7 @@
     python bench/long_sequence.py --budget-mib 256 --systems dense,ac_chunked --max-len 4096   # smoke run
     python bench/long_sequence.py --sp 2 --systems dense,ac_chunked     # Ulysses: each system at sp=1 and sp=2
     python bench/long_sequence.py --model llama --systems dense,ac_chunked,ac_chunked_tiled   # HF Llama, rotary
+    python bench/long_sequence.py --model llama --sp 2 --systems dense,ac_chunked   # HF Llama at sp=1 (dp=2) and sp=2
 
 Systems (one rank: a world-1 gloo group, the real ``parallelize()`` + engine path at ZeRO stage 0, AdamW, fp32):
 
@@ -147,20 +148,24 @@ def _llama(args, length: int):
 
 
 def _llama_step(args, spec: dict, length: int, topo) -> Tuple[int, float]:
-    """one_step for ``--model llama``: the loss is HF's own (full logits) without chunking, else the final hidden
-    states through ``lightning_scale.nn.chunked_loss.chunked_cross_entropy`` with the model's ``lm_head``."""
+    """one_step for ``--model llama``: the cross-entropy of the full logits without chunking, else the final hidden
+    states through ``lightning_scale.nn.chunked_loss.chunked_cross_entropy`` with the model's ``lm_head``; at sp > 1
+    each rank's slice (the sequence-parallel model gives its positions their global ids), the mean over the whole
+    sequence through ``sequence_mean``."""
     from lightning_scale.nn.chunked_loss import chunked_cross_entropy
 
-    if spec["sparse"] or topo.sp > 1 or topo.tp > 1:
-        raise SystemExit("--model llama: the sparse systems, --sp and --tp are GPT-only in this bench")
-    config = from_flat_kwargs(stage=args.stage, activation_checkpointing=spec["ac"], tiled_mlp=spec.get("tiled", 0))
+    if spec["sparse"] or topo.tp > 1:
+        raise SystemExit("--model llama: the sparse systems and --tp are GPT-only in this bench")
+    config = from_flat_kwargs(stage=args.stage, activation_checkpointing=spec["ac"], tiled_mlp=spec.get("tiled", 0),
+                              sp=topo.sp)
     torch.manual_seed(0)
     with LiveTensorBytes() as mem:
         model = _llama(args, length)
         pm = parallelize(model, config, topo, "cpu", optimizers=lambda m=model: [torch.optim.AdamW(m.parameters())])
         (engine,) = pm.make_engines()
         idx = torch.randint(0, args.vocab, (1, length + 1), generator=torch.Generator().manual_seed(length))
-        x, y = idx[:, :-1], idx[:, 1:]
+        # sp > 1: this rank's L / sp positions (the sequence-parallel model gives them their global position ids)
+        x, y = shard_sequence((idx[:, :-1], idx[:, 1:]), topo.sp_rank, topo.sp)
         start = time.perf_counter()
         if spec["chunk"]:  # no local name for the hidden states: they would outlive their use through backward
             loss = chunked_cross_entropy(model.model(input_ids=x).last_hidden_state, model.lm_head, y,
@@ -168,6 +173,11 @@ def _llama_step(args, spec: dict, length: int, topo) -> Tuple[int, float]:
         else:
             logits = model(input_ids=x).logits
             loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+        if topo.sp > 1:  # the whole sequence's mean (equal slices): the slices' summed losses over sp / L
+            from lightning_scale.sequence_parallel.ulysses import sequence_mean
+
+            loss = sequence_mean(loss * y.numel(), torch.tensor(float(y.numel()), dtype=torch.float64),
+                                 topo.sp_group)
         loss.backward()
         engine.step()
         engine.zero_grad()
@@ -218,7 +228,7 @@ def main() -> None:
     ap.add_argument("--budget-mib", type=float, default=512)
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--model", choices=("gpt", "llama"), default="gpt",
-                    help="llama: an unchanged HF LlamaForCausalLM of the same width (rotary positions), 1 rank")
+                    help="llama: an unchanged HF LlamaForCausalLM of the same width (rotary positions); with --sp")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=8192)
