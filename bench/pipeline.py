@@ -153,7 +153,7 @@ def _synthetic_loss(out, target):
     return out.mean()
 
 
-def _build(system, cfg, topo, microbatches, partition, sleep_ms):
+def _build(system, cfg, topo, microbatches, partition, sleep_ms, prefetch=2):
     """A fresh model split into this rank's stage(s); returns (step_fn, params, trace of the last step: a callable
     returning TraceEvent tuples, compute only for torch)."""
     import torch
@@ -176,7 +176,7 @@ def _build(system, cfg, topo, microbatches, partition, sleep_ms):
     if system.startswith("ls"):
         name = {"ls 1f1b": "1f1b", "ls interleaved": "interleaved_1f1b", "ls zero_bubble": "zero_bubble"}[system]
         rt = PipelineRuntime(stage, pp_group=topo.pp_group, pp_ranks=topo.axis_ranks("pp"), loss_fn=loss_fn,
-                             microbatches=microbatches, schedule=name, trace=True)
+                             microbatches=microbatches, schedule=name, trace=True, prefetch=prefetch)
         # the step's epilogue (tied-gradient sum + loss hand-out) as one extra event, outside the schedule's
         return (lambda x, y: rt.train_step(x, y)), params, (lambda: [tuple(e) for e in rt.last_trace] + [
             ("epilogue", -1, -1, "", rt.last_window[1], rt.last_window[1] + rt.last_epilogue_s)])
@@ -238,7 +238,8 @@ def _time_torch_schedule(sched, stages):
     return events
 
 
-def _bench_worker(rank, world_size, cfg_kw, batch, microbatches, steps, rounds, partition, sleep_ms):
+def _bench_worker(rank, world_size, cfg_kw, batch, microbatches, steps, rounds, partition, sleep_ms,
+                  systems=tuple(SYSTEMS), prefetch=2):
     import torch
 
     from lightning_scale.models.gpt import GPTConfig, make_batch
@@ -251,11 +252,12 @@ def _bench_worker(rank, world_size, cfg_kw, batch, microbatches, steps, rounds, 
     else:
         x, y = make_batch(cfg, batch, seed=0)
     # per ls system and step: this rank's trace of it (TraceEvent fields as tuples)
-    out = {s: {"tok_s": [], "rss_mb": 0.0, "timing": []} for s in SYSTEMS}
+    systems = list(systems)
+    out = {s: {"tok_s": [], "rss_mb": 0.0, "timing": []} for s in systems}
     for rnd in range(rounds):
-        order = SYSTEMS[rnd % len(SYSTEMS):] + SYSTEMS[:rnd % len(SYSTEMS)]
+        order = systems[rnd % len(systems):] + systems[:rnd % len(systems)]
         for system in order:
-            step, params, trace = _build(system, cfg, topo, microbatches, partition, sleep_ms)
+            step, params, trace = _build(system, cfg, topo, microbatches, partition, sleep_ms, prefetch)
             opt = torch.optim.AdamW(params, lr=1e-4)
             step(x, y)  # warm-up: shapes exchanged, allocator primed
             opt.step()
@@ -336,16 +338,16 @@ def _bubbles(system, pp, results, microbatches):
     return out
 
 
-def _report(pp, results, microbatches):
+def _report(pp, results, microbatches, systems=tuple(SYSTEMS)):
     print(f"\n## pp={pp} ({pp} processes), {microbatches} micro-batches")
     print("| system | tokens/s | vs torch | peak RSS MB per stage | bubble measured | bubble sim (each action's "
           "measured time) | measured / sim | sim (mean stage times) | sim + hand-off latency | theory (equal stages) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     stage_lines, blocked_lines, order_notes = [], [], []
-    for system in SYSTEMS:
+    for system in systems:
         tok = statistics.median(results[0][system]["tok_s"])
         peer = PEER.get(system)
-        ratio = f"{tok / statistics.median(results[0][peer]['tok_s']):.2f}x" if peer else ""
+        ratio = f"{tok / statistics.median(results[0][peer]['tok_s']):.2f}x" if peer in systems else ""
         rss = " / ".join(f"{r[system]['rss_mb']:.0f}" for r in results)
         theory = f"{_theory(system, pp, microbatches):.3f}"
         b = _bubbles(system, pp, results, microbatches)
@@ -401,6 +403,10 @@ def main() -> None:
                              "forward (2x backward), leaving the cores free: measures schedule + transfers + runtime "
                              "overhead, at any pp, on any machine")
     parser.add_argument("--smoke", action="store_true", help="tiny model, 1 round, 1 step")
+    parser.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS, metavar="SYSTEM",
+                        help=f"a subset of {SYSTEMS} (quote names with spaces)")
+    parser.add_argument("--prefetch", type=int, default=2, help="lightning_scale runtime: receives posted ahead")
+    parser.add_argument("--dump", default="", help="also pickle every rank's results (traces) to DUMP.pp<N>.pkl")
     args = parser.parse_args()
     if args.smoke:
         args.d_model, args.vocab, args.seq, args.batch, args.microbatches = 64, 512, 32, 8, 4
@@ -428,8 +434,14 @@ def main() -> None:
                     "+".join(names[bounds[s]:bounds[s + 1]]) for s in range(len(bounds) - 1)))
     for pp in args.pp:
         results = run_distributed(_bench_worker, pp, (cfg_kw, args.batch, args.microbatches, args.steps, args.rounds,
-                                                      args.partition, args.sleep_ms), timeout=3600)
-        _report(pp, results, args.microbatches)
+                                                      args.partition, args.sleep_ms, tuple(args.systems),
+                                                      args.prefetch), timeout=3600)
+        if args.dump:
+            import pickle
+
+            with open(f"{args.dump}.pp{pp}.pkl", "wb") as f:
+                pickle.dump(results, f)
+        _report(pp, results, args.microbatches, tuple(args.systems))
 
 
 if __name__ == "__main__":

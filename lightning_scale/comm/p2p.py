@@ -11,11 +11,16 @@ Why a class and not bare ``dist.isend``:
 * messages of one kind between two ranks are matched in order, which the schedule validator
   guarantees; the kind selects the tag, so activations and gradients never cross;
 * every byte is recorded with :func:`lightning_scale.comm.accounting.record`;
-* :meth:`abort` makes peers that are blocked on this rank fail at once instead of hanging.
+* :meth:`abort` makes peers that are blocked on this rank fail at once instead of hanging;
+* :meth:`send_detached` / :meth:`recv_tagged`: a fixed-shape message (no header) on a tag of the caller's
+  (:func:`stream_tag`) whose send the caller does not wait for. Its handle is also kept in a process-wide
+  list until the transfer has completed: under gloo a send whose work object is freed before the peer posts
+  its receive never arrives (the peer then blocks), and the sending object may be dropped first.
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime
 from typing import Dict, Hashable, Iterable, List, Optional, Tuple
 
@@ -27,6 +32,8 @@ from lightning_scale.diagnostics import trace as _trace
 
 TAGS = {"act": 11, "grad": 12, "tied": 13}
 _ABORT_TAG = 99
+# tags of stream_tag(): above every fixed tag; gloo tags are C ints
+_STREAM_TAG_BASE, _STREAMS, _STREAM_SEQS = 1 << 28, 1 << 12, 1 << 16
 _MAX_DIMS = 8
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
@@ -34,6 +41,32 @@ _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.in
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def stream_tag(stream: int, seq: int) -> int:
+    """The tag of message ``seq`` of ``stream``: distinct for every (stream mod 4096, seq mod 65536) and from the
+    fixed tags (``TAGS``, abort). Both ends compute it, so a receive can only match the message it expects; a
+    receive posted for another stream or step never takes a send that was meant for a different one."""
+    return _STREAM_TAG_BASE | (stream % _STREAMS) << 16 | (seq % _STREAM_SEQS)
+
+
+# Detached sends of every P2P of this process, not yet seen complete (pruned at each new one, waited at exit).
+_DETACHED: List["PendingRecv"] = []
+
+
+def wait_detached() -> None:
+    """Block until every detached send of this process has been received (before tearing down the process group
+    right after a pipeline step: a peer may not have posted its receive yet)."""
+    while _DETACHED:
+        _DETACHED.pop(0).wait()
+
+
+@atexit.register
+def _wait_detached_at_exit() -> None:
+    try:
+        wait_detached()
+    except Exception:  # noqa: BLE001 - the group may be gone already; nothing left to deliver to
+        _DETACHED.clear()
 
 
 class PendingRecv:
@@ -101,6 +134,23 @@ class P2P:
         record("recv", _nbytes(buf), 2, f"pp_{kind}")
         seq = _trace.enter(f"recv<-{src}", _nbytes(buf), self.group, f"pp_{kind}")
         return PendingRecv(buf, dist.irecv(buf, src=src, group=self.group, tag=tag), self.timeout, seq)
+
+    def send_detached(self, tensor: torch.Tensor, dst: int, tag: int, acct: str) -> PendingRecv:
+        """Post ``tensor`` (no header: the receiver knows its shape) on ``tag``; the caller need not wait for it.
+
+        The send is waited with this P2P's others (:meth:`wait_sends`) and is also kept alive, process-wide, until
+        it completes, so dropping this P2P (or its owner) right after cannot lose it. ``tensor`` must not be
+        modified afterwards."""
+        _DETACHED[:] = [h for h in _DETACHED if not h.is_completed()]
+        pending = self._post_send(tensor.detach().contiguous(), dst, tag, acct)
+        _DETACHED.append(pending)
+        return pending
+
+    def recv_tagged(self, out: torch.Tensor, src: int, tag: int, acct: str) -> PendingRecv:
+        """Post a receive into ``out`` (its shape and dtype are the message's) on ``tag``: :meth:`send_detached`'s peer."""
+        record("recv", _nbytes(out), 2, acct)
+        seq = _trace.enter(f"recv<-{src}", _nbytes(out), self.group, acct)
+        return PendingRecv(out, dist.irecv(out, src=src, group=self.group, tag=tag), self.timeout, seq)
 
     def has_shape(self, src: int, kind: str, key: Hashable = None) -> bool:
         """True when a receive on this channel would not block for a header."""

@@ -15,7 +15,10 @@
 Gradients accumulate in ``.grad`` like a normal backward (nothing is zeroed), so optimizers,
 gradient clipping and accumulation over several ``train_step`` calls work as usual. After the
 schedule, gradients of parameters tied across ranks (embedding / LM head) are summed between their
-holders, and the mean loss is broadcast from the last stage, so every pipeline rank returns it.
+holders, and the last stage sends the mean loss to every other pipeline rank without waiting for it to be
+received (its own step ends there), so every pipeline rank returns it. Each of these messages has its own tag,
+made of the runtime's number on this pipeline and the step's (:func:`~lightning_scale.comm.p2p.stream_tag`),
+and its send is kept alive until it completes, also past the runtime (see :meth:`PipelineRuntime.close`).
 
 If anything raises mid-schedule, the runtime makes its pipeline neighbours fail at once
 (:meth:`P2P.abort`) and re-raises: no rank is left blocked in a receive. A ``timeout`` bounds
@@ -37,8 +40,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Un
 import torch
 import torch.distributed as dist
 
-from lightning_scale.comm.collectives import broadcast
-from lightning_scale.comm.p2p import P2P, PendingRecv
+from lightning_scale.comm.p2p import P2P, PendingRecv, stream_tag, wait_detached
 from lightning_scale.config import ConfigError
 from lightning_scale.pipeline import schedule as S
 from lightning_scale.pipeline.backward import WeightGradSplitter, backward_input, backward_weight
@@ -47,6 +49,9 @@ from lightning_scale.pipeline.stage import PipelineStage
 from lightning_scale.pipeline.validate import validate_schedule
 
 Key = Tuple[int, int]  # (stage, microbatch)
+# Runtimes built so far in this process per pipeline (its global ranks): every rank of a pipeline builds its
+# runtimes in the same order, so the n-th runtime has the same number on each and the loss tags agree.
+_RUNTIMES_BUILT: Dict[Tuple[int, ...], int] = {}
 
 
 @dataclass
@@ -116,6 +121,11 @@ class PipelineRuntime:
         self._check_group(pp_group)
         self.pp_group = pp_group
         self.p2p = P2P(pp_group, timeout=timeout) if stage.pp > 1 else None
+        # this runtime's number on its pipeline and its step count: the loss hand-out's tag (stream_tag)
+        self._stream = _RUNTIMES_BUILT.get(tuple(self.pp_ranks), 0) if stage.pp > 1 else 0
+        if stage.pp > 1:
+            _RUNTIMES_BUILT[tuple(self.pp_ranks)] = self._stream + 1
+        self._steps = 0
         self.device = next((p.device for p in stage.parameters()), torch.device("cpu"))
         split = sch.splits_backward
         self._splitters = {s: WeightGradSplitter(stage.chunk(s)) for s in stage.stage_ids} if split else {}
@@ -365,17 +375,36 @@ class PipelineRuntime:
     def _mean_loss(self, step: _Step) -> Optional[torch.Tensor]:
         """Mean micro-batch loss of the last stage, on every pp rank (None when it had no targets).
 
-        A broadcast from the last stage. 266806c replaced it with point-to-point sends the last stage did not
-        wait for (gloo's broadcast holds the last stage until the first stage's last backward); that version
-        hung tests/dist/test_pipeline_trace.py in a clean-clone CI run (rank 0 blocked on the loss header of a
-        later runtime while rank 1 had finished), so the broadcast is back until the hand-out is made safe."""
+        The last stage sends ``[loss, has loss]`` (float64, fixed: no header) to each other rank point to point
+        and does not wait: it has the value, and under gloo a send completes only once the peer posts the
+        receive, i.e. (1F1B) after the first stage's last backward; gloo's broadcast held the last stage, and at
+        pp=4 the middle ranks, there. Each step's message has its own tag (this runtime's number, the step's),
+        so a receive can only take the message of its own runtime and step. The sends are waited with the next
+        step's, and kept alive past this runtime until they complete (a gloo send whose handle is freed before
+        the peer posts its receive never arrives: 266806c lost the header of a one-step runtime this way, and
+        the first stage hung in the next receive)."""
         buf = torch.zeros(2, dtype=torch.float64, device=self.device)  # [loss, has loss]
         if self.stage.is_last and step.losses:
             buf[0] = torch.stack([loss.to(torch.float64) for loss in step.losses]).mean()
             buf[1] = 1.0
         if self.stage.pp > 1:
-            broadcast(buf, src=self.pp_ranks[-1], group=self.pp_group, tag="pp_loss")
+            tag = stream_tag(self._stream, self._steps)
+            self._steps += 1
+            if self.stage.is_last:
+                for dst in self.pp_ranks[:-1]:
+                    self.p2p.send_detached(buf, dst, tag, "pp_loss")
+                buf = buf.clone()  # the sent tensor stays untouched
+            else:
+                buf = self.p2p.recv_tagged(buf, self.pp_ranks[-1], tag, "pp_loss").wait()
         return buf[0] if buf[1] > 0 else None
+
+    def close(self) -> None:
+        """Wait until this process's loss hand-outs have been received (the last stage's last step leaves them in
+        flight). Call it, or any collective of the pipeline group, before destroying the process group right
+        after a step; at interpreter exit it runs by itself. Safe to call more than once; steps may follow."""
+        if self.p2p is not None:
+            self.p2p.wait_sends()
+        wait_detached()
 
     def _sum_tied_grads(self, snapshots: Sequence[Optional[torch.Tensor]]) -> None:
         """Add the other holder's contribution of this step to each tied parameter's gradient."""

@@ -151,7 +151,9 @@ def test_shapes_exchanged_once_and_bytes_recorded():
     act = 2 * cfg.seq_len * cfg.d_model * 8  # one (2, T, C) float64 micro-batch activation
     for rank, res in enumerate(results):
         # 3 headers cross the link: activations at (2, T, C) and (1, T, C), gradients at (2, T, C)
+        # (the mean loss the last stage hands out has a fixed shape: no header)
         assert res["by_tag"]["pp_meta"] == 3 * HEADER_BYTES, (rank, res["by_tag"])
+        assert res["by_tag"]["pp_loss"] == 5 * 2 * 8  # [loss, has loss] in float64: 4 train steps + 1 eval step
         # 4 train steps x 2 micro-batches at full size, the eval step's 2 micro-batches at half size
         assert res["by_tag"]["pp_act"] == 4 * 2 * act + 2 * (act // 2)
         assert res["by_tag"]["pp_grad"] == 4 * 2 * act

@@ -13,6 +13,9 @@ prefetched), both with ``trace=True``. Per rank and schedule:
 * blocking: the same check finds every send with a later compute (so the check can tell the two apart);
 * parameters and losses after the steps are equal bit for bit (torch.equal) between the two paths;
 * with tracing off (default) ``last_trace`` stays empty.
+
+A second run (stage 0's backward slowed) checks that the last stage's train_step returns before stage 0's last
+backward has ended: it hands the mean loss out without waiting for it to be received.
 """
 
 from __future__ import annotations
@@ -107,3 +110,44 @@ def test_sends_never_delay_the_next_compute_and_async_equals_blocking():
             for name, p in fast["params"].items():
                 assert torch.equal(p, slow["params"][name]), f"rank {rank} {schedule}: {name} differs"
 
+
+SLOW_BACKWARD_S = 0.5
+
+
+def _slow_first_stage_worker(rank: int, world_size: int) -> dict:
+    """1F1B on 2 ranks whose stage 0 backward sleeps: the last stage finishes its schedule long before stage 0's
+    last backward. Returns, per step, when train_step returned, the end of stage 0's last B (rank 0) and the loss."""
+    import time
+
+    from lightning_scale.pipeline import PipelineRuntime, build_stage, gpt_pipeline_layers
+    from lightning_scale.topology import Topology
+
+    topo = Topology(pp=world_size, rank=rank).build_groups()
+    cfg = gpt_tiny(n_layer=4, tie_weights=False)
+    torch.manual_seed(SEED)
+    stage = build_stage(gpt_pipeline_layers(GPT(cfg).double()), pp=topo.pp, pp_rank=topo.pp_rank)
+    if rank == 0:
+        def slow(module, args, output):  # the backward through stage 0's output sleeps
+            output.register_hook(lambda grad: (time.sleep(SLOW_BACKWARD_S / MICRO), grad)[1])
+        stage.chunk(0).register_forward_hook(slow)
+    rt = PipelineRuntime(stage, pp_group=topo.pp_group, pp_ranks=topo.axis_ranks("pp"), loss_fn=_loss64,
+                         microbatches=MICRO, schedule="1f1b", trace=True)
+    out = []
+    for k in range(STEPS):
+        loss = rt.train_step(*make_batch(cfg, BATCH, seed=k))
+        returned = time.perf_counter()
+        last_b = max((e.t_end for e in rt.last_trace if e.action == "B" and e.stage == 0), default=None)
+        out.append((returned, last_b, loss))
+    rt.close()
+    return out
+
+
+def test_last_stage_does_not_wait_for_the_others_to_receive_the_loss():
+    """The last stage sends the mean loss without waiting for the other ranks to receive it: its train_step
+    returns before stage 0 has finished its last backward (a blocking broadcast could not: stage 0 reaches the
+    broadcast only after that backward). Causal order read off perf_counter stamps of one host; the losses
+    still agree on both ranks."""
+    first, last = run_distributed(_slow_first_stage_worker, 2, timeout=240)
+    for k, ((_, last_b, loss0), (returned, _, loss1)) in enumerate(zip(first, last)):
+        assert torch.equal(loss0, loss1), (k, loss0, loss1)
+        assert returned < last_b, f"step {k}: the last stage returned {returned - last_b:.3f} s after stage 0's last B"
