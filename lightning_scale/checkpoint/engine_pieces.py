@@ -103,22 +103,16 @@ def engine_pieces(engine, names: Mapping[int, str], weights_from: Optional[str] 
     if weights_from not in (None,) + WEIGHT_SOURCES:
         raise ValueError(f"weights_from={weights_from!r}: one of None, {WEIGHT_SOURCES}")
     tp_rank = engine.cross.tp_rank
-    for bi, (st, master, aliased) in enumerate(zip(engine.reducer.states, engine.masters, engine._aliased)):
+    for st, master, aliased in zip(engine.reducer.states, engine.masters, engine._aliased):
         lo, hi = _bounds(st)
         param_shard = _param_shard(engine, st)
         state = engine.inner.state.get(master, {})
-        whole = weights_from is not None and reads_whole_params(engine, bi)
         for slot in st.bucket.slots:
-            spec = _tp_spec(slot.param)
-            if whole:  # the whole parameter straight into the full buffer (its master shard is a view of it)
-                yield flat_param_piece(f"{weights_from}/{_name(names, slot.param)}",
-                                       st.param_buffer[slot.offset:slot.offset + slot.numel], slot.shape, 0,
-                                       spec, tp_rank)
             a, b = slot.shard_overlap(lo, hi)
             if a >= b:
                 continue
             fqn = _name(names, slot.param)
-            off, n = slot.offset + a - lo, b - a
+            off, n, spec = slot.offset + a - lo, b - a, _tp_spec(slot.param)
             # the slot's elements [a, b) sit at [off, off + n) of every shard-sized tensor of this bucket
             piece = functools.partial(_slot_piece, off=off, n=n, shape=slot.shape, start=a, spec=spec,
                                       tp_rank=tp_rank)
@@ -126,7 +120,7 @@ def engine_pieces(engine, names: Mapping[int, str], weights_from: Optional[str] 
                 yield piece(model_key(fqn), param_shard)
                 if not aliased:
                     yield piece(master_key(fqn), master)
-            elif not whole:
+            else:
                 yield piece(f"{weights_from}/{fqn}", master)
             for sname, value in state.items():
                 if not torch.is_tensor(value):
@@ -135,15 +129,6 @@ def engine_pieces(engine, names: Mapping[int, str], weights_from: Optional[str] 
                     yield piece(optim_key(fqn, sname), value)
                 elif value.dim() == 0:
                     yield tensor_piece(optim_key(fqn, sname), value)
-
-
-def reads_whole_params(engine, bucket_index: int) -> bool:
-    """Whether a load reads this bucket's parameters whole, on every rank, instead of the master shard followed by
-    the all-gather a step ends with: stages 1-2, where every rank keeps the full parameter buffer, and the master
-    shard is a view of it (same dtype and device: the saved weights are then the masters, bit for bit). Each rank
-    reads the whole weights (from the page cache: the checkpoint's files are shared) instead of
-    receiving the other ranks' shards: measured, 2 -> 4 ranks of a 102M Llama, see docs/checkpoints.md."""
-    return engine.stage in (1, 2) and bool(engine._aliased[bucket_index])
 
 
 def _slot_piece(key: str, shard: torch.Tensor, *, off: int, n: int, shape, start: int, spec, tp_rank: int) -> Piece:
@@ -185,10 +170,8 @@ def allocate_state_(engine, states: Mapping[str, "tuple[torch.dtype, bool]"]) ->
 
 @torch.no_grad()
 def after_load_(engine, missing: Sequence[str], names: Mapping[int, str]) -> None:
-    """The masters were loaded: write them into the parameters as a step does (not where the load read the whole
-    parameters: :func:`reads_whole_params`); warn for missing state."""
-    if not all(reads_whole_params(engine, bi) for bi in range(len(engine.reducer.states))):
-        engine._write_back_and_gather()
+    """The masters were loaded: write them into the parameters as a step does; warn for missing state."""
+    engine._write_back_and_gather()
     mine = engine_fqns(engine, names)
     gone = sorted({k.split("/", 2)[1] for k in missing if k.startswith("optim/") and k.split("/", 2)[1] in mine})
     if gone:
