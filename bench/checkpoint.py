@@ -17,9 +17,11 @@ and, in a second launch of ``--reshard-world`` fresh processes (default: 4 when 
 
     reshard load    into a fresh model + optimizer of the same kind on the new number of ranks (dp=2 -> dp=4 ...)
 
-ls_universal also saves the same state through ``AsyncSaver`` (twice: the first allocates the host buffers; the
-second is timed): "async save blocks" is how long ``save`` held the training thread (the snapshot), "async save
-total" until the folder was in place. After each load the run takes 2 more steps, and their losses are compared
+ls_universal also saves the loaded state through ``AsyncSaver``, after everything else (twice: the first allocates
+the host buffers; the second is timed): "async save blocks" is how long ``save`` held the training thread (the
+snapshot), "async save total" until the folder was in place, "async host buffers" the snapshot buffers it keeps
+between saves (the rank's own shards once more: not in the "peak RSS" column, which is the synchronous run's, as
+the peers'). After each load the run takes 2 more steps, and their losses are compared
 with the 2 steps the saving model took right after the save (same global batches): "resume dloss" is the largest
 difference (0 = bit for bit; another dp size changes the reduction order, so ~1e-6 there). The loads into a fresh
 optimizer (every row but lightning_fsdp2) allocate its Adam state inside the timed call: the rank's own shards of it
@@ -50,7 +52,8 @@ holds the driver and the lightning_scale rows.
 DeepSpeed needs ``pip install deepspeed torch==<this torch>`` (../shared/PEERS.md); without it its row reads
 "not run" and says why. Times are seconds of the slower rank; bytes are the folder's size on disk; peak growth is
 each rank's RSS high-water mark above its live RSS just before the call (max over ranks); "peak RSS" is the
-process's (max over ranks), of the saving launch and of the resharding launch. Each (round, system) runs in fresh
+process's (max over ranks, across the high-water mark resets of the timed calls), of the saving launch and of the
+resharding launch. Each (round, system) runs in fresh
 processes, the order rotated every round. Not a test.
 """
 
@@ -66,7 +69,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from checkpoint_peers import (AFTER, _dcp_reshard, _dcp_run, _ds_reshard, _ds_run,  # noqa: E402
-                              _folder_bytes, _lightning_run, _timed)
+                              _folder_bytes, _lightning_run, _timed, process_peak_mb)
 from models import _loss, build_llama  # noqa: E402
 
 SYSTEMS = ["ls_universal", "ls_sharded", "dcp_fsdp2", "deepspeed", "lightning_fsdp2"]
@@ -145,18 +148,6 @@ def _ls_run(system, kw, batches, rank, world, root, device="cpu", reshard=None):
             save_sharded(ck, path, rank, world, bcast, gather)
     _, out["save_s"], out["save_mb"] = _timed(save)
     out["bytes"] = _folder_bytes(path)
-    if system == "ls_universal":  # the same save through AsyncSaver: how long it blocks, how long until written
-        from lightning_scale.checkpoint.async_save import AsyncSaver
-
-        saver = AsyncSaver(group=dist.new_group(backend="gloo"))  # a group of its own (async_save's docstring)
-        apath = os.path.join(root, "async")
-        save_engines(apath, model, [engine], tp_rank=tp_rank, saver=saver)  # the first save allocates the buffers
-        saver.wait()
-        _, out["async_block_s"], _ = _timed(lambda: save_engines(apath, model, [engine], tp_rank=tp_rank,
-                                                                 saver=saver))
-        _, wait_s, _ = _timed(saver.wait)
-        out["async_total_s"] = out["async_block_s"] + wait_s
-        shutil.rmtree(apath, ignore_errors=True) if rank == 0 else None
     out["expected"] = expected = [step(*b) for b in batches[1:1 + AFTER]]
     del model, engine, step
     model, engine, tp_rank, step = _ls_build(kw, rank, world, device, stage=2)
@@ -170,10 +161,34 @@ def _ls_run(system, kw, batches, rank, world, root, device="cpu", reshard=None):
             engine.load_state_dict(ck["optimizer_states"][0])
     _, out["load_s"], out["load_mb"] = _timed(load)
     out["dloss"] = max(abs(a - b) for a, b in zip(expected, [step(*b) for b in batches[1:1 + AFTER]]))
+    if system == "ls_universal":  # the same save through AsyncSaver, last: its host buffers stay allocated
+        out["peak_rss_mb"] = process_peak_mb()  # the synchronous save / load run's peak, as the peers'
+        _ls_async(out, model, engine, tp_rank, root)
     if system == "ls_universal" and reshard != "world":
         del model, engine, step
         out.update(_ls_reshard(kw, batches, rank, world, root, device, reshard, expected))
     return out
+
+
+def _ls_async(out, model, engine, tp_rank, root):
+    """How long an AsyncSaver save blocks the caller (the snapshot) and how long until it is written, of the
+    loaded state (the same tensors as the synchronous save's); the host buffers it keeps between saves."""
+    import torch.distributed as dist
+
+    from lightning_scale.checkpoint.async_save import AsyncSaver
+    from lightning_scale.checkpoint.engine_pieces import save_engines
+
+    saver = AsyncSaver(group=dist.new_group(backend="gloo"))  # a group of its own (async_save's docstring)
+    apath = os.path.join(root, "async")
+    save_engines(apath, model, [engine], tp_rank=tp_rank, saver=saver)  # the first save allocates the buffers
+    saver.wait()
+    _, out["async_block_s"], out["async_mb"] = _timed(lambda: save_engines(apath, model, [engine], tp_rank=tp_rank,
+                                                                           saver=saver))
+    _, wait_s, _ = _timed(saver.wait)
+    out["async_total_s"] = out["async_block_s"] + wait_s
+    out["async_buffers_mb"] = saver.buffer_bytes / 2**20
+    if dist.get_rank() == 0:
+        shutil.rmtree(apath, ignore_errors=True)
 
 
 def _ls_reshard(kw, batches, rank, world, root, device, reshard, expected):
@@ -224,9 +239,7 @@ def worker(rank: int, world: int, system: str, kw: dict, batch: int, root: str, 
         out = _lightning_run(kw, batches, rank, world, root)
     else:
         raise ValueError(f"unknown system {system!r}; known: {', '.join(SYSTEMS)}")
-    from common import peak_rss_mb
-
-    out["peak_rss_mb"] = peak_rss_mb()
+    out.setdefault("peak_rss_mb", process_peak_mb())  # ls_universal: before its async save (_ls_async)
     return out
 
 
@@ -250,6 +263,7 @@ def _table(rounds, systems, failed) -> str:
             ("load_mb", "load peak +MiB", "{:.0f}"), ("reshard_mb", "reshard peak +MiB", "{:.0f}"),
             ("dloss", "resume dloss", "{:.1e}"), ("reshard_dloss", "reshard dloss", "{:.1e}"),
             ("async_block_s", "async save blocks s", "{:.3f}"), ("async_total_s", "async save total s", "{:.2f}"),
+            ("async_buffers_mb", "async host buffers MiB", "{:.0f}"),
             ("peak_rss_mb", "peak RSS MB", "{:.0f}"), ("reshard_peak_rss_mb", "reshard run peak RSS MB", "{:.0f}"),
             ("convert_child_rss_mb", "converter workers peak RSS MB", "{:.0f}")]
     lines = ["| system | " + " | ".join(c[1] for c in cols) + " |", "|---" * (len(cols) + 1) + "|"]

@@ -24,9 +24,22 @@ def _live_rss() -> int:
     return live_rss_bytes()
 
 
+_PEAK = [0]  # the process's high-water mark before the last reset (each _timed call resets the kernel's)
+
+
+def _vmhwm() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
+
+
+def process_peak_mb() -> float:
+    """The process's peak RSS so far, across the resets of ``_timed`` (getrusage's maxrss is reset with them)."""
+    return max(_PEAK[0], _vmhwm()) / 2**20
+
+
 def _timed(fn):
     """(result, seconds, peak RSS growth in MiB over the live RSS just before): the kernel's high-water mark is
-    reset right before the call."""
+    reset right before the call (the peak before it is kept for ``process_peak_mb``)."""
     import gc
 
     import torch.distributed as dist
@@ -38,6 +51,7 @@ def _timed(fn):
     sync()
     dist.barrier()
     base = _live_rss()
+    _PEAK[0] = max(_PEAK[0], _vmhwm())
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     t0 = time.perf_counter()
@@ -45,8 +59,7 @@ def _timed(fn):
     sync()
     dist.barrier()
     dt = time.perf_counter() - t0
-    with open("/proc/self/status") as f:
-        hwm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
+    hwm = _vmhwm()
     return out, dt, (hwm - base) / 2**20
 
 

@@ -43,6 +43,11 @@ class AsyncSaver:
         return self._thread is not None and self._thread.is_alive()
 
     @property
+    def buffer_bytes(self) -> int:
+        """Bytes of the host snapshot buffers kept for the next save (the rank's own pieces, once)."""
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+    @property
     def unconfirmed(self) -> bool:
         """A save was started and not waited for yet: it may still be writing, or may have failed."""
         return self._thread is not None or self._error is not None

@@ -66,6 +66,7 @@ def test_step_runs_during_the_write_and_bytes_equal_the_sync_save(tmp_path):
     saver.save(str(tmp_path / "async2"), pieces)
     saver.wait()
     assert all(saver._buffers[k] is v for k, v in bufs.items())
+    assert saver.buffer_bytes == sum(t.numel() * t.element_size() for p in pieces for t in p.tensors)  # one copy
 
 
 def test_one_save_in_flight_and_errors_surface(tmp_path, monkeypatch):
