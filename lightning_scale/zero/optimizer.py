@@ -415,7 +415,7 @@ class ZeroOptimizer(ShardEngine):
             shard = st.param_buffer[st.shard]
             if not aliased:
                 shard.copy_(master, non_blocking=master.is_pinned())
-            if self.stage >= 1:
+            if self.stage >= 1 and self.world > 1:  # one rank: the shard is the buffer, nothing to gather
                 handle = C.all_gather(st.param_buffer, shard, self.group, async_op=True, tag="param")
                 self.gathers.launch(bi, handle, background=not wait)
         self.gathers.settle(background=not wait)

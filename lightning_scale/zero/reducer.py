@@ -35,8 +35,12 @@ class BucketState:
     def __init__(self, bucket: Bucket, stage: int, rank: int, device: torch.device,
                  param_dtype: Optional[torch.dtype] = None, master_dtype: Optional[torch.dtype] = None,
                  master_device: Optional[torch.device] = None, pin_memory: bool = True,
-                 stream_grads: bool = False) -> None:
+                 stream_grads: bool = False, world: int = 0) -> None:
         self.bucket = bucket
+        # Stage 1 over one rank (dp=1, e.g. under tp / pp): the shard is the whole bucket, so the gradients stay
+        # where autograd accumulates them (persistent views, as at stage 0): no reduce-scatter copy into a
+        # shard-sized buffer, no division by 1, no post-step gather (see ZeroOptimizer._write_back_and_gather).
+        self.local_only = stage == 1 and world == 1 and not stream_grads
         self.stage = stage
         self.rank = rank
         lo, hi = bucket.shard_range(rank)
@@ -66,7 +70,7 @@ class BucketState:
         self.shard_grad: Optional[torch.Tensor] = None  # stages 1-2: the reduced gradient shard
         self.staging: Optional[torch.Tensor] = None  # stage 2: transient, only while reducing
         self._grad_dtype, self._device = dtype, device
-        if stage == 0:
+        if stage == 0 or self.local_only:
             self.grad_buffer = torch.zeros(bucket.padded_numel, dtype=dtype, device=device)
         elif not stream_grads:
             self.shard_grad = torch.zeros(hi - lo, dtype=dtype, device=device)
@@ -100,7 +104,7 @@ class BucketState:
 
     def release_grad_buffer(self) -> None:
         """Stage 1, once the shard is reduced: free the full gradients (the params' ``.grad`` become None)."""
-        if self.stage != 1:
+        if self.stage != 1 or self.local_only:
             return
         for slot in self.bucket.slots:
             slot.param.grad = None
@@ -120,6 +124,8 @@ class BucketState:
         """This rank's reduced gradient (the whole bucket at stage 0, the shard otherwise)."""
         if self.stage == 0:
             return self.grad_buffer
+        if self.local_only:
+            return self.grad_buffer[self.shard]  # the whole bucket
         if self.stream_grads:
             if self.host_grad is None:  # nothing reduced this cycle
                 self.host_grad = torch.zeros(self.shard.stop - self.shard.start, dtype=self.master_dtype,
@@ -146,7 +152,7 @@ class GradientReducer:
         self.rank = C.group_rank(group) if stage >= 1 else 0
         self.overlap_comm = overlap_comm
         self.states = [BucketState(b, stage, self.rank, device, param_dtype, master_dtype, master_device, pin_memory,
-                                   stream_grads=stream_grads and stage == 2) for b in buckets]
+                                   stream_grads=stream_grads and stage == 2, world=self.world) for b in buckets]
         self._where: Dict[int, tuple] = {}
         for bi, st in enumerate(self.states):
             for si, slot in enumerate(st.bucket.slots):
@@ -217,6 +223,8 @@ class GradientReducer:
         if self.stage == 0:
             st.grad_buffer.div_(self.world)
             st.handle = C.all_reduce(st.grad_buffer, self.group, async_op=True, tag="grad")
+        elif st.local_only:
+            pass  # one rank: the accumulated gradients are the reduced ones
         elif self.stage == 1:
             st.grad_buffer.div_(self.world)
             st.handle = C.reduce_scatter(st.shard_grad, st.grad_buffer, self.group, async_op=True, tag="grad")
@@ -267,7 +275,7 @@ class GradientReducer:
 
     def zero_grad(self) -> None:
         for st in self.states:
-            if st.stage == 0:
+            if st.stage == 0 or st.local_only:
                 st.grad_buffer.zero_()
                 st.attach_grad_views()
             else:
