@@ -49,7 +49,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 from lightning_scale.config import ConfigError
 
 __all__ = ["AC_POLICIES", "ActivationEstimate", "UnitProfile", "estimate_activations", "activations_for_model",
-           "profile_model"]
+           "mix_units", "profile_model"]
 
 
 def _precision_key(precision: str) -> str:
@@ -203,6 +203,24 @@ class UnitProfile:
     unit_type: type
     source: str
     notes: Tuple[str, ...]
+    # tiled_mlp_modules tiling only some units: the untiled units' per-token bytes and how many of the units
+    # they are (``per_token`` is then the tiled units')
+    untiled: Optional[Tuple[Dict[str, float], int]] = None
+
+
+def mix_units(tiled: ActivationEstimate, untiled: Optional[ActivationEstimate]) -> ActivationEstimate:
+    """One model whose units are partly tiled (``tiled_mlp_modules``): every unit keeps its own bytes (summed), one
+    unit's backward at a time (the larger), the head and the loss once."""
+    if untiled is None:
+        return tiled
+    import dataclasses
+
+    return dataclasses.replace(
+        tiled, layers=tiled.layers + untiled.layers, kept=tiled.kept + untiled.kept, host=tiled.host + untiled.host,
+        recompute=max(tiled.recompute, untiled.recompute),
+        per_token_layer=max(tiled.per_token_layer, untiled.per_token_layer),
+        notes=tuple(tiled.notes) + (f"tiled_mlp_modules: {tiled.layers} of {tiled.layers + untiled.layers} units "
+                                    "tiled, each kind profiled",))
 
 
 def profile_model(module, *, seq_len: int, sp: int = 1, tp: int = 1, chunked_loss=None,

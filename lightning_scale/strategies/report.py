@@ -9,6 +9,7 @@ device / host totals then equal the table's ``*`` row (``tests/unit/test_report.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Dict, List, Optional, Tuple
 
 import lightning.pytorch as pl
@@ -287,8 +288,16 @@ def _profile(strategy: Any, module: Any, seq_len: int) -> Tuple[Any, int]:
 
     source, tp = _profile_source(strategy, module)
     if source is not None:  # the live units are tiled already; the GPT rebuilt on meta is tiled for its profile
-        return profile_model(source, seq_len=seq_len, sp=1, tp=tp,
-                             tiled_mlp=int(getattr(strategy.config, "tiled_mlp", 0) or 0)), tp
+        tiled = int(getattr(strategy.config, "tiled_mlp", 0) or 0)
+        prof = profile_model(source, seq_len=seq_len, sp=1, tp=tp, tiled_mlp=tiled)
+        inner = getattr(module, "model", None) or module
+        flags = [any(getattr(m, "_tiled_tokens", None) is not None for m in u.modules())
+                 for u in _units(inner) if any(True for _ in u.parameters())]
+        if tiled and source is not inner and 0 < sum(flags) < len(flags):
+            # tiled_mlp_modules named only some units' MLPs: the rebuilt unit profiled untiled as well
+            plain = profile_model(source, seq_len=seq_len, sp=1, tp=tp, tiled_mlp=0)
+            prof = dataclasses.replace(prof, layers=sum(flags), untiled=(plain.per_token, len(flags) - sum(flags)))
+        return prof, tp
     inner = getattr(module, "model", None) or module
     units = [u for u in _units(inner) if any(True for _ in u.parameters())]
     hidden = hidden_size(units[0]) or 0
@@ -337,6 +346,7 @@ def plan_for_batch(strategy: Any, micro_batch: int, seq_len: int) -> Optional[An
     """This run's estimate row with the activations of ``micro_batch`` sequences of ``seq_len`` (this rank's
     positions, after the sp split) attached; None without a model. At pp > 1 ``micro_batch`` is the whole batch
     of the step (the schedule splits it) and the activations are this pipeline rank's schedule walk."""
+    from lightning_scale.activation_plan import mix_units
     from lightning_scale.estimate import estimate_activations, with_activations
 
     estimates = _estimates(strategy)
@@ -357,10 +367,12 @@ def plan_for_batch(strategy: Any, micro_batch: int, seq_len: int) -> Optional[An
                           schedule=glue.runtime.schedule, prefetch=glue.runtime.prefetch,
                           tied_numel=sum(t.param.numel() for t in stage.tied))
     else:
-        acts = estimate_activations(seq_len=seq_len, micro_batch=micro_batch, layers=prof.layers,
-                                    per_token=prof.per_token, hidden=prof.hidden, vocab=prof.vocab,
-                                    precision=precision, activation_checkpointing=ac, offload_activations=offload,
-                                    sp=1, tp=tp, loss_chunk=prof.chunk, source=prof.source, notes=prof.notes)
+        common = dict(seq_len=seq_len, micro_batch=micro_batch, hidden=prof.hidden, vocab=prof.vocab,
+                      precision=precision, activation_checkpointing=ac, offload_activations=offload, sp=1, tp=tp,
+                      loss_chunk=prof.chunk, source=prof.source, notes=prof.notes)
+        acts = estimate_activations(layers=prof.layers, per_token=prof.per_token, **common)
+        if prof.untiled is not None:  # tiled_mlp_modules tiled only some units
+            acts = mix_units(acts, estimate_activations(layers=prof.untiled[1], per_token=prof.untiled[0], **common))
     return with_activations(row, acts, step_tensor_numel=_step_numel(strategy))
 
 
