@@ -42,7 +42,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -52,7 +52,6 @@ from torch.distributed.checkpoint.metadata import (
 
 from lightning_scale.checkpoint import folder
 from lightning_scale.checkpoint.dcp_planners import (
-    ChecksummingWriter,
     PieceLoadPlanner,
     PieceSavePlanner,
     VerifiedReader,
@@ -113,11 +112,9 @@ def _unwrap(exc: CheckpointException) -> BaseException:
 
 
 # ----------------------------------------------------------------------------------------------- save
-def _file_records(staging: str, md: Metadata, rank: int, with_metadata: bool, written=None):
-    """Size + CRC32 of this rank's files and a CRC32 of each of its storage items. ``written(name)``: the CRCs
-    computed while the writer wrote the file (:class:`~.dcp_planners.ChecksummingWriter`), used where its spans are
-    exactly the items; any other file is read once (from the page cache) to feed the file's CRC and the CRC of the
-    item each byte belongs to."""
+def _file_records(staging: str, md: Metadata, rank: int, with_metadata: bool):
+    """Size + CRC32 of this rank's files and a CRC32 of each of its storage items, in one read of each file (from
+    the page cache) that feeds the file's CRC and the CRC of the item each byte belongs to."""
     prefix = f"__{rank}_"
     spans: Dict[str, List[Tuple[int, int]]] = {}
     for info in md.storage_data.values():
@@ -130,13 +127,8 @@ def _file_records(staging: str, md: Metadata, rank: int, with_metadata: bool, wr
     for name in sorted(names):
         full = os.path.join(staging, name)
         size = os.path.getsize(full)
-        want = sorted(spans.get(name, ()))
-        got = written(name) if written is not None and name != DCP_METADATA else None
-        if got is not None and got[0]["size"] == size and all(got[1].get(off, (None,))[0] == n for off, n in want):
-            files[name], items[name] = got[0], {off: got[1][off] for off, _ in want}
-            continue
         with open(full, "rb") as f:
-            files[name], items[name] = _crc_file_and_items(f, size, want)
+            files[name], items[name] = _crc_file_and_items(f, size, sorted(spans.get(name, ())))
     return files, items
 
 
@@ -179,14 +171,14 @@ def save(path: str, pieces: Iterable[Piece], extras: Optional[Dict[str, Any]] = 
     staging = folder.staging_path(path, token)
     extras = {(k if k.startswith("extra/") else f"extra/{k}"): v for k, v in (extras or {}).items()} if rank == 0 else {}
     planner = PieceSavePlanner(pieces, extras)
-    writer = ChecksummingWriter(staging, thread_count=thread_count)
     try:
         with _single_process_quiet():
-            md = dcp.save({}, storage_writer=writer, planner=planner, process_group=group, no_dist=_no_dist())
+            md = dcp.save({}, storage_writer=FileSystemWriter(staging, thread_count=thread_count), planner=planner,
+                          process_group=group, no_dist=_no_dist())
     except CheckpointException as exc:
         raise _unwrap(exc) from exc
     folder.fault_point("after_rank_file", rank)
-    every = _all_gather(_file_records(staging, md, rank, with_metadata=rank == 0, written=writer.checksums), group)
+    every = _all_gather(_file_records(staging, md, rank, with_metadata=rank == 0), group)
     if rank == 0:
         files, items = {}, {}
         for f, i in every:

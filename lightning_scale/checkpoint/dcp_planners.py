@@ -5,13 +5,10 @@ bounded-memory storage reader.
   :class:`~.layout.Piece`, with its ``ChunkStorageMetadata``; DCP's dedup, validation and resharding do the rest.
 - :class:`VerifiedReader`: ``FileSystemReader`` whose ``read_data`` reads each storage item once, checks its CRC32
   against the manifest before deserializing it (in place) and holds one item at a time.
-- :class:`ChecksummingWriter`: ``FileSystemWriter`` whose streams CRC32 every byte as it is written (each file's
-  CRC and each storage item's), so the manifest needs no second pass over the files.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import io
 import os
@@ -23,7 +20,7 @@ from torch.distributed.checkpoint.default_planner import (
     DefaultLoadPlanner,
     DefaultSavePlanner,
 )
-from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
@@ -281,75 +278,3 @@ def _read_crc(f, view: memoryview) -> int:
         crc = zlib.crc32(view[pos:pos + n], crc)
         pos += n
     return crc
-
-
-class _CrcStream:
-    """A write stream that CRC32s every byte on its way to the file, block by block while the block is in cache:
-    the running CRC of the whole file, and one CRC per span between two ``tell()`` calls (DCP's writer calls
-    ``tell()`` right before and right after each storage item, so each item is one span)."""
-
-    def __init__(self, raw) -> None:
-        self.raw, self.pos, self.crc = raw, raw.tell(), 0
-        self._start, self._span_crc = self.pos, 0
-        self.spans: Dict[int, Tuple[int, int]] = {}  # start -> (length, crc32)
-
-    def write(self, b) -> int:
-        view = memoryview(b).cast("B")
-        for i in range(0, len(view), _BLOCK):
-            block = view[i:i + _BLOCK]
-            self.crc = zlib.crc32(block, self.crc)
-            self._span_crc = zlib.crc32(block, self._span_crc)
-            self.raw.write(block)  # a buffered file writes all of it
-        self.pos += len(view)
-        return len(view)
-
-    def tell(self) -> int:
-        self.cut()
-        return self.pos
-
-    def cut(self) -> None:
-        if self.pos > self._start:
-            self.spans[self._start] = (self.pos - self._start, self._span_crc)
-        self._start, self._span_crc = self.pos, 0
-
-    def flush(self) -> None:
-        self.raw.flush()
-
-    def fileno(self) -> int:
-        return self.raw.fileno()
-
-    def close(self) -> None:
-        self.cut()
-        self.raw.close()
-
-
-class _CrcFileSystem(FileSystem):
-    def __init__(self) -> None:
-        super().__init__()
-        self.streams: Dict[str, _CrcStream] = {}
-
-    @contextlib.contextmanager
-    def create_stream(self, path, mode: str):
-        with super().create_stream(path, mode) as raw:
-            if "w" not in mode:
-                yield raw
-                return
-            stream = _CrcStream(raw)
-            yield stream
-            stream.cut()
-            self.streams[os.path.basename(str(path))] = stream
-
-
-class ChecksummingWriter(FileSystemWriter):
-    """DCP's FileSystemWriter (same files, same bytes) whose data files are CRC32'd while they are written:
-    ``checksums(name)`` gives ``({size, crc32}, {offset: (length, crc32)} of each span)`` of a file it wrote."""
-
-    def __init__(self, path, **kwargs) -> None:
-        super().__init__(path, **kwargs)
-        self.fs = _CrcFileSystem()
-
-    def checksums(self, name: str) -> Optional[Tuple[Dict[str, int], Dict[int, Tuple[int, int]]]]:
-        stream = self.fs.streams.get(name)
-        if stream is None:
-            return None
-        return {"size": stream.pos, "crc32": stream.crc}, dict(stream.spans)
