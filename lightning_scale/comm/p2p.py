@@ -62,11 +62,19 @@ def wait_detached() -> None:
 
 
 @atexit.register
-def _wait_detached_at_exit() -> None:
-    try:
-        wait_detached()
-    except Exception:  # noqa: BLE001 - the group may be gone already; nothing left to deliver to
-        _DETACHED.clear()
+def _wait_detached_at_exit(bound_s: float = 30.0) -> None:
+    """At exit, give the peers up to ``bound_s`` in all to receive what is still in flight (not the group's
+    timeout: a peer that hangs must not hold this process's exit for 30 minutes)."""
+    import time
+
+    deadline = time.monotonic() + bound_s
+    while _DETACHED:
+        pending = _DETACHED.pop(0)
+        try:
+            if pending._work is not None:
+                pending._work.wait(datetime.timedelta(seconds=max(0.01, deadline - time.monotonic())))
+        except Exception:  # noqa: BLE001 - the group may be gone, the peer dead: nothing left to deliver to
+            pass
 
 
 class PendingRecv:

@@ -64,3 +64,31 @@ def test_runtimes_in_turn_hand_out_every_loss_to_every_rank():
         assert a[:3] == b[:3] and torch.equal(a[3], b[3]), (a, b)
     # the losses are the steps' own: distinct batches and models give distinct values
     assert len({float(x[3]) for x in last}) == len(last)
+
+
+def test_exit_wait_for_detached_sends_is_bounded_and_swallows_errors():
+    """At interpreter exit the detached sends get a bounded wait in all (not the group's 30 min timeout: a hung peer
+    must not hold the exit), errors of a dead peer are swallowed, and nothing is left in the list."""
+    import datetime
+
+    from lightning_scale.comm import p2p
+
+    seen = []
+
+    class _Work:
+        def __init__(self, fail):
+            self.fail = fail
+
+        def wait(self, timeout):
+            seen.append(timeout)
+            if self.fail:
+                raise RuntimeError("Connection closed by peer")
+
+    before = list(p2p._DETACHED)
+    try:
+        p2p._DETACHED[:] = [p2p.PendingRecv(torch.zeros(1), _Work(k == 0), None) for k in range(3)]
+        p2p._wait_detached_at_exit(bound_s=2.0)
+        assert p2p._DETACHED == [] and len(seen) == 3
+        assert all(isinstance(t, datetime.timedelta) and t <= datetime.timedelta(seconds=2.0) for t in seen), seen
+    finally:
+        p2p._DETACHED[:] = before
