@@ -15,6 +15,7 @@ lost or crossed message is a hang there, or a loss from the wrong step).
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -57,6 +58,7 @@ def _worker(rank: int, world_size: int) -> list:
     return out
 
 
+@pytest.mark.slow  # 18 s at load ~20
 def test_runtimes_in_turn_hand_out_every_loss_to_every_rank():
     first, last = run_distributed(_worker, 2, timeout=120)
     assert len(first) == len(last) == sum(1 + n % 3 + (n % 3 == 2) for n in range(RUNTIMES))

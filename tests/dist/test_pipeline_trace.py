@@ -20,6 +20,7 @@ backward has ended: it hands the mean loss out without waiting for it to be rece
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -142,6 +143,7 @@ def _slow_first_stage_worker(rank: int, world_size: int) -> dict:
     return out
 
 
+@pytest.mark.slow  # 2 x 4 sleeps of 0.125 s + spawning: ~10-20 s at load ~20
 def test_last_stage_does_not_wait_for_the_others_to_receive_the_loss():
     """The last stage sends the mean loss without waiting for the other ranks to receive it: its train_step
     returns before stage 0 has finished its last backward (a blocking broadcast could not: stage 0 reaches the
