@@ -72,7 +72,7 @@ SLOW = (
     "tests/dist/test_ulysses.py::test_sp2_sparse_gpt2_eager_match_one_process",  # 5 layouts x 3 steps + references
     "tests/dist/test_ulysses_compose.py::test_tp2_sp2_match_one_process",  # 4 ranks, 5 layouts (11-20 s)
     "tests/dist/test_ulysses_compose.py::test_pp2_sp2_match_one_process",  # 4 ranks, 8 layouts (9-16 s)
-    "tests/dist/test_ulysses_masks.py::test_padding_and_sliding_window_masks_under_pp2_sp2_match_one_process",  # 4 ranks
+    "tests/dist/test_ulysses_masks.py::test_padding_and_sliding_window_masks_under_pp2_sp2_match_one_process",  # 4-rank
     "tests/strategies/test_sp_trainer.py::test_trainer_sp2_with_tp2_or_pp2_matches_single_process[",  # 4-rank Trainers
     "tests/strategies/test_sp_trainer.py::test_fabric_sp2_tp2_matches_one_process",  # 4 ranks, 2 Fabric layouts
     "tests/dist/test_pretrained.py::",  # one module fixture: 7 layouts x 2 models + the memory runs (25-61 s)
