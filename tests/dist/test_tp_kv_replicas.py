@@ -21,7 +21,7 @@ import warnings
 import pytest
 import torch
 
-from lightning_scale.testing import run_distributed
+from lightning_scale.testing import HF_RANK_PRELOAD, run_distributed
 
 STEPS, BATCH, SEQ, LR, CLIP = 3, 4, 12, 1e-2, 0.5
 VOCAB = 96
@@ -138,7 +138,7 @@ def _check(results, family, kv, layout, k_rows, groups):
 @pytest.fixture(scope="module")
 def results_2():
     pytest.importorskip("transformers")
-    return run_distributed(worker, 2, timeout=300)
+    return run_distributed(worker, 2, timeout=300, preload=HF_RANK_PRELOAD)
 
 
 @pytest.mark.timeout(400)
@@ -152,7 +152,7 @@ def test_kv_heads_fewer_than_tp_2_ranks(results_2, family, kv, layout):
 @pytest.mark.timeout(600)
 def test_kv_heads_fewer_than_tp_4_ranks():
     pytest.importorskip("transformers")
-    results = run_distributed(worker, 4, timeout=500)
+    results = run_distributed(worker, 4, timeout=500, preload=HF_RANK_PRELOAD)
     _check(results, "llama", 1, CASES_4[0][2], k_rows=8, groups=1)  # tp=4: 1 q head, the one kv head
     _check(results, "llama", 2, CASES_4[1][2], k_rows=8, groups=1)  # ranks 0-1 kv head 0, ranks 2-3 kv head 1
     _check(results, "llama", 1, CASES_4[2][2], k_rows=8, groups=2)  # dp2 x tp2

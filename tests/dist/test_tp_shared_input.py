@@ -30,7 +30,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-from lightning_scale.testing import run_distributed
+from lightning_scale.testing import HF_RANK_PRELOAD, run_distributed
+
+# the ranks build HF models and litgpt (which imports Lightning): imported once, in the ranks' zygote
+PRELOAD = (*HF_RANK_PRELOAD, "litgpt")
 
 TOL, STEPS = 1e-10, 3
 pytest.importorskip("transformers")
@@ -200,7 +203,7 @@ def worker(rank: int, world_size: int) -> dict:
 @pytest.fixture(scope="module")
 def results():
     pytest.importorskip("litgpt")
-    return run_distributed(worker, 2, timeout=400)
+    return run_distributed(worker, 2, timeout=400, preload=PRELOAD)
 
 
 @pytest.mark.timeout(500)
@@ -319,6 +322,6 @@ def _reference_losses():
 @pytest.mark.parametrize("layout", ["tp2_pp2", "dp2_tp2_z3"])
 def test_shared_input_under_pp_and_zero3(layout):
     ref = _reference_losses()
-    for rank, (losses, n_shared) in enumerate(run_distributed(grid_worker, 4, (layout,), timeout=500)):
+    for rank, (losses, n_shared) in enumerate(run_distributed(grid_worker, 4, (layout,), timeout=500, preload=PRELOAD)):
         assert max(abs(a - b) for a, b in zip(losses, ref)) <= TOL, (rank, layout, losses, ref)
         assert n_shared == 8, n_shared  # attention + MLP of each of the 4 layers (tp splits the whole model)
