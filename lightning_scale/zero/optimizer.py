@@ -25,6 +25,7 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 import torch
 
 from lightning_scale.comm import collectives as C
+from lightning_scale.comm import pairwise
 from lightning_scale.config import ConfigError
 from lightning_scale.zero.flat_buffer import build_buckets
 from lightning_scale.zero.precision import NoLossScaler, PrecisionPolicy
@@ -416,7 +417,7 @@ class ZeroOptimizer(ShardEngine):
             if not aliased:
                 shard.copy_(master, non_blocking=master.is_pinned())
             if self.stage >= 1 and self.world > 1:  # one rank: the shard is the buffer, nothing to gather
-                handle = C.all_gather(st.param_buffer, shard, self.group, async_op=True, tag="param")
+                handle = pairwise.all_gather(st.param_buffer, shard, self.group, async_op=True, tag="param")
                 self.gathers.launch(bi, handle, background=not wait)
         self.gathers.settle(background=not wait)
 

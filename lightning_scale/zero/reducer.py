@@ -23,6 +23,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from lightning_scale.comm import collectives as C
+from lightning_scale.comm import pairwise
 from lightning_scale.zero.flat_buffer import Bucket
 
 
@@ -227,12 +228,12 @@ class GradientReducer:
             pass  # one rank: the accumulated gradients are the reduced ones
         elif self.stage == 1:
             st.grad_buffer.div_(self.world)
-            st.handle = C.reduce_scatter(st.shard_grad, st.grad_buffer, self.group, async_op=True, tag="grad")
+            st.handle = pairwise.reduce_scatter(st.shard_grad, st.grad_buffer, self.group, async_op=True, tag="grad")
         else:
             st.staging.div_(self.world)
             out = st.shard_grad if not st.stream_grads else torch.empty(
                 st.shard.stop - st.shard.start, dtype=st.staging.dtype, device=st.staging.device)
-            handle = C.reduce_scatter(out, st.staging, self.group, async_op=True, tag="grad")
+            handle = pairwise.reduce_scatter(out, st.staging, self.group, async_op=True, tag="grad")
 
             def finish(st=st, handle=handle, out=out) -> None:
                 handle.wait()

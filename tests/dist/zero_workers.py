@@ -156,6 +156,52 @@ def fallback_collectives(rank: int, world: int):
     return torch.allclose(native, fallback, rtol=0, atol=1e-12), torch.equal(full_n, full_f), a.total, b.total
 
 
+def pairwise_collectives(rank: int, world: int):
+    """comm.pairwise (gloo's reduce-scatter / all-gather as point-to-point sends) against the native collectives:
+    on the world group and on a subgroup whose ranks are not its global ranks, two of each in flight at once."""
+    import torch.distributed as dist
+
+    from lightning_scale.comm import collectives as C
+    from lightning_scale.comm import pairwise
+
+    out = {}
+    sub = dist.new_group([1, 2])  # every rank creates it
+    for name, group in (("world", None), ("sub", sub)):
+        if group is not None and rank not in (1, 2):
+            continue
+        n = C.group_size(group)
+        torch.manual_seed(rank)
+        a, b = torch.randn(n * 7, dtype=torch.float64), torch.randn(n * 3, dtype=torch.float64)
+        na, nb = torch.empty(7, dtype=torch.float64), torch.empty(3, dtype=torch.float64)
+        C.reduce_scatter(na, a, group, fallback=False)
+        C.reduce_scatter(nb, b, group, fallback=False)
+        pa, pb = torch.empty(7, dtype=torch.float64), torch.empty(3, dtype=torch.float64)
+        with CommCounter() as counted:
+            ha = pairwise.reduce_scatter(pa, a, group, async_op=True, tag="grad")
+            hb = pairwise.reduce_scatter(pb, b, group, async_op=True, tag="grad")
+            hb.wait()
+            ha.wait()
+        with CommCounter() as native_counted:
+            C.reduce_scatter(torch.empty(7, dtype=torch.float64), a, group, fallback=False, tag="grad")
+            C.reduce_scatter(torch.empty(3, dtype=torch.float64), b, group, fallback=False, tag="grad")
+        fa, fb = torch.empty(n * 7, dtype=torch.float64), torch.empty(n * 3, dtype=torch.float64)
+        C.all_gather(fa, na, group, fallback=False)
+        C.all_gather(fb, nb, group, fallback=False)
+        me = C.group_rank(group)
+        ga, gb = torch.zeros(n * 7, dtype=torch.float64), torch.zeros(n * 3, dtype=torch.float64)
+        ga[me * 7:(me + 1) * 7] = na  # in place: the shard is the output's own chunk
+        h1 = pairwise.all_gather(ga, ga[me * 7:(me + 1) * 7], group, async_op=True)
+        h2 = pairwise.all_gather(gb, nb.clone(), group, async_op=True)  # a separate input
+        h1.wait()
+        h2.wait()
+        out[name] = dict(pairwise=pairwise.uses_pairwise(group),
+                         rs_err=max((pa - na).abs().max().item(), (pb - nb).abs().max().item()),
+                         rs_equal=torch.equal(pa, na) and torch.equal(pb, nb),
+                         ag_equal=torch.equal(ga, fa) and torch.equal(gb, fb),
+                         bytes=(counted.total, native_counted.total))
+    return out
+
+
 def two_optimizers(rank: int, world: int, stage: int):
     """Two optimizers over disjoint halves of the model (manual-optimization style), stepped in turn."""
     torch.manual_seed(0)
