@@ -98,7 +98,8 @@ def profile_unit(unit: nn.Module, tokens: int, tp: int = 1, hidden: Optional[int
     """Per-token bytes of one unit at ``tokens`` positions (batch 1), float32: ``saved`` (all autograd keeps),
     ``input`` (the unit's input, what full checkpointing keeps), ``selective`` (input + every output of the
     ops selective checkpointing keeps, whether autograd saves it or not), ``backward`` (the backward's working
-    set above the saved set). ``tp`` > 1 divides what tensor-parallel regions make. Raises if the unit's forward cannot run on one tensor."""
+    set above the saved set), ``recorded`` (outputs of the parameter-owning modules that autograd does not save:
+    what a split backward's records keep in addition). ``tp`` > 1 divides what tensor-parallel regions make. Raises if the unit's forward cannot run on one tensor."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.nn.utils.stateless import _reparametrize_module
 
@@ -120,6 +121,15 @@ def profile_unit(unit: nn.Module, tokens: int, tp: int = 1, hidden: Optional[int
 
     for c in regions:
         handles += [c.register_forward_pre_hook(enter), c.register_forward_hook(leave)]
+    # the outputs of the parameter-owning modules, as a split (zero-bubble) backward records them
+    outputs: Dict[int, tuple] = {}
+
+    def record(module: nn.Module, _inputs: Any, out: Any) -> None:
+        if isinstance(out, torch.Tensor):
+            outputs.setdefault(out.untyped_storage()._cdata, (out.untyped_storage().nbytes(), tracker.region > 0))
+
+    handles += [m.register_forward_hook(record) for m in unit.modules()
+                if any(p.requires_grad for p in m.parameters(recurse=False))]
     saved: Dict[int, int] = {}
     refs: Dict[int, Any] = {}
     try:
@@ -167,8 +177,11 @@ def profile_unit(unit: nn.Module, tokens: int, tp: int = 1, hidden: Optional[int
     selective_b = input_b + sum(n / tp if in_region else n for n, in_region in tracker.selected)
     ratio = saved_b / base if base else 1.0
     backward_b = max(tracker.peak - base, 0) * ratio  # above the full saved set, which shrinks meanwhile
+    # what a split backward's records keep beyond the saved set: module outputs no op saves (an output projection
+    # feeding the residual add)
+    recorded_b = sum(n / tp if in_region else n for key, (n, in_region) in outputs.items() if key not in saved)
     return {"saved": saved_b / tokens, "input": input_b / tokens, "selective": selective_b / tokens,
-            "backward": backward_b / tokens, "hidden": float(hidden)}
+            "backward": backward_b / tokens, "hidden": float(hidden), "recorded": recorded_b / tokens}
 
 
 __all__ = ["hidden_size", "profile_unit"]

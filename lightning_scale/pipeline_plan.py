@@ -7,9 +7,16 @@ list of :mod:`lightning_scale.pipeline.schedule` (the list the runtime executes)
 action, the bytes alive then:
 
 * each live micro-batch's ``keep`` on its stage (from its ``F`` to its ``B``; to its ``W`` when the backward is
-  split -- an upper bound: the input-gradient half frees part of it);
+  split: ``I`` keeps the graph, :func:`lightning_scale.pipeline.backward.backward_input` runs it with
+  ``retain_graph=True``, so nothing of ``keep`` is freed before ``W``);
 * at a ``B`` / ``I``, that micro-batch's ``backward`` working set above its ``keep`` (one unit's recompute and
   gradients, on the last stage the loss step);
+* split backward (zero-bubble): from its ``F`` a micro-batch also keeps the recorded module outputs no op saves
+  (a GPT block: the two output projections, 2 d; the embeddings; the head's logits), and from its ``I`` to its
+  ``W`` ``work``, the gradient of the output of every parameter-owning module of the stage (the ``WeightWork``
+  ``W`` consumes: a GPT block 11 d, the head ``V / tp``; :func:`split_backward_width`); the ``I``'s working set is
+  the larger of ``backward`` and ``work`` (measured on one GPT stage: the gradients, at their end). With
+  activation checkpointing this is not modelled (a note says so: step 1 measured 2.2-3.9x the plan at pp=2);
 * the point-to-point buffers, as :class:`lightning_scale.pipeline.runtime.PipelineRuntime` keeps them: every sent
   activation / input gradient stays referenced by its posted send until the step's end (``P2P.wait_sends``), and
   receives are posted up to ``prefetch`` ahead of the schedule once their channel's shape is known (step 1 learns
@@ -27,11 +34,11 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from typing import Dict, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 from lightning_scale.config import ConfigError
 
-__all__ = ["PipelinePeak", "StageBytes", "schedule_peak", "pipeline_activations", "stage_units"]
+__all__ = ["PipelinePeak", "StageBytes", "schedule_peak", "pipeline_activations", "split_backward_width", "stage_units"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +51,7 @@ class StageBytes:
     grad: float = 0.0  # the input gradient sent back (0 on stage 0)
     recv_f: float = 0.0  # a received activation (the stage's input), before its forward uses it
     recv_b: float = 0.0  # a received output gradient, before its backward uses it
+    work: float = 0.0  # split backward: the module-output gradients held from I to W
 
 
 @dataclass(frozen=True)
@@ -106,6 +114,11 @@ def _walk(schedule, rank: int, stages: Dict[int, StageBytes], prefetch: int, kno
             moment = kept + stages[a.stage].backward
             if a.kind == S.B:
                 live.pop((a.stage, a.microbatch), None)
+            else:  # I makes the module-output gradients W consumes (its working set: they dominate it); they live
+                # with the graph until the W
+                work = stages[a.stage].work
+                moment = kept + max(stages[a.stage].backward, work)
+                live[(a.stage, a.microbatch)] = live.get((a.stage, a.microbatch), 0.0) + work
             sent += stages[a.stage].grad
         elif a.kind == S.W:
             live.pop((a.stage, a.microbatch), None)
@@ -141,6 +154,59 @@ def schedule_peak(schedule, rank: int, stages: Dict[int, StageBytes], *, prefetc
                         in_flight=in_flight, max_in_flight=most, p2p=p2p, kept=kept, at=at)
 
 
+def _output_width(module) -> float:
+    """Elements per token of ``module``'s output, read from its own parameters (Linear / tp slices: the weight's
+    rows; Embedding / HF ``Conv1D``: the weight's columns; norms: the weight's length)."""
+    import torch.nn as nn
+
+    weight = getattr(module, "weight", None)
+    w = weight if weight is not None and weight.dim() > 0 else getattr(module, "bias", None)
+    if w is None or w.dim() == 0:
+        return 0.0
+    if w.dim() == 1:
+        return float(w.shape[0])
+    columns = isinstance(module, nn.Embedding) or type(module).__name__ == "Conv1D"
+    return float(w.shape[1] if columns else w.shape[0])
+
+
+def split_backward_width(layers: Sequence, unit_type: Optional[type] = None, last: bool = False
+                         ) -> Tuple[float, float]:
+    """(gradient, unsaved) elements per token a split backward holds on a stage of ``layers``, beyond the plain
+    schedules' ``keep``. :class:`lightning_scale.pipeline.backward.WeightGradSplitter` records the output of every
+    module owning a trainable parameter from the ``F`` to the ``W``, and ``I`` makes each one's gradient: *gradient*
+    is one element per output element of all of them. *unsaved* counts the outputs outside ``unit_type`` modules
+    that no op saves (the units' own come from their profile's ``recorded``): an embedding's (its sum with the
+    positions saves nothing) and, on the ``last`` stage, the head's logits (the loss keeps its log-softmax only).
+    (0, 0) when a parameter has two owners (the runtime then runs the whole backward in ``I``)."""
+    owner: Dict[int, int] = {}
+    inside = {id(m) for layer in layers for u in layer.modules() if unit_type is not None and type(u) is unit_type
+              for m in u.modules()}
+    width = unsaved = 0.0
+    head = None
+    for layer in layers:
+        for m in layer.modules():
+            own = [p for p in m.parameters(recurse=False) if p.requires_grad]
+            for p in own:
+                if owner.setdefault(id(p), id(m)) != id(m):
+                    return 0.0, 0.0
+            if not own:
+                continue
+            width += _output_width(m)
+            if id(m) not in inside:
+                unsaved += _output_width(m) if _is_embedding(m) else 0.0
+                head = m
+    if last and head is not None and not _is_embedding(head) and getattr(head, "weight", None) is not None \
+            and head.weight.dim() == 2:
+        unsaved += _output_width(head)
+    return width, unsaved
+
+
+def _is_embedding(module) -> bool:
+    import torch.nn as nn
+
+    return isinstance(module, nn.Embedding) or "Embedding" in type(module).__name__
+
+
 def stage_units(layers: Sequence, bounds: Sequence[int], unit_type: type) -> Dict[int, int]:
     """Stage id -> how many ``unit_type`` modules (repeated blocks) its layers hold."""
     return {s: sum(1 for layer in layers[bounds[s]:bounds[s + 1]] for m in layer.modules() if type(m) is unit_type)
@@ -151,9 +217,10 @@ def pipeline_activations(*, schedule, pp_rank: int, units: Dict[int, int], seq_l
                          per_token: Dict[str, float], hidden: int, vocab: int, precision: str = "bf16-mixed",
                          activation_checkpointing=None, offload_activations: bool = False, sp: int = 1,
                          tp: int = 1, prefetch: int = 2, tied_numel: int = 0, source: str = "given",
-                         notes: Sequence[str] = ()):
+                         notes: Sequence[str] = (), split_widths: Optional[Dict[int, Tuple[float, float]]] = None):
     """The activation plan of pipeline rank ``pp_rank``: ``units`` maps its stage ids to their unit counts,
-    ``micro_batch`` is the sequences of one pipeline micro-batch. Returns an ``ActivationEstimate`` whose
+    ``micro_batch`` is the sequences of one pipeline micro-batch; ``split_widths`` its stage ids to
+    :func:`split_backward_width` (read when the schedule splits the backward; missing: 0). Returns an ``ActivationEstimate`` whose
     ``pipeline`` holds the schedule walk (its ``peak`` is the walk's)."""
     import dataclasses
 
@@ -179,18 +246,28 @@ def pipeline_activations(*, schedule, pp_rank: int, units: Dict[int, int], seq_l
             lsm = est.tokens * (vocab / tp) * 4  # the fp32 log-softmax the loss keeps for its backward
             keep = kept + est.head + lsm
             backward = max(est.head + est.loss, recompute) - est.head - lsm
+        work = 0.0
+        if schedule.splits_backward:  # zero-bubble: the records and the gradients W consumes (module docstring)
+            grads, unsaved = (split_widths or {}).get(s, (0.0, 0.0))
+            work = est.tokens * grads * b
+            keep += est.tokens * (unsaved * b + n * per_token.get("recorded", 0.0) * b / 4.0) if grads else 0.0
         stages[s] = StageBytes(keep=keep, backward=backward, out=hidden_bytes if s < last_id else 0.0,
                                grad=hidden_bytes if s > 0 else 0.0, recv_f=hidden_bytes if s > 0 else 0.0,
-                               recv_b=hidden_bytes if s < last_id else 0.0)
+                               recv_b=hidden_bytes if s < last_id else 0.0, work=work)
         per_stage[s] = est
     walk = schedule_peak(schedule, pp_rank, stages, prefetch=prefetch, tied_bytes=2.0 * tied_numel * b)
     first = per_stage[schedule.rank_stages(pp_rank)[0]]
+    extra = ()
+    if schedule.splits_backward and first.policy != "none":
+        extra = ("zero-bubble with activation checkpointing is not modelled: at pp=2 (GPT 4x d128) step 1 measured "
+                 "2.2-3.9x this plan (the split backward's records keep the checkpointed units' outputs, and the "
+                 "recompute stays with the graph until W)",)
     is_last = last_id in stages
     layers = sum(units[s] for s in stages)
     return dataclasses.replace(
         first, layers=layers, kept=walk.kept, recompute=max(stages[s].backward for s in stages),
         head=first.head if is_last else 0.0, loss=per_stage[last_id].loss if is_last else 0.0,
         host=sum(e.host for e in per_stage.values()) * walk.max_in_flight, pipeline=walk,
-        notes=tuple(first.notes) + (f"pp: stages {list(stages)} of pipeline rank {pp_rank}, schedule {schedule.name}, "
+        notes=tuple(first.notes) + extra + (f"pp: stages {list(stages)} of pipeline rank {pp_rank}, schedule {schedule.name}, "
                                    f"{walk.in_flight} of {schedule.num_microbatches} micro-batches in flight at the "
                                    f"peak ({walk.at})",))

@@ -324,9 +324,11 @@ def _pipeline(strategy: Any) -> Any:
 
 
 def stage_plan(strategy: Any, prof: Any, tp: int, micro_batch: int, seq_len: int, *, pp_rank: int,
-               units: Dict[int, int], schedule: Any, prefetch: int, tied_numel: int) -> Any:
+               units: Dict[int, int], schedule: Any, prefetch: int, tied_numel: int,
+               split_widths: Optional[Dict[int, float]] = None) -> Any:
     """The activations of pipeline rank ``pp_rank`` for a batch of ``micro_batch`` sequences split into the
-    schedule's micro-batches (:func:`lightning_scale.pipeline_plan.pipeline_activations`)."""
+    schedule's micro-batches (:func:`lightning_scale.pipeline_plan.pipeline_activations`; ``split_widths``: each
+    stage's :func:`lightning_scale.pipeline_plan.split_backward_width`, for a split backward)."""
     from lightning_scale.pipeline_plan import pipeline_activations
 
     cfg = strategy.config
@@ -339,7 +341,7 @@ def stage_plan(strategy: Any, prof: Any, tp: int, micro_batch: int, seq_len: int
         per_token=prof.per_token, hidden=prof.hidden, vocab=prof.vocab,
         precision=str(getattr(strategy.precision_plugin, "precision", "32-true")),
         activation_checkpointing=getattr(cfg, "activation_checkpointing", None), offload_activations=offload, tp=tp,
-        prefetch=prefetch, tied_numel=tied_numel, source=prof.source, notes=prof.notes)
+        prefetch=prefetch, tied_numel=tied_numel, source=prof.source, notes=prof.notes, split_widths=split_widths)
 
 
 def plan_for_batch(strategy: Any, micro_batch: int, seq_len: int) -> Optional[Any]:
@@ -348,6 +350,7 @@ def plan_for_batch(strategy: Any, micro_batch: int, seq_len: int) -> Optional[An
     of the step (the schedule splits it) and the activations are this pipeline rank's schedule walk."""
     from lightning_scale.activation_plan import mix_units
     from lightning_scale.estimate import estimate_activations, with_activations
+    from lightning_scale.pipeline_plan import split_backward_width
 
     estimates = _estimates(strategy)
     if estimates is None:
@@ -365,7 +368,9 @@ def plan_for_batch(strategy: Any, micro_batch: int, seq_len: int) -> Optional[An
         units = {s: sum(1 for m in stage.chunk(s).modules() if type(m) is prof.unit_type) for s in stage.stage_ids}
         acts = stage_plan(strategy, prof, tp, micro_batch, seq_len, pp_rank=stage.pp_rank, units=units,
                           schedule=glue.runtime.schedule, prefetch=glue.runtime.prefetch,
-                          tied_numel=sum(t.param.numel() for t in stage.tied))
+                          tied_numel=sum(t.param.numel() for t in stage.tied),
+                          split_widths={s: split_backward_width([stage.chunk(s)], prof.unit_type, s == stage.num_stages - 1)
+                                        for s in stage.stage_ids})
     else:
         common = dict(seq_len=seq_len, micro_batch=micro_batch, hidden=prof.hidden, vocab=prof.vocab,
                       precision=precision, activation_checkpointing=ac, offload_activations=offload, sp=1, tp=tp,
@@ -393,6 +398,7 @@ def _stage_rows(strategy: Any, module: Any, seq: int, unit: str) -> List[Tuple[s
     runtime's partition, ``stage.bounds``), every rank's activations from a walk of its own schedule."""
     from lightning_scale.estimate import _unique_trainable, with_activations
     from lightning_scale.pipeline.layers import pipeline_layers
+    from lightning_scale.pipeline_plan import split_backward_width
 
     glue = _pipeline(strategy)
     if glue is None:
@@ -417,7 +423,9 @@ def _stage_rows(strategy: Any, module: Any, seq: int, unit: str) -> List[Tuple[s
             tied = sum(p.numel() for p in _unique_trainable(p for layer in held for p in layer.parameters())
                        if id(p) in others)
         acts = stage_plan(strategy, prof, tp, sch.num_microbatches, seq, pp_rank=r, units=units, schedule=sch,
-                          prefetch=glue.runtime.prefetch, tied_numel=tied)
+                          prefetch=glue.runtime.prefetch, tied_numel=tied,
+                          split_widths={s: split_backward_width(layers[bounds[s]:bounds[s + 1]], prof.unit_type,
+                                                               s == sch.num_stages - 1) for s in ids})
         e = with_activations(row, acts, step_tensor_numel=_step_numel(strategy) if mine else None)
         rows.append((f"predicted peak / device, pp rank {r}", plan_line(e, unit)))
     return rows

@@ -1,9 +1,11 @@
 """The memory plan at pp=2 (issue 16 item 6): every pipeline stage's step-1 peak within 15% of its prediction.
 
 Trainer launches of the project GPT (4 layers, d128, float32, CPU, 2 ranks = 2 pipeline stages, a batch of 4
-sequences of 1024 positions in 4 micro-batches): 1F1B and GPipe, activation checkpointing off and full. Each stage's
-plan walks its own schedule (lightning_scale/pipeline_plan.py): 1F1B keeps 2 micro-batches in flight on stage 0 and 1
-on stage 1, GPipe 4 on both; the sent activations / input gradients stay alive until the step's end. Every rank's
+sequences of 1024 positions in 4 micro-batches): 1F1B, GPipe and interleaved 1F1B (2 chunks per rank), activation
+checkpointing off and full, and zero-bubble (ZB-H1, split backward) without checkpointing. Each stage's plan walks its
+own schedule (lightning_scale/pipeline_plan.py): 1F1B keeps 2 micro-batches in flight on stage 0 and 1 on stage 1,
+GPipe 4 on both; the sent activations / input gradients stay alive until the step's end; zero-bubble keeps each
+micro-batch's graph, the recorded module outputs and (from its I) their gradients until its W. Every rank's
 ratio (the engines' bytes at the step's start + ``LiveTensorBytes``' peak over the step, against its stage's plan) must
 be within 15%, with the activation term a real share of the prediction and the in-flight count the schedule's. Run as
 a script, this file is one rank of that launch.
@@ -18,14 +20,19 @@ import warnings
 
 import pytest
 
-CASES = {  # name: (schedule, activation_checkpointing)
-    "1f1b": ("1f1b", None),
-    "1f1b_ac": ("1f1b", "full"),
-    "gpipe": ("gpipe", None),
-    "gpipe_ac": ("gpipe", "full"),
+CASES = {  # name: (schedule, activation_checkpointing, virtual stages)
+    "1f1b": ("1f1b", None, 1),
+    "1f1b_ac": ("1f1b", "full", 1),
+    "gpipe": ("gpipe", None, 1),
+    "gpipe_ac": ("gpipe", "full", 1),
+    "interleaved": ("interleaved_1f1b", None, 2),
+    "interleaved_ac": ("interleaved_1f1b", "full", 2),
+    "zero_bubble": ("zero_bubble", None, 1),
 }
 SEQ, BATCH, MICRO = 1024, 4, 4
-IN_FLIGHT = {"1f1b": (2, 1), "gpipe": (4, 4)}  # per pipeline rank: min(pp - s, m) / m
+# most micro-batches holding activations per pipeline rank: 1F1B min(pp - s, m), GPipe m; interleaved (v=2, 4 chunks
+# of one block) counts (chunk, micro-batch) pairs; zero-bubble keeps each until its W (rank 1 defers one W)
+IN_FLIGHT = {"1f1b": (2, 1), "gpipe": (4, 4), "interleaved_1f1b": (5, 3), "zero_bubble": (2, 2)}
 
 
 def _fit(name: str, one_mb: bool = False) -> dict:
@@ -50,12 +57,13 @@ def _fit(name: str, one_mb: bool = False) -> dict:
             return original(schedule, rank, {s: dataclasses.replace(st, keep=st.keep / k) for s, st in stages.items()},
                             **kw)
         plan.schedule_peak = one
-    schedule, ac = CASES[name]
+    schedule, ac, virtual = CASES[name]
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=1024, seq_len=SEQ, n_layer=4, n_head=4, d_model=128)
     data = torch.randint(0, cfg.vocab_size, (BATCH * 2, SEQ + 1))
     loader = DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=BATCH)
-    strategy = Zero3DStrategy(stage=0, pp=2, microbatches=MICRO, schedule=schedule, activation_checkpointing=ac)
+    strategy = Zero3DStrategy(stage=0, pp=2, microbatches=MICRO, schedule=schedule, activation_checkpointing=ac,
+                               virtual_stages=virtual)
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=1, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          precision="32-true")

@@ -91,3 +91,47 @@ def test_stage_activations_from_one_unit_profile():
     full = pipeline_activations(pp_rank=0, units={0: 2}, activation_checkpointing="full", **common)
     assert full.peak < a0.peak and full.pipeline.in_flight == 2
     assert lsm > 0
+
+
+def test_zero_bubble_holds_the_weight_work_until_w():
+    # ZB-H1, pp=2, m=4: rank 0 runs each W right after its I; rank 1 defers one W, so at I(s1,m1) micro-batch 0
+    # still holds its graph and its module-output gradients (work) next to micro-batch 1's I
+    sch = build_schedule("zero_bubble", 2, 4)
+    w0, w1 = (schedule_peak(sch, r, {r: StageBytes(keep=1.0, backward=0.0, work=10.0)}) for r in range(2))
+    assert (w0.peak, w1.peak) == (12.0, 22.0), (w0, w1)  # rank 0: F(m+1) live + the I's work; rank 1: 1 + 10 + 1 + 10
+    assert w1.at == "I(s1,m1)", w1
+    # the I's working set is the larger of its backward and the gradients it makes, not their sum
+    assert schedule_peak(sch, 0, {0: StageBytes(keep=1.0, backward=4.0, work=10.0)}).peak == 12.0
+
+
+def test_split_backward_widths_of_gpt_stages():
+    from lightning_scale.models.gpt import GPT, Block, GPTConfig
+    from lightning_scale.pipeline.layers import gpt_pipeline_layers
+    from lightning_scale.pipeline_plan import split_backward_width
+
+    d, V = 32, 96
+    layers = list(gpt_pipeline_layers(GPT(GPTConfig(vocab_size=V, seq_len=16, n_layer=2, n_head=2, d_model=d))))
+    # stage 0: wte, wpe (d each, neither saved) + a block's ln1 d, qkv 3d, proj d, ln2 d, fc 4d, proj d = 11 d
+    assert split_backward_width(layers[:2], Block) == (13.0 * d, 2.0 * d)
+    # the last stage: a block + ln_f d + the head's V logits, which no op saves (the loss keeps its log-softmax)
+    assert split_backward_width(layers[2:], Block, last=True) == (12.0 * d + V, float(V))
+    tied = list(gpt_pipeline_layers(GPT(GPTConfig(vocab_size=V, seq_len=16, n_layer=1, n_head=2, d_model=d,
+                                                  tie_weights=True))))
+    assert split_backward_width(tied, Block, last=True) == (0.0, 0.0)  # two owners: the whole backward runs in I
+
+
+def test_zero_bubble_stage_keeps_records_and_work():
+    sch = build_schedule("zero_bubble", 2, 4)
+    prof = {"saved": 1000.0, "input": 100.0, "selective": 300.0, "backward": 200.0, "recorded": 40.0}
+    common = dict(schedule=sch, seq_len=64, micro_batch=1, per_token=prof, hidden=32, vocab=128, precision="32-true")
+    plain = pipeline_activations(pp_rank=0, units={0: 2}, **common)
+    split = pipeline_activations(pp_rank=0, units={0: 2}, split_widths={0: (100.0, 8.0)}, **common)
+    keep = 64 * 2 * 1000.0
+    extra = 64 * (8.0 * 4 + 2 * 40.0)  # the unsaved embedding outputs + the units' recorded outputs
+    work = 64 * 100.0 * 4
+    # both peak at I(s0,m1) with the same p2p buffers: two micro-batches live, one backward's working set
+    assert plain.pipeline.at == split.pipeline.at == "I(s0,m1)" and plain.pipeline.p2p == split.pipeline.p2p
+    assert plain.pipeline.peak - plain.pipeline.p2p == 2 * keep + 64 * 200.0, plain.pipeline
+    assert split.pipeline.peak - split.pipeline.p2p == 2 * (keep + extra) + work, split.pipeline
+    ac = pipeline_activations(pp_rank=0, units={0: 2}, activation_checkpointing="full", **common)
+    assert any("not modelled" in n for n in ac.notes), ac.notes
