@@ -2,7 +2,8 @@
 
 Trainer launches of the project GPT (4 layers, d128, float32, CPU, 2 ranks = 2 pipeline stages, a batch of 4
 sequences of 1024 positions in 4 micro-batches): 1F1B, GPipe and interleaved 1F1B (2 chunks per rank), activation
-checkpointing off and full, and zero-bubble (ZB-H1, split backward) without checkpointing. Each stage's plan walks its
+checkpointing off and full, and zero-bubble (ZB-H1, split backward) without checkpointing; and an unchanged HF
+LlamaForCausalLM of the same size at 1F1B, AC off and full (its stages from the automatic adapter). Each stage's plan walks its
 own schedule (lightning_scale/pipeline_plan.py): 1F1B keeps 2 micro-batches in flight on stage 0 and 1 on stage 1,
 GPipe 4 on both; the sent activations / input gradients stay alive until the step's end; zero-bubble keeps each
 micro-batch's graph, the recorded module outputs and (from its I) their gradients until its W. Every rank's
@@ -28,6 +29,8 @@ CASES = {  # name: (schedule, activation_checkpointing, virtual stages)
     "interleaved": ("interleaved_1f1b", None, 2),
     "interleaved_ac": ("interleaved_1f1b", "full", 2),
     "zero_bubble": ("zero_bubble", None, 1),
+    "llama_1f1b": ("1f1b", None, 1),  # an unchanged HF LlamaForCausalLM, its stages from the automatic adapter
+    "llama_1f1b_ac": ("1f1b", "full", 1),
 }
 SEQ, BATCH, MICRO = 1024, 4, 4
 # most micro-batches holding activations per pipeline rank: 1F1B min(pp - s, m), GPipe m; interleaved (v=2, 4 chunks
@@ -67,7 +70,7 @@ def _fit(name: str, one_mb: bool = False) -> dict:
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=1, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          precision="32-true")
-    module = GPTLightningModule(cfg, lr=1e-3, warmup_steps=1, max_steps=1)
+    module = HFLlama() if name.startswith("llama") else GPTLightningModule(cfg, lr=1e-3, warmup_steps=1, max_steps=1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(module, train_dataloaders=loader)
@@ -75,10 +78,38 @@ def _fit(name: str, one_mb: bool = False) -> dict:
     a = plan["estimate"].activations
     w = a.pipeline
     return {"measured": plan["measured"], "predicted": plan["predicted"], "ratio": plan["ratio"],
-            "activations": a.peak, "policy": a.policy, "tokens": a.tokens, "pp_rank": w.pp_rank,
+            "activations": a.peak, "policy": a.policy, "source": a.source, "tokens": a.tokens, "pp_rank": w.pp_rank,
             "in_flight": w.in_flight, "max_in_flight": w.max_in_flight, "p2p": w.p2p, "at": w.at,
             "states": plan["estimate"].device.total, "baseline": plan["baseline"],
             "warned": [str(m.message) for m in caught if "[lightning_scale memory]" in str(m.message)]}
+
+
+def HFLlama():
+    """A LightningModule holding an unchanged HF ``LlamaForCausalLM`` of the GPT cases' size (d128 x 4 layers, 4
+    heads, SwiGLU 512, vocabulary 1024, rotary, sdpa, fp32)."""
+    import lightning.pytorch as pl
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lightning_scale.models.gpt import lm_loss
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            cfg = LlamaConfig(vocab_size=1024, hidden_size=128, intermediate_size=512, num_hidden_layers=4,
+                              num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=SEQ,
+                              use_cache=False)
+            cfg._attn_implementation = "sdpa"
+            self.model = LlamaForCausalLM(cfg)
+
+        def training_step(self, batch, batch_idx):  # not called under pp: the strategy runs the schedule
+            x, y = batch
+            return lm_loss(self.model(input_ids=x).logits, y)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    return Module()
 
 
 def _launch(tmp_path, name, *extra):
@@ -96,9 +127,13 @@ def test_every_stage_step1_peak_within_15_percent_at_pp2(tmp_path, name):
     results.sort(key=lambda r: r["pp_rank"])
     for r in results:
         assert abs(r["ratio"] - 1) <= 0.15, (name, results)
-        # live tensor bytes are deterministic here (measured 0.975-1.014); the p2p buffers are ~10% of the AC
-        # cases' peak (a walk without them measured 1.10 / 1.11 on stage 0), so a tighter bound is what sees them
-        assert abs(r["ratio"] - 1) <= 0.06, (name, results)
+        # live tensor bytes are deterministic here (GPT measured 0.96-1.014); the p2p buffers are ~10% of the AC
+        # cases' peak (a walk without them measured 1.10 / 1.11 on stage 0), so a tighter bound is what sees them.
+        # The HF Llama unit does not run alone on fake tensors (rotary tables): counted from its Linear sizes
+        # (measured 1.03-1.10), held to 15% only
+        assert r["source"] == ("counted" if name.startswith("llama") else "profiled"), r
+        if not name.startswith("llama"):
+            assert abs(r["ratio"] - 1) <= 0.06, (name, results)
         assert not r["warned"], (name, r)
         assert r["activations"] > 0.25 * r["predicted"], (name, r)
         assert r["tokens"] == BATCH // MICRO * SEQ, r
