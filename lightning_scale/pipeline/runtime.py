@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import bisect
 import datetime
+import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -365,6 +366,11 @@ class PipelineRuntime:
         else:
             torch.autograd.backward(out, grad)
             gx = x.grad if x.requires_grad else None
+            if grad is not None and self.p2p is not None and (s + 1) not in self.stage.stage_ids:
+                # the received gradient buffer, if nothing holds it now (the caller's variable, this argument and
+                # getrefcount's: 3 references; its storage used by it alone), fills the next gradient receive
+                if sys.getrefcount(grad) <= 3 and _storage_unshared(grad):
+                    self.p2p.recycle(grad)
         if s > 0:
             if gx is None:
                 raise RuntimeError(f"stage {s} produced no gradient for its input; every stage output "
@@ -428,6 +434,14 @@ class PipelineRuntime:
             data = self.p2p.exchange(tied.param.detach(), self.pp_ranks[second if me == first else first], "tied")
             if me == second:
                 tied.param.copy_(data)
+
+
+def _storage_unshared(t: torch.Tensor) -> bool:
+    """True when no other tensor (a view, an alias autograd kept) uses ``t``'s storage."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None:
+        return False
+    return use_count(t.untyped_storage()._cdata) <= 2  # t's and the temporary storage object's references
 
 
 def _split(t: torch.Tensor, m: int, what: str) -> List[torch.Tensor]:
