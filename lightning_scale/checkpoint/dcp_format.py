@@ -19,13 +19,19 @@ dp=2 flat shards: building them took 0.72 s and build + ``dcp.save`` 1.22 s, aga
 places one block per rank along a dim of a mesh, not a flat range that starts and ends mid-row. The planners need no
 collective beyond DCP's own plan gather/scatter. ``dcp_to_torch_save`` reads the result like any DCP checkpoint.
 
-Granularity of reads: DCP reads a whole storage item (one saved chunk) per request and narrows it, so a rank reads
-the saved chunks that overlap its own (never a whole file) and holds at most one of them beyond its own pieces
-(:class:`~.dcp_planners.VerifiedReader`; saving, a chunk view is handed to DCP as an alias with its own storage so
-DCP does not clone it). The planners and the reader live in :mod:`.dcp_planners`.
+Granularity of reads: a saved chunk is one storage item (a torch.save archive holding the chunk's bytes raw,
+row-major). For the chunks the planner handed DCP as contiguous host tensors, the manifest records where those
+bytes start inside the item and a CRC32 of every ``BLOCK`` (1 MiB) of them, of the item's head and of its tail, so
+a rank reads and checks only the blocks its requests overlap (resharding dp 2 -> 4, about half of each saved
+chunk, not all of it) and views them in place with no deserialization; other items (byte items, checkpoints
+written before format 3's ``blocks``) are read whole and checked with the item's CRC32. Either way a rank holds at
+most one item's bytes beyond its own pieces (:class:`~.dcp_planners.VerifiedReader`; saving, a chunk view is
+handed to DCP as an alias with its own storage so DCP does not clone it). The planners and the reader live in
+:mod:`.dcp_planners`.
 
 On top of DCP, the folder is made complete-or-absent as :mod:`.folder` does: written into a hidden staging sibling,
-then rank 0 writes the manifest ``meta.pt`` last - every file's size and CRC32 plus a CRC32 of every storage item -
+then rank 0 writes the manifest ``meta.pt`` last - every file's size and CRC32 plus a CRC32 of every storage item
+(or of its head, tail and tensor blocks) -
 and swaps the folder into place. Loading checks every file's size, the ``.metadata`` checksum and, before it is
 deserialized, each item's checksum: a truncated, deleted or foreign file raises a CheckpointError naming it.
 """
@@ -34,8 +40,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
 import os
+import re
+import struct
 import warnings
+import zipfile
 import zlib
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -65,6 +75,8 @@ __all__ = ["FORMAT", "FORMAT_VERSION", "LoadResult", "PieceLoadPlanner", "PieceS
 FORMAT = "lightning_scale.dcp"
 FORMAT_VERSION = 3
 DCP_METADATA = ".metadata"
+BLOCK = 1 << 20  # bytes per CRC32 of a tensor's raw bytes in the manifest ("blocks"): the unit of a partial read
+_STORAGE_RECORD = re.compile(r"(^|/)data/[0-9]+$")  # a torch.save archive's storage records
 
 
 # ----------------------------------------------------------------------------------------------- collectives
@@ -112,33 +124,110 @@ def _unwrap(exc: CheckpointException) -> BaseException:
 
 
 # ----------------------------------------------------------------------------------------------- save
-def _file_records(staging: str, md: Metadata, rank: int, with_metadata: bool):
-    """Size + CRC32 of this rank's files and a CRC32 of each of its storage items, in one read of each file (from
-    the page cache) that feeds the file's CRC and the CRC of the item each byte belongs to."""
+def _file_records(staging: str, md: Metadata, rank: int, with_metadata: bool,
+                  direct: Optional[Dict[Tuple[str, Tuple[int, ...]], int]] = None):
+    """Size + CRC32 of this rank's files, a CRC32 of each of its storage items and, for the items whose tensor bytes
+    sit raw inside them (``direct``: (key, offsets) -> byte size, the planner's contiguous chunks), where those bytes
+    start and a CRC32 of each ``BLOCK`` of them (plus the item's head and tail): a load then reads and checks only the
+    blocks it needs. One read of each file (from the page cache) feeds every CRC; each byte is in one item span."""
     prefix = f"__{rank}_"
-    spans: Dict[str, List[Tuple[int, int]]] = {}
-    for info in md.storage_data.values():
+    spans: Dict[str, List[Tuple[int, int, Any]]] = {}
+    for index, info in md.storage_data.items():
         if info.relative_path.startswith(prefix):
-            spans.setdefault(info.relative_path, []).append((int(info.offset), int(info.length)))
+            nbytes = (direct or {}).get((index.fqn, tuple(index.offset or ())))
+            spans.setdefault(info.relative_path, []).append((int(info.offset), int(info.length), nbytes))
     names = {n for n in os.listdir(staging) if n.startswith(prefix)} | set(spans)
     if with_metadata:
         names.add(DCP_METADATA)
-    files, items = {}, {}
+    files, items, blocks = {}, {}, {}
     for name in sorted(names):
         full = os.path.join(staging, name)
         size = os.path.getsize(full)
         with open(full, "rb") as f:
-            files[name], items[name] = _crc_file_and_items(f, size, sorted(spans.get(name, ())))
-    return files, items
+            layout = {off: _raw_range(f, off, length, nbytes) for off, length, nbytes in spans.get(name, ())
+                      if nbytes is not None}
+            cuts: List[Tuple[int, int]] = []  # (offset, length) of every CRC span, in file order
+            for off, length, _ in sorted(spans.get(name, ())):
+                if layout.get(off) is None:
+                    cuts.append((off, length))
+                    continue
+                start, n = layout[off]
+                cuts.append((off, start))  # the head: zip headers + pickle
+                cuts += [(off + start + b, min(BLOCK, n - b)) for b in range(0, n, BLOCK)]
+                cuts.append((off + start + n, length - start - n))  # the tail: the zip's central directory
+            files[name], crcs = _crc_file_and_items(f, size, cuts)
+        got = dict(zip(cuts, crcs))
+        items[name], blocks[name] = {}, {}
+        for off, length, _ in spans.get(name, ()):
+            if layout.get(off) is None:
+                items[name][off] = (length, got[(off, length)])
+                continue
+            start, n = layout[off]
+            items[name][off] = (length, None)  # checked by its head, blocks and tail instead
+            blocks[name][off] = (start, n, got[(off, start)], got[(off + start + n, length - start - n)],
+                                 [got[(off + start + b, min(BLOCK, n - b))] for b in range(0, n, BLOCK)])
+        if not blocks[name]:
+            del blocks[name]
+    return files, items, blocks
+
+
+class _Span(io.RawIOBase):
+    """The bytes [off, off + length) of an open file as a seekable stream (for zipfile)."""
+
+    def __init__(self, f, off: int, length: int) -> None:
+        super().__init__()
+        self.f, self.off, self.length, self.pos = f, off, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self.pos = max(0, {0: pos, 1: self.pos + pos, 2: self.length + pos}[whence])
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def readinto(self, b) -> int:
+        n = max(0, min(len(b), self.length - self.pos))
+        self.f.seek(self.off + self.pos)
+        got = self.f.readinto(memoryview(b).cast("B")[:n])
+        self.pos += got
+        return got
+
+
+def _raw_range(f, off: int, length: int, nbytes: int) -> Optional[Tuple[int, int]]:
+    """(start within the item, length) of the one tensor storage record of the torch.save archive at
+    [off, off + length) of ``f``, where it is stored uncompressed and holds exactly ``nbytes`` (the chunk's bytes,
+    row-major: the planner handed DCP a contiguous tensor whose storage is exactly its bytes); else None."""
+    try:
+        with zipfile.ZipFile(_Span(f, off, length)) as zf:
+            data = [i for i in zf.infolist() if _STORAGE_RECORD.search(i.filename)]
+            if len(data) != 1 or data[0].compress_type != zipfile.ZIP_STORED or data[0].file_size != nbytes:
+                return None
+            f.seek(off + data[0].header_offset)
+            head = f.read(30)
+    except (zipfile.BadZipFile, OSError, ValueError):
+        return None
+    if len(head) != 30 or head[:4] != b"PK\x03\x04":
+        return None
+    name_len, extra_len = struct.unpack("<HH", head[26:30])
+    start = data[0].header_offset + 30 + name_len + extra_len
+    return (start, nbytes) if start + nbytes <= length else None
 
 
 def _crc_file_and_items(f, size: int, spans: List[Tuple[int, int]]):
-    """({size, crc32} of the file, {offset: (length, crc32)} of each span), reading the file once."""
+    """({size, crc32} of the file, [crc32 of each span]), reading the file once; ``spans``: sorted, disjoint
+    (offset, length)."""
     buf = bytearray(1 << 20)
     view = memoryview(buf)
     crc, pos = 0, 0
-    item_crc = {off: 0 for off, _ in spans}
+    item_crc = [0] * len(spans)
     i = 0  # the first span that may still overlap [pos, ...)
+    f.seek(0)
     while pos < size:
         n = f.readinto(view[:min(len(buf), size - pos)])
         if not n:
@@ -151,12 +240,12 @@ def _crc_file_and_items(f, size: int, spans: List[Tuple[int, int]]):
             off, length = spans[j]
             a, b = max(off, pos), min(off + length, end)
             if a < b:
-                item_crc[off] = zlib.crc32(block[a - pos:b - pos], item_crc[off])
+                item_crc[j] = zlib.crc32(block[a - pos:b - pos], item_crc[j])
             if off + length <= end:
                 i = j + 1  # done with it
             j += 1
         pos = end
-    return {"size": size, "crc32": crc}, {off: (length, item_crc[off]) for off, length in spans}
+    return {"size": size, "crc32": crc}, item_crc
 
 
 def save(path: str, pieces: Iterable[Piece], extras: Optional[Dict[str, Any]] = None, *, group=None,
@@ -178,14 +267,16 @@ def save(path: str, pieces: Iterable[Piece], extras: Optional[Dict[str, Any]] = 
     except CheckpointException as exc:
         raise _unwrap(exc) from exc
     folder.fault_point("after_rank_file", rank)
-    every = _all_gather(_file_records(staging, md, rank, with_metadata=rank == 0), group)
+    every = _all_gather(_file_records(staging, md, rank, with_metadata=rank == 0, direct=planner.direct), group)
     if rank == 0:
-        files, items = {}, {}
-        for f, i in every:
+        files, items, blocks = {}, {}, {}
+        for f, i, b in every:
             files.update(f)
             items.update(i)
+            blocks.update(b)
         folder.commit(path, token, files, **{**(meta or {}), "world_size": world, "format": FORMAT,
-                                             "format_version": FORMAT_VERSION, "items": items})
+                                             "format_version": FORMAT_VERSION, "items": items,
+                                             "blocks": blocks, "block": BLOCK})
     _broadcast(None, group)  # nobody returns (and loads or removes it) before the folder is in place
 
 
@@ -276,8 +367,8 @@ def load(path: str, pieces: Iterable[Piece], *, extra_keys: Iterable[str] = (), 
     planner = PieceLoadPlanner([p for p in pieces if p.key in have], [k for k in extra_keys if k in have])
     try:
         with _single_process_quiet():
-            dcp.load({}, storage_reader=VerifiedReader(path, meta["items"]), planner=planner, process_group=group,
-                     no_dist=_no_dist())
+            reader = VerifiedReader(path, meta["items"], meta.get("blocks"), meta.get("block"))
+            dcp.load({}, storage_reader=reader, planner=planner, process_group=group, no_dist=_no_dist())
     except CheckpointException as exc:
         raise _unwrap(exc) from exc
     for p in pieces:
@@ -291,7 +382,7 @@ def read_local(path: str, meta: Dict[str, Any], md: Metadata, pieces: Sequence[P
     """One process, no collectives: fill ``pieces`` (checked against ``md``) through DCP's planner / storage API.
     For streaming tools (consolidate, export-hf) that read one tensor at a time with the metadata read once."""
     planner = PieceLoadPlanner(pieces, extra_keys)
-    reader = VerifiedReader(path, meta["items"])
+    reader = VerifiedReader(path, meta["items"], meta.get("blocks"), meta.get("block"))
     reader.set_up_storage_reader(md, is_coordinator=True)
     planner.set_up_planner({}, md, True)
     plan = reader.prepare_local_plan(planner.create_local_plan())
