@@ -136,11 +136,12 @@ def _build(system: str, model: torch.nn.Module, local_batch: int):
         opt = _adamw(model.parameters())
         zero = ZeroOptimizer(opt, stage=2, offload_optimizer=True)
         return model, zero.step, zero.zero_grad
-    if system.startswith("ls_z"):
+    if system.startswith("ls_z"):  # ls_z1, or ls_z1@8: bucket_mb=8
         from lightning_scale.zero import ZeroOptimizer
 
+        name, _, bucket_mb = system.partition("@")
         opt = _adamw(model.parameters())
-        zero = ZeroOptimizer(opt, stage=int(system[-1]))
+        zero = ZeroOptimizer(opt, stage=int(name[-1]), bucket_mb=float(bucket_mb or 25.0))
         return model, zero.step, zero.zero_grad
     raise ValueError(f"unknown system {system!r}; known: {', '.join(ALL)}")
 

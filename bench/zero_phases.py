@@ -11,6 +11,7 @@ Phases (milliseconds per step, median over steps, each rank):
     gather      (ls) step: write back + launch the all-gathers (and wait when not overlapped)
     zero        zero_grad()
     total       wall time of the step
+    cpu         CPU time of the step, all the process's threads (gloo's included): the work, less sensitive to load
 Not a test: nothing asserts on time. Say the load average next to any figure.
 """
 
@@ -31,7 +32,7 @@ from zero import _build  # noqa: E402
 from lightning_scale.models.gpt import GPT, gpt_small, lm_loss, make_batch  # noqa: E402
 from lightning_scale.testing import run_distributed  # noqa: E402
 
-PHASES = ["fwd", "gwait", "bwd", "reduce", "opt", "gather", "zero", "total"]
+PHASES = ["fwd", "gwait", "bwd", "reduce", "opt", "gather", "zero", "total", "cpu"]
 
 
 def _timed(fn, acc, key):
@@ -44,10 +45,19 @@ def _timed(fn, acc, key):
     return wrapper
 
 
+def _native_uses_pairwise(group=None) -> bool:
+    return False
+
+
+from lightning_scale.comm.pairwise import uses_pairwise as _USES_PAIRWISE  # noqa: E402
+
+
 class _System:
     def __init__(self, name: str, rank: int, local: int) -> None:
         torch.manual_seed(0)
         self.name, self.cfg = name, gpt_small()
+        self.native = name.endswith("-native")  # gloo's own reduce-scatter / all-gather, not comm.pairwise
+        name = name[:-len("-native")] if self.native else name
         self.module, self.step, self.zero_grad = _build(name, GPT(self.cfg), local)
         self.acc: dict = {}
         self.rows: list = []
@@ -67,8 +77,12 @@ class _System:
             engine.gathers.on_event = on_event
 
     def run(self, x, y, keep: bool) -> None:
+        from lightning_scale.comm import pairwise
+
+        pairwise.uses_pairwise = _native_uses_pairwise if self.native else _USES_PAIRWISE
         acc = self.acc
         acc.clear()
+        c0 = time.process_time()
         t0 = time.perf_counter()
         loss = lm_loss(self.module(x), y)
         t1 = time.perf_counter()
@@ -79,9 +93,10 @@ class _System:
         t3 = time.perf_counter()
         self.zero_grad()
         t4 = time.perf_counter()
+        cpu = time.process_time() - c0
         if not keep:
             return
-        row = {"fwd": t1 - t0, "gwait": fwd_wait, "bwd": t2 - t1, "zero": t4 - t3, "total": t4 - t0}
+        row = {"fwd": t1 - t0, "gwait": fwd_wait, "bwd": t2 - t1, "zero": t4 - t3, "total": t4 - t0, "cpu": cpu}
         if self.ls:
             row.update(reduce=acc.get("reduce", 0.0), opt=acc.get("opt", 0.0), gather=acc.get("gather", 0.0))
         else:
@@ -100,7 +115,7 @@ def worker(rank: int, world: int, systems, blocks: int, block: int, global_batch
     cfg = built[0].cfg
     i = 0
     for b in range(blocks + 1):  # block 0: warm-up
-        for sys_ in built:
+        for sys_ in built[b % len(built):] + built[:b % len(built)]:  # rotated: no system always follows another
             for k in range(block):
                 x, y = make_batch(cfg, global_batch, seed=i)
                 i += 1

@@ -42,6 +42,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
 from lightning_scale.comm import collectives as C
+from lightning_scale.comm import pairwise
 from lightning_scale.config import ConfigError
 from lightning_scale.zero import param_guard, shard_init, shard_state
 from lightning_scale.zero.flat_buffer import Bucket, build_buckets
@@ -306,7 +307,7 @@ class ShardedParameters:
                 shard = shard.to(self.device, non_blocking=True)
             # Writing into the buffer must not bump the version counter autograd saved with the params.
             with torch.autograd._unsafe_preserve_version_counter(b.full):
-                h = C.all_gather(b.full, shard, self.group, async_op=True, tag="param")
+                h = pairwise.all_gather(b.full, shard, self.group, async_op=True, tag="param")
             unit.pending.append(h)
         unit.gathered = True
         self._note_peak()
@@ -470,7 +471,7 @@ class ShardedParameters:
                 staging[end:].zero_()
                 staging.div_(self.world)
             out = torch.empty(b.bucket.shard_numel, dtype=b.full.dtype, device=self.device)
-            h = C.reduce_scatter(out, staging, self.group, async_op=True, tag="grad")
+            h = pairwise.reduce_scatter(out, staging, self.group, async_op=True, tag="grad")
 
             def finish(b=b, out=out, h=h, staging=staging) -> None:
                 h.wait()
@@ -540,7 +541,7 @@ class ShardedParameters:
                         continue
                     shard = b.shard.to(self.device) if b.shard.device != self.device else b.shard
                     with torch.autograd._unsafe_preserve_version_counter(b.full):
-                        C.all_gather(b.full, shard, self.group, tag="param")
+                        pairwise.all_gather(b.full, shard, self.group, tag="param")
             else:
                 self._free(u)
 
