@@ -323,6 +323,26 @@ def reshard_label(world, reshard_world) -> str:
     return f"dp={reshard_world}" if reshard_world else ("tp=%d" % world if world >= 2 else "ZeRO-3 / unsharded")
 
 
+def prebuild_deepspeed_ops(timeout: float) -> str:
+    """Build DeepSpeed's CPU shared-memory comm op once, outside the timed ranks; '' when it loads. On first use
+    ``deepspeed.initialize`` JIT-compiles it (4 min on this 2-core box under load) inside every rank: that ran past
+    the ranks' timeout, and the killed build left torch_extensions' ``lock`` file behind, so every later run waited
+    on it forever (both ranks in ``file_baton.wait``). Returns why it could not be built."""
+    import subprocess
+
+    code = "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder as B; B().load()"
+    print("deepspeed: building / loading its shm_comm op once (minutes on first use) ...", flush=True)
+    try:
+        done = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, DS_ACCELERATOR="cpu"),
+                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return (f"not run: building DeepSpeed's shm_comm op took over {timeout:.0f}s (a stale "
+                "~/.cache/torch_extensions/*/deepspeed_shm_comm/lock left by a killed build blocks it forever)")
+    if done.returncode:
+        return "not run: DeepSpeed's shm_comm op does not build: " + " | ".join(done.stderr.strip().splitlines()[-2:])
+    return ""
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=2)
@@ -358,6 +378,10 @@ def main() -> None:
 
         if importlib.util.find_spec("deepspeed") is None:
             failed["deepspeed"] = "not run: deepspeed is not installed (pip install deepspeed torch==<this torch>)"
+        else:
+            why = prebuild_deepspeed_ops(args.timeout)
+            if why:
+                failed["deepspeed"] = why
     base = tempfile.mkdtemp(prefix="bench_ckpt_", dir=args.dir)
     launch = lambda world, a: run_distributed(worker, world, a, timeout=args.timeout)  # noqa: E731
     rounds = []
