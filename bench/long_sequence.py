@@ -21,12 +21,19 @@ Systems (one rank: a world-1 gloo group, the real ``parallelize()`` + engine pat
 * ``ac_chunked_tiled_mlp_only``  the tiled MLP without the tiled norms (``tile_mlps(norms=False)``: the MLP keeps
   its own input; the norms run whole) -- the A/B of the norms' share
 * ``ac_chunked_tiled256``  ``ac_chunked_tiled`` with 256-position tiles
+* ``dense_offload`` / ``ac_chunked_tiled_offload``  ``dense`` / ``ac_chunked_tiled`` under ZeRO-Offload (stage 2,
+  ``offload="optimizer"``; these rows ignore ``--stage``): Adam's state (and the gradient copies the step streams)
+  are host memory, searched on the device bytes only (below)
 
 How memory is measured: ``lightning_scale.memory.LiveTensorBytes`` (a TorchDispatchMode) is active from building
 the model to the end of the optimizer step; the figure is the peak of the live bytes of every tensor storage
 created inside (parameters, the engine's buffers, activations, gradients, Adam state, the loss's logits), at op
 granularity. Scratch memory an op frees inside its own kernel is not seen. A length *fits* when that peak is at
-most the budget. The search doubles the length from ``--start`` while it fits, then bisects to ``--granularity``
+most the budget. Offload rows: the peak of the live bytes minus those of the tensors the engine keeps on the host
+(``DeviceBytes`` / ``host_tensors``: the non-aliased fp32 masters, the host gradient copies, the optimizer state --
+what its ``memory_bytes()['host']`` counts); the parameters, the gradient buffer and every activation count as
+device. On this CPU-only machine host and device are the same RAM: the row says what an accelerator would hold,
+not what this process held (both printed per probe). The search doubles the length from ``--start`` while it fits, then bisects to ``--granularity``
 positions; every probe is a real training step (batch 1). Step times are at the baseline's longest length (and
 at each system's own longest). This machine has no accelerator; ``bench/gpu_long_sequence.py`` is the GPU version.
 
@@ -85,7 +92,59 @@ SYSTEMS: Dict[str, dict] = {  # name -> (strategy options, loss_chunk, sparse)
     "ac_chunked_tiled_mlp_only": dict(ac="full", chunk=512, sparse=False, tiled=512, norms=False),
     "ac_chunked_tiled256": dict(ac="full", chunk=512, sparse=False, tiled=256),
     "sparse_ac_chunked_tiled": dict(ac="full", chunk=512, sparse=True, tiled=512),
+    # ZeRO-Offload (stage 2, offload="optimizer"): the fp32 masters, their gradient copies and Adam's state live on
+    # the host; the length is searched on the *device* bytes (see DeviceBytes)
+    "dense_offload": dict(ac=None, chunk=0, sparse=False, stage=2, offload="optimizer"),
+    "ac_chunked_tiled_offload": dict(ac="full", chunk=512, sparse=False, tiled=512, stage=2, offload="optimizer"),
+    # ZeRO-3 + offload="all" (parameters and optimizer on the host; each unit gathered to the device for compute)
+    "ac_chunked_tiled_offload_all": dict(ac="full", chunk=512, sparse=False, tiled=512, stage=3, offload="all"),
 }
+
+
+class DeviceBytes(LiveTensorBytes):
+    """``LiveTensorBytes`` that also keeps the peak of the bytes an accelerator would hold: all live bytes minus
+    those of ``host_fn()``'s tensors (the offloaded engine's host side). On this CPU both are the same RAM; the
+    split is the engine's own (``memory_bytes()['host']``: fp32 masters, gradient copies, optimizer state), as
+    bench/max_model.py accounts it. Without ``host_fn`` the device peak is the peak."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.host_fn = None
+        self.device_peak = self.host_peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        host = 0
+        if self.host_fn is not None:
+            keys = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in self.host_fn()}
+            host = sum(n for k, n in keys.items() if k in self._live)
+        self.device_peak = max(self.device_peak, self.current - host)
+        self.host_peak = max(self.host_peak, host)
+        return out
+
+
+def host_tensors(engine):
+    """The tensors an offload engine keeps on the host (what its ``memory_bytes()['host']`` counts): stages 1-2
+    (ZeroOptimizer) the non-aliased masters, the host gradient copies and the optimizer state; stage 3
+    (Stage3Optimizer) also the gradient shards streamed to the host and, under parameter offload, the parameter
+    shards (a unit gathered from them for compute is a new, device, buffer)."""
+    offload_opt = getattr(engine, "offload_optimizer", False)
+    sharded = getattr(engine, "sharded", None)
+    offload_params = bool(getattr(sharded, "params_offloaded", False))
+    if not (offload_opt or offload_params):
+        return []
+    out = []
+    if offload_opt:
+        out += [m for m, aliased in zip(engine.masters, engine._aliased) if not aliased]
+        out += [v for state in engine.inner.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    for st in engine.reducer.states:
+        if getattr(st, "host_grad", None) is not None:
+            out.append(st.host_grad)
+        if getattr(st, "grad_shard", None) is not None and getattr(st, "grad_device", None) is not None:
+            out.append(st.grad_shard)
+        if offload_params:
+            out.append(st.shard)
+    return out
 
 
 def model_config(args, length: int, chunk: int) -> GPTConfig:
@@ -102,11 +161,11 @@ def one_step(args, name: str, length: int, topo) -> Tuple[int, float]:
     tiled.TILE_NORMS = spec.get("norms", True)  # tile_mlps' default, read when parallelize() tiles
     if args.model == "llama":
         return _llama_step(args, spec, length, topo)
-    config = from_flat_kwargs(stage=args.stage, activation_checkpointing=spec["ac"], sp=topo.sp, tp=topo.tp,
-                              tiled_mlp=spec.get("tiled", 0))
+    config = from_flat_kwargs(stage=spec.get("stage", args.stage), activation_checkpointing=spec["ac"], sp=topo.sp,
+                              tp=topo.tp, tiled_mlp=spec.get("tiled", 0), offload=spec.get("offload", "none"))
     cfg = model_config(args, length, spec["chunk"])
     torch.manual_seed(0)
-    with LiveTensorBytes() as mem:
+    with DeviceBytes() as mem:
         if topo.tp > 1:  # on meta: each rank allocates only its tp slices (as the Trainer's meta init does)
             with torch.device("meta"):
                 model = GPT(cfg)
@@ -120,6 +179,7 @@ def one_step(args, name: str, length: int, topo) -> Tuple[int, float]:
                                                                  global_block_indices=(0,)))
         pm = parallelize(model, config, topo, "cpu", optimizers=lambda m=model: [torch.optim.AdamW(m.parameters())])
         (engine,) = pm.make_engines()
+        mem.host_fn = lambda e=engine: host_tensors(e)
         idx = torch.randint(0, cfg.vocab_size, (1, length + 1), generator=torch.Generator().manual_seed(length))
         x, y = shard_sequence((idx[:, :-1], idx[:, 1:]), topo.sp_rank, topo.sp)  # this rank's L / sp positions
         start = time.perf_counter()
@@ -127,13 +187,20 @@ def one_step(args, name: str, length: int, topo) -> Tuple[int, float]:
         engine.step()
         engine.zero_grad()
         seconds = time.perf_counter() - start
+        if spec.get("offload"):
+            reported = engine.memory_bytes()["host"]
+            HOST[(name, length)] = (mem.host_peak, reported, mem.peak)
         engine.remove_hooks()
+        mem.host_fn = None
         del engine, pm, model
     if dist.get_world_size() > 1:
-        peak = torch.tensor([float(mem.peak)], dtype=torch.float64)
+        peak = torch.tensor([float(mem.device_peak)], dtype=torch.float64)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         return int(peak.item()), seconds
-    return mem.peak, seconds
+    return mem.device_peak, seconds
+
+
+HOST: Dict[Tuple[str, int], Tuple[int, int, int]] = {}  # offload rows: (host peak, engine's host bytes, all bytes)
 
 
 def _llama(args, length: int):
@@ -197,7 +264,10 @@ def longest(args, row: str, name: str, topo, cache: Dict[Tuple[str, int], Tuple[
         if (row, length) not in cache:
             cache[(row, length)] = one_step(args, name, length, topo)
             peak, sec = cache[(row, length)]
-            say(f"  {row:22s} L={length:6d}: peak {peak / MiB:7.1f} MiB, step {sec:6.2f} s "
+            host = HOST.get((name, length))
+            extra = (f" (host {host[0] / MiB:.1f} MiB, engine's memory_bytes host {host[1] / MiB:.1f}; device + "
+                     f"host peak {host[2] / MiB:.1f})" if host else "")
+            say(f"  {row:22s} L={length:6d}: peak {peak / MiB:7.1f} MiB{extra}, step {sec:6.2f} s "
                 f"{'fits' if peak <= budget else 'over'}")
         return cache[(row, length)][0] <= budget
 
