@@ -220,6 +220,7 @@ class P2P:
         # (shape, dtype) -> CPU receive buffers handed back by recycle(): a receive takes one instead of allocating
         # (a torch.empty between two computes costs ~0.1 ms on a loaded CPU box: its code is cold by then)
         self._free: Dict[Tuple[torch.Size, torch.dtype], List[torch.Tensor]] = {}
+        self.reused = 0  # receives that filled a recycled buffer (diagnostics, tests)
 
     # ------------------------------------------------------------------ send / recv
     def send(self, tensor: torch.Tensor, dst: int, kind: str, key: Hashable = None) -> PendingRecv:
@@ -248,7 +249,11 @@ class P2P:
             self._shapes[channel] = (torch.Size(header[2:2 + ndim].tolist()), _DTYPES[code])
         shape, dtype = self._shapes[channel]
         free = self._free.get((shape, dtype)) if device is None or torch.device(device).type == "cpu" else None
-        buf = free.pop() if free else torch.empty(shape, dtype=dtype, device=device)
+        if free:
+            buf = free.pop()
+            self.reused += 1
+        else:
+            buf = torch.empty(shape, dtype=dtype, device=device)
         record("recv", _nbytes(buf), 2, f"pp_{kind}")
         seq = _trace.enter(f"recv<-{src}", _nbytes(buf), self.group, f"pp_{kind}")
         return self._post(_irecv, buf, src, tag, seq)
@@ -272,11 +277,17 @@ class P2P:
 
     def recycle(self, tensor: torch.Tensor) -> None:
         """Hand back a buffer a receive returned, once nothing uses it any more (the caller's promise): a later
-        receive of the same shape and dtype fills it instead of allocating. CPU only; a few per shape are kept."""
+        receive of the same shape and dtype fills it instead of allocating. CPU only; two per shape are kept, and
+        :meth:`release_free` drops them (the runtime does at the end of each step, so between steps the memory is
+        what it was without the pool)."""
         if tensor.device.type == "cpu" and tensor.is_contiguous() and tensor.storage_offset() == 0:
             free = self._free.setdefault((tensor.shape, tensor.dtype), [])
-            if len(free) < 4:
+            if len(free) < 2:
                 free.append(tensor)
+
+    def release_free(self) -> None:
+        """Drop the recycled buffers not taken yet."""
+        self._free.clear()
 
     def has_shape(self, src: int, kind: str, key: Hashable = None) -> bool:
         """True when a receive on this channel would not block for a header."""

@@ -245,6 +245,7 @@ class PipelineRuntime:
             if step.tracer is not None:
                 step.tracer.wait_sends()  # each send's wait recorded; the headers follow untraced
             self.p2p.wait_sends()
+            self.p2p.release_free()
             step.wait_s += time.perf_counter() - t0
         end = time.perf_counter()
         self.last_compute_s, self.last_step_s, self.last_window = step.compute_s, end - start, (start, end)

@@ -77,7 +77,7 @@ def _pipeline_worker(rank: int, world_size: int, model_kw: dict, runs: list, che
         eval_loss = runtime.eval_step(*make_batch(cfg, BATCH, seed=99)).item()
         mine = {id(p) for p in runtime.stage.parameters()}
         params = {n: p.detach().clone() for n, p in gpt.named_parameters() if id(p) in mine}
-        out[(schedule, v)] = dict(losses=losses, eval=eval_loss, params=params)
+        out[(schedule, v)] = dict(losses=losses, eval=eval_loss, params=params, reused=runtime.p2p.reused)
     if check_p2p:
         out["p2p"] = _p2p_worker(topo, cfg)
     return out
@@ -143,6 +143,9 @@ def test_pipeline_matches_single_process(pp):
                 assert err <= 1e-10, f"{schedule} v={v} rank {rank}: {name} differs by {err:.3e}"
                 seen.add(name)
         assert seen == set(ref_params), f"{schedule}: parameters held by no rank: {set(ref_params) - seen}"
+    # the exact results above include received gradient buffers refilled (the pool of P2P.recycle) where a full
+    # backward frees one before the next gradient receive is posted: 1F1B's first rank
+    assert results[0][("1f1b", 1)]["reused"] > 0, [res[("1f1b", 1)]["reused"] for res in results]
 
 
 def test_shapes_exchanged_once_and_bytes_recorded():

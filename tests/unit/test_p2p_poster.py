@@ -118,8 +118,11 @@ def test_recycled_buffers_are_kept_per_shape_and_only_whole_cpu_tensors():
     link.recycle(torch.empty(3, 2).t())  # not contiguous
     for _ in range(6):
         link.recycle(torch.empty(2, 3))
-    assert len(link._free[(torch.Size([2, 3]), torch.float32)]) == 4 and link._free[(a.shape, a.dtype)][0] is a
+    assert len(link._free[(torch.Size([2, 3]), torch.float32)]) == 2 and link._free[(a.shape, a.dtype)][0] is a
     assert list(link._free) == [(torch.Size([2, 3]), torch.float32)]
+    link.release_free()
+    assert link._free == {}
+    link.recycle(a)
     link.reset()
     assert link._free == {}
 
