@@ -56,6 +56,14 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _sendable(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` detached and contiguous, with no torch call where it already is (the runtime's activations and
+    gradients are: each call between two computes is one more cold dispatch)."""
+    if tensor.requires_grad:
+        tensor = tensor.detach()
+    return tensor if tensor.is_contiguous() else tensor.contiguous()
+
+
 def stream_tag(stream: int, seq: int) -> int:
     """The tag of message ``seq`` of ``stream``: distinct for every (stream mod 4096, seq mod 65536) and from the
     fixed tags (``TAGS``, abort). Both ends compute it, so a receive can only match the message it expects; a
@@ -228,7 +236,7 @@ class P2P:
 
         Returns the send's handle: waiting on it early is allowed (``wait_sends`` then skips it)."""
         tag = TAGS[kind]
-        tensor = tensor.detach().contiguous()
+        tensor = _sendable(tensor)
         channel = (dst, kind, key)
         if channel not in self._sent_headers:
             header = self._header(tensor)
