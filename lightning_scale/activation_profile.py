@@ -94,6 +94,24 @@ class _Tracker(TorchDispatchMode):
         return out
 
 
+def _rotary_inputs(unit: nn.Module, tokens: int) -> Dict[str, Any]:
+    """``position_embeddings=(cos, sin)`` of shape ``(1, tokens, head_dim)`` for a unit whose forward takes them
+    (Hugging Face decoder layers: the model computes them once and hands them to every layer), else nothing.
+    Called inside the fake mode; the attention mask stays None (causal sdpa, as the model's own mask for a
+    full-length batch)."""
+    import inspect
+
+    try:
+        if "position_embeddings" not in inspect.signature(type(unit).forward).parameters:
+            return {}
+    except (TypeError, ValueError):
+        return {}
+    head_dim = next((int(m.head_dim) for m in unit.modules() if isinstance(getattr(m, "head_dim", None), int)), None)
+    if head_dim is None:
+        return {}
+    return {"position_embeddings": (torch.empty(1, tokens, head_dim), torch.empty(1, tokens, head_dim))}
+
+
 def profile_unit(unit: nn.Module, tokens: int, tp: int = 1, hidden: Optional[int] = None) -> Dict[str, float]:
     """Per-token bytes of one unit at ``tokens`` positions (batch 1), float32: ``saved`` (all autograd keeps),
     ``input`` (the unit's input, what full checkpointing keeps), ``selective`` (input + every output of the
@@ -139,6 +157,8 @@ def profile_unit(unit: nn.Module, tokens: int, tp: int = 1, hidden: Optional[int
             buffers = {n: torch.empty(b.shape, dtype=b.dtype) for n, b in unit.named_buffers()}
             own = {p.untyped_storage()._cdata for p in params.values()}
             x = torch.empty(1, tokens, hidden, requires_grad=True)
+            kwargs = _rotary_inputs(unit, tokens)  # HF decoder layers: the model's cos / sin, shared by all units
+            own |= {t.untyped_storage()._cdata for t in kwargs.get("position_embeddings", ())}
 
             def pack(t: torch.Tensor) -> torch.Tensor:
                 key = t.untyped_storage()._cdata
@@ -149,7 +169,7 @@ def profile_unit(unit: nn.Module, tokens: int, tp: int = 1, hidden: Optional[int
 
             with _reparametrize_module(unit, {**params, **buffers}), tracker:
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                    y = inner(x)
+                    y = inner(x, **kwargs)
                 y = y[0] if isinstance(y, (tuple, list)) else y
                 tracker.selecting = False  # the forward's saved-op outputs are listed; the backward's are not kept
                 grad_out = torch.empty(y.shape, dtype=y.dtype)
