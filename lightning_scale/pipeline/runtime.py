@@ -116,6 +116,12 @@ class PipelineRuntime:
                               f"microbatches={sch.num_microbatches}; the stage has pp={stage.pp}, virtual_stages="
                               f"{stage.virtual_stages} and microbatches={microbatches}")
         validate_schedule(sch)  # cheap; a hand-written schedule fails here, not in a hang
+        if self.blocking and stage.pp > 1 and sch.virtual_stages > 1:
+            # each rank waits in a send whose receive the other posts only later in its list (seen at pp=2, v=2, 4
+            # micro-batches: both ranks in a send until the timeout); gpipe / 1f1b / zero_bubble run
+            raise ConfigError(f"PipelineRuntime(blocking=True) is the synchronous reference for schedules without "
+                              f"virtual stages; {sch.name!r} with virtual_stages={sch.virtual_stages} would deadlock "
+                              "in it (use the default blocking=False)")
         self._eval_schedule = sch.forward_only()
         validate_schedule(self._eval_schedule)
         self.pp_ranks = list(pp_ranks) if pp_ranks is not None else list(range(stage.pp))
