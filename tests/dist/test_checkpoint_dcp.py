@@ -20,7 +20,11 @@ import shutil
 import pytest
 import torch
 
-from lightning_scale.testing import live_rss_bytes, run_distributed
+from lightning_scale.testing import HF_RANK_PRELOAD, live_rss_bytes, run_distributed
+
+# the ranks fork from the zygote that imported torch._dynamo (torch.optim's first optimizer imports it: ~3 s of
+# CPU per rank here), the one the HF tests start anyway (a zygote of its own costs more than it saves)
+CKPT_PRELOAD = HF_RANK_PRELOAD
 
 SHAPES = {"emb.weight": (13, 6), "blocks.0.w": (6, 6), "blocks.0.b": (6,), "blocks.1.w": (9, 6), "head.w": (5, 6)}
 
@@ -130,7 +134,8 @@ def saved(tmp_path_factory):
         json.dump({"model_type": "toy"}, f)
     # a fixed mmap threshold: glibc then maps every >= 1 MiB block and unmaps it on free, so RSS is live memory
     # (with its default dynamic threshold freed 8 MiB blocks stay in the heap and the peak reads 1-3 chunks)
-    results = run_distributed(_all_worker, 2, args=(root,), timeout=240, env={"MALLOC_MMAP_THRESHOLD_": str(1 << 20)})
+    results = run_distributed(_all_worker, 2, args=(root,), timeout=240, preload=CKPT_PRELOAD,
+                              env={"MALLOC_MMAP_THRESHOLD_": str(1 << 20)})
     return os.path.join(root, "epoch=0-step=2.ckpt"), results
 
 

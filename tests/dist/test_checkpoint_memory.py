@@ -26,7 +26,11 @@ import os
 import pytest
 import torch
 
-from lightning_scale.testing import live_rss_bytes, run_distributed
+from lightning_scale.testing import HF_RANK_PRELOAD, live_rss_bytes, run_distributed
+
+# the ranks fork from the zygote that imported torch._dynamo (torch.optim's first optimizer imports it: ~3 s of
+# CPU per rank here), the one the HF tests start anyway (a zygote of its own costs more than it saves)
+CKPT_PRELOAD = HF_RANK_PRELOAD
 
 WIDTH, LAYERS, ODD = 2048, 16, 1000
 CONSTANT = 8 << 20
@@ -95,7 +99,7 @@ def _sums(engine):
                 kinds.setdefault(name, []).append(v)
     out = {}
     for name, ts in sorted(kinds.items()):
-        s = torch.tensor(sum(t.double().sum().item() for t in ts), dtype=torch.float64)
+        s = torch.tensor(sum(torch.sum(t, dtype=torch.float64).item() for t in ts), dtype=torch.float64)
         dist.all_reduce(s)
         out[name] = s.item()
     return out
@@ -134,7 +138,7 @@ def _memory_worker(rank, world, path):
 def measured(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("ckpt_memory"))
     return run_distributed(_memory_worker, 2, args=(os.path.join(root, "step=1.ckpt"),), timeout=400,
-                           env={"MALLOC_MMAP_THRESHOLD_": str(1 << 20)})
+                           preload=CKPT_PRELOAD, env={"MALLOC_MMAP_THRESHOLD_": str(1 << 20)})
 
 
 @pytest.mark.timeout(500)

@@ -17,7 +17,11 @@ import warnings
 import pytest
 import torch
 
-from lightning_scale.testing import run_distributed
+from lightning_scale.testing import HF_RANK_PRELOAD, run_distributed
+
+# the ranks fork from the zygote that imported torch._dynamo (torch.optim's first optimizer imports it: ~3 s of
+# CPU per rank here), the one the HF tests start anyway (a zygote of its own costs more than it saves)
+CKPT_PRELOAD = HF_RANK_PRELOAD
 
 MODEL = dict(n_layer=1, vocab_size=64, seq_len=16)
 SAVE_AT, AFTER, BATCH, FREEZE = 3, 2, 4, 2
@@ -97,7 +101,8 @@ def _worker(rank, world, root):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return run_distributed(_worker, 2, args=(str(tmp_path_factory.mktemp("onebit")),), timeout=240)
+    return run_distributed(_worker, 2, args=(str(tmp_path_factory.mktemp("onebit")),), timeout=240,
+                           preload=CKPT_PRELOAD)
 
 
 def _same(a, b):

@@ -15,7 +15,11 @@ import os
 import pytest
 import torch
 
-from lightning_scale.testing import run_distributed
+from lightning_scale.testing import HF_RANK_PRELOAD, run_distributed
+
+# the ranks fork from the zygote that imported torch._dynamo (torch.optim's first optimizer imports it: ~3 s of
+# CPU per rank here), the one the HF tests start anyway (a zygote of its own costs more than it saves)
+CKPT_PRELOAD = HF_RANK_PRELOAD
 
 MODEL = dict(n_layer=2, vocab_size=64, seq_len=16)
 STEPS, SAVE_AT, BATCH, LR = 4, 2, 4, 3e-3
@@ -130,7 +134,7 @@ def _matrix_worker(rank, world, root):
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("reshard"))
-    return _reference(), run_distributed(_matrix_worker, 2, args=(root,), timeout=240)
+    return _reference(), run_distributed(_matrix_worker, 2, args=(root,), timeout=240, preload=CKPT_PRELOAD)
 
 
 def _check(matrix, name):
