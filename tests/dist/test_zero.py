@@ -81,6 +81,14 @@ def test_pairwise_collectives_match_native():
             assert sub["bytes"][0] == sub["bytes"][1] > 0
 
 
+def test_engines_use_pairwise_collectives_on_gloo():
+    """The ZeRO 1-3 engines' gradient reduce-scatters and parameter all-gathers go through comm.pairwise on gloo."""
+    for losses, broken in run_distributed(W.engines_skip_gloo_native, 2, timeout=120):
+        assert not broken, broken  # no native call was even tried (a failed one would have fallen back)
+        assert len(losses) == 5 and all(v == v for v in losses.values()), losses
+        assert losses[(1, True)] == losses[(1, False)] and losses[(2, True)] == losses[(2, False)], losses
+
+
 @pytest.mark.parametrize("stage", [1, 2])
 def test_two_optimizers_match_single_process(stage):
     expected = W.two_optimizers(0, 1, stage)

@@ -202,6 +202,44 @@ def pairwise_collectives(rank: int, world: int):
     return out
 
 
+def engines_skip_gloo_native(rank: int, world: int):
+    """Stages 1-3 on gloo never call gloo's own reduce-scatter / all-gather (slow on CPU, see comm.pairwise): the
+    native entry points raise here, and a step with overlapped and blocking post-step gathers still trains."""
+    from lightning_scale.comm import collectives as C
+    from lightning_scale.zero.param_shard import ShardedParameters
+    from lightning_scale.zero.stage3_optimizer import Stage3Optimizer
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("gloo's native reduce_scatter / all_gather called")
+
+    C._reduce_scatter_native = C._all_gather_native = refuse
+    C._NATIVE_BROKEN.clear()
+    cfg = gpt_tiny()
+    losses = {}
+    for stage in (1, 2, 3):
+        for overlap in (True, False):
+            torch.manual_seed(0)
+            model = GPT(cfg).double()
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            if stage == 3:
+                sharded = ShardedParameters(model, [g["params"] for g in opt.param_groups],
+                                            device=torch.device("cpu"))
+                sharded.shard_model()
+                Stage3Optimizer(opt, sharded)
+                if not overlap:
+                    continue
+            else:
+                ZeroOptimizer(opt, stage=stage, overlap_comm=overlap, overlap_param_gather=overlap)
+            x, y = make_batch(cfg, 4, seed=rank)
+            for _ in range(2):
+                loss = lm_loss(model(x), y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+            losses[(stage, overlap)] = float(lm_loss(model(x), y).detach())
+    return losses, C._NATIVE_BROKEN.copy()
+
+
 def two_optimizers(rank: int, world: int, stage: int):
     """Two optimizers over disjoint halves of the model (manual-optimization style), stepped in turn."""
     torch.manual_seed(0)
