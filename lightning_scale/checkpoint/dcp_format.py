@@ -73,7 +73,7 @@ __all__ = ["FORMAT", "FORMAT_VERSION", "LoadResult", "PieceLoadPlanner", "PieceS
            "check_pieces", "detect_format", "load", "open_checkpoint", "read_local", "save"]
 
 FORMAT = "lightning_scale.dcp"
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4  # 4: per-block CRCs of raw tensor chunks ('blocks'); 3 and older load too
 DCP_METADATA = ".metadata"
 BLOCK = 1 << 20  # bytes per CRC32 of a tensor's raw bytes in the manifest ("blocks"): the unit of a partial read
 _STORAGE_RECORD = re.compile(r"(^|/)data/[0-9]+$")  # a torch.save archive's storage records
@@ -303,6 +303,10 @@ def open_checkpoint(path: str) -> Tuple[str, Dict[str, Any], Metadata]:
             f"layout-free format: load it with lightning_scale.strategies.checkpoint.load_sharded on the layout "
             f"that wrote it, or consolidate it (python -m lightning_scale.checkpoint consolidate {path} OUT.pt)")
     meta = folder.read_manifest(path)
+    version = meta.get("format_version", 1)
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise CheckpointError(f"{path} was written in checkpoint format {version!r}, newer than this lightning_scale "
+                              f"reads (up to {FORMAT_VERSION}): load it with the version that wrote it, or upgrade")
     folder.verify(path, meta, checksum=(DCP_METADATA,))
     return path, meta, FileSystemReader(path).read_metadata()
 

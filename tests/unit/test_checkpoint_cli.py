@@ -47,7 +47,7 @@ def folders(tmp_path_factory):
 def test_inspect_both_formats(folders, capsys):
     assert main(["inspect", folders["new"]]) == 0
     out = capsys.readouterr().out
-    assert "format dcp (version 3), step 4, world size 1, layout {'dp': 2, 'stage': 2}" in out
+    assert f"format dcp (version {dcp_format.FORMAT_VERSION}), step 4, world size 1, " + "layout {'dp': 2, 'stage': 2}" in out
     assert "model/net.w" in out and "[6, 5]" in out and "4 chunk(s)" in out and "extra/loops" in out
     assert "__0_0.distcp" in out and "crc32" in out and ".metadata" in out
     assert main(["inspect", folders["old"]]) == 0

@@ -156,3 +156,19 @@ def test_every_rank_killed_while_overwriting_leaves_the_previous_checkpoint(tmp_
     assert meta["world_size"] == 2 and sorted(n for n in meta["files"] if n.endswith(".distcp")) == \
         ["__0_0.distcp", "__1_0.distcp"]
     assert _load(path) == (2, {2.0})
+
+
+def test_a_checkpoint_of_a_newer_format_is_refused_by_name(tmp_path):
+    """A folder written by a newer lightning_scale (its manifest's format_version above ours) raises before any read,
+    naming both versions, instead of failing somewhere in the read with a misleading 'corrupt'."""
+    path = tmp_path / "step=3.ckpt"
+    _save(path, 3)
+    assert _load(path) == (3, {3.0})
+    manifest = path / folder.MANIFEST
+    meta = torch.load(manifest, weights_only=False)
+    assert meta["format_version"] == dcp_format.FORMAT_VERSION
+    meta["format_version"] = dcp_format.FORMAT_VERSION + 1
+    torch.save(meta, manifest)
+    with pytest.raises(CheckpointError, match=f"checkpoint format {dcp_format.FORMAT_VERSION + 1}, newer than "
+                                              f"this lightning_scale reads \\(up to {dcp_format.FORMAT_VERSION}\\)"):
+        _load(path)
