@@ -15,8 +15,10 @@ action, the bytes alive then:
   (a GPT block: the two output projections, 2 d; the embeddings; the head's logits), and from its ``I`` to its
   ``W`` ``work``, the gradient of the output of every parameter-owning module of the stage (the ``WeightWork``
   ``W`` consumes: a GPT block 11 d, the head ``V / tp``; :func:`split_backward_width`); the ``I``'s working set is
-  the larger of ``backward`` and ``work`` (measured on one GPT stage: the gradients, at their end). With
-  activation checkpointing this is not modelled (a note says so: step 1 measured 2.2-3.9x the plan at pp=2);
+  the larger of ``backward`` and ``work`` (measured on one GPT stage: the gradients, at their end). A stage
+  holding activation-checkpointed units is not split (:class:`~lightning_scale.pipeline.backward.WeightGradSplitter`:
+  W would re-run each unit's recompute): its whole backward runs in ``I``, which the walk counts as a ``B``
+  (``keep`` freed there, no records, no ``work``), its ``W`` is empty;
 * the point-to-point buffers, as :class:`lightning_scale.pipeline.runtime.PipelineRuntime` keeps them: every sent
   activation / input gradient stays referenced by its posted send until the step's end (``P2P.wait_sends``), and
   receives are posted up to ``prefetch`` ahead of the schedule once their channel's shape is known (step 1 learns
@@ -52,6 +54,7 @@ class StageBytes:
     recv_f: float = 0.0  # a received activation (the stage's input), before its forward uses it
     recv_b: float = 0.0  # a received output gradient, before its backward uses it
     work: float = 0.0  # split backward: the module-output gradients held from I to W
+    split: bool = True  # False: a split schedule runs this stage's whole backward in I (checkpointed units)
 
 
 @dataclass(frozen=True)
@@ -112,7 +115,7 @@ def _walk(schedule, rank: int, stages: Dict[int, StageBytes], prefetch: int, kno
             bufs.pop((S.RECV_B, a.stage, a.microbatch), None)  # the incoming gradient: in the backward set
             kept = sum(live.values())
             moment = kept + stages[a.stage].backward
-            if a.kind == S.B:
+            if a.kind == S.B or not stages[a.stage].split:  # an unsplit I is a whole backward: keep freed
                 live.pop((a.stage, a.microbatch), None)
             else:  # I makes the module-output gradients W consumes (its working set: they dominate it); they live
                 # with the graph until the W
@@ -126,7 +129,8 @@ def _walk(schedule, rank: int, stages: Dict[int, StageBytes], prefetch: int, kno
         if moment is not None:
             p2p = sum(bufs.values()) + sent
             if moment + p2p > best[0]:
-                best = (moment + p2p, len(live) + (a.kind == S.B), p2p, kept, str(a))
+                best = (moment + p2p, len(live) + (a.kind == S.B or (a.kind == S.I and not stages[a.stage].split)),
+                        p2p, kept, str(a))
         reached = bisect.bisect_right(recv_at, k)
         while posted < min(len(recv_at), reached + prefetch):
             if _channel(acts[recv_at[posted]]) not in known:
@@ -247,21 +251,23 @@ def pipeline_activations(*, schedule, pp_rank: int, units: Dict[int, int], seq_l
             keep = kept + est.head + lsm
             backward = max(est.head + est.loss, recompute) - est.head - lsm
         work = 0.0
-        if schedule.splits_backward:  # zero-bubble: the records and the gradients W consumes (module docstring)
+        # checkpointed units on the stage: WeightGradSplitter does not split it (a whole backward in I, as 1F1B's B)
+        split = schedule.splits_backward and not (n and est.policy != "none")
+        if split:  # zero-bubble: the records and the gradients W consumes (module docstring)
             grads, unsaved = (split_widths or {}).get(s, (0.0, 0.0))
             work = est.tokens * grads * b
             keep += est.tokens * (unsaved * b + n * per_token.get("recorded", 0.0) * b / 4.0) if grads else 0.0
         stages[s] = StageBytes(keep=keep, backward=backward, out=hidden_bytes if s < last_id else 0.0,
                                grad=hidden_bytes if s > 0 else 0.0, recv_f=hidden_bytes if s > 0 else 0.0,
-                               recv_b=hidden_bytes if s < last_id else 0.0, work=work)
+                               recv_b=hidden_bytes if s < last_id else 0.0, work=work, split=split)
         per_stage[s] = est
     walk = schedule_peak(schedule, pp_rank, stages, prefetch=prefetch, tied_bytes=2.0 * tied_numel * b)
     first = per_stage[schedule.rank_stages(pp_rank)[0]]
     extra = ()
-    if schedule.splits_backward and first.policy != "none":
-        extra = ("zero-bubble with activation checkpointing is not modelled: at pp=2 (GPT 4x d128) step 1 measured "
-                 "2.2-3.9x this plan (the split backward's records keep the checkpointed units' outputs, and the "
-                 "recompute stays with the graph until W)",)
+    unsplit = [s for s in stages if schedule.splits_backward and not stages[s].split]
+    if unsplit:
+        extra = (f"zero-bubble with activation checkpointing: stage(s) {unsplit} hold checkpointed units, so their "
+                 "backward is not split (all of it in I, as 1F1B; no W overlap)",)
     is_last = last_id in stages
     layers = sum(units[s] for s in stages)
     return dataclasses.replace(

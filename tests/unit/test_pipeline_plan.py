@@ -133,5 +133,13 @@ def test_zero_bubble_stage_keeps_records_and_work():
     assert plain.pipeline.at == split.pipeline.at == "I(s0,m1)" and plain.pipeline.p2p == split.pipeline.p2p
     assert plain.pipeline.peak - plain.pipeline.p2p == 2 * keep + 64 * 200.0, plain.pipeline
     assert split.pipeline.peak - split.pipeline.p2p == 2 * (keep + extra) + work, split.pipeline
-    ac = pipeline_activations(pp_rank=0, units={0: 2}, activation_checkpointing="full", **common)
-    assert any("not modelled" in n for n in ac.notes), ac.notes
+    # a stage of checkpointed units is not split (WeightGradSplitter): its walk is 1F1B + AC's, I freeing the keep
+    for r in (0, 1):
+        ac = pipeline_activations(pp_rank=r, units={r: 2}, activation_checkpointing="full",
+                                  split_widths={r: (100.0, 8.0)}, **dict(common, schedule=build_schedule("zero_bubble", 2, 4)))
+        ref = pipeline_activations(pp_rank=r, units={r: 2}, activation_checkpointing="full",
+                                   **dict(common, schedule=build_schedule("1f1b", 2, 4)))
+        assert any("not split" in n for n in ac.notes), ac.notes
+        assert (ac.pipeline.peak, ac.pipeline.p2p, ac.pipeline.kept, ac.pipeline.max_in_flight) == \
+            (ref.pipeline.peak, ref.pipeline.p2p, ref.pipeline.kept, ref.pipeline.max_in_flight), (ac.pipeline, ref.pipeline)
+        assert ac.pipeline.max_in_flight == 2 - r
