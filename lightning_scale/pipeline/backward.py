@@ -34,20 +34,28 @@ class WeightGradSplitter:
     """Forward hooks on the parameter-owning modules of one chunk."""
 
     def __init__(self, chunk: nn.Module) -> None:
+        self.chunk = chunk
         self.modules = [m for m in chunk.modules() if any(p.requires_grad for p in m.parameters(recurse=False))]
         owner = {}
-        self.splittable = True
-        # checkpointed units: W's per-module autograd calls would each re-run the unit's recompute (module docstring)
-        self.checkpointed = any(getattr(m, "_activation_checkpointing", None) is not None for m in chunk.modules())
-        if self.checkpointed:
-            self.splittable = False
+        self._shared = False
         for m in self.modules:
             for p in m.parameters(recurse=False):
                 if id(p) in owner and owner[id(p)] is not m:
-                    self.splittable = False  # e.g. tied embedding and head in the same chunk
+                    self._shared = True  # e.g. tied embedding and head in the same chunk
                 owner[id(p)] = m
         self._records: Optional[List[Tuple[nn.Module, object]]] = None
-        self._handles = [m.register_forward_hook(self._hook) for m in self.modules] if self.splittable else []
+        self._handles = [] if self._shared else [m.register_forward_hook(self._hook) for m in self.modules]
+
+    @property
+    def checkpointed(self) -> bool:
+        """The chunk holds an activation-checkpointed unit. Read at every forward: ``parallelize`` checkpoints the
+        units (apply_ac) after the pipeline runtime, and so this splitter, is built (apply_pp)."""
+        return any(getattr(m, "_activation_checkpointing", None) is not None for m in self.chunk.modules())
+
+    @property
+    def splittable(self) -> bool:
+        # checkpointed units: W's per-module autograd calls would each re-run the unit's recompute (module docstring)
+        return not self._shared and not self.checkpointed
 
     def _hook(self, module: nn.Module, _inputs, output) -> None:
         if self._records is not None:
@@ -55,7 +63,9 @@ class WeightGradSplitter:
 
     @contextmanager
     def capture(self) -> Iterator[List[Tuple[nn.Module, object]]]:
-        self._records = records = []
+        """The records of one forward; none when the chunk is not split (nothing kept beyond what autograd keeps)."""
+        records: List[Tuple[nn.Module, object]] = []
+        self._records = records if self.splittable else None
         try:
             yield records
         finally:
