@@ -2,7 +2,8 @@
 
 Trainer launches of the project GPT (4 layers, d128, float32, CPU, 2 ranks = 2 pipeline stages, a batch of 4
 sequences of 1024 positions in 4 micro-batches): 1F1B, GPipe and interleaved 1F1B (2 chunks per rank), activation
-checkpointing off and full, and zero-bubble (ZB-H1, split backward) without checkpointing; and an unchanged HF
+checkpointing off and full, and zero-bubble (ZB-H1, split backward) without checkpointing and with full checkpointing
+(its stages hold checkpointed units, so their backward is not split: 1F1B's in-flight counts); and an unchanged HF
 LlamaForCausalLM of the same size at 1F1B, AC off and full (its stages from the automatic adapter). Each stage's plan walks its
 own schedule (lightning_scale/pipeline_plan.py): 1F1B keeps 2 micro-batches in flight on stage 0 and 1 on stage 1,
 GPipe 4 on both; the sent activations / input gradients stay alive until the step's end; zero-bubble keeps each
@@ -29,6 +30,7 @@ CASES = {  # name: (schedule, activation_checkpointing, virtual stages)
     "interleaved": ("interleaved_1f1b", None, 2),
     "interleaved_ac": ("interleaved_1f1b", "full", 2),
     "zero_bubble": ("zero_bubble", None, 1),
+    "zero_bubble_ac": ("zero_bubble", "full", 1),  # stages of checkpointed units are not split: 1F1B's walk
     "llama_1f1b": ("1f1b", None, 1),  # an unchanged HF LlamaForCausalLM, its stages from the automatic adapter
     "llama_1f1b_ac": ("1f1b", "full", 1),
 }
@@ -136,7 +138,8 @@ def test_every_stage_step1_peak_within_15_percent_at_pp2(tmp_path, name):
         assert not r["warned"], (name, r)
         assert r["activations"] > 0.25 * r["predicted"], (name, r)
         assert r["tokens"] == BATCH // MICRO * SEQ, r
-    assert tuple(r["max_in_flight"] for r in results) == IN_FLIGHT[CASES[name][0]], results
+    want = (2, 1) if name == "zero_bubble_ac" else IN_FLIGHT[CASES[name][0]]  # I frees an unsplit stage's keep
+    assert tuple(r["max_in_flight"] for r in results) == want, results
     head = "[lightning_scale memory] step 1 peak per device (pp rank"
     lines = [ln for ln in stdout.splitlines() if ln.startswith(head)]
     assert len(lines) == 2, stdout[-3000:]  # each stage prints its own check
