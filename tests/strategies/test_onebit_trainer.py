@@ -56,7 +56,9 @@ def test_zero1_onebit_checkpoint_resumes_identically(tmp_path):
     (["--option", "stage=3"], "stage=3: OneBitAdam supports ZeRO stages"),
 ])
 def test_onebit_zero_bad_settings_fail_clearly(tmp_path, args, message):
-    proc, elapsed = fit(tmp_path, "bad", *ONEBIT, "--freeze-step", "1", *args, timeout=120, expect_ok=False)
+    proc, elapsed = fit(tmp_path, "bad", *ONEBIT, "--freeze-step", "1", *args, timeout=240, expect_ok=False)
     assert proc.returncode != 0
     assert message in proc.stdout + proc.stderr
-    assert elapsed < 90
+    # no hang: an error that did not reach every rank would wait out hang_timeout (300 s) and run_script's timeout
+    # (240 s) fails the test; the time is printed, not asserted (it is mostly start-up, and varies with load)
+    print(f"ended by itself in {elapsed:.1f} s")

@@ -82,11 +82,13 @@ def test_pp2_checkpoint_resume_gives_identical_losses(tmp_path):
     (["--devices", "2", "--option", "pp=2", "--option", "stage=3", "--tie"], "shared by two pipeline stages"),
 ])
 def test_pp_bad_settings_fail_before_training(tmp_path, args, message):
-    proc, elapsed = fit(tmp_path, "bad", *args, "--steps", "1", timeout=100, expect_ok=False)
+    proc, elapsed = fit(tmp_path, "bad", *args, "--steps", "1", timeout=240, expect_ok=False)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert message in out, out[-3000:]
-    assert elapsed < 90
+    # no hang: an error that did not reach every rank would wait out hang_timeout (300 s) and run_script's timeout
+    # (240 s) fails the test; the time is printed, not asserted (it is mostly start-up, and varies with load)
+    print(f"ended by itself in {elapsed:.1f} s")
 
 
 @pytest.fixture(scope="module")

@@ -85,7 +85,9 @@ def test_tp2_checkpoint_resume_gives_identical_losses(tmp_path):
     (["--devices", "2", "--option", "tp=2", "--option", "plan={'blocks.*.attn.qkv':'diagonal'}"], "diagonal"),
 ])
 def test_tp_bad_settings_fail_on_every_rank(tmp_path, args, message):
-    proc, elapsed = fit(tmp_path, "bad", *args, "--steps", "1", timeout=100, expect_ok=False)
+    proc, elapsed = fit(tmp_path, "bad", *args, "--steps", "1", timeout=240, expect_ok=False)
     assert proc.returncode != 0
     assert message in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-3000:]
-    assert elapsed < 90
+    # no hang: an error that did not reach every rank would wait out hang_timeout (300 s) and run_script's timeout
+    # (240 s) fails the test; the time is printed, not asserted (it is mostly start-up, and varies with load)
+    print(f"ended by itself in {elapsed:.1f} s")

@@ -67,9 +67,11 @@ def test_bad_stage3_and_offload_settings_raise_at_construction(options, message)
 
 def test_unit_class_matching_nothing_fails_fast_on_every_rank(tmp_path):
     proc, elapsed = fit(tmp_path, "bad", "--devices", "2", "--option", "stage=3",
-                        "--option", "unit_modules=('NoSuchBlock',)", timeout=120, expect_ok=False)
+                        "--option", "unit_modules=('NoSuchBlock',)", timeout=240, expect_ok=False)
     assert proc.returncode != 0
     out = proc.stdout + proc.stderr
     assert "unit_modules entry 'NoSuchBlock' matches no module class or name" in out, out[-3000:]
     assert "Block" in out  # the message lists the classes it could have meant
-    assert elapsed < 90
+    # no hang: an error that did not reach every rank would wait out hang_timeout (300 s) and run_script's timeout
+    # (240 s) fails the test; the time is printed, not asserted (it is mostly start-up, and varies with load)
+    print(f"ended by itself in {elapsed:.1f} s")

@@ -99,10 +99,12 @@ def test_errors_reach_every_rank_without_hang(tmp_path, args, message):
     # The injected failure is launched as a user does (Lightning starts rank 1): it must reach every rank on that
     # path too; the others as torchrun does.
     launcher = "lightning" if "--fail-rank" in args else "torchrun"
-    proc, elapsed = fit(tmp_path, "bad", "--devices", "2", *args, timeout=120, expect_ok=False, launcher=launcher)
+    proc, elapsed = fit(tmp_path, "bad", "--devices", "2", *args, timeout=240, expect_ok=False, launcher=launcher)
     assert proc.returncode != 0
     assert message in proc.stdout + proc.stderr
-    assert elapsed < 90  # includes two interpreter + Lightning start-ups; the failure itself is immediate
+    # no hang: an error that did not reach every rank would wait out hang_timeout (300 s) and run_script's timeout
+    # (240 s) fails the test; the time is printed, not asserted (it is mostly start-up, and varies with load)
+    print(f"ended by itself in {elapsed:.1f} s")
 
 
 @pytest.mark.parametrize("kwargs,message", [

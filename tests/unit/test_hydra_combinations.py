@@ -173,7 +173,7 @@ def _train(tmp_path, combo):
     if combo[1] != "onebit_adam":
         overrides.remove("optimizer.freeze_step=2")
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    proc = run_script([sys.executable, os.path.join(ROOT, "examples", "train.py"), *overrides], timeout=420,
+    proc = run_script([sys.executable, os.path.join(ROOT, "examples", "train.py"), *overrides], timeout=840,
                       cwd=str(tmp_path), env=env, merge_stderr=True, ranks=2)  # trainer.devices=auto: 2 CPU ranks
     assert proc.returncode == 0, (combo, proc.stdout[-3000:])
     assert re.search(r"final val_loss \d+\.\d+ .* steps 4 ", proc.stdout), (combo, proc.stdout[-3000:])
