@@ -1,7 +1,8 @@
 """Shared fixtures for the Trainer tests: one single-process reference run for every test module.
 
-Under pytest-xdist (the README's `-n 2`) each worker is a session of its own: the run is made once, by the first
-worker that needs it, under a file lock in the directory every worker's base temp sits in; the others read it."""
+Under pytest-xdist (`-n N`; not what CI runs, see README, Tests) each worker is a session of its own: the run is
+made once, by the first worker that needs it, under a file lock in the directory every worker's base temp sits in;
+the others read it."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import os
 
 import pytest
 import torch
-from filelock import FileLock
 
 from test_zero_trainer import COMMON, fit
 
@@ -23,6 +23,8 @@ def single(tmp_path_factory):
         run = fit(tmp, "single", "--strategy", "single", "--devices", "1", *COMMON, "--state-dict-out",
                   str(tmp / "sd.pt"))
     else:
+        from filelock import FileLock
+
         tmp = tmp_path_factory.getbasetemp().parent / "single"  # shared by the workers of this run
         with FileLock(str(tmp) + ".lock"):
             done = tmp / "run.json"
