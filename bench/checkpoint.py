@@ -30,6 +30,8 @@ are part of their peak growth; lightning_fsdp2 loads into the live model and opt
     ls_universal     lightning_scale parallelize(stage=2) + make_engines; checkpoint.engine_pieces.save_engines /
                      load_engines (the layout-free DCP format of checkpoint_format="universal"); reshard: stage 2 on
                      the new dp (or, with --reshard-world 0, tp=2 stage 1: the model's own tp_plan)
+    ls_universal_z3  the same at stage=3 (parameters, gradients and optimizer state sharded, as FSDP2 shards them:
+                     the like-for-like peak RSS row against dcp_fsdp2); reshard: stage 3 on the new dp
     ls_sharded       the same engines, checkpoint_format="sharded" (format 2: rank 0 the module state_dict, each
                      rank its engine.state_dict(); strategies.checkpoint.save_sharded / load_sharded); cannot
                      reshard (it refuses another layout)
@@ -72,9 +74,11 @@ from checkpoint_peers import (AFTER, _dcp_reshard, _dcp_run, _ds_reshard, _ds_ru
                               _folder_bytes, _lightning_run, _timed, process_peak_mb)
 from models import _loss, build_llama  # noqa: E402
 
-SYSTEMS = ["ls_universal", "ls_sharded", "dcp_fsdp2", "deepspeed", "lightning_fsdp2"]
-PEERS = {"ls_universal": ["dcp_fsdp2", "deepspeed", "lightning_fsdp2", "ls_sharded"]}
-RESHARDS = {"ls_universal", "dcp_fsdp2", "deepspeed"}  # the rows with a resharded load
+SYSTEMS = ["ls_universal", "ls_universal_z3", "ls_sharded", "dcp_fsdp2", "deepspeed", "lightning_fsdp2"]
+# ls_universal_z3: the same at ZeRO-3 (parameters and gradients sharded as FSDP2's: the like-for-like peak RSS row)
+PEERS = {"ls_universal": ["dcp_fsdp2", "deepspeed", "lightning_fsdp2", "ls_sharded"],
+         "ls_universal_z3": ["dcp_fsdp2", "deepspeed"]}
+RESHARDS = {"ls_universal", "ls_universal_z3", "dcp_fsdp2", "deepspeed"}  # the rows with a resharded load
 # the resharded load's layout: "world" (the same kind of layout on another number of ranks: a second launch, see
 # worker's phase), "tp" (dp=N -> tp=N in the same processes) or "stage3" (one rank: ZeRO-2 -> ZeRO-3 / FSDP2 -> a
 # plain module), for lightning_scale and for torch DCP; DeepSpeed reshards only in "world"
@@ -124,11 +128,13 @@ def _ls_run(system, kw, batches, rank, world, root, device="cpu", reshard=None):
     from lightning_scale.checkpoint import dcp_format  # noqa: F401  (imported before the timers, as the peers')
     from lightning_scale.checkpoint.engine_pieces import load_engines, save_engines
 
-    model, engine, tp_rank, step = _ls_build(kw, rank, world, device, stage=2)
+    stage = 3 if system == "ls_universal_z3" else 2
+    universal = system.startswith("ls_universal")
+    model, engine, tp_rank, step = _ls_build(kw, rank, world, device, stage=stage)
     step(*batches[0])
     path = os.path.join(root, "ckpt")
     out = {}
-    if system == "ls_universal":
+    if universal:
         save = lambda: save_engines(path, model, [engine], tp_rank=tp_rank)  # noqa: E731
     else:
         from lightning_scale.strategies.checkpoint import load_sharded, save_sharded
@@ -150,8 +156,8 @@ def _ls_run(system, kw, batches, rank, world, root, device="cpu", reshard=None):
     out["bytes"] = _folder_bytes(path)
     out["expected"] = expected = [step(*b) for b in batches[1:1 + AFTER]]
     del model, engine, step
-    model, engine, tp_rank, step = _ls_build(kw, rank, world, device, stage=2)
-    if system == "ls_universal":
+    model, engine, tp_rank, step = _ls_build(kw, rank, world, device, stage=stage)
+    if universal:
         load = lambda: load_engines(path, model, [engine], tp_rank=tp_rank)  # noqa: E731
     else:
         def load():
@@ -161,12 +167,12 @@ def _ls_run(system, kw, batches, rank, world, root, device="cpu", reshard=None):
             engine.load_state_dict(ck["optimizer_states"][0])
     _, out["load_s"], out["load_mb"] = _timed(load)
     out["dloss"] = max(abs(a - b) for a, b in zip(expected, [step(*b) for b in batches[1:1 + AFTER]]))
-    if system == "ls_universal":  # the same save through AsyncSaver, last: its host buffers stay allocated
+    if universal:  # the same save through AsyncSaver, last: its host buffers stay allocated
         out["peak_rss_mb"] = process_peak_mb()  # the synchronous save / load run's peak, as the peers'
         _ls_async(out, model, engine, tp_rank, root)
-    if system == "ls_universal" and reshard != "world":
+    if universal and reshard != "world":
         del model, engine, step
-        out.update(_ls_reshard(kw, batches, rank, world, root, device, reshard, expected))
+        out.update(_ls_reshard(kw, batches, rank, world, root, device, reshard, expected, stage))
     return out
 
 
@@ -191,11 +197,14 @@ def _ls_async(out, model, engine, tp_rank, root):
         shutil.rmtree(apath, ignore_errors=True)
 
 
-def _ls_reshard(kw, batches, rank, world, root, device, reshard, expected):
+def _ls_reshard(kw, batches, rank, world, root, device, reshard, expected, stage=2):
     from lightning_scale.checkpoint.engine_pieces import load_engines
 
     path, out = os.path.join(root, "ckpt"), {}
-    model, engine, tp_rank, step = _ls_build(kw, rank, world, device, **RESHARD_LS[reshard](world))
+    layout = RESHARD_LS[reshard](world)
+    if reshard == "world":  # the same stage on the new number of ranks
+        layout = dict(stage=stage)
+    model, engine, tp_rank, step = _ls_build(kw, rank, world, device, **layout)
     _, out["reshard_s"], out["reshard_mb"] = _timed(lambda: load_engines(path, model, [engine], tp_rank=tp_rank))
     out["reshard_dloss"] = max(abs(a - b) for a, b in zip(expected, [step(*b) for b in batches[1:1 + AFTER]]))
     return out
@@ -221,8 +230,9 @@ def worker(rank: int, world: int, system: str, kw: dict, batch: int, root: str, 
         ids = torch.randint(0, kw["vocab"], (batch, kw["seq"] + 1), generator=g)
         batches.append((ids[:, :-1].contiguous(), ids[:, 1:].contiguous()))
     if phase == "reshard":
-        if system == "ls_universal":
-            out = _ls_reshard(kw, batches, rank, world, root, device, reshard, expected)
+        if system.startswith("ls_universal"):
+            out = _ls_reshard(kw, batches, rank, world, root, device, reshard, expected,
+                              3 if system == "ls_universal_z3" else 2)
         elif system == "dcp_fsdp2":
             out = _dcp_reshard(kw, batches, root, device, reshard, expected)
         elif system == "deepspeed":
