@@ -66,18 +66,24 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
+def _begin(name: str, full: torch.Tensor, shard: torch.Tensor, group, tag: str, async_op: bool):
+    """The shared start of both exchanges: the size check, the accounting record and the trace entry.
+
+    Returns ``(n, me, peers, seq)``: the group size, this rank's group rank, the members' global ranks and the
+    trace sequence number the result closes."""
+    n = C.group_size(group)
+    if full.numel() != n * shard.numel():
+        raise ValueError(f"{name}: full numel {full.numel()} != {n} x shard numel {shard.numel()}")
+    record(name, C._nbytes(full), n, tag)
+    return n, C.group_rank(group), _peers(group), _trace.enter(name, C._nbytes(full), group, tag, not async_op)
+
+
 @C._eager
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group=None, *, async_op: bool = False, tag: str = ""):
     """Like :func:`.collectives.reduce_scatter` (sum of ``inp`` over the group, rank r gets chunk r in ``out``)."""
     if not uses_pairwise(group):
         return C.reduce_scatter(out, inp, group, async_op=async_op, tag=tag)
-    n = C.group_size(group)
-    if inp.numel() != n * out.numel():
-        raise ValueError(f"reduce_scatter: input numel {inp.numel()} != {n} x output numel {out.numel()}")
-    me = C.group_rank(group)
-    peers = _peers(group)
-    record("reduce_scatter", C._nbytes(inp), n, tag)
-    seq = _trace.enter("reduce_scatter", C._nbytes(inp), group, tag, not async_op)
+    n, me, peers, seq = _begin("reduce_scatter", inp, out, group, tag, async_op)
     chunks = inp.reshape(-1).chunk(n)
     flat_out = out.view(-1)
     if n == 2 and not _overlaps(flat_out, inp):
@@ -112,13 +118,7 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group=None, *, async_op: bo
     """Like :func:`.collectives.all_gather`; ``inp`` may be ``out``'s own chunk (in place: nothing is copied)."""
     if not uses_pairwise(group):
         return C.all_gather(out, inp, group, async_op=async_op, tag=tag)
-    n = C.group_size(group)
-    if out.numel() != n * inp.numel():
-        raise ValueError(f"all_gather: output numel {out.numel()} != {n} x input numel {inp.numel()}")
-    me = C.group_rank(group)
-    peers = _peers(group)
-    record("all_gather", C._nbytes(out), n, tag)
-    seq = _trace.enter("all_gather", C._nbytes(out), group, tag, not async_op)
+    n, me, peers, seq = _begin("all_gather", out, inp, group, tag, async_op)
     chunks = out.view(-1).chunk(n)
     src = inp.reshape(-1)
     if src.data_ptr() != chunks[me].data_ptr():
