@@ -25,7 +25,8 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from lightning_scale.comm.collectives import all_gather, all_reduce, group_rank, group_size, reduce_scatter
+from lightning_scale.comm import pairwise
+from lightning_scale.comm.collectives import all_gather, all_reduce, group_rank, group_size
 from lightning_scale.comm.compressed import (
     SCALE_MODES, compressed_all_reduce, compressed_reduce_scatter, error_buffer_numels,
 )
@@ -393,7 +394,7 @@ class OneBitAdamShard:
             padded = flat_grad.new_zeros(self.world * self.chunk)
             padded[: self.numel] = flat_grad.reshape(-1)
             grad = flat_grad.new_empty(self.chunk)
-            reduce_scatter(grad, padded, self.group, tag="onebit.warmup")
+            pairwise.reduce_scatter(grad, padded, self.group, tag="onebit.warmup")
             grad.div_(self.world)
             st["v_step"] += 1
             st["exp_avg"].lerp_(grad, 1 - beta1)

@@ -36,6 +36,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 import torch
 
 from lightning_scale.comm import collectives as C
+from lightning_scale.comm import pairwise
 from lightning_scale.config import ConfigError
 from lightning_scale.optim.onebit_adam import OneBitAdam, OneBitAdamShard, check_zero_stage
 from lightning_scale.zero.flat_buffer import Bucket, build_buckets
@@ -240,7 +241,7 @@ class OneBitZeroOptimizer:
             shard = st.param_buffer[st.shard]
             if not st.master_aliased:
                 shard.copy_(st.master)
-            handles.append(C.all_gather(st.param_buffer, shard.clone(), self.group, async_op=True, tag="param"))
+            handles.append(pairwise.all_gather(st.param_buffer, shard, self.group, async_op=True, tag="param"))
         for h in handles:
             h.wait()
 
