@@ -20,6 +20,7 @@ not the request's: preload only libraries whose import does not depend on per-te
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import select
@@ -190,6 +191,11 @@ def _child(req: Dict) -> None:
         sys.stdin = open(os.devnull)
         os.environ.clear()
         os.environ.update(req["env"])
+        if os.environ.get("PYTHONUNBUFFERED"):  # `python -u`: the request's setting, not the zygote's
+            for name, fd in (("stdout", 1), ("stderr", 2)):
+                stream = getattr(sys, name)
+                setattr(sys, name, io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding=stream.encoding,
+                                                    errors=stream.errors, write_through=True))
         os.chdir(req["cwd"])
         sys.argv = list(req["argv"])
         code = _run(req["kind"], sys.argv)

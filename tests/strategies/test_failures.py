@@ -12,11 +12,13 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
 import pytest
 
+from lightning_scale import testing, testing_zygote
 from lightning_scale.diagnostics import EXIT_HANG
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "fit_failures.py")
@@ -30,17 +32,44 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _start(cmd, tmp_path, env):
+    """Rank 0 (the script) in a session of its own; Lightning's launcher starts rank 1 as its child, in that session.
+    Forked from the test zygote when it is on (rank 0 skips the ~10 s import of Lightning that rank 1 still pays;
+    the script's Python signal handlers, exit status and output are those of ``python SCRIPT``), else under
+    run_script's supervisor (PR_SET_PDEATHSIG: if pytest itself is killed, the job's group goes with it).
+    Returns (process, output reader, returncode as a shell reports it)."""
+    if testing._use_zygote():
+        out_path = str(tmp_path / "output.txt")
+        proc = testing_zygote.zygote(testing.SCRIPT_PRELOAD).fork(
+            "script", cmd[1:], env, str(tmp_path), out_path, out_path, str(tmp_path / "exit_status"))
+
+        def output():
+            with open(out_path, errors="replace") as f:
+                return f.read()
+
+        return proc, output, lambda: proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
+    supervise = [sys.executable, "-c", "from lightning_scale.testing import _supervise; _supervise()"]
+    proc = subprocess.Popen([*supervise, *cmd], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    chunks = []
+    reader = threading.Thread(target=lambda: chunks.append(proc.stdout.read()), daemon=True)
+    reader.start()
+
+    def output():
+        reader.join(timeout=10)
+        return "".join(chunks)
+
+    return proc, output, lambda: proc.returncode
+
+
 def launch(tmp_path, *args, timeout: float, signal_after_step=None, signal_ranks=(), signum=signal.SIGTERM):
     """Run fit_failures.py; optionally send ``signum`` to ``signal_ranks`` once rank 0 finished that batch.
     Returns (returncode, stdout + stderr, pids that were still alive when the script had exited)."""
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir(exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    # Under run_script's supervisor (PR_SET_PDEATHSIG): if pytest itself is killed, the job's group goes with it
-    supervise = [sys.executable, "-c", "from lightning_scale.testing import _supervise; _supervise()"]
-    proc = subprocess.Popen([*supervise, sys.executable, SCRIPT, "--pid-dir", str(pid_dir), *map(str, args)],
-                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc, output, returncode = _start([sys.executable, SCRIPT, "--pid-dir", str(pid_dir), *map(str, args)],
+                                      tmp_path, env)
     try:
         deadline = time.monotonic() + timeout
         if signal_after_step is not None:
@@ -50,12 +79,12 @@ def launch(tmp_path, *args, timeout: float, signal_after_step=None, signal_ranks
                 time.sleep(0.05)
             for r in signal_ranks:
                 os.kill(int((pid_dir / f"rank{r}.pid").read_text()), signum)
-        out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        proc.wait(timeout=max(1.0, deadline - time.monotonic()))
         pids = [int(p.read_text()) for p in pid_dir.glob("rank*.pid")]
         end = time.monotonic() + 5.0  # a child may be a moment behind its parent
         while time.monotonic() < end and any(_alive(p) for p in pids):
             time.sleep(0.05)
-        return proc.returncode, out, [p for p in pids if _alive(p)]
+        return returncode(), output(), [p for p in pids if _alive(p)]
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -76,8 +105,9 @@ def _ours(out: str):
     pytest.param("tp2", r"all_reduce #\d+ \(axis tp \[0, 1\], tag tp/[\w.]+, \d+ B\)", marks=pytest.mark.slow),
 ])
 def test_hang_in_training_step(tmp_path, mode, waits_in):
+    # timeout: first_step_grace 20 s + start-up under load
     rc, out, left = launch(tmp_path, "--mode", mode, "--fault", "hang", "--fault-step", "2",
-                           "--hang-timeout", HANG_S, timeout=HANG_S + 140)  # first_step_grace 20 s + start-up under load
+                           "--hang-timeout", HANG_S, timeout=HANG_S + 140)
     assert rc == EXIT_HANG, out[-4000:]
     assert left == [], f"processes left: {left}"
     assert out.count("HANG: every rank exits now (stuck rank(s): [1])") == 2, out[-4000:]  # both ranks reported

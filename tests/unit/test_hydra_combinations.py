@@ -152,16 +152,21 @@ def _covering_runs():
             opts[3] = "gpt_smoke"
         runs.append([strategy, optimizer, *opts[1:]])
     # Suite time: gpt_medium steps take 10-60x longer than gpt_mini on 2 CPU cores (block-sparse layouts run
-    # Triton kernels in the interpreter there): it trains in one run, under ddp with dense attention; its other
-    # runs take gpt_mini, and a sparse layout that was on gpt_medium moves to a dense run on a smaller model.
+    # Triton kernels in the interpreter there, bf16 autocast is emulated): it trains in one run, under ddp with
+    # dense attention in fp32; its other runs take gpt_mini, and the sparse layout or reduced precision that was on
+    # gpt_medium moves to another run.
     for run in runs:
         if run[4] != "gpt_medium":
             continue
         if run[0] != "ddp":
             run[4] = "gpt_mini"
-        elif run[3] != "dense":
+            continue
+        if run[3] != "dense":
             other = next(o for o in runs if o[4] != "gpt_medium" and o[3] == "dense" and o[0] != "tensor")
             run[3], other[3] = other[3], run[3]
+        if run[2] != "fp32":  # bf16 autocast on this CPU: 557 s for the 4 steps (2026-12-04), fp32 a few seconds
+            other = next(o for o in runs if o[4] != "gpt_medium" and o[2] == "fp32")
+            run[2], other[2] = other[2], run[2]
     for i, group in enumerate(GROUPS):
         assert {r[i] for r in runs} >= set(OPTIONS[group]) - {"3d"}, (group, runs)
     return [tuple(r) for r in runs]
