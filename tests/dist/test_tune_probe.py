@@ -67,7 +67,10 @@ def test_compile_probe_compiles_and_reports_compile_time_apart():
     b = measure(model.cfg, compiled, steps=2, warmup=2, timeout=500, compile_setting={"backend": "aot_eager"})
     assert a["graphs"] == 0 and a["compiled_units"] == 0, a
     assert b["graphs"] >= 1 and b["compiled_units"] >= 1, b
-    assert b["tokens_per_s"] > 0 and b["compile_s"] > 1.0, b  # the first step's capture + compile, not in tokens/s
+    # The first step's capture + compile, not in tokens/s: above the eager twin's warm-up extra. Dynamo + AOTAutograd
+    # tracing took 0.88-1.2 s on the quiet box (the former fixed 1.0 s threshold failed at 0.88 s in CI), the eager
+    # warm-up's extra 0.0 s.
+    assert b["tokens_per_s"] > 0 and b["compile_s"] > max(0.25, a["compile_s"]), (a, b)
     print(f"eager {a['tokens_per_s']:,.0f} tokens/s (warm-up extra {a['compile_s']:.1f} s); compiled "
           f"{b['tokens_per_s']:,.0f} tokens/s, compile {b['compile_s']:.1f} s, probe {b['probe_s']:.0f} s")
 
