@@ -1,7 +1,8 @@
-"""Unchanged Hugging Face models under tp=2 and pp=2 == one process (issue 14's model matrix).
+"""Unchanged Hugging Face models under ZeRO-3, tp=2 and pp=2 == one process (issue 14's model matrix).
 
 One 2-rank group runs every case in turn (spawning is the slow part): each family of
-``lightning_scale.models.hf_families`` x {tp=2 (the model's own ``tp_plan``), pp=2 (the automatic adapter,
+``lightning_scale.models.hf_families`` x {ZeRO-3 at dp=2 (``parallelize(stage=3)``: one unit per decoder layer,
+found automatically; each rank half the batch), tp=2 (the model's own ``tp_plan``), pp=2 (the automatic adapter,
 1F1B, 2 micro-batches; also with a padding ``attention_mask`` travelling with the micro-batches)} x
 {eager, sdpa}, 3 SGD steps in float64. Every rank also computes the single-process reference of each
 case itself, so the comparison is per step, in float64, tolerance 1e-7 (Gemma keeps some float32
@@ -26,6 +27,7 @@ FAST = ["mistral", "gemma3", "phi3", "gpt_neox", "gpt2"]  # Llama runs in tests/
 # dp2 x tp2 x pp2 (8 ranks, slow): Llama and the other layouts (GPT-2's learned positions, Conv1D c_attn and tied
 # head; Qwen2's q/k/v biases; Phi3's gathered fused projections; GPT-NeoX's interleaved qkv; Mistral's window)
 GRID = ["llama", "gpt2", "qwen2", "phi3", "gpt_neox", "mistral"]
+MODES = ("zero3", "tp2", "pp2", "pp2_padded")
 
 
 def _loss(logits, targets):
@@ -78,6 +80,34 @@ def _tp(name: str, attn: str, group):
     return losses
 
 
+def _zero3(name: str, attn: str, world_size: int, rank: int):
+    """ZeRO-3 over dp=2 through parallelize() + make_engines(): parameters, gradients and SGD step sharded, each rank
+    half of every batch; the step's loss is the mean of the two halves' (equal-size) means = the full batch's."""
+    from lightning_scale.comm import collectives as C
+    from lightning_scale.config import from_flat_kwargs
+    from lightning_scale.models import hf_families as F
+    from lightning_scale.parallelize import local_topology, parallelize
+
+    config = from_flat_kwargs(stage=3)
+    topo = local_topology(config, world_size, rank)
+    model = F.build(name, attn)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    pm = parallelize(model, config, topo, "cpu", optimizers=[opt])
+    (engine,) = pm.make_engines()
+    assert type(engine).__name__ == "Stage3Optimizer", type(engine).__name__
+    assert pm.sharded is not None and len(pm.sharded.units) > 1, "no ZeRO-3 units: the layers were not found"
+    losses = []
+    for x, y, _ in _batches(False):
+        xs, ys = x.chunk(topo.dp)[topo.dp_rank], y.chunk(topo.dp)[topo.dp_rank]
+        loss = _loss(model(input_ids=xs).logits, ys)
+        loss.backward()
+        opt.step()  # routed to the engine: gradients reduce-scattered over dp, the step on this rank's shard
+        opt.zero_grad()
+        C.all_reduce(mean := loss.detach().clone(), topo.dp_group)
+        losses.append(mean.item() / topo.dp)
+    return losses
+
+
 def _pp(name: str, attn: str, padded: bool, group, rank: int):
     from lightning_scale.models import hf_families as F
     from lightning_scale.models.hf_pipeline import hf_pipeline_layers
@@ -105,7 +135,7 @@ def _cases(families):
         for attn in ("eager", "sdpa"):
             if name == "gemma2" and attn == "sdpa":
                 continue  # transformers itself refuses sdpa for Gemma2 (soft-capping)
-            for mode in ("tp2", "pp2", "pp2_padded"):
+            for mode in MODES:
                 yield name, attn, mode
     del F
 
@@ -119,7 +149,9 @@ def matrix_worker(rank: int, world_size: int, families) -> dict:
     out = {}
     for name, attn, mode in _cases(families):
         try:
-            if mode == "tp2":
+            if mode == "zero3":
+                got = _zero3(name, attn, world_size, rank)
+            elif mode == "tp2":
                 got = _tp(name, attn, group)
             else:
                 got = _pp(name, attn, mode == "pp2_padded", group, rank)
