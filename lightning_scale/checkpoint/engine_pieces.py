@@ -131,6 +131,18 @@ def engine_pieces(engine, names: Mapping[int, str], weights_from: Optional[str] 
                     yield tensor_piece(optim_key(fqn, sname), value)
 
 
+def sharded_pieces(sharded, names: Mapping[int, str], key_of, tp_rank: int = 0) -> Iterator[Piece]:
+    """The parameter shards of a ZeRO-3 ``ShardedParameters`` without an engine (evaluation: nothing to step):
+    ``key_of(fqn)`` names the checkpoint key each slot's elements are read from / written to."""
+    for b in sharded.buckets():
+        lo, hi = b.bucket.shard_range(b.rank)
+        for slot in b.bucket.slots:
+            a, z = slot.shard_overlap(lo, hi)
+            if a < z:
+                yield _slot_piece(key_of(_name(names, slot.param)), b.shard, off=slot.offset + a - lo, n=z - a,
+                                  shape=slot.shape, start=a, spec=_tp_spec(slot.param), tp_rank=tp_rank)
+
+
 def _slot_piece(key: str, shard: torch.Tensor, *, off: int, n: int, shape, start: int, spec, tp_rank: int) -> Piece:
     return flat_param_piece(key, shard[off:off + n], shape, start, spec, tp_rank)
 

@@ -59,8 +59,11 @@ def load_sharded(path: str, rank: int, world_size: int) -> Dict[str, Any]:
     folder.warn_unverified(path, meta)
     if meta["world_size"] != world_size:
         raise CheckpointError(
-            f"checkpoint {path} was written by {meta['world_size']} ranks; this run has {world_size}. "
-            "Resume with the same number of devices x nodes"
+            f"checkpoint {path} was written by {meta['world_size']} ranks; this run has {world_size}. A checkpoint "
+            "of the default checkpoint_format='sharded' resumes on the same number of devices x nodes only: resume "
+            f"on {meta['world_size']} ranks (and save from there with Zero3DStrategy(checkpoint_format='universal'), "
+            "which resumes on any layout), or take its weights with `python -m lightning_scale.checkpoint "
+            "consolidate` (optimizer state is not carried over)"
         )
     checkpoint = folder.load_file(path, "checkpoint.pt", meta)
     shard = folder.load_file(path, f"optim_rank{rank}.pt", meta)
@@ -268,24 +271,32 @@ def load_universal(strategy, path: str) -> Dict[str, Any]:
 
 
 def load_universal_weights(strategy, path: str) -> None:
-    """Collective, no engines (validate / test / predict with ``ckpt_path``): the weights into the whole module
-    (fp32 masters where the checkpoint kept them). zero.stage=3 and tp / pp hold only pieces outside a fit."""
+    """Collective, no engines (validate / test / predict with ``ckpt_path``, any layout): the weights (fp32 masters
+    where the checkpoint kept them) into what this rank holds of the model: its ZeRO-3 parameter shards, its tp
+    slices, its pipeline stage's tensors, persistent buffers. Each rank reads only the saved chunks that overlap."""
     from lightning_scale.checkpoint import dcp_format
-    from lightning_scale.checkpoint.engine_pieces import tensor_pieces
+    from lightning_scale.checkpoint.engine_pieces import sharded_pieces, tensor_pieces
 
-    cfg = strategy.config
-    if cfg.zero.stage == 3 or cfg.tp > 1 or cfg.pp > 1:
-        raise ConfigError(f"a universal checkpoint outside trainer.fit loads into zero.stage < 3 without tp / pp "
-                          f"only (this run: zero.stage={cfg.zero.stage}, tp={cfg.tp}, pp={cfg.pp}); load it in "
-                          "a fit, or consolidate it (python -m lightning_scale.checkpoint consolidate)")
     path, _, md = dcp_format.open_checkpoint(path)
     have = md.state_dict_metadata
-    pieces = []
-    for name, t in strategy.lightning_module.state_dict(keep_vars=True).items():
-        if torch.is_tensor(t) and t.numel():
-            pieces.append(tensor_pieces(f"master/{name}" if f"master/{name}" in have else f"model/{name}", t))
+
+    def weights(name: str) -> str:
+        return f"master/{name}" if f"master/{name}" in have else f"model/{name}"
+
+    module, tp_rank, sharded = strategy.lightning_module, _tp_rank(strategy), strategy.sharded
+    pieces, owned = [], set()
+    if sharded is not None:  # ZeRO-3: into the flat shards (the parameters themselves are freed views)
+        pieces += sharded_pieces(sharded, param_names(module), weights, tp_rank)
+        owned = {id(s.param) for b in sharded.buckets() for s in b.bucket.slots}
+    params = {id(p) for p in module.parameters()}
+    for name, t in module.state_dict(keep_vars=True).items():
+        if id(t) in owned or not torch.is_tensor(t) or t.numel() == 0 or t.is_meta:
+            continue  # a 0-element tensor: another pipeline stage's, which that stage loads
+        pieces.append(tensor_pieces(weights(name) if id(t) in params else f"model/{name}", t, tp_rank))
     with torch.no_grad():
         dcp_format.load(path, pieces, strict=True)
+    if sharded is not None:
+        sharded.after_step()  # shards changed: refresh the persistent unit, drop stale gathered copies
 
 
 # ------------------------------------------------------------------------------------ resuming at an epoch's end

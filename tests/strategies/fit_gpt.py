@@ -95,6 +95,9 @@ def main() -> None:
     ap.add_argument("--no-layers", action="store_true", help="a module without pipeline_layers()")
     ap.add_argument("--tie", action="store_true", help="tie the embedding and the LM head")
     ap.add_argument("--test-ckpt", default=None, help="also run trainer.test(ckpt_path=...) after fit")
+    ap.add_argument("--validate-ckpt", default=None,
+                    help="no fit: only trainer.validate(ckpt_path=...) on this fresh strategy (no engines exist); "
+                         "'none': without a checkpoint")
     ap.add_argument("--record-batches", action="store_true", help="record which batch each rank read")
     ap.add_argument("--optimizer", default="adamw", help="GPTLightningModule optimizer: adamw, onebit_adam, sgd")
     ap.add_argument("--freeze-step", type=int, default=None, help="OneBitAdam warm-up steps")
@@ -156,6 +159,14 @@ def main() -> None:
         enable_model_summary=False, callbacks=callbacks, limit_val_batches=2, val_check_interval=2,
         num_sanity_val_steps=0, limit_train_batches=args.epoch_batches,
     )
+    if args.validate_ckpt:
+        ckpt = None if args.validate_ckpt == "none" else args.validate_ckpt  # "none": the fresh init
+        val = trainer.validate(model, datamodule=data, verbose=False, ckpt_path=ckpt)
+        if trainer.is_global_zero:
+            with open(args.out, "w") as f:
+                json.dump({"val": val, "world": trainer.world_size, "sharded": trainer.strategy.sharded is not None
+                           if hasattr(trainer.strategy, "sharded") else False}, f)
+        return
     trainer.fit(model, datamodule=data, ckpt_path=args.resume)
     probe = None
     if args.probe:  # the trained (possibly sharded) model on a fixed batch; a collective under ZeRO-3 / tp / pp

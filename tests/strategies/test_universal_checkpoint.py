@@ -110,6 +110,34 @@ def test_reshard_across_tp_and_pp(saved, layout):
     _close(one["losses"], full["losses"][4:])
 
 
+def _val_loss(run):
+    (metrics,) = run["val"]
+    return metrics["val_loss"]
+
+
+def test_validate_from_a_fresh_process_on_any_layout(saved):
+    """trainer.validate(ckpt_path=...) with no fit before it (no engines: the weights go straight into what each rank
+    holds): dp=2's step-6 checkpoint validated under ZeRO-3 (into the parameter shards), tp=2 (slices) and pp=2
+    (stages) gives the val loss of the layouts that hold whole parameters (dp=2 stage 2 / 1 rank: both see the same
+    16 rows). Before, ZeRO-3 / tp / pp raised a ConfigError here."""
+    tmp, _ = saved
+    step6 = str(tmp / "ckpt" / "epoch=2-step=6.ckpt")
+
+    def validate(name, devices, *options, ckpt=step6):
+        opts = [a for o in options for a in ("--option", o)]
+        return fit(tmp, name, "--devices", str(devices), *opts, "--validate-ckpt", ckpt)
+
+    dp2 = _val_loss(validate("val_dp2", 2, "stage=2"))
+    one = _val_loss(validate("val_one", 1, "stage=2"))
+    z3 = validate("val_z3", 2, "stage=3")
+    assert z3["sharded"] and abs(_val_loss(z3) - dp2) <= TOL, (_val_loss(z3), dp2)
+    assert abs(_val_loss(validate("val_tp2", 2, "stage=1", "tp=2")) - one) <= TOL
+    assert abs(_val_loss(validate("val_z3_tp2", 2, "stage=3", "tp=2")) - one) <= TOL  # shards of tp slices
+    assert abs(_val_loss(validate("val_pp2", 2, "stage=1", "pp=2", "microbatches=2")) - one) <= TOL
+    fresh = _val_loss(validate("val_fresh", 1, "stage=2", ckpt="none"))
+    assert abs(fresh - one) > 100 * TOL, (fresh, one)  # the checkpoint moves the val loss: the checks above can fail
+
+
 def _tensors(path, tmp):
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 

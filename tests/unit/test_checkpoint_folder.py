@@ -192,8 +192,9 @@ def test_truncated_deleted_and_foreign_files_are_named(tmp_path):
     os.remove(bad / "meta.pt")
     with pytest.raises(CheckpointError, match="no meta.pt"):
         load_sharded(str(bad), 0, WORLD)
-    with pytest.raises(CheckpointError, match="written by 2 ranks; this run has 4"):
+    with pytest.raises(CheckpointError, match="written by 2 ranks; this run has 4") as err:
         load_sharded(str(a), 0, 4)
+    assert "checkpoint_format='universal'" in str(err.value) and "consolidate" in str(err.value)  # how to go on
 
 
 def test_format_1_folder_still_loads_with_a_warning(tmp_path):
