@@ -86,9 +86,11 @@ _ALIASES = {
 }
 
 STYLE_NAMES = tuple(sorted(_STYLES)) + tuple(sorted(_ALIASES))
-# transformers styles with no equivalent here (mixture-of-experts, MLA, hidden-split embeddings, local params)
+# transformers styles with no equivalent here (mixture-of-experts and expert-parallel plans, MLA, hidden-split
+# embeddings, local params, per-unit splits); tests/unit/test_tp_plan.py checks every style of the installed
+# transformers is either implemented above or named here, so a new release's styles are refused by name
 _NOT_IMPLEMENTED = ("moe_tp_experts", "moe_identity_expert", "mla_kv_a_proj", "embedding_colwise", "local_params",
-                    "all_reduce")
+                    "all_reduce", "grouped_gemm", "ep_dispatch_experts", "unit_colwise", "unit_rowwise")
 
 
 def _with_name(style: Style, name: str) -> Style:
@@ -114,7 +116,7 @@ def parse_style(value: Union[str, Style], pattern: str = "") -> Style:
             return _with_name(_STYLES[key], value)
     where = f" for {pattern!r}" if pattern else ""
     if value in _NOT_IMPLEMENTED:
-        raise ConfigError(f"tensor.plan: transformers' style {value!r}{where} (mixture-of-experts / MLA / "
-                          f"local parameters) is not implemented here; pass a plan without it, e.g. leaving "
+        raise ConfigError(f"tensor.plan: transformers' style {value!r}{where} (mixture-of-experts / expert "
+                          f"parallel / MLA / local parameters / per-unit splits) is not implemented here; pass a plan without it, e.g. leaving "
                           f"those modules replicated ('replicate')")
     raise ConfigError(f"tensor.plan: unknown style {value!r}{where}; known styles: {', '.join(STYLE_NAMES)}")

@@ -145,6 +145,21 @@ def test_unknown_style_lists_known_styles():
         plan_tensor_parallel(_gpt(), {"blocks.*.attn.qkv": "columnwise"}, 2)
 
 
+def test_every_style_of_the_installed_transformers_is_implemented_or_refused_by_name():
+    """Read from the installed release (not a copied list): each style transformers' tp / ep plans may name parses
+    here, or raises the 'not implemented here' ConfigError that names it - never 'unknown style'."""
+    tp_module = pytest.importorskip("transformers.integrations.tensor_parallel")
+    from lightning_scale.tensor_parallel.styles import parse_style
+
+    styles = sorted(tp_module.ALL_PARALLEL_STYLES)
+    assert {"colwise", "rowwise", "replicated_with_grad_allreduce"} <= set(styles)
+    for name in styles:
+        try:
+            parse_style(name, "layers.*.x")
+        except ConfigError as err:
+            assert "is not implemented here" in str(err) and repr(name) in str(err), (name, str(err))
+
+
 def test_tp_not_dividing_heads_or_hidden_size():
     with pytest.raises(ConfigError, match=r"tp=2 does not divide the number of heads blocks\.0\.attn\.n_head=3"):
         plan_tensor_parallel(_gpt(n_head=3, d_model=24), None, 2)
