@@ -169,16 +169,22 @@ def _ls_run(system, kw, batches, rank, world, root, device="cpu", reshard=None):
     out["dloss"] = max(abs(a - b) for a, b in zip(expected, [step(*b) for b in batches[1:1 + AFTER]]))
     if universal:  # the same save through AsyncSaver, last: its host buffers stay allocated
         out["peak_rss_mb"] = process_peak_mb()  # the synchronous save / load run's peak, as the peers'
-        _ls_async(out, model, engine, tp_rank, root)
+        _ls_async(out, model, engine, tp_rank, root, step, batches[1])
     if universal and reshard != "world":
         del model, engine, step
         out.update(_ls_reshard(kw, batches, rank, world, root, device, reshard, expected, stage))
     return out
 
 
-def _ls_async(out, model, engine, tp_rank, root):
+def _ls_async(out, model, engine, tp_rank, root, step, batch):
     """How long an AsyncSaver save blocks the caller (the snapshot) and how long until it is written, of the
-    loaded state (the same tensors as the synchronous save's); the host buffers it keeps between saves."""
+    loaded state (the same tensors as the synchronous save's); the host buffers it keeps between saves. Then the
+    overlapped snapshot (``checkpoint_async="overlap"``): the save call, then one training step, whose optimizer
+    step waits for the copy if it is not done: blocked = the call + that wait (max over ranks), beside the step's
+    time with and without the save in flight."""
+    import time
+
+    import torch
     import torch.distributed as dist
 
     from lightning_scale.checkpoint.async_save import AsyncSaver
@@ -193,6 +199,22 @@ def _ls_async(out, model, engine, tp_rank, root):
     _, wait_s, _ = _timed(saver.wait)
     out["async_total_s"] = out["async_block_s"] + wait_s
     out["async_buffers_mb"] = saver.buffer_bytes / 2**20
+    times = []
+    for overlap in (False, True):  # a step alone, then a step with an overlapped save in flight
+        saver.fence_wait_s = 0.0
+        dist.barrier()
+        t0 = time.perf_counter()
+        if overlap:
+            save_engines(apath, model, [engine], tp_rank=tp_rank, saver=saver, overlap=True)
+        t1 = time.perf_counter()
+        step(*batch)
+        t2 = time.perf_counter()
+        saver.wait()
+        times.append([t1 - t0 + saver.fence_wait_s, t2 - t1])
+    worst = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    out["overlap_block_s"], out["step_alone_s"], out["step_overlap_s"] = (worst[1, 0].item(), worst[0, 1].item(),
+                                                                           worst[1, 1].item())
     if dist.get_rank() == 0:
         shutil.rmtree(apath, ignore_errors=True)
 
@@ -274,6 +296,8 @@ def _table(rounds, systems, failed) -> str:
             ("dloss", "resume dloss", "{:.1e}"), ("reshard_dloss", "reshard dloss", "{:.1e}"),
             ("async_block_s", "async save blocks s", "{:.3f}"), ("async_total_s", "async save total s", "{:.2f}"),
             ("async_buffers_mb", "async host buffers MiB", "{:.0f}"),
+            ("overlap_block_s", "overlapped async blocks s", "{:.3f}"), ("step_alone_s", "step s", "{:.2f}"),
+            ("step_overlap_s", "step s, overlapped save in flight", "{:.2f}"),
             ("peak_rss_mb", "peak RSS MB", "{:.0f}"), ("reshard_peak_rss_mb", "reshard run peak RSS MB", "{:.0f}"),
             ("convert_child_rss_mb", "converter workers peak RSS MB", "{:.0f}")]
     lines = ["| system | " + " | ".join(c[1] for c in cols) + " |", "|---" * (len(cols) + 1) + "|"]
@@ -307,6 +331,13 @@ def _ratios(rounds, failed) -> str:
               if "async_block_s" in r.get("ls_universal", {})]
     tail = (f"\n\nasync save: blocks {statistics.median(blocks):.1%} of the synchronous save's time (median; "
             "target <= 10%)") if blocks else ""
+    over = [r["ls_universal"] for r in rounds if "overlap_block_s" in r.get("ls_universal", {})]
+    if over:
+        tail += (f"\nasync save, overlapped snapshot (checkpoint_async='overlap'): blocks "
+                 f"{statistics.median(o['overlap_block_s'] / o['save_s'] for o in over):.1%} of the synchronous save's "
+                 f"time (the call + the next optimizer step's wait); the next step took "
+                 f"{statistics.median(o['step_overlap_s'] / o['step_alone_s'] for o in over):.2f}x a step without a "
+                 "save in flight (median)")
     return "\n".join(lines) + "\n\n(ratio = lightning_scale / peer in the same round: < 1 is faster / smaller)" + tail
 
 

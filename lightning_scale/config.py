@@ -282,7 +282,10 @@ class ParallelConfig:
     checkpoint_format: str = "sharded"
     # checkpoint_format="universal" only: save_checkpoint returns after a host snapshot of the state and a thread
     # writes it (lightning_scale.checkpoint.async_save; one save in flight, waited for at the next save / teardown).
-    checkpoint_async: bool = False
+    # "overlap": the engines' shards, masters and optimizer state are copied by that thread during the next forward /
+    # backward, and the next optimizer step waits for the copy (a callback that edits weights between steps must
+    # call strategy.wait_checkpoint_snapshot() first).
+    checkpoint_async: Any = False
     diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
     # Activation checkpointing per unit (lightning_scale.activation_checkpointing; docs/long_sequences.md): None,
     # "full" (keep only each unit's input, recompute it in backward) or "selective" (also keep matmul and attention
@@ -317,10 +320,11 @@ class ParallelConfig:
         if not isinstance(self.meta_init, bool):
             raise ConfigError(f"meta_init={self.meta_init!r} must be True or False")
         _check_choice("checkpoint_format", self.checkpoint_format, CHECKPOINT_FORMATS)
-        if not isinstance(self.checkpoint_async, bool):
-            raise ConfigError(f"checkpoint_async={self.checkpoint_async!r} must be True or False")
+        if self.checkpoint_async not in (False, True, "overlap") or isinstance(self.checkpoint_async, (int, float)) \
+                and not isinstance(self.checkpoint_async, bool):
+            raise ConfigError(f"checkpoint_async={self.checkpoint_async!r} must be True, False or 'overlap'")
         if self.checkpoint_async and self.checkpoint_format != "universal":
-            raise ConfigError(f"checkpoint_async=True needs checkpoint_format='universal' (got checkpoint_format="
+            raise ConfigError(f"checkpoint_async={self.checkpoint_async!r} needs checkpoint_format='universal' (got checkpoint_format="
                               f"{self.checkpoint_format!r}): asynchronous saves write the layout-free format",
                               settings=("checkpoint_format", "checkpoint_async"))
         if self.activation_checkpointing is not None:

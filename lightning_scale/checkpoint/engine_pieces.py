@@ -244,22 +244,40 @@ def checkpoint_states(md) -> Dict[str, "tuple[torch.dtype, bool]"]:
     return states
 
 
+def step_writer(engine) -> Optional[torch.optim.Optimizer]:
+    """The torch optimizer whose ``step()`` is the only writer of ``engine``'s saved pieces (parameter shards,
+    masters, optimizer state), or None when there is no such single point (the 1-bit ZeRO engine)."""
+    from lightning_scale.zero.engine import SelfReducingEngine
+
+    writer = engine.optimizer if isinstance(engine, SelfReducingEngine) else getattr(engine, "inner", None)
+    return writer if isinstance(writer, torch.optim.Optimizer) else None
+
+
 def save_engines(path: str, module, engines, *, tp_rank: int = 0, extras: Optional[Mapping] = None,
-                 meta: Optional[Mapping] = None, with_optimizer: bool = True, group=None, saver=None) -> None:
+                 meta: Optional[Mapping] = None, with_optimizer: bool = True, group=None, saver=None,
+                 overlap: bool = False) -> None:
     """Collective: ``module``'s engines and unowned tensors (and rank 0's ``extras``) to the layout-free folder
     ``path``. ``saver``: an :class:`~.async_save.AsyncSaver` (returns after the snapshot) instead of a blocking
-    write."""
+    write; ``overlap=True``: the engines' pieces are copied by the saver's thread while training goes on, and each
+    engine's next optimizer step waits for that copy (:func:`step_writer`; engines without one are copied now)."""
     from lightning_scale.checkpoint import dcp_format
 
     names = param_names(module)
-    pieces = [p for e in engines for p in e.named_pieces(names) if with_optimizer or not p.key.startswith("optim/")]
-    pieces += module_pieces(module, engines, tp_rank)
+    pieces, later, fence_on = [], [], []
+    for e in engines:
+        writer = step_writer(e) if overlap and saver is not None else None
+        own = [p for p in e.named_pieces(names) if with_optimizer or not p.key.startswith("optim/")]
+        if writer is not None:
+            later += range(len(pieces), len(pieces) + len(own))
+            fence_on.append(writer)
+        pieces += own
+    pieces += module_pieces(module, engines, tp_rank)  # buffers may change in the next forward: copied now
     extras = dict(extras or {})
     extras["engines"] = [{"loss_scaler": e.loss_scaler.state_dict(),
                           "user_param_groups": [{k: v for k, v in g.items() if k != "params"}
                                                 for g in e.optimizer.param_groups]} for e in engines]
     if saver is not None:
-        saver.save(path, pieces, extras, meta=dict(meta or {}))
+        saver.save(path, pieces, extras, meta=dict(meta or {}), later=later, fence_on=fence_on)
     else:
         dcp_format.save(path, pieces, extras, meta=dict(meta or {}), group=group)
 

@@ -129,7 +129,8 @@ def save_universal(strategy, checkpoint: Dict[str, Any], path: str) -> None:
     save_engines(path, strategy.lightning_module, strategy.engines, tp_rank=_tp_rank(strategy),
                  extras={"lightning": {k: v for k, v in checkpoint.items() if k not in _SKIP}},
                  meta={"step": checkpoint.get("global_step"), "layout": _layout(strategy),
-                       "weights_only": weights_only}, with_optimizer=not weights_only, saver=saver)
+                       "weights_only": weights_only}, with_optimizer=not weights_only, saver=saver,
+                 overlap=strategy.config.checkpoint_async == "overlap")
     if saver is not None:
         strategy._async_path = path
 

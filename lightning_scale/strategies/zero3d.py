@@ -412,6 +412,13 @@ class Zero3DStrategy(GridStrategyMixin, ParallelStrategy):
             return load_sharded(path, self.global_rank, self.world_size)
         return self.checkpoint_io.load_checkpoint(path, weights_only=False)
 
+    def wait_checkpoint_snapshot(self) -> None:
+        """checkpoint_async="overlap": block until the save in flight has copied the state it writes; code that edits
+        weights or optimizer state between steps (outside an optimizer step) calls this first."""
+        saver = getattr(self, "_async", None)
+        if saver is not None:
+            saver.fence()
+
     def remove_checkpoint(self, filepath: Any) -> None:
         wait_async_save(self, filepath)  # only when the save in flight writes that very folder
         if defer_removal(self, filepath):  # another save is in flight: removed once it is written

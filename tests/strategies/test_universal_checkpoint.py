@@ -147,16 +147,19 @@ def _tensors(path, tmp):
 
 
 @pytest.mark.slow
-def test_async_save_trains_on_during_the_write_and_writes_the_sync_state(saved):
-    """checkpoint_async=True: every write sleeps 1 s first (LS_TEST_ASYNC_PROBE in fit_universal.py). The step after
-    each save starts before its write ends; the losses, and every tensor of the three checkpoints, equal the
-    synchronous run's (rank 1's data file byte for byte; rank 0's also holds ModelCheckpoint's own dirpath)."""
+@pytest.mark.parametrize("mode", ["True", "overlap"])
+def test_async_save_trains_on_during_the_write_and_writes_the_sync_state(saved, mode):
+    """checkpoint_async=True / "overlap" (the engines' state copied by the writing thread while the next step
+    computes, that step's optimizer step waiting for the copy): every write sleeps 1 s first (LS_TEST_ASYNC_PROBE in
+    fit_universal.py). The step after each save starts before its write ends; the losses, and every tensor of the
+    three checkpoints, equal the synchronous run's (rank 1's data file byte for byte; rank 0's also holds
+    ModelCheckpoint's own dirpath)."""
     tmp, full = saved
-    probe = tmp / "probe"
-    run = fit(tmp, "async", "--devices", "2", "--option", "stage=2", "--option", "checkpoint_async=True",
-              "--ckpt-dir", str(tmp / "ckpt_async"), env={"LS_TEST_ASYNC_PROBE": str(probe)})
+    probe = tmp / f"probe_{mode}"
+    run = fit(tmp, f"async_{mode}", "--devices", "2", "--option", "stage=2", "--option", f"checkpoint_async={mode}",
+              "--ckpt-dir", str(tmp / f"ckpt_async_{mode}"), env={"LS_TEST_ASYNC_PROBE": str(probe)})
     assert run["losses"] == full["losses"]
-    record = json.loads((tmp / "probe.0.json").read_text())
+    record = json.loads((tmp / f"probe_{mode}.0.json").read_text())
     writes = {w["path"]: w for w in record["writes"]}
     names = ["epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt", "epoch=2-step=6.ckpt"]
     assert sorted(writes) == names and {w["thread"] for w in writes.values()} == {"lightning_scale-async-save"}
@@ -167,14 +170,14 @@ def test_async_save_trains_on_during_the_write_and_writes_the_sync_state(saved):
               f"{writes[name]['end'] - after:.2f} s before it ended")
         assert after < writes[name]["end"]
     for name in names:
-        sync, asyn = tmp / "ckpt" / name, tmp / "ckpt_async" / name
+        sync, asyn = tmp / "ckpt" / name, tmp / f"ckpt_async_{mode}" / name
         assert (sync / "__1_0.distcp").read_bytes() == (asyn / "__1_0.distcp").read_bytes()
         a, b = _tensors(sync, tmp), _tensors(asyn, tmp)
         keys = sorted(k for k, v in a.items() if torch.is_tensor(v))
         assert keys and keys == sorted(k for k, v in b.items() if torch.is_tensor(v))
         assert all(torch.equal(a[k], b[k]) for k in keys)
         assert a["extra/lightning"]["global_step"] == b["extra/lightning"]["global_step"]
-    assert not [n for n in os.listdir(tmp / "ckpt_async") if n.startswith(".")]  # no staging left behind
+    assert not [n for n in os.listdir(tmp / f"ckpt_async_{mode}") if n.startswith(".")]  # no staging left behind
 
 
 def test_bad_checkpoint_format_is_named():
@@ -184,3 +187,9 @@ def test_bad_checkpoint_format_is_named():
     assert not Zero3DStrategy(stage=1).restore_checkpoint_after_setup
     with pytest.raises(ConfigError, match="checkpoint_async=True needs checkpoint_format='universal'"):
         Zero3DStrategy(stage=2, checkpoint_async=True)
+    with pytest.raises(ConfigError, match="checkpoint_async='overlap' needs checkpoint_format='universal'"):
+        Zero3DStrategy(stage=2, checkpoint_async="overlap")
+    for bad in ("yes", 1, 0.5):
+        with pytest.raises(ConfigError, match=r"checkpoint_async=.* must be True, False or 'overlap'"):
+            Zero3DStrategy(stage=2, checkpoint_format="universal", checkpoint_async=bad)
+    assert Zero3DStrategy(stage=2, checkpoint_format="universal", checkpoint_async="overlap").config.checkpoint_async

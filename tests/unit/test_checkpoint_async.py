@@ -69,6 +69,48 @@ def test_step_runs_during_the_write_and_bytes_equal_the_sync_save(tmp_path):
     assert saver.buffer_bytes == sum(t.numel() * t.element_size() for p in pieces for t in p.tensors)  # one copy
 
 
+def test_overlapped_snapshot_copies_during_the_next_forward_and_the_step_waits_for_it(tmp_path, monkeypatch):
+    """later= / fence_on=: save returns before the optimizer-owned tensors are copied (a slowed copy in the writing
+    thread); a buffer changed right after save is saved as it was (copied in save); the optimizer's next step()
+    waits for the copy (its pre-hook), so the folder holds the pre-step parameters, byte for byte the sync save's.
+    Mutation check: without the fence the step overwrites the parameter mid-copy and the bytes differ."""
+    flat, pieces = _state()
+    param = torch.nn.Parameter(flat[:120].view(10, 12))  # the engine's master: only opt.step() writes it
+    buffer = flat[120:]  # a module buffer: the next forward may write it
+    opt = torch.optim.SGD([param], lr=1.0)
+    sync = str(tmp_path / "sync")
+    dcp_format.save(sync, pieces, None, meta={"step": 5})
+    saver = AsyncSaver()
+    real, marks = saver._snapshot, {}
+
+    def slow_snapshot(ps):
+        if threading.current_thread() is not threading.main_thread():
+            marks["copy_start"] = time.perf_counter()
+            time.sleep(0.4)  # the copy of the overlapped pieces takes a while
+            out = real(ps)
+            marks["copy_end"] = time.perf_counter()
+            return out
+        return real(ps)
+
+    monkeypatch.setattr(saver, "_snapshot", slow_snapshot)
+    saver.save(str(tmp_path / "overlap"), pieces, None, meta={"step": 5}, later=[0, 2], fence_on=[opt])
+    marks["returned"] = time.perf_counter()
+    buffer.add_(1.0)  # the "forward" writes the buffer: copied in save already
+    param.grad = torch.ones_like(param)
+    with torch.no_grad():
+        opt.step()  # waits for the overlapped copy first
+    marks["stepped"] = time.perf_counter()
+    saver.wait()
+    assert marks["returned"] < marks["copy_end"] <= marks["stepped"], marks
+    assert saver.fence_wait_s > 0.1  # the step did wait
+    assert _data_files(str(tmp_path / "overlap")) == _data_files(sync)
+    assert not saver._hooks  # the one-shot fence is gone after the save
+    before = param.detach().clone()
+    with torch.no_grad():
+        opt.step()  # no save in flight: no wait, no hook left
+    assert not torch.equal(param, before)
+
+
 def test_one_save_in_flight_and_errors_surface(tmp_path, monkeypatch):
     _, pieces = _state()
     active, peak = [0], [0]
