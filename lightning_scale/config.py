@@ -324,8 +324,9 @@ class ParallelConfig:
                 and not isinstance(self.checkpoint_async, bool):
             raise ConfigError(f"checkpoint_async={self.checkpoint_async!r} must be True, False or 'overlap'")
         if self.checkpoint_async and self.checkpoint_format != "universal":
-            raise ConfigError(f"checkpoint_async={self.checkpoint_async!r} needs checkpoint_format='universal' (got checkpoint_format="
-                              f"{self.checkpoint_format!r}): asynchronous saves write the layout-free format",
+            raise ConfigError(f"checkpoint_async={self.checkpoint_async!r} needs checkpoint_format='universal' (got "
+                              f"checkpoint_format={self.checkpoint_format!r}): asynchronous saves write the "
+                              "layout-free format",
                               settings=("checkpoint_format", "checkpoint_async"))
         if self.activation_checkpointing is not None:
             if self.activation_checkpointing not in ACTIVATION_CHECKPOINTING:

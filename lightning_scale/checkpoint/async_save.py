@@ -23,6 +23,7 @@ the wrong operations.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
 import time
@@ -104,22 +105,33 @@ class AsyncSaver:
         extras = copy.deepcopy(extras) if extras else None
         meta = copy.deepcopy(meta) if meta else None
         deferred = [(i, pieces[i]) for i in sorted(skip)]
+        ready = None  # CUDA: where the step boundary is on this thread's stream; the copy's side stream waits for it
+        if any(t.is_cuda for _, p in deferred for t in p.tensors):
+            ready = torch.cuda.Event()
+            ready.record()
         copied = self._copied = threading.Event()
         if deferred:
             self._hooks = [opt.register_step_pre_hook(lambda *_: self.fence()) for opt in fence_on]
         else:
             copied.set()
         self.last_snapshot_s = time.perf_counter() - start
-        self._thread = threading.Thread(target=self._run, args=(path, snap, deferred, copied, extras, meta, on_written),
+        self._thread = threading.Thread(target=self._run, args=(path, snap, deferred, copied, ready, extras, meta,
+                                                                on_written),
                                         daemon=True, name="lightning_scale-async-save")
         self._thread.start()
 
     def _run(self, path: str, pieces: List[Optional[Piece]], later: List[Tuple[int, Piece]], copied: threading.Event,
-             extras, meta, on_written) -> None:
+             ready, extras, meta, on_written) -> None:
         try:
             try:
-                for (i, _), piece in zip(later, self._snapshot([p for _, p in later])):
-                    pieces[i] = piece
+                stream = contextlib.nullcontext()
+                if ready is not None:  # a side stream: the device-to-host copies overlap the next forward's kernels
+                    side = torch.cuda.Stream()
+                    side.wait_event(ready)
+                    stream = torch.cuda.stream(side)
+                with stream:
+                    for (i, _), piece in zip(later, self._snapshot([p for _, p in later])):
+                        pieces[i] = piece
             finally:
                 copied.set()  # also on a failed copy: the step goes on, the save's error is raised at the next wait
             self.save_fn(path, pieces, extras, group=self.group, meta=meta)
@@ -146,5 +158,6 @@ class AsyncSaver:
                 bufs.append(buf)
             out.append(Piece(p.key, p.global_shape, p.dtype, list(p.chunks), bufs))
         if torch.cuda.is_available() and any(t.is_cuda for p in pieces for t in p.tensors):
-            torch.cuda.synchronize()  # the device-to-host copies are done before the writer reads them
+            # this stream's device-to-host copies are done before the writer reads them
+            torch.cuda.current_stream().synchronize()
         return out

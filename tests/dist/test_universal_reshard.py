@@ -3,9 +3,9 @@
 parallelize() + make_engines() on 2 gloo ranks, a float64 GPT: four saving layouts train 2 steps of AdamW and save
 with ``checkpoint.engine_pieces.save_engines`` (what ``checkpoint_format="universal"`` writes); six resuming
 layouts load one of them with ``load_engines`` and train 2 more steps. The 3D grid (dp2 x pp2 x tp2 on 8 ranks) and
-dp=4 save in launches of their own, resumed at dp4 ZeRO-3 / dp2 / one process (``grid``). Every loss and the final parameters equal
-one process that trained the same 4 global batches (float64, 1e-10: tp and dp change the reduction order, nothing
-else). Saving layouts: dp2 ZeRO-2, tp2 ZeRO-1, pp2 ZeRO-1, dp2 ZeRO-2 with optimizer offload. Resumes: tp 2->1 and
+dp=4 save in launches of their own, resumed at dp4 ZeRO-3 / dp2 / one process (``grid``). Every loss and the final
+parameters equal one process that trained the same 4 global batches (float64, 1e-10: tp and dp change the reduction
+order, nothing else). Saving layouts: dp2 ZeRO-2, tp2 ZeRO-1, pp2 ZeRO-1, dp2 ZeRO-2 with optimizer offload. Resumes: tp 2->1 and
 1->2, pp 2->1 and 1->2, offload on->off and off->on. One launch of 2 ranks for the whole module.
 """
 
