@@ -199,15 +199,17 @@ def _ls_async(out, model, engine, tp_rank, root, step, batch):
     _, wait_s, _ = _timed(saver.wait)
     out["async_total_s"] = out["async_block_s"] + wait_s
     out["async_buffers_mb"] = saver.buffer_bytes / 2**20
-    times = []
+    times, sync = [], (torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None))
     for overlap in (False, True):  # a step alone, then a step with an overlapped save in flight
         saver.fence_wait_s = 0.0
+        sync()
         dist.barrier()
         t0 = time.perf_counter()
         if overlap:
             save_engines(apath, model, [engine], tp_rank=tp_rank, saver=saver, overlap=True)
         t1 = time.perf_counter()
         step(*batch)
+        sync()
         t2 = time.perf_counter()
         saver.wait()
         times.append([t1 - t0 + saver.fence_wait_s, t2 - t1])
