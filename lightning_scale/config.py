@@ -320,8 +320,7 @@ class ParallelConfig:
         if not isinstance(self.meta_init, bool):
             raise ConfigError(f"meta_init={self.meta_init!r} must be True or False")
         _check_choice("checkpoint_format", self.checkpoint_format, CHECKPOINT_FORMATS)
-        if self.checkpoint_async not in (False, True, "overlap") or isinstance(self.checkpoint_async, (int, float)) \
-                and not isinstance(self.checkpoint_async, bool):
+        if not (isinstance(self.checkpoint_async, bool) or self.checkpoint_async == "overlap"):
             raise ConfigError(f"checkpoint_async={self.checkpoint_async!r} must be True, False or 'overlap'")
         if self.checkpoint_async and self.checkpoint_format != "universal":
             raise ConfigError(f"checkpoint_async={self.checkpoint_async!r} needs checkpoint_format='universal' (got "

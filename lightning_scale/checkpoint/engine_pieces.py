@@ -104,16 +104,11 @@ def engine_pieces(engine, names: Mapping[int, str], weights_from: Optional[str] 
         raise ValueError(f"weights_from={weights_from!r}: one of None, {WEIGHT_SOURCES}")
     tp_rank = engine.cross.tp_rank
     for st, master, aliased in zip(engine.reducer.states, engine.masters, engine._aliased):
-        lo, hi = _bounds(st)
         param_shard = _param_shard(engine, st)
         state = engine.inner.state.get(master, {})
-        for slot in st.bucket.slots:
-            a, b = slot.shard_overlap(lo, hi)
-            if a >= b:
-                continue
-            fqn = _name(names, slot.param)
-            off, n, spec = slot.offset + a - lo, b - a, _tp_spec(slot.param)
-            # the slot's elements [a, b) sit at [off, off + n) of every shard-sized tensor of this bucket
+        for slot, off, n, a in _shard_slots(st.bucket, *_bounds(st)):
+            fqn, spec = _name(names, slot.param), _tp_spec(slot.param)
+            # the slot's elements [a, a + n) sit at [off, off + n) of every shard-sized tensor of this bucket
             piece = functools.partial(_slot_piece, off=off, n=n, shape=slot.shape, start=a, spec=spec,
                                       tp_rank=tp_rank)
             if weights_from is None:
@@ -135,12 +130,17 @@ def sharded_pieces(sharded, names: Mapping[int, str], key_of, tp_rank: int = 0) 
     """The parameter shards of a ZeRO-3 ``ShardedParameters`` without an engine (evaluation: nothing to step):
     ``key_of(fqn)`` names the checkpoint key each slot's elements are read from / written to."""
     for b in sharded.buckets():
-        lo, hi = b.bucket.shard_range(b.rank)
-        for slot in b.bucket.slots:
-            a, z = slot.shard_overlap(lo, hi)
-            if a < z:
-                yield _slot_piece(key_of(_name(names, slot.param)), b.shard, off=slot.offset + a - lo, n=z - a,
-                                  shape=slot.shape, start=a, spec=_tp_spec(slot.param), tp_rank=tp_rank)
+        for slot, off, n, a in _shard_slots(b.bucket, *b.bucket.shard_range(b.rank)):
+            yield _slot_piece(key_of(_name(names, slot.param)), b.shard, off=off, n=n, shape=slot.shape, start=a,
+                              spec=_tp_spec(slot.param), tp_rank=tp_rank)
+
+
+def _shard_slots(bucket, lo: int, hi: int):
+    """(slot, offset in the shard, length, first element of the slot) of each slot overlapping shard [lo, hi)."""
+    for slot in bucket.slots:
+        a, b = slot.shard_overlap(lo, hi)
+        if a < b:
+            yield slot, slot.offset + a - lo, b - a, a
 
 
 def _slot_piece(key: str, shard: torch.Tensor, *, off: int, n: int, shape, start: int, spec, tp_rank: int) -> Piece:

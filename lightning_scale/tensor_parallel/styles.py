@@ -117,6 +117,6 @@ def parse_style(value: Union[str, Style], pattern: str = "") -> Style:
     where = f" for {pattern!r}" if pattern else ""
     if value in _NOT_IMPLEMENTED:
         raise ConfigError(f"tensor.plan: transformers' style {value!r}{where} (mixture-of-experts / expert "
-                          f"parallel / MLA / local parameters / per-unit splits) is not implemented here; pass a plan without it, e.g. leaving "
-                          f"those modules replicated ('replicate')")
+                          f"parallel / MLA / local parameters / per-unit splits) is not implemented here; pass a "
+                          f"plan without it, e.g. leaving those modules replicated ('replicate')")
     raise ConfigError(f"tensor.plan: unknown style {value!r}{where}; known styles: {', '.join(STYLE_NAMES)}")
