@@ -24,6 +24,14 @@ Systems (one rank: a world-1 gloo group, the real ``parallelize()`` + engine pat
 * ``dense_offload`` / ``ac_chunked_tiled_offload``  ``dense`` / ``ac_chunked_tiled`` under ZeRO-Offload (stage 2,
   ``offload="optimizer"``; these rows ignore ``--stage``): Adam's state (and the gradient copies the step streams)
   are host memory, searched on the device bytes only (below)
+* ``ac_chunked_tiled_offload_all``  ``ac_chunked_tiled`` under ZeRO-3 ``offload="all"`` (parameters and optimizer on
+  the host, each unit gathered to the device for compute; ignores ``--stage``)
+* ``..._act``  + activation offload (``offload_activations=True``): each checkpointed block's input waits on the host
+  between its forward and its backward (forced on this CPU, where the offloader leaves CPU tensors in place; the host
+  copies are counted as host bytes)
+* ``ac_chunked_tiled_heads`` / ``ac_chunked_tiled_heads_offload_all_act``  + head-tiled attention
+  (``tiled_attention=1``: each block's attention runs and recomputes one head at a time, lightning_scale.tiled_attention)
+* ``sparse_...``  the same with block-sparse attention (each head group runs its own heads' layout)
 
 How memory is measured: ``lightning_scale.memory.LiveTensorBytes`` (a TorchDispatchMode) is active from building
 the model to the end of the optimizer step; the figure is the peak of the live bytes of every tensor storage
@@ -98,6 +106,18 @@ SYSTEMS: Dict[str, dict] = {  # name -> (strategy options, loss_chunk, sparse)
     "ac_chunked_tiled_offload": dict(ac="full", chunk=512, sparse=False, tiled=512, stage=2, offload="optimizer"),
     # ZeRO-3 + offload="all" (parameters and optimizer on the host; each unit gathered to the device for compute)
     "ac_chunked_tiled_offload_all": dict(ac="full", chunk=512, sparse=False, tiled=512, stage=3, offload="all"),
+    # + activation offload (offload_activations=True): each checkpointed block's input waits on the host between
+    # its forward and its backward (forced on this CPU, where the offloader would otherwise leave CPU tensors be)
+    "ac_chunked_tiled_offload_all_act": dict(ac="full", chunk=512, sparse=False, tiled=512, stage=3, offload="all",
+                                             act=True),
+    # + head-tiled attention (tiled_attention=1: each block's attention runs and recomputes one head at a time)
+    "ac_chunked_tiled_heads": dict(ac="full", chunk=512, sparse=False, tiled=512, heads=1),
+    "ac_chunked_tiled_heads_offload_all_act": dict(ac="full", chunk=512, sparse=False, tiled=512, heads=1, stage=3,
+                                                   offload="all", act=True),
+    "sparse_ac_chunked_tiled_heads_offload_all_act": dict(ac="full", chunk=512, sparse=True, tiled=512, heads=1,
+                                                          stage=3, offload="all", act=True),
+    "sparse_ac_chunked_tiled_offload_all_act": dict(ac="full", chunk=512, sparse=True, tiled=512, stage=3,
+                                                    offload="all", act=True),
 }
 
 
@@ -147,6 +167,13 @@ def host_tensors(engine):
     return out
 
 
+def activation_host_tensors(offloader):
+    """The block inputs an activation offloader holds on the host (offload_activations rows)."""
+    if offloader is None:
+        return []
+    return [h for entry in offloader.host.values() for h, _ in entry]
+
+
 def model_config(args, length: int, chunk: int) -> GPTConfig:
     return GPTConfig(vocab_size=args.vocab, seq_len=length, n_layer=args.layers, n_head=args.heads, d_model=512,
                      loss_chunk=chunk)
@@ -162,7 +189,8 @@ def one_step(args, name: str, length: int, topo) -> Tuple[int, float]:
     if args.model == "llama":
         return _llama_step(args, spec, length, topo)
     config = from_flat_kwargs(stage=spec.get("stage", args.stage), activation_checkpointing=spec["ac"], sp=topo.sp,
-                              tp=topo.tp, tiled_mlp=spec.get("tiled", 0), offload=spec.get("offload", "none"))
+                              tp=topo.tp, tiled_mlp=spec.get("tiled", 0), offload=spec.get("offload", "none"),
+                              offload_activations=spec.get("act", False), tiled_attention=spec.get("heads", 0))
     cfg = model_config(args, length, spec["chunk"])
     torch.manual_seed(0)
     with DeviceBytes() as mem:
@@ -179,7 +207,10 @@ def one_step(args, name: str, length: int, topo) -> Tuple[int, float]:
                                                                  global_block_indices=(0,)))
         pm = parallelize(model, config, topo, "cpu", optimizers=lambda m=model: [torch.optim.AdamW(m.parameters())])
         (engine,) = pm.make_engines()
-        mem.host_fn = lambda e=engine: host_tensors(e)
+        offloader = getattr(model.blocks[0], "_ac_offloader", None)
+        if offloader is not None:
+            offloader.force = True  # a CPU run: copy the block inputs into separate (host) buffers anyway
+        mem.host_fn = lambda e=engine, o=offloader: host_tensors(e) + activation_host_tensors(o)
         idx = torch.randint(0, cfg.vocab_size, (1, length + 1), generator=torch.Generator().manual_seed(length))
         x, y = shard_sequence((idx[:, :-1], idx[:, 1:]), topo.sp_rank, topo.sp)  # this rank's L / sp positions
         start = time.perf_counter()
@@ -187,7 +218,7 @@ def one_step(args, name: str, length: int, topo) -> Tuple[int, float]:
         engine.step()
         engine.zero_grad()
         seconds = time.perf_counter() - start
-        if spec.get("offload"):
+        if spec.get("offload") or spec.get("act"):
             reported = engine.memory_bytes()["host"]
             HOST[(name, length)] = (mem.host_peak, reported, mem.peak)
         engine.remove_hooks()

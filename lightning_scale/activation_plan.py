@@ -224,10 +224,11 @@ def mix_units(tiled: ActivationEstimate, untiled: Optional[ActivationEstimate]) 
 
 
 def profile_model(module, *, seq_len: int, sp: int = 1, tp: int = 1, chunked_loss=None,
-                  tiled_mlp: int = 0) -> UnitProfile:
+                  tiled_mlp: int = 0, tiled_attention: int = 0) -> UnitProfile:
     """Profile ``module``'s largest unit on fake tensors for ``seq_len / sp`` positions
     (:func:`lightning_scale.activation_profile.profile_unit`), else count it from its Linear sizes."""
     from lightning_scale.activation_profile import hidden_size, profile_unit
+    from lightning_scale.tiled_attention import tiled_attention_unit
     from lightning_scale.tiled_mlp import tiled_unit
 
     units = [u for u in _units(module) if any(True for _ in u.parameters())]
@@ -238,10 +239,12 @@ def profile_model(module, *, seq_len: int, sp: int = 1, tp: int = 1, chunked_los
     vocab, chunk = _vocab_and_chunk(module, chunked_loss)
     notes, source = [], "profiled"
     try:
-        with tiled_unit(unit, tiled_mlp or 0):
+        with tiled_unit(unit, tiled_mlp or 0), tiled_attention_unit(unit, tiled_attention or 0):
             per_token = profile_unit(unit, max(1, seq_len // max(sp, 1)), tp=tp, hidden=hidden or None)
         if tiled_mlp:
             notes.append(f"tiled_mlp={tiled_mlp}: the unit profiled with its MLP and norms tiled")
+        if tiled_attention:
+            notes.append(f"tiled_attention={tiled_attention}: the unit profiled with its attention head-tiled")
     except Exception as err:  # a unit that needs more than one tensor (masks, rotary tables): count instead
         per_token, source = _counted_profile(unit, hidden, tp), "counted"
         notes.append(f"{type(unit).__name__} did not run alone on fake tensors ({type(err).__name__}); activations "
@@ -252,14 +255,18 @@ def profile_model(module, *, seq_len: int, sp: int = 1, tp: int = 1, chunked_los
 
 def activations_for_model(module, *, seq_len: int, micro_batch: int = 1, precision: str = "bf16-mixed",
                           activation_checkpointing=None, offload_activations: bool = False, sp: int = 1,
-                          tp: int = 1, chunked_loss=None, tiled_mlp: int = 0) -> ActivationEstimate:
+                          tp: int = 1, chunked_loss=None, tiled_mlp: int = 0,
+                          tiled_attention: int = 0) -> ActivationEstimate:
     """The activation plan for ``module``'s largest unit, profiled on fake tensors
     (:func:`lightning_scale.activation_profile.profile_unit`), else counted from its Linear sizes.
     ``chunked_loss``: None = the model's own setting (GPT ``loss_chunk``), True = 512, an int = the chunk, 0 = off.
     ``tiled_mlp``: the ``tiled_mlp=N`` setting -- the unit is profiled with its MLP and norms tiled over N
     positions (:func:`lightning_scale.tiled_mlp.tiled_unit`; a unit tiled already is profiled as it is), so the
-    saved set holds the MLP's input, not its ``4d``-wide hiddens, and the backward's working set one tile's."""
-    prof = profile_model(module, seq_len=seq_len, sp=sp, tp=tp, chunked_loss=chunked_loss, tiled_mlp=tiled_mlp)
+    saved set holds the MLP's input, not its ``4d``-wide hiddens, and the backward's working set one tile's.
+    ``tiled_attention``: the unit is profiled with its attention run a group of heads at a time
+    (:func:`lightning_scale.tiled_attention.tiled_attention_unit`)."""
+    prof = profile_model(module, seq_len=seq_len, sp=sp, tp=tp, chunked_loss=chunked_loss, tiled_mlp=tiled_mlp,
+                         tiled_attention=tiled_attention)
     return estimate_activations(seq_len=seq_len, micro_batch=micro_batch, layers=prof.layers,
                                 per_token=prof.per_token, hidden=prof.hidden, vocab=prof.vocab, precision=precision,
                                 activation_checkpointing=activation_checkpointing,

@@ -300,6 +300,10 @@ class ParallelConfig:
     # names or name patterns; None = the child named mlp (feed_forward, ffn) of every repeated block.
     tiled_mlp: int = 0
     tiled_mlp_modules: Optional[tuple] = None
+    # Head-tiled attention (lightning_scale.tiled_attention): each unit's attention runs and recomputes tiled_attention
+    # heads at a time, so its q / k / v, output and their gradients exist for one group of heads. 0: off. The project
+    # GPT's attention (a heads(x, first, last) method); not with tp > 1.
+    tiled_attention: int = 0
     # torch.compile per unit (lightning_scale.compile; the units are zero.unit_modules' or every repeated block):
     # False, True (torch.compile's defaults: inductor) or a dict of torch.compile options ({"backend": "aot_eager"}).
     compile: Any = False
@@ -352,6 +356,17 @@ class ParallelConfig:
         if mlps and not self.tiled_mlp:
             raise ConfigError(f"tiled_mlp_modules={tuple(mlps)!r} needs tiled_mlp=N (positions per tile)",
                               settings=("tiled_mlp",))
+        if self.tiled_mlp and self.tp > 1 and self.tensor.sequence_parallel:
+            raise ConfigError(f"tiled_mlp={self.tiled_mlp} with tensor.sequence_parallel=True: the MLP's row-parallel "
+                              "output is reduce-scattered over the sequence, per tile, which would interleave the "
+                              "ranks' positions; use one of them", settings=("tiled_mlp", "sequence_parallel"))
+        ta = self.tiled_attention
+        if not isinstance(ta, int) or isinstance(ta, bool) or ta < 0:
+            raise ConfigError(f"tiled_attention={ta!r} must be a number of heads per group (0: off)")
+        if ta and self.tp > 1:
+            raise ConfigError(f"tiled_attention={ta} with tp={self.tp}: head tiling slices the plain qkv projection "
+                              "and would skip tensor parallelism's collectives; use one of them",
+                              settings=("tiled_attention", "tp"))
         _check_compile(self.compile)
         if world_size is not None:
             spx = f" x sp={self.sp}" if self.sp > 1 else ""

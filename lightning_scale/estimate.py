@@ -329,13 +329,15 @@ def estimate_for_model(module, *, dp: int, stage: int, offload: str = "none", pr
                        bucket_mb: float = 25.0, offload_grads: Optional[bool] = None, seq_len: Optional[int] = None,
                        micro_batch: int = 1, activation_checkpointing: Optional[str] = None,
                        offload_activations: bool = False, sp: int = 1, tp: int = 1, chunked_loss=None,
-                       profile_tp: Optional[int] = None, tiled_mlp: int = 0) -> MemoryEstimate:
+                       profile_tp: Optional[int] = None, tiled_mlp: int = 0,
+                       tiled_attention: int = 0) -> MemoryEstimate:
     """:func:`estimate` with the counts taken from an ``nn.Module`` (works on ``meta`` modules).
 
     With ``seq_len`` the result carries the activation plan (:func:`activations_for_model`; ``predicted_peak``,
     ``first_step_peak``) for ``micro_batch`` sequences of ``seq_len`` tokens, ``activation_checkpointing`` None |
     "full" | "selective", ``offload_activations``, ``sp`` (each rank holds ``seq_len / sp`` positions), ``tp`` and
-    ``chunked_loss`` (None: the model's own setting) and ``tiled_mlp`` (positions per tile, 0: off). ``dp`` is the
+    ``chunked_loss`` (None: the model's own setting), ``tiled_mlp`` (positions per tile, 0: off) and
+    ``tiled_attention`` (heads per group, 0: off). ``dp`` is the
     ZeRO sharding degree (dp x sp under sequence parallelism). Model states are counted on ``module`` as given
     (pass the tp-local model for exact tp counts); ``profile_tp`` (default ``tp``) is the split applied to the
     activations profiled on it: 1 for a module that is tp-sliced already.
@@ -351,7 +353,7 @@ def estimate_for_model(module, *, dp: int, stage: int, offload: str = "none", pr
                                  activation_checkpointing=activation_checkpointing,
                                  offload_activations=offload_activations, sp=sp,
                                  tp=tp if profile_tp is None else profile_tp, chunked_loss=chunked_loss,
-                                 tiled_mlp=tiled_mlp)
+                                 tiled_mlp=tiled_mlp, tiled_attention=tiled_attention)
     shard = 1 if stage == 0 else dp  # the largest tensor a per-tensor optimizer steps: a parameter (its shard)
     largest = max((p.numel() for p in _unique_trainable(module.parameters())), default=0) / shard
     return with_activations(est, acts, step_tensor_numel=largest)

@@ -15,7 +15,8 @@ the order. Each step is a small ``apply_*`` function on an unchanged model (torc
    changed, the module tree is not). ZeRO (steps 7 and the engines) then shards over dp x sp.
    :func:`apply_ac` — activation checkpointing (``activation_checkpointing="full" | "selective"``) wraps each unit's
    forward (:mod:`lightning_scale.activation_checkpointing`; the module tree is unchanged); with ``tiled_mlp=N``
-   each unit's MLP runs and recomputes N positions at a time (:mod:`lightning_scale.tiled_mlp`).
+   each unit's MLP runs and recomputes N positions at a time (:mod:`lightning_scale.tiled_mlp`), with
+   ``tiled_attention=H`` its attention H heads at a time (:mod:`lightning_scale.tiled_attention`).
 5. :func:`materialize_local` (ZeRO stages 0-2) — a ``meta`` tp model gets only its slices allocated, initialized
    as slices of the full dense layers; dp replicas take dp rank 0's values.
 6. the optimizers: built now over the local parameters (a callable, e.g. Lightning's ``configure_optimizers``),
@@ -261,6 +262,10 @@ def apply_ac(pm: ParallelModel) -> None:
         from lightning_scale.tiled_mlp import tile_mlps
 
         tile_mlps(pm.module, pm.config.tiled_mlp, pm.config.tiled_mlp_modules, compiled=bool(pm.config.compile))
+    if pm.config.tiled_attention:  # and their attention a group of heads at a time (lightning_scale.tiled_attention)
+        from lightning_scale.tiled_attention import tile_attention
+
+        tile_attention(pm.module, pm.config.tiled_attention, compiled=bool(pm.config.compile))
 
 
 @torch.no_grad()

@@ -38,12 +38,47 @@ class CausalSelfAttention(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.proj(self.heads(x)))
+
+    def heads(self, x: torch.Tensor, first: int = 0, last: Optional[int] = None) -> torch.Tensor:
+        """(B, T, C) -> the attention of heads ``[first, last)`` (default: all), (B, T, heads x D), before the output
+        projection. A subset computes only its own rows of the fused projection (``tiled_attention`` runs the heads a
+        group at a time: lightning_scale.tiled_attention)."""
         B, T, _ = x.shape
         # n_head is read at run time so tensor parallelism can shrink it to the local head count.
-        q, k, v = self.qkv(x).view(B, T, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4)  # 3x (B, H, T, D)
-        y = self.core(q, k, v)  # (B, H, T, D)
-        y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)
-        return self.dropout(self.proj(y))
+        H, D = self.n_head, self.head_dim
+        last = H if last is None else last
+        if first == 0 and last == H:
+            q, k, v = self.qkv(x).view(B, T, 3, H, D).permute(2, 0, 3, 1, 4)  # 3x (B, H, T, D)
+            core = self.core
+        else:
+            n = last - first
+            w = self.qkv.weight.view(3, H, D, -1)[:, first:last].reshape(3 * n * D, -1)
+            b = self.qkv.bias.view(3, H, D)[:, first:last].reshape(-1) if self.qkv.bias is not None else None
+            q, k, v = F.linear(x, w, b).view(B, T, 3, n, D).permute(2, 0, 3, 1, 4)  # 3x (B, n, T, D)
+            core = self._head_core(first, last)
+        y = core(q, k, v)  # (B, heads, T, D)
+        return y.transpose(1, 2).reshape(B, T, -1)
+
+    def _head_core(self, first: int, last: int) -> nn.Module:
+        """The core for heads ``[first, last)``: the core itself when it treats every head alike (dense SDPA, or
+        that inside the sequence-parallel all-to-alls), else a block-sparse core over those heads of its layout."""
+        from lightning_scale.nn.sparse_attention import SparseSelfAttention
+
+        core = self.core
+        if not isinstance(core, SparseSelfAttention):
+            return core
+        cache = self.__dict__.setdefault("_head_cores", {})  # not submodules: no parameters, not in state_dict
+        if (first, last) not in cache:
+            from lightning_scale.sequence_parallel.models import HeadRange
+
+            cfg = HeadRange(num_heads=last - first, block=core.sparsity_config.block, parent=core.sparsity_config,
+                            start=first)
+            cache[(first, last)] = SparseSelfAttention(
+                cfg, key_padding_mask_mode=core.key_padding_mask_mode, attn_mask_mode=core.attn_mask_mode,
+                max_seq_length=core.max_seq_length, causal=core.causal, auto_pad=core.auto_pad, backend=core.backend,
+                chunk_bytes=core.chunk_bytes, tile=core.tile)
+        return cache[(first, last)]
 
 
 class MLP(nn.Module):

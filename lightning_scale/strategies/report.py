@@ -145,6 +145,11 @@ def compile_and_checkpointing(strategy: Any, module: Any) -> List[Tuple[str, str
 
         count = len(tiled_mlps(module)) if module is not None else 0
         rows.append(("tiled MLP", f"{cfg.tiled_mlp} positions per tile ({count} MLPs)"))
+    if getattr(cfg, "tiled_attention", 0):
+        from lightning_scale.tiled_attention import tiled_attentions
+
+        count = len(tiled_attentions(module)) if module is not None else 0
+        rows.append(("tiled attention", f"{cfg.tiled_attention} heads per group ({count} attentions)"))
     if module is not None and not rows:
         names = {type(m).__name__ for m in module.modules()}
         if "OptimizedModule" in names:
@@ -289,13 +294,14 @@ def _profile(strategy: Any, module: Any, seq_len: int) -> Tuple[Any, int]:
     source, tp = _profile_source(strategy, module)
     if source is not None:  # the live units are tiled already; the GPT rebuilt on meta is tiled for its profile
         tiled = int(getattr(strategy.config, "tiled_mlp", 0) or 0)
-        prof = profile_model(source, seq_len=seq_len, sp=1, tp=tp, tiled_mlp=tiled)
+        heads = int(getattr(strategy.config, "tiled_attention", 0) or 0)
+        prof = profile_model(source, seq_len=seq_len, sp=1, tp=tp, tiled_mlp=tiled, tiled_attention=heads)
         inner = getattr(module, "model", None) or module
         flags = [any(getattr(m, "_tiled_tokens", None) is not None for m in u.modules())
                  for u in _units(inner) if any(True for _ in u.parameters())]
         if tiled and source is not inner and 0 < sum(flags) < len(flags):
             # tiled_mlp_modules named only some units' MLPs: the rebuilt unit profiled untiled as well
-            plain = profile_model(source, seq_len=seq_len, sp=1, tp=tp, tiled_mlp=0)
+            plain = profile_model(source, seq_len=seq_len, sp=1, tp=tp, tiled_mlp=0, tiled_attention=heads)
             prof = dataclasses.replace(prof, layers=sum(flags), untiled=(plain.per_token, len(flags) - sum(flags)))
         return prof, tp
     inner = getattr(module, "model", None) or module

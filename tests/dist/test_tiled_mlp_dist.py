@@ -17,21 +17,24 @@ TILE = 4  # GPT_MODEL / LLAMA_SEQ: 16 positions -> 4 tiles (2 per sp rank)
 MICRO = 2
 
 
-def _train_one(rank: int, world_size: int, family: str, **options):
+def _train_one(rank: int, world_size: int, family: str, inspect=None, **options):
     from lightning_scale.config import from_flat_kwargs
     from lightning_scale.models.gpt import lm_loss
     from lightning_scale.parallelize import local_topology, parallelize
     from lightning_scale.sequence_parallel import shard_sequence
     from lightning_scale.tiled_mlp import tiled_mlps
 
-    config = from_flat_kwargs(tiled_mlp=TILE, **options)
+    options.setdefault("tiled_mlp", TILE)
+    config = from_flat_kwargs(**options)
     topo = local_topology(config, world_size, rank)
     hf = family.startswith("llama")
     model = _build(family, meta=not hf and config.zero.stage == 3)
     loss_fn = lm_loss
     pm = parallelize(model, config, topo, "cpu", optimizers=lambda: [torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad], lr=LR)], loss_fn=loss_fn)
-    assert tiled_mlps(model), "nothing tiled"
+    assert tiled_mlps(model) or not config.tiled_mlp, "nothing tiled"
+    if inspect is not None:
+        inspect(model)
     (engine,) = pm.make_engines()
     losses = []
     for step in range(STEPS):

@@ -7,7 +7,8 @@ the step) is within 15% of the plan's prediction, and the plan's activation
 term is a real share of it (so the check cannot pass on model states alone). A prediction made wrong on purpose
 (the activation term dropped) makes the strategy warn. With ``tiled_mlp=256`` (2 shapes) the plan profiles the unit
 tiled and stays within 15%, where the untiled profile is > 15% above the measurement; with ``tiled_mlp_modules`` tiling
-2 of the 4 blocks both kinds of unit are profiled and counted. Run as a script, this file is that Trainer process.
+2 of the 4 blocks both kinds of unit are profiled and counted; with ``tiled_attention=1`` the unit is profiled with its
+attention head-tiled too. Run as a script, this file is that Trainer process.
 """
 
 from __future__ import annotations
@@ -34,8 +35,12 @@ SOME = {  # tiled_mlp_modules tiling only blocks 0 and 1 of 4: the plan profiles
     "long_tiled_some": (2048, 2, None, 0, 256),
 }
 MODULES = {"long_tiled_some": ["*blocks.0.mlp", "*blocks.1.mlp"]}
+HEADS = {  # + the head-tiled attention, one head per group: the plan profiles the unit with both tiled
+    "long_ac_chunked_tiled_heads": (2048, 2, "full", 256, 256),
+}
 SHAPES.update(TILED)
 SHAPES.update(SOME)
+SHAPES.update(HEADS)
 
 
 def _fit(name: str, drop_activations: bool = False, untiled_too: bool = False) -> dict:
@@ -65,7 +70,7 @@ def _fit(name: str, drop_activations: bool = False, untiled_too: bool = False) -
                                                                           head=0, loss=0))
         report.plan_for_batch = states_only
     strategy = Zero3DStrategy(stage=0, activation_checkpointing=ac, tiled_mlp=tiled,
-                              tiled_mlp_modules=MODULES.get(name))
+                              tiled_mlp_modules=MODULES.get(name), tiled_attention=1 if name in HEADS else 0)
     trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=1, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          precision="32-true")
@@ -82,7 +87,9 @@ def _fit(name: str, drop_activations: bool = False, untiled_too: bool = False) -
         import dataclasses
 
         config = strategy.config
-        strategy.config = dataclasses.replace(config, tiled_mlp=0)
+        # the head-tiled shapes: only the attention's tiling left out (the MLP stays tiled)
+        strategy.config = (dataclasses.replace(config, tiled_attention=0) if name in HEADS
+                           else dataclasses.replace(config, tiled_mlp=0))
         try:
             e = report.plan_for_batch(strategy, batch, seq)
         finally:
@@ -111,7 +118,7 @@ def _run(tmp_path, *args) -> dict:
 
 
 def test_step1_peak_within_15_percent_of_the_plan(tmp_path):
-    shapes = [n for n in SHAPES if n not in TILED and n not in SOME]
+    shapes = [n for n in SHAPES if n not in TILED and n not in SOME and n not in HEADS]
     results, stdout = _run(tmp_path, *shapes)
     for name, r in results.items():
         assert abs(r["ratio"] - 1) <= 0.15, (name, results)
@@ -145,6 +152,17 @@ def test_tiled_mlp_step1_peak_within_15_percent_of_the_plan(tmp_path):
         assert r["untiled_predicted"] > 1.15 * r["measured"], (name, r)  # the tiles' share is real
     lines = [line for line in stdout.splitlines() if line.startswith("[lightning_scale memory] step 1 peak")]
     assert len(lines) == len(TILED), stdout[-3000:]
+
+
+def test_tiled_attention_step1_peak_within_15_percent_of_the_plan(tmp_path):
+    """tiled_attention=1 on top of full AC, the chunked loss and the tiled MLP: the plan profiles the unit with its
+    attention head-tiled (0.94 when written), and the plan without the head tiling is > 15% above the measurement."""
+    results, stdout = _run(tmp_path, *HEADS, "--untiled-too")
+    for name, r in results.items():
+        assert abs(r["ratio"] - 1) <= 0.15, (name, results)
+        assert not r["warned"], (name, r)
+        assert r["untiled_predicted"] > 1.15 * r["measured"], (name, r)
+    assert "tiled attention           1 heads per group (4 attentions)" in stdout, stdout[-3000:]
 
 
 def test_tiled_mlp_modules_on_some_units_within_15_percent_of_the_plan(tmp_path):

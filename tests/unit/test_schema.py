@@ -49,7 +49,7 @@ VALUES = {
     "backoff_factor": 0.25, "growth_interval": 10, "min_scale": 2.0, "hysteresis": 2, "meta_init": False,
     "offload": "all", "checkpoint_format": "universal", "checkpoint_async": True,
     "activation_checkpointing": "selective", "activation_checkpointing_units": ("Block",), "offload_activations": True,
-    "compile": {"backend": "aot_eager"}, "tiled_mlp": 64, "tiled_mlp_modules": ("MLP",),
+    "compile": {"backend": "aot_eager"}, "tiled_mlp": 64, "tiled_mlp_modules": ("MLP",), "tiled_attention": 2,
     # diagnostics (docs/failures.md)
     "watchdog": False, "hang_timeout": 60.0, "first_step_grace": 30.0, "heartbeat_interval": 1.0,
     "debug_collectives": True, "stop_timeout": 10.0, "save_on_preempt": True, "on_nonfinite": "raise",

@@ -207,6 +207,8 @@ def test_peak_memory_falls_by_the_mlp_hidden_activations():
 def test_bad_settings_are_config_errors():
     with pytest.raises(ConfigError, match=r"tiled_mlp=-2 must be a number of positions per tile"):
         from_flat_kwargs(tiled_mlp=-2)
+    with pytest.raises(ConfigError, match=r"tiled_mlp=4 with sequence_parallel=True"):
+        from_flat_kwargs(tiled_mlp=4, tp=2, sequence_parallel=True, overlap_comm=False)
     with pytest.raises(ConfigError, match=r"tiled_mlp_modules=\('MLP',\) needs tiled_mlp=N"):
         from_flat_kwargs(tiled_mlp_modules=["MLP"])
     with pytest.raises(ConfigError, match=r"tiled_mlp=8: no MLP found to tile"):
