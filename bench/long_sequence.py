@@ -5,6 +5,7 @@
     python bench/long_sequence.py --sp 2 --systems dense,ac_chunked     # Ulysses: each system at sp=1 and sp=2
     python bench/long_sequence.py --model llama --systems dense,ac_chunked,ac_chunked_tiled   # HF Llama, rotary
     python bench/long_sequence.py --model llama --sp 2 --systems dense,ac_chunked   # HF Llama at sp=1 (dp=2) and sp=2
+    python bench/long_sequence.py --position rotary --sp 2 --systems dense,ac_chunked   # the GPT with rotary positions
 
 Systems (one rank: a world-1 gloo group, the real ``parallelize()`` + engine path at ZeRO stage 0, AdamW, fp32):
 
@@ -176,7 +177,7 @@ def activation_host_tensors(offloader):
 
 def model_config(args, length: int, chunk: int) -> GPTConfig:
     return GPTConfig(vocab_size=args.vocab, seq_len=length, n_layer=args.layers, n_head=args.heads, d_model=512,
-                     loss_chunk=chunk)
+                     loss_chunk=chunk, position=args.position)
 
 
 def one_step(args, name: str, length: int, topo) -> Tuple[int, float]:
@@ -330,6 +331,8 @@ def main() -> None:
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--model", choices=("gpt", "llama"), default="gpt",
                     help="llama: an unchanged HF LlamaForCausalLM of the same width (rotary positions); with --sp")
+    ap.add_argument("--position", choices=("learned", "rotary"), default="learned",
+                    help="the GPT's positions: its learned table (grows with L) or rotary (GPTConfig(position=...))")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=8192)
@@ -367,7 +370,7 @@ def run(rank: int, args, names, store: str) -> None:
     topo = local_topology(from_flat_kwargs(stage=args.stage, tp=tp), world, rank)  # tp > 1: tp=T at dp=sp
     topo_of = lambda name: sp_topo if name.startswith("sp") and sp > 1 else topo  # noqa: E731
     spec_of = lambda name: name.split("_", 1)[1] if name.startswith("sp") and sp > 1 else name  # noqa: E731
-    say(f"# long_sequence: {'GPT' if args.model == 'gpt' else 'HF Llama'} d512 x {args.layers} layers, {args.heads} heads, vocab {args.vocab}, fp32, batch 1, "
+    say(f"# long_sequence: {f'GPT ({args.position} positions)' if args.model == 'gpt' else 'HF Llama'} d512 x {args.layers} layers, {args.heads} heads, vocab {args.vocab}, fp32, batch 1, "
         f"AdamW, ZeRO {args.stage}, {world} rank(s){f', tp={tp} in every row' if tp > 1 else ''}; budget {args.budget_mib:.0f} MiB of live tensor bytes per rank; "
         f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} CPUs")
     if sp > 1 and args.peer_length:

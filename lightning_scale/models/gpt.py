@@ -1,7 +1,8 @@
 """The project's GPT: a GPT-2 style decoder used by the example, the tests and the benchmarks.
 
 Module names are stable, because tensor-parallel plans, pipeline partitioners and sparse-attention
-swaps address them: ``wte``, ``wpe``, ``blocks.{i}.{ln1,attn.qkv,attn.proj,attn.core,ln2,mlp.fc,mlp.proj}``,
+swaps address them: ``wte``, ``wpe`` (learned positions; ``position="rotary"``: none, ``attn.rotary`` instead),
+``blocks.{i}.{ln1,attn.qkv,attn.proj,attn.core,ln2,mlp.fc,mlp.proj}``,
 ``ln_f``, ``lm_head``. ``attn.core`` maps ``q, k, v`` of shape (B, H, T, D) to (B, H, T, D) and is the
 one place an attention implementation is swapped (dense SDPA by default; block-sparse from
 ``lightning_scale.nn``).
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -27,11 +28,37 @@ class DenseCausalAttention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
+class RotaryPositions(nn.Module):
+    """Rotary position angles (RoPE, Su et al. 2021) in the half-split layout of HF Llama's ``rotate_half``, base
+    ``theta``. No parameters and no buffers: ``forward(pos, dtype)`` computes ``(cos, sin)``, each (T, D), for the
+    positions ``pos`` (float32 math, float64 for float64 models). Sequence parallelism shifts ``pos`` to the global
+    positions of this rank's slice, as it does the learned table's."""
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        self.head_dim, self.theta = head_dim, float(theta)
+
+    def forward(self, pos: torch.Tensor, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+        work = torch.float64 if dtype == torch.float64 else torch.float32
+        inv = 1.0 / self.theta ** (torch.arange(0, self.head_dim, 2, dtype=work, device=pos.device) / self.head_dim)
+        angles = pos.to(work)[:, None] * inv[None, :]  # (T, D / 2)
+        angles = torch.cat([angles, angles], dim=-1)  # (T, D)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (B, H, T, D) rotated by the angles of its positions: ``x cos + rotate_half(x) sin``."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.n_head = cfg.n_head
         self.head_dim = cfg.d_model // cfg.n_head
+        self.rotary = RotaryPositions(self.head_dim, cfg.rope_theta) if cfg.position == "rotary" else None
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias)  # output: [q | k | v], head-major
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.core: nn.Module = DenseCausalAttention()
@@ -57,6 +84,9 @@ class CausalSelfAttention(nn.Module):
             b = self.qkv.bias.view(3, H, D)[:, first:last].reshape(-1) if self.qkv.bias is not None else None
             q, k, v = F.linear(x, w, b).view(B, T, 3, n, D).permute(2, 0, 3, 1, 4)  # 3x (B, n, T, D)
             core = self._head_core(first, last)
+        if self.rotary is not None:  # positions 0..T-1 (this rank's global ones under sequence parallelism)
+            cos, sin = self.rotary(torch.arange(T, device=x.device), q.dtype)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         y = core(q, k, v)  # (B, heads, T, D)
         return y.transpose(1, 2).reshape(B, T, -1)
 
@@ -114,7 +144,8 @@ class GPT(nn.Module):
         # time gets exactly the weights a plain single-process build gets.
         self.init_seed = int(torch.randint(0, 2**62, (), device="cpu"))
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
+        # learned positions (GPT-2); "rotary": none here, each attention rotates q and k (RotaryPositions)
+        self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model) if cfg.position == "learned" else None
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
@@ -170,8 +201,10 @@ class GPT(nn.Module):
         B, T = idx.shape
         if T > self.cfg.seq_len:
             raise ValueError(f"sequence length {T} exceeds model.seq_len={self.cfg.seq_len}")
-        pos = torch.arange(T, device=idx.device)
-        x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
+        x = self.wte(idx)
+        if self.wpe is not None:
+            x = x + self.wpe(torch.arange(T, device=idx.device))
+        x = self.drop(x)  # (B, T, C)
         for block in self.blocks:
             x = block(x)
         return self.ln_f(x)
@@ -211,7 +244,8 @@ class GPT(nn.Module):
 
         plan = dict(GPT_PLAN)
         if sequence_parallel:
-            plan["wpe"] = "sequence_split"  # position rows for this rank's sequence chunk only
+            if self.wpe is not None:
+                plan["wpe"] = "sequence_split"  # position rows for this rank's sequence chunk only
             plan["blocks.*.attn"] = "sequence_gather"  # the attention reads T from its input
             plan["blocks.*.mlp"] = "sequence_gather"
         return plan
@@ -220,7 +254,8 @@ class GPT(nn.Module):
         """Sequence parallelism needs the embeddings and every attention planned for it (ValueError)."""
         if not sequence_parallel:
             return
-        ok = kinds.get("wte") == "vocab" and kinds.get("wpe") == "sequence_split" and all(
+        wpe = self.wpe is None or kinds.get("wpe") == "sequence_split"
+        ok = kinds.get("wte") == "vocab" and wpe and all(
             kinds.get(f"blocks.{i}.attn") == "sequence_gather" for i in range(len(self.blocks)))
         if not ok:
             raise ValueError("tensor.sequence_parallel=True on the GPT needs 'wte': 'vocab', 'wpe': "

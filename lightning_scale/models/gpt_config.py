@@ -26,6 +26,10 @@ class GPTConfig:
     # loss() runs the head + cross-entropy in chunks of this many positions when the sequence is longer (the full
     # (B, T, vocab) logits never exist; lightning_scale.nn.chunked_loss, docs/long_sequences.md). 0: never.
     loss_chunk: int = 512
+    # Positions: "learned" (GPT-2's table wpe, seq_len x d_model parameters that grow with the length) or "rotary"
+    # (RoPE on q and k in every attention, base rope_theta; no parameters: nothing grows with seq_len).
+    position: str = "learned"
+    rope_theta: float = 10000.0
 
     def validate(self) -> "GPTConfig":
         for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "mlp_ratio"):
@@ -35,6 +39,13 @@ class GPTConfig:
             raise ValueError(f"model.loss_chunk={self.loss_chunk!r} must be an integer >= 0 (0: never chunk)")
         if self.d_model % self.n_head:
             raise ValueError(f"model.n_head={self.n_head} does not divide model.d_model={self.d_model}")
+        if self.position not in ("learned", "rotary"):
+            raise ValueError(f"model.position={self.position!r} must be 'learned' or 'rotary'")
+        if self.position == "rotary" and (self.d_model // self.n_head) % 2:
+            raise ValueError(f"model.position='rotary' needs an even head size (d_model / n_head = "
+                              f"{self.d_model // self.n_head})")
+        if not self.rope_theta > 0:
+            raise ValueError(f"model.rope_theta={self.rope_theta} must be > 0")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"model.dropout={self.dropout} must be in [0, 1)")
         return self
@@ -72,7 +83,9 @@ def parameter_numels(cfg: GPTConfig) -> List[Tuple[str, int]]:
     """``(name, numel)`` of every unique parameter of ``GPT(cfg)``, in ``named_parameters()`` order (the tied head
     is the embedding: listed once, as ``wte.weight``)."""
     d = cfg.d_model
-    out = [("wte.weight", cfg.vocab_size * d), ("wpe.weight", cfg.seq_len * d)]
+    out = [("wte.weight", cfg.vocab_size * d)]
+    if cfg.position == "learned":
+        out.append(("wpe.weight", cfg.seq_len * d))
     for i in range(cfg.n_layer):
         out += _block_numels(cfg, f"blocks.{i}.")
     out.append(("ln_f.weight", d))

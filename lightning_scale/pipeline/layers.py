@@ -41,8 +41,10 @@ class GPTEmbedding(nn.Module):
         _, T = idx.shape
         if T > self.seq_len:
             raise ValueError(f"sequence length {T} exceeds model.seq_len={self.seq_len}")
-        pos = torch.arange(T, device=idx.device)
-        return self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
+        x = self.wte(idx)
+        if self.wpe is not None:  # learned positions (a rotary GPT rotates q and k in its attentions instead)
+            x = x + self.wpe(torch.arange(T, device=idx.device))
+        return self.drop(x)  # (B, T, C)
 
 
 class GPTHead(nn.Module):

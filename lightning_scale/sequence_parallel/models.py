@@ -180,12 +180,18 @@ def _sp_gpt(gpt: nn.Module, group, tp: int = 1, tp_rank: int = 0) -> None:
     _mark(gpt, sp)
     for attn in (m for m in gpt.modules() if isinstance(m, CausalSelfAttention)):
         _wrap_core(attn.core, attn.n_head, group, first_head=tp_rank * attn.n_head)
-    wpe_forward = gpt.wpe.forward
+    if gpt.wpe is not None:
+        wpe_forward = gpt.wpe.forward
 
-    def global_positions(pos: torch.Tensor) -> torch.Tensor:  # hidden() asks for arange(L / sp)
-        return wpe_forward(pos + rank * pos.shape[-1])
+        def global_positions(pos: torch.Tensor) -> torch.Tensor:  # hidden() asks for arange(L / sp)
+            return wpe_forward(pos + rank * pos.shape[-1])
 
-    gpt.wpe.forward = global_positions
+        gpt.wpe.forward = global_positions
+    for attn in (m for m in gpt.modules() if isinstance(m, CausalSelfAttention) and m.rotary is not None):
+        def rotary_global(pos: torch.Tensor, dtype, _f=attn.rotary.forward):  # rotary: q, k of this rank's slice
+            return _f(pos + rank * pos.shape[-1], dtype)
+
+        attn.rotary.forward = rotary_global
     gpt.loss = functools.partial(_gpt_loss, gpt, group, cross_entropy=_tp_cross_entropy(gpt))
 
 

@@ -53,7 +53,7 @@ def _build(family: str, meta: bool = False):
     from lightning_scale.models.gpt import GPT, gpt_tiny
 
     sparse = family.startswith("sparse")
-    cfg = gpt_tiny(**(SPARSE_MODEL if sparse else GPT_MODEL))
+    cfg = gpt_tiny(**(SPARSE_MODEL if sparse else GPT_MODEL), position="rotary" if family == "gpt-rotary" else "learned")
     if meta:
         with torch.device("meta"):
             model = GPT(cfg).double()
