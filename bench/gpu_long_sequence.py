@@ -12,7 +12,9 @@ batch 1; one rank (a world-1 NCCL group through ``parallelize()`` at ZeRO stage 
 ``dense`` (no checkpointing, unchunked loss), ``ac``, ``ac_selective``, ``chunked``, ``ac_chunked``, ``sparse``
 and ``sparse_ac_chunked`` (Triton block-sparse attention, BSLongformer block 64); ``ac_offload_chunked`` and
 ``sparse_ac_offload_chunked`` add ``offload_activations=True`` (block inputs in pinned host memory; not counted in
-the device peak); ``*_tiled`` add ``tiled_mlp=1024`` (each block's MLP run and recomputed 1024 positions at a time).
+the device peak); ``*_tiled`` add ``tiled_mlp=1024`` (each block's MLP run and recomputed 1024 positions at a time);
+``*_heads`` add ``tiled_attention=2`` (the attention 2 heads at a time); ``rotary_*`` is the GPT with
+``position="rotary"`` (no position table).
 
 Memory: ``torch.cuda.max_memory_allocated()`` over building the model + one training step (reset before each
 probe); a probe that raises ``torch.OutOfMemoryError`` does not fit. A length fits when the peak is <= the budget
@@ -47,6 +49,10 @@ SYSTEMS: Dict[str, dict] = {
     "sparse_ac_offload_chunked": dict(ac="full", chunk=1024, sparse=True, offload=True),
     "ac_offload_chunked_tiled": dict(ac="full", chunk=1024, sparse=False, offload=True, tiled=1024),
     "sparse_ac_offload_chunked_tiled": dict(ac="full", chunk=1024, sparse=True, offload=True, tiled=1024),
+    # + head-tiled attention (tiled_attention=2: 2 of the 16 heads at a time), and the rotary GPT (no position table)
+    "ac_offload_chunked_tiled_heads": dict(ac="full", chunk=1024, sparse=False, offload=True, tiled=1024, heads=2),
+    "rotary_ac_offload_chunked_tiled_heads": dict(ac="full", chunk=1024, sparse=False, offload=True, tiled=1024,
+                                                  heads=2, position="rotary"),
 }
 GIB = 2**30
 
@@ -77,7 +83,8 @@ def one_step(args, name: str, length: int, topo, device, timed: bool = False) ->
         torch.cuda.reset_peak_memory_stats()
     model = pm = engine = None
     try:
-        cfg = GPTConfig(seq_len=length, loss_chunk=spec["chunk"], **gpt_kwargs(args))
+        cfg = GPTConfig(seq_len=length, loss_chunk=spec["chunk"], position=spec.get("position", "learned"),
+                        **gpt_kwargs(args))
         torch.manual_seed(0)
         with torch.device(device):
             model = GPT(cfg)
@@ -88,7 +95,8 @@ def one_step(args, name: str, length: int, topo, device, timed: bool = False) ->
                                                 global_block_indices=(0,))
             swap_gpt_attention(model, layout)
         config = from_flat_kwargs(stage=0, activation_checkpointing=spec["ac"],
-                                  offload_activations=spec.get("offload", False), tiled_mlp=spec.get("tiled", 0))
+                                  offload_activations=spec.get("offload", False), tiled_mlp=spec.get("tiled", 0),
+                                  tiled_attention=spec.get("heads", 0))
         pm = parallelize(model, config, topo, device, optimizers=lambda m=model: [torch.optim.AdamW(m.parameters())])
         (engine,) = pm.make_engines()
         idx = torch.randint(0, cfg.vocab_size, (1, length + 1), device=device)

@@ -60,6 +60,11 @@ project's environment has no DeepSpeed; bench/RESULTS.md says how it was install
 ``--sp N --tp T``: N x T ranks; every row is tensor-parallel (tp=T: heads, MLP and vocabulary split; each rank builds
 its slices on meta), searched at dp=N and at sp=N (Ulysses over the tp-local heads, H / (T x N) per rank).
 
+``--check-peers``: whether torch's own tools take a training step here (FlexAttention with a block mask; with --sp
+its ``context_parallel`` ring attention over the sp group). On torch 2.13's CPU build neither does (FlexAttention:
+"does not support backward on CPU"; context_parallel: no sharding strategy for the CPU flash-attention op), so they
+have no rows; the messages are printed.
+
 Not a test: prints a table; nothing asserts.
 """
 
@@ -346,6 +351,8 @@ def main() -> None:
                     "(dp=N) and at tp=T x sp=N")
     ap.add_argument("--peer-rounds", type=int, default=0, help="with --sp: step-time rounds vs DeepSpeed Ulysses")
     ap.add_argument("--peer-length", type=int, default=0, help="with --peer-rounds: this length, no search")
+    ap.add_argument("--check-peers", action="store_true", help="first try torch's FlexAttention and (with --sp) "
+                    "context_parallel for one training step each and say whether they ran")
     args = ap.parse_args()
     names = [s for s in args.systems.split(",") if s]
     unknown = [s for s in names if s not in SYSTEMS]
@@ -373,6 +380,8 @@ def run(rank: int, args, names, store: str) -> None:
     say(f"# long_sequence: {f'GPT ({args.position} positions)' if args.model == 'gpt' else 'HF Llama'} d512 x {args.layers} layers, {args.heads} heads, vocab {args.vocab}, fp32, batch 1, "
         f"AdamW, ZeRO {args.stage}, {world} rank(s){f', tp={tp} in every row' if tp > 1 else ''}; budget {args.budget_mib:.0f} MiB of live tensor bytes per rank; "
         f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} CPUs")
+    if args.check_peers:
+        check_torch_peers(sp_topo.sp_group if sp > 1 else None)
     if sp > 1 and args.peer_length:
         compare_deepspeed(args, args.peer_length, sp_topo)
         dist.destroy_process_group()
@@ -402,6 +411,42 @@ def run(rank: int, args, names, store: str) -> None:
     if sp > 1 and args.peer_rounds and base:
         compare_deepspeed(args, base, sp_topo)
     dist.destroy_process_group()
+
+
+def check_torch_peers(group) -> None:
+    """Can torch's own long-sequence tools train a step here? FlexAttention with a causal block mask (compiled) and
+    ``torch.distributed.tensor.experimental.context_parallel`` (ring attention) over ``group`` (None: skipped).
+    Prints what ran or the exception each raised; measured rows need a training step, so a peer that cannot take a
+    backward on this CPU gets no row."""
+    import torch.nn.functional as F
+
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        length = 256
+        mask = create_block_mask(lambda b, h, q, kv: q >= kv, 1, 1, length, length, device="cpu")
+        q, k, v = (torch.randn(1, 2, length, 32, requires_grad=True) for _ in range(3))
+        torch.compile(flex_attention)(q, k, v, block_mask=mask).sum().backward()
+        say("torch FlexAttention (block mask, compiled): forward + backward ran")
+    except Exception as err:  # noqa: BLE001 (report any failure: the peer cannot train here)
+        say(f"torch FlexAttention (block mask, compiled): no training step on this CPU ({type(err).__name__}: "
+            f"{str(err)[:160]})")
+    if group is None:
+        return
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.tensor.experimental import context_parallel
+
+        mesh = DeviceMesh.from_group(group, "cpu")
+        lin = torch.nn.Linear(32, 96)
+        x = torch.randn(1, 64, 32)
+        with context_parallel(mesh, buffers=[x], buffer_seq_dims=[1]):
+            q, k, v = lin(x).view(1, -1, 3, 1, 32).permute(2, 0, 3, 1, 4)
+            F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+        say("torch context_parallel (ring attention) on gloo: forward + backward ran")
+    except Exception as err:  # noqa: BLE001
+        say(f"torch context_parallel (ring attention) on gloo: no training step on this CPU ({type(err).__name__}: "
+            f"{str(err)[:160]})")
 
 
 def deepspeed_cores(model, group) -> None:

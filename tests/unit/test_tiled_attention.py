@@ -164,3 +164,26 @@ def test_an_attention_without_the_head_path_is_named():
                                          num_attention_heads=4, num_key_value_heads=4))
     with pytest.raises(ConfigError, match=r"model.layers.0.self_attn \(LlamaAttention\) has no head-tiled path"):
         tile_attention(model, 1)
+
+
+def test_compiled_blocks_keep_the_groups_eager_and_exact():
+    """``compiled=True`` (parallelize passes it when ``compile`` is on): the tiled region is a graph break inside a
+    compiled block (aot_eager here); gradients equal the untiled eager model's."""
+    ref = _gpt(seq_len=32, n_head=8, d_model=32)
+    model = copy.deepcopy(ref)
+    tile_attention(model, 2, compiled=True)
+    for block in model.blocks:
+        block.forward = torch.compile(block.forward, backend="aot_eager")
+    x, y = make_batch(ref.cfg, 2, seed=0)
+    _assert_equal(ref, model, x, y)
+
+
+def test_startup_table_names_the_tiled_attention():
+    from types import SimpleNamespace
+
+    from lightning_scale.strategies.report import compile_and_checkpointing
+
+    model = _gpt(n_head=4)
+    tile_attention(model, 2)
+    rows = compile_and_checkpointing(SimpleNamespace(config=from_flat_kwargs(tiled_attention=2)), model)
+    assert ("tiled attention", "2 heads per group (2 attentions)") in rows
