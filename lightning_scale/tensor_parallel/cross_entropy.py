@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from lightning_scale.comm import collectives
+from lightning_scale.comm import collectives, pairwise
 
 
 def _exp_range(dtype: torch.dtype) -> float:
@@ -74,14 +74,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # summed over the ranks it is in [1, tp] exactly when no rank overflows and one rank is usable.
         flag = torch.where(high, float(tp + 1), torch.where(low, 0.0, 1.0)).to(dtype)
         stats = torch.stack([picked, torch.where(high, 0.0, local_sum * torch.exp(shift)), flag])  # (3, N)
-        collectives.all_reduce(stats, group, tag=tag)
+        pairwise.all_reduce(stats, group, tag=tag)
         picked, sum_exp, flag = stats[0], stats[1], stats[2]
         if bool(((flag < 0.5) | (flag > tp + 0.5)).any()):  # same decision on every rank: flag was all-reduced
             gmax = local_max.clone()  # Megatron's path: agree on the max, then sum rescaled exponentials
             collectives.all_reduce(gmax, group, op=dist.ReduceOp.MAX, tag=tag)
             scale = torch.exp(shift - gmax)  # (N,): exp(shift - global max) <= 1
             sum_exp = local_sum * scale
-            collectives.all_reduce(sum_exp, group, tag=tag)
+            pairwise.all_reduce(sum_exp, group, tag=tag)
             picked = picked - gmax  # the loss is log(sum_v exp(z_v - M)) - (z_target - M)
         else:
             scale = torch.exp(shift)

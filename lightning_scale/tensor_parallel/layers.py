@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lightning_scale.comm import collectives
+from lightning_scale.comm import pairwise
 from lightning_scale.tensor_parallel.mappings import (
     _gather,
     _reduce_async,
@@ -126,7 +126,7 @@ class _SiblingGrads:
         buf, self.buf, self.pending = self.buf, None, self.uses  # re-armed (retain_graph)
         if buf is None:
             return grad
-        collectives.all_reduce(buf, self.group, tag=self.tag)  # the layers whose backward ran, summed
+        pairwise.all_reduce(buf, self.group, tag=self.tag)  # the layers whose backward ran, summed
         return grad + buf.to(grad.dtype)
 
 
@@ -172,7 +172,7 @@ class _ReplicaGradSum(torch.autograd.Function):
             whole[rank * split // spec.tp].copy_(piece)
             wholes.append(whole)
         flat = torch.cat([w.reshape(-1) for w in wholes])
-        collectives.all_reduce(flat, ctx.group, tag=ctx.tag)
+        pairwise.all_reduce(flat, ctx.group, tag=ctx.tag)
         offset = 0
         for (local, n, split), whole in zip(todo, wholes):
             summed = flat[offset:offset + whole.numel()].view_as(whole)[rank * split // spec.tp]

@@ -32,7 +32,7 @@ from typing import Optional
 
 import torch
 
-from lightning_scale.comm import collectives
+from lightning_scale.comm import collectives, pairwise
 
 # ----------------------------------------------------------------------------- private helpers
 
@@ -40,13 +40,13 @@ from lightning_scale.comm import collectives
 def _reduce(x: torch.Tensor, group, tag: str) -> torch.Tensor:
     """Sum ``x`` over the group into a new tensor (the input may be shared with other autograd users)."""
     out = x.contiguous().clone()
-    collectives.all_reduce(out, group, tag=tag)
+    pairwise.all_reduce(out, group, tag=tag)  # gloo, 2 ranks, small: one exchange (the native collective else)
     return out
 
 
 def _reduce_in_place(x: torch.Tensor, group, tag: str) -> torch.Tensor:
     """Sum ``x`` over the group in place; only for a fresh tensor nothing else refers to yet."""
-    collectives.all_reduce(x, group, tag=tag)
+    pairwise.all_reduce(x, group, tag=tag)
     return x
 
 
@@ -78,7 +78,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group, tag: str) -> torch.Tensor:
 
 def _reduce_async(x: torch.Tensor, group, tag: str) -> collectives.Handle:
     """Start an in-place all-reduce of ``x`` (which the caller owns); ``wait()`` the handle before use."""
-    return collectives.all_reduce(x, group, tag=tag, async_op=True)
+    return pairwise.all_reduce(x, group, tag=tag, async_op=True)
 
 
 def _reduce_scatter_async(x: torch.Tensor, dim: int, group, tag: str):

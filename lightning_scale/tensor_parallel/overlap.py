@@ -21,7 +21,7 @@ from typing import List, Optional
 import torch
 import torch.nn as nn
 
-from lightning_scale.comm import collectives
+from lightning_scale.comm import pairwise
 
 _TRACE: Optional[List[tuple]] = None
 
@@ -70,7 +70,7 @@ def row_linear_chunked(x: torch.Tensor, weight: torch.Tensor, group, tag: str, t
         _mark("mm_start", tag, i)
         torch.mm(xs, w, out=ys)
         _mark("mm_end", tag, i)
-        handles.append(collectives.all_reduce(ys, group, tag=tag, async_op=True))
+        handles.append(pairwise.all_reduce(ys, group, tag=tag, async_op=True))
         _mark("post", tag, i)
         if blocking:
             _mark("wait_start", tag, i)

@@ -69,16 +69,21 @@ def test_collective_fallbacks_match_native():
 
 def test_pairwise_collectives_match_native():
     """Gloo's reduce-scatter / all-gather as point-to-point sends (comm.pairwise, what the ZeRO 1-2 engines use):
-    the native results (exactly on 2 ranks, where the sum is one a + b), the same bytes counted, two in flight."""
+    the native results (exactly on 2 ranks, where the sum is one a + b), the same bytes counted, two in flight. The
+    all-reduce tensor parallelism uses (one exchange on a 2-rank group, native on 3 ranks and past its size): the
+    native bits."""
     results = run_distributed(W.pairwise_collectives, 3, timeout=120)
     for rank, res in enumerate(results):
         assert res["world"]["pairwise"] and res["world"]["ag_equal"], rank
         assert res["world"]["rs_err"] < 1e-12, rank
         assert res["world"]["bytes"][0] == res["world"]["bytes"][1] > 0
+        assert res["world"]["ar_equal"] and res["world"]["ar_bytes"][0] == res["world"]["ar_bytes"][1] > 0
+        assert res["world"]["ar_native_calls"] == 2  # 3 ranks: gloo's own collective
         if rank in (1, 2):
             sub = res["sub"]
-            assert sub["pairwise"] and sub["rs_equal"] and sub["ag_equal"], (rank, sub)
+            assert sub["pairwise"] and sub["rs_equal"] and sub["ag_equal"] and sub["ar_equal"], (rank, sub)
             assert sub["bytes"][0] == sub["bytes"][1] > 0
+            assert sub["ar_bytes"][0] == sub["ar_bytes"][1] > 0 and sub["ar_native_calls"] == 0  # one exchange
 
 
 def test_engines_use_pairwise_collectives_on_gloo():

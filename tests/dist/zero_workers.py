@@ -194,7 +194,32 @@ def pairwise_collectives(rank: int, world: int):
         h2 = pairwise.all_gather(gb, nb.clone(), group, async_op=True)  # a separate input
         h1.wait()
         h2.wait()
+        # all_reduce: one full exchange on a 2-rank group (up to ALL_REDUCE_MAX_BYTES), the native collective else;
+        # two in flight, the same bits as gloo's ring and the same bytes counted
+        x, z = torch.randn(1000, dtype=torch.float64), torch.randn(17, dtype=torch.float64)
+        nx, nz = x.clone(), z.clone()
+        with CommCounter() as ar_native:
+            C.all_reduce(nx, group, tag="tp")
+            C.all_reduce(nz, group, tag="tp")
+        px, pz = x.clone(), z.clone()
+        native_calls = []
+        real_all_reduce = dist.all_reduce
+        dist.all_reduce = lambda *a, **k: native_calls.append(1) or real_all_reduce(*a, **k)
+        try:
+            with CommCounter() as ar_counted:
+                hx = pairwise.all_reduce(px, group, async_op=True, tag="tp")
+                hz = pairwise.all_reduce(pz, group, async_op=True, tag="tp")
+                hz.wait()
+                hx.wait()
+        finally:
+            dist.all_reduce = real_all_reduce
+        big = torch.randn(pairwise.ALL_REDUCE_MAX_BYTES // 8 + 1, dtype=torch.float64)
+        nbig = big.clone()
+        C.all_reduce(nbig, group)
+        pairwise.all_reduce(big, group)
         out[name] = dict(pairwise=pairwise.uses_pairwise(group),
+                         ar_equal=torch.equal(px, nx) and torch.equal(pz, nz) and torch.equal(big, nbig),
+                         ar_bytes=(ar_counted.total, ar_native.total), ar_native_calls=len(native_calls),
                          rs_err=max((pa - na).abs().max().item(), (pb - nb).abs().max().item()),
                          rs_equal=torch.equal(pa, na) and torch.equal(pb, nb),
                          ag_equal=torch.equal(ga, fa) and torch.equal(gb, fb),
