@@ -534,6 +534,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     plan.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (activations only)")
     plan.add_argument("--loss-chunk", type=int, default=None,
                       help="chunked loss: positions per chunk, 0 = off (default: the model's loss_chunk)")
+    plan.add_argument("--tiled-mlp", type=int, default=0, help="positions per tile of the tiled MLP (0: off)")
+    plan.add_argument("--tiled-attention", type=int, default=0, help="heads per group of the head-tiled attention "
+                      "(0: off)")
     args = ap.parse_args(argv)
     try:
         if args.model:
@@ -556,7 +559,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             acts = activations_for_model(model, seq_len=args.seq_len, micro_batch=args.micro_batch,
                                          precision=args.precision, activation_checkpointing=args.ac,
                                          offload_activations=args.offload_activations, sp=args.sp, tp=args.tp,
-                                         chunked_loss=args.loss_chunk)
+                                         chunked_loss=args.loss_chunk, tiled_mlp=args.tiled_mlp,
+                                         tiled_attention=args.tiled_attention)
             largest = max(p.numel() for p in _unique_trainable(model.parameters())) / (1 if args.stage == 0 else args.dp)
             mine = with_activations(mine, acts, step_tensor_numel=largest)
             built = getattr(getattr(model, "cfg", None), "seq_len", None)

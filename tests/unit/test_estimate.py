@@ -355,3 +355,19 @@ def test_header_counts_parameters_at_any_size():
 
     assert [_human_count(n) for n in (875_264, 124_439_808, 13e9, 1_234e9, 512)] == ["875K", "124M", "13B", "1,234B",
                                                                                      "512"]
+
+
+def test_cli_models_the_tiled_mlp_and_the_head_tiled_attention(capsys):
+    """``--tiled-mlp N`` and ``--tiled-attention H`` profile the unit tiled: each lowers the predicted peak, and the
+    figure is estimate_for_model's with the same settings."""
+    spec = "gpt_tiny:n_head=8,d_model=64,seq_len=2048"
+    base = ["--model", spec, "--seq-len", "2048", "--ac", "full", "--unit", "MiB", "--stage", "0"]
+    peaks = []
+    for extra in ([], ["--tiled-mlp", "256"], ["--tiled-mlp", "256", "--tiled-attention", "1"]):
+        assert main(base + extra) == 0
+        line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("predicted peak per device"))
+        peaks.append(float(line.split(":")[1].split("MiB")[0].replace(",", "")))
+    assert peaks[0] > peaks[1] > peaks[2], peaks
+    e = estimate_for_model(_model_from_cli(spec), dp=1, stage=0, seq_len=2048, activation_checkpointing="full",
+                           tiled_mlp=256, tiled_attention=1)
+    assert abs(peaks[2] - e.predicted_peak / 2**20) < 0.01, (peaks, e.predicted_peak / 2**20)
