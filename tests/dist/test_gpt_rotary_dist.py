@@ -10,8 +10,7 @@ from __future__ import annotations
 import pytest
 
 from lightning_scale.testing import run_distributed
-from test_tiled_mlp_dist import MICRO, _train_one
-from test_ulysses import _reference
+from test_tiled_mlp_dist import MICRO, _train_one, assert_matches_reference
 
 CASES = [("gpt-rotary", (("sp", 2), ("stage", 3))),
          ("gpt-rotary", (("tp", 2), ("sequence_parallel", True), ("overlap_comm", False), ("stage", 1),
@@ -30,15 +29,4 @@ def _train(rank: int, world_size: int):
 @pytest.mark.slow  # four layouts on 2 ranks
 @pytest.mark.timeout(240)
 def test_rotary_gpt_under_sp_tp_pp_zero3_matches_one_process():
-    results = run_distributed(_train, 2, timeout=200)[0]
-    for case in CASES:
-        options = dict(case[1])
-        losses, state = results[case]
-        dp = 2 if all(options.get(k, 1) == 1 for k in ("tp", "sp", "pp")) else 1
-        ref_losses, ref_state = _reference(case[0], MICRO if options.get("pp", 1) > 1 else dp)
-        for every, ref in zip(losses, ref_losses):
-            got = sum(every) / len(every) if dp > 1 else max(every, key=lambda v: abs(v - ref))
-            assert abs(got - ref) < 1e-10, (case, every, ref)
-        assert set(ref_state) <= set(state), case
-        worst = max((state[k] - ref_state[k]).abs().max().item() for k in ref_state)
-        assert worst < 1e-10, (case, worst)
+    assert_matches_reference(run_distributed(_train, 2, timeout=200)[0], CASES)

@@ -84,3 +84,18 @@ def test_tiled_mlp_under_zero_tp_sp_pp_matches_one_untiled_process():
         assert set(ref_state) <= set(state), case
         worst = max((state[k] - ref_state[k]).abs().max().item() for k in ref_state)
         assert worst < 1e-10, (case, worst)
+
+
+def assert_matches_reference(results, cases, tol=1e-10):
+    """Every case's losses (the dp mean at dp=2, each rank's otherwise) and parameters equal one process's."""
+    for case in cases:
+        options = dict(case[1])
+        losses, state = results[case]
+        dp = 2 if all(options.get(k, 1) == 1 for k in ("tp", "sp", "pp")) else 1
+        ref_losses, ref_state = _reference(case[0], MICRO if options.get("pp", 1) > 1 else dp)
+        for every, ref in zip(losses, ref_losses):
+            got = sum(every) / len(every) if dp > 1 else max(every, key=lambda v: abs(v - ref))
+            assert abs(got - ref) < tol, (case, every, ref)
+        assert set(ref_state) <= set(state), case
+        worst = max((state[k] - ref_state[k]).abs().max().item() for k in ref_state)
+        assert worst < tol, (case, worst)

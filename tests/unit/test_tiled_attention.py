@@ -21,18 +21,7 @@ import torch
 from lightning_scale.config import ConfigError, from_flat_kwargs
 from lightning_scale.models.gpt import GPT, CausalSelfAttention, gpt_tiny, make_batch
 from lightning_scale.tiled_attention import tile_attention, tiled_attentions
-
-
-def _gpt(**kw):
-    torch.manual_seed(0)
-    return GPT(gpt_tiny(**kw)).double()
-
-
-def _grads(model, x, y):
-    model.zero_grad(set_to_none=True)
-    loss = model.loss(x, y)
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+from test_tiled_mlp import _gpt, _grads
 
 
 def _assert_equal(ref, model, x, y, tol=1e-12):
