@@ -261,7 +261,7 @@ def _llama_step(args, spec: dict, length: int, topo) -> Tuple[int, float]:
     if spec["sparse"] or topo.tp > 1:
         raise SystemExit("--model llama: the sparse systems and --tp are GPT-only in this bench")
     config = from_flat_kwargs(stage=args.stage, activation_checkpointing=spec["ac"], tiled_mlp=spec.get("tiled", 0),
-                              sp=topo.sp)
+                              sp=topo.sp, tiled_attention=spec.get("heads", 0))
     torch.manual_seed(0)
     with LiveTensorBytes() as mem:
         model = _llama(args, length)

@@ -302,7 +302,7 @@ class ParallelConfig:
     tiled_mlp_modules: Optional[tuple] = None
     # Head-tiled attention (lightning_scale.tiled_attention): each unit's attention runs and recomputes tiled_attention
     # heads at a time, so its q / k / v, output and their gradients exist for one group of heads. 0: off. The project
-    # GPT's attention (a heads(x, first, last) method); not with tp > 1.
+    # GPT's attention and Hugging Face attentions with q/k/v/o_proj Linear layers; not with tp > 1.
     tiled_attention: int = 0
     # torch.compile per unit (lightning_scale.compile; the units are zero.unit_modules' or every repeated block):
     # False, True (torch.compile's defaults: inductor) or a dict of torch.compile options ({"backend": "aot_eager"}).

@@ -15,10 +15,14 @@ node and reach each parameter once per backward, so ZeRO's gradient-ready hooks 
 backward time: the ZeRO-3 gathered ones). Each group's RNG and autocast state are restored for its recompute.
 
 Which attention modules: those with ``heads(x, first, last)`` -- the output of heads ``[first, last)`` before the
-output projection -- and ``n_head``: the project GPT's :class:`~lightning_scale.models.gpt.CausalSelfAttention`.
-Composes with activation checkpointing (a recompute runs the tiled forward again), ZeRO 0-3, pipeline stages and
-Ulysses sequence parallelism (each group's core does its own all-to-alls: ``n`` must be a multiple of sp), and with a
-block-sparse core (each group runs the layout of its own heads). Not with tensor parallelism: the tp projection
+output projection -- and ``n_head``: the project GPT's :class:`~lightning_scale.models.gpt.CausalSelfAttention`; and
+unchanged Hugging Face attentions with separate ``q_proj / k_proj / v_proj / o_proj`` Linear layers (Llama, Mistral,
+Qwen2/3, Gemma, ...): their own forward runs once per group with the projections restricted to the group's rows
+(whole key/value heads per group under grouped-query attention: the group size rounds up to a multiple of the query
+heads per key/value head) and ``o_proj`` passing its input through; ``o_proj`` then runs once on the concatenation.
+Their KV cache is turned off (``use_cache=False``), as for activation checkpointing. Composes with activation checkpointing (a recompute runs the tiled forward again), ZeRO 0-3, pipeline stages and
+Ulysses sequence parallelism (the GPT: each group's core does its own all-to-alls, ``n`` a multiple of sp; not a
+Hugging Face attention), and with a block-sparse core (each group runs the layout of its own heads). Not with tensor parallelism: the tp projection
 carries its own collectives, which the sliced projection would skip (a ``ConfigError``). In
 :func:`~lightning_scale.parallelize.parallelize` it is part of the activation-checkpointing step
 (``tiled_attention=HEADS``), after sp, before ZeRO-3.
@@ -102,6 +106,108 @@ def _tiled_heads(self: nn.Module, x: torch.Tensor, first: int = 0, last: Optiona
     return apply(inner, groups, params, source, x, *params)
 
 
+# ------------------------------------------------------------------ Hugging Face attentions (q/k/v/o projections)
+_HF_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def _hf_layout(m: nn.Module) -> Optional[Tuple[int, int, int]]:
+    """(query heads, key/value heads, head size) of a Hugging Face attention with separate ``q/k/v/o_proj`` Linear
+    layers whose only other parameters are per-head norms (``q_norm`` / ``k_norm``); None for anything else."""
+    cfg = getattr(m, "config", None)
+    if cfg is None or not all(type(getattr(m, n, None)) is nn.Linear for n in _HF_PROJ):
+        return None
+    if any(not (n.split(".")[0] in _HF_PROJ or "norm" in n.split(".")[0]) for n, _ in m.named_parameters()):
+        return None  # e.g. attention sinks: a parameter per head that slicing the projections would not follow
+    heads = getattr(cfg, "num_attention_heads", None)
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    dim = getattr(m, "head_dim", None) or getattr(cfg, "head_dim", None)
+    if not heads or not dim or m.q_proj.out_features != heads * dim or m.k_proj.out_features != kv * dim:
+        return None
+    return heads, kv, dim
+
+
+def _rows(linear: nn.Linear, first: int, last: int):
+    """``linear`` restricted to its output rows ``[first, last)``, reading the weight at call time (ZeRO-3)."""
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        bias = linear.bias[first:last] if linear.bias is not None else None
+        return torch.nn.functional.linear(x, linear.weight[first:last], bias)
+    return forward
+
+
+@contextlib.contextmanager
+def _hf_heads_only(m: nn.Module, first: int, last: int, kv_first: int, kv_last: int, dim: int):
+    """Inside: ``m``'s projections give heads ``[first, last)`` (and their key/value heads) only, and ``o_proj``
+    passes its input through, so ``m``'s own forward returns those heads' attention before the output projection."""
+    saved = {n: getattr(m, n).__dict__.get("forward") for n in _HF_PROJ}
+    m.q_proj.forward = _rows(m.q_proj, first * dim, last * dim)
+    m.k_proj.forward = _rows(m.k_proj, kv_first * dim, kv_last * dim)
+    m.v_proj.forward = _rows(m.v_proj, kv_first * dim, kv_last * dim)
+    m.o_proj.forward = lambda x: x
+    try:
+        yield
+    finally:
+        for n, f in saved.items():
+            del getattr(m, n).forward
+            if f is not None:
+                getattr(m, n).forward = f
+
+
+def _hf_tiled_forward(self: nn.Module, hidden_states: torch.Tensor, *args, **kwargs):
+    inner = self.__dict__.get("_tiled_inner_forward") or type(self).forward.__get__(self)
+    heads, kv, dim = self._tiled_layout
+    per = self._tiled_heads_per
+    if heads <= per or not torch.is_grad_enabled() or not torch.is_tensor(hidden_states) or \
+            kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
+        return inner(hidden_states, *args, **kwargs)
+    group = heads // kv  # query heads per key/value head: a group of heads takes whole key/value heads
+
+    def run(x: torch.Tensor, first: int, last: int) -> torch.Tensor:
+        with _hf_heads_only(self, first, last, first // group, last // group, dim):
+            out = inner(x, *args, **kwargs)
+        return out[0] if isinstance(out, tuple) else out
+
+    groups = [(a, min(a + per, heads)) for a in range(0, heads, per)]
+    params = [p for n, p in self.named_parameters() if not n.startswith("o_proj.")]
+    apply = self.__dict__.get("_tiled_apply") or _HeadTiled.apply
+    source = hidden_states.__dict__.get(_SOURCE) if "_tiled_apply" not in self.__dict__ else None
+    if source is not None and source[1].shape != hidden_states.shape:
+        source = None
+    y = apply(run, groups, params, source, hidden_states, *params)
+    return self.o_proj(y), None
+
+
+def _wrap(name: str, m: nn.Module, heads: int, setting: str, compiled: bool) -> None:
+    """Tile ``m``: the project GPT's attention through its ``heads`` method, a Hugging Face one through its forward
+    with sliced projections; anything else is a ConfigError naming ``setting``."""
+    if callable(getattr(type(m), "heads", None)) and isinstance(getattr(m, "n_head", None), int):
+        m._tiled_heads_per = heads
+        m._tiled_skip = getattr(m, "tiled_skip", "proj.")  # parameters outside the tiled region (output projection)
+        m.heads = types.MethodType(_tiled_heads, m)
+    elif _hf_layout(m) is not None:
+        layout = _hf_layout(m)
+        group = layout[0] // layout[1]
+        m._tiled_heads_per = -(-heads // group) * group  # whole key/value heads per group of query heads
+        m._tiled_layout = layout
+        m._tiled_inner_forward = m.__dict__.get("forward")
+        m.forward = types.MethodType(_hf_tiled_forward, m)
+    else:
+        raise ConfigError(f"{setting}={heads}: {name} ({type(m).__name__}) has no head-tiled path (the project GPT's "
+                          "attention, or a Hugging Face attention with separate q_proj / k_proj / v_proj / o_proj "
+                          "Linear layers); leave tiled_attention at 0 for this model", settings=(setting,))
+    if compiled:
+        m._tiled_apply = torch.compiler.disable(_HeadTiled.apply)
+
+
+def _unwrap(m: nn.Module) -> None:
+    inner = m.__dict__.pop("_tiled_inner_forward", None)
+    if "_tiled_layout" in m.__dict__:
+        del m.forward
+        if inner is not None:
+            m.forward = inner
+    for attr in ("heads", "_tiled_heads_per", "_tiled_skip", "_tiled_apply", "_tiled_layout"):
+        m.__dict__.pop(attr, None)
+
+
 def _default_attention(unit: nn.Module) -> List[Tuple[str, nn.Module]]:
     return [(n, m) for n, m in unit.named_children() if n in ("attn", "attention", "self_attn")]
 
@@ -132,11 +238,11 @@ def tile_attention(module: nn.Module, heads: int, modules: Optional[Sequence[str
         raise ConfigError(f"{setting}={heads}: no attention found to tile (a child named 'attn', 'attention' or "
                           "'self_attn' of each repeated block)", settings=(setting,))
     sp = max([getattr(m, "_lightning_scale_sp", 1) for m in module.modules()] + [1])
+    for m in module.modules():  # a Hugging Face model: no KV cache in training (a cache passed in runs untiled)
+        cfg = getattr(m, "config", None)
+        if getattr(cfg, "use_cache", False) is True and hasattr(m, "base_model_prefix"):
+            cfg.use_cache = False
     for name, m in found:
-        if not callable(getattr(type(m), "heads", None)) or not isinstance(getattr(m, "n_head", None), int):
-            raise ConfigError(f"{setting}={heads}: {name} ({type(m).__name__}) has no head-tiled path (a "
-                              "heads(x, first, last) method and n_head: the project GPT's attention has them); "
-                              "leave tiled_attention at 0 for this model", settings=(setting,))
         qkv = getattr(m, "qkv", None)
         if qkv is not None and type(qkv) is not nn.Linear:
             raise ConfigError(f"{setting}={heads}: {name}.qkv is a {type(qkv).__name__} (tensor parallelism?); "
@@ -154,11 +260,11 @@ def tile_attention(module: nn.Module, heads: int, modules: Optional[Sequence[str
                               settings=(setting, "sp"))
         if getattr(m, "_tiled_heads_per", None) is not None:
             raise ConfigError(f"{setting}={heads}: {name} is tiled already", settings=(setting,))
-        m._tiled_heads_per = heads
-        m._tiled_skip = getattr(m, "tiled_skip", "proj.")  # parameters outside the tiled region (output projection)
-        if compiled:
-            m._tiled_apply = torch.compiler.disable(_HeadTiled.apply)
-        m.heads = types.MethodType(_tiled_heads, m)
+        if sp > 1 and _hf_layout(m) is not None:
+            raise ConfigError(f"{setting}={heads}: {name} is a Hugging Face attention under sequence parallelism, "
+                              "which head tiling does not split (the project GPT's attention does)",
+                              settings=(setting, "sp"))
+        _wrap(name, m, heads, setting, compiled)
     return [name for name, _ in found]
 
 
@@ -174,17 +280,17 @@ def tiled_attention_unit(unit: nn.Module, heads: int):
     path (the plan then profiles it as it runs: untiled) is used as it is."""
     wrapped: List[nn.Module] = []
     if heads and not any(getattr(m, "_tiled_heads_per", None) is not None for m in unit.modules()):
-        for _, m in _default_attention(unit):
-            if callable(getattr(type(m), "heads", None)) and isinstance(getattr(m, "n_head", None), int):
-                m._tiled_heads_per, m._tiled_skip = heads, getattr(m, "tiled_skip", "proj.")
-                m.heads = types.MethodType(_tiled_heads, m)
-                wrapped.append(m)
+        for name, m in _default_attention(unit):
+            try:
+                _wrap(name, m, heads, "tiled_attention", False)
+            except ConfigError:
+                continue  # no head-tiled path: profiled as it runs, untiled
+            wrapped.append(m)
     try:
         yield unit
     finally:
         for m in wrapped:
-            for attr in ("heads", "_tiled_heads_per", "_tiled_skip"):
-                m.__dict__.pop(attr, None)
+            _unwrap(m)
 
 
 __all__ = ["tile_attention", "tiled_attention_unit", "tiled_attentions"]

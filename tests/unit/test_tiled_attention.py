@@ -146,13 +146,50 @@ def test_bad_settings_are_config_errors():
         tile_attention(model, 2)
 
 
-def test_an_attention_without_the_head_path_is_named():
-    from transformers import LlamaConfig, LlamaForCausalLM
+@pytest.mark.parametrize("family,attn,ac", [("llama", "eager", None), ("llama", "sdpa", "full"), ("qwen3", "sdpa", None),
+                                             ("qwen2", "eager", "full"), ("mistral", "sdpa", None),
+                                             ("gemma3", "eager", None)])
+def test_hugging_face_attention_equals_untiled(family, attn, ac, monkeypatch):
+    """An unchanged HF attention (GQA 4 query / 2 key-value heads; Qwen3's per-head q/k norms, Qwen2's biases,
+    Mistral's sliding window, Gemma3's scaling): its own forward runs per group with sliced q/k/v projections (each
+    group takes whole key/value heads: 1 head per group rounds up to 2) and o_proj applied once outside."""
+    import lightning_scale.tiled_attention as TA
+    from lightning_scale.activation_checkpointing import checkpoint_units
+    from lightning_scale.models import hf_families as F
 
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=4))
-    with pytest.raises(ConfigError, match=r"model.layers.0.self_attn \(LlamaAttention\) has no head-tiled path"):
+    ref = F.build(family, attn, dtype=torch.float64).train()
+    model = copy.deepcopy(ref)
+    if ac:
+        checkpoint_units(model, ac)
+    assert len(tile_attention(model, 1)) == ref.config.num_hidden_layers
+    assert model.model.layers[0].self_attn._tiled_heads_per == 2
+    calls = []
+    only = TA._hf_heads_only
+    monkeypatch.setattr(TA, "_hf_heads_only", lambda m, *a: calls.append(a[:4]) or only(m, *a))
+    x = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    out = []
+    for m in (ref, model):
+        loss = m(input_ids=x, labels=x).loss
+        loss.backward()
+        out.append((float(loss), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
+    assert abs(out[0][0] - out[1][0]) < 1e-12
+    scale = max(g.abs().max().item() for g in out[0][1].values())
+    assert max((out[0][1][n] - out[1][1][n]).abs().max().item() for n in out[0][1]) < 1e-9 * max(scale, 1.0)
+    assert sorted(set(calls)) == [(0, 2, 0, 1), (2, 4, 1, 2)]
+    per_pass = ref.config.num_hidden_layers * 2
+    assert len(calls) == per_pass * (3 if ac else 2)  # forward, (the AC recompute,) the backward's recompute
+
+
+def test_an_attention_without_the_head_path_is_named():
+    from lightning_scale.models import hf_families as F
+
+    model = F.build("phi3", "eager", dtype=torch.float32)  # fused qkv_proj
+    with pytest.raises(ConfigError, match=r"model.layers.0.self_attn \(Phi3Attention\) has no head-tiled path"):
         tile_attention(model, 1)
+    llama = F.build("llama", "eager", dtype=torch.float32)
+    llama._lightning_scale_sp = 2
+    with pytest.raises(ConfigError, match=r"is a Hugging Face attention under sequence parallelism"):
+        tile_attention(llama, 2)
 
 
 def test_compiled_blocks_keep_the_groups_eager_and_exact():
