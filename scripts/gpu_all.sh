@@ -30,10 +30,10 @@ if [ "${1:-}" = "--dry-run" ]; then
     for s in gpu_zero gpu_models gpu_checkpoint gpu_long_sequence; do python "bench/$s.py" --dry-run; done
     exit 0
 fi
-step tests_gpu 100 python -m pytest -q -m gpu -p no:cacheprovider -o addopts="" tests/kernels tests/dist/test_zero3.py
+step tests_gpu 100 python -m pytest -q -m gpu -p no:cacheprovider -o addopts="" tests/kernels tests/dist/test_zero3.py tests/unit/test_tiled_attention.py
 step gpu_zero 170 python bench/gpu_zero.py --compile --rounds 1 --steps 10 --budget-s 110 --out "$OUT/gpu_zero"
 step gpu_sparse_attention 70 python bench/gpu_sparse_attention.py --rounds 1 --lengths 4096 16384 --head-dims 64
-step gpu_long_sequence 90 python bench/gpu_long_sequence.py --out "$OUT/gpu_long_sequence"
+step gpu_long_sequence 90 python bench/gpu_long_sequence.py --systems dense,ac_offload_chunked_tiled_heads,rotary_ac_offload_chunked_tiled_heads --out "$OUT/gpu_long_sequence"
 step gpu_models 90 python bench/gpu_models.py --rounds 1 --steps 5 --out "$OUT/gpu_models"
 step gpu_checkpoint 60 python bench/gpu_checkpoint.py --rounds 1 --out "$OUT/gpu_checkpoint"
 # bench/gpu_tensor_parallel.py needs 2 or more GPUs (torchrun --nproc-per-node N); not run on one device.

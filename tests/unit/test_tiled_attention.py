@@ -213,3 +213,36 @@ def test_startup_table_names_the_tiled_attention():
     tile_attention(model, 2)
     rows = compile_and_checkpointing(SimpleNamespace(config=from_flat_kwargs(tiled_attention=2)), model)
     assert ("tiled attention", "2 heads per group (2 attentions)") in rows
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_bf16_tiled_attention_and_rotary_match_untiled_and_use_less_memory():
+    """On a GPU (flash SDPA, bf16 autocast): a rotary GPT with full AC + tiled MLP + head tiling has the untiled
+    run's gradients (bf16 tolerance) and a lower ``max_memory_allocated`` at L=8192."""
+    from lightning_scale.activation_checkpointing import checkpoint_units
+    from lightning_scale.tiled_mlp import tile_mlps
+
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    ref = GPT(gpt_tiny(seq_len=8192, n_head=16, d_model=1024, n_layer=2, vocab_size=4096, position="rotary")).to(dev)
+    checkpoint_units(ref, "full")
+    tile_mlps(ref, 1024)
+    model = copy.deepcopy(ref)
+    tile_attention(model, 2)
+    x, y = make_batch(ref.cfg, 1, seed=0, device=dev)
+    out = []
+    for m in (ref, model):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = m.loss(x, y)
+        loss.backward()
+        torch.cuda.synchronize()
+        out.append((float(loss), {n: p.grad.float() for n, p in m.named_parameters()},
+                    torch.cuda.max_memory_allocated()))
+    assert abs(out[0][0] - out[1][0]) < 1e-3
+    for n, g in out[0][1].items():
+        assert (g - out[1][1][n]).abs().max() <= 2e-2 * g.abs().max() + 1e-6, n
+    print(f"\npeak GiB untiled {out[0][2] / 2**30:.3f}, head-tiled {out[1][2] / 2**30:.3f}")
+    assert out[1][2] < out[0][2]
