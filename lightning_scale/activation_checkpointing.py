@@ -84,6 +84,15 @@ def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return checkpoint(run, *outer, use_reentrant=False, **extra)
 
 
+def kv_cache_off(module: nn.Module) -> None:
+    """``config.use_cache = False`` on every Hugging Face model inside ``module`` (recomputed or tiled attention
+    cannot fill a KV cache; training does not read one)."""
+    for m in module.modules():
+        cfg = getattr(m, "config", None)
+        if getattr(cfg, "use_cache", False) is True and hasattr(m, "base_model_prefix"):
+            cfg.use_cache = False
+
+
 def checkpoint_units(module: nn.Module, mode: Optional[str], units: Optional[Sequence[str]] = None,
                      setting: str = "activation_checkpointing_units", offload: Any = False) -> List[str]:
     """Checkpoint every unit of ``module`` (``mode``: "full" | "selective"; None does nothing); returns their names.
@@ -105,10 +114,8 @@ def checkpoint_units(module: nn.Module, mode: Optional[str], units: Optional[Seq
         raise ConfigError(f"activation_checkpointing={mode!r}: the model has no repeated block to checkpoint (no "
                           f"layer_modules(), no ModuleList of one class); name the units in {setting}",
                           settings=(setting,))
-    for m in module.modules():  # a Hugging Face model: its KV cache grows again in the recompute (transformers
-        cfg = getattr(m, "config", None)  # turns it off for its own gradient checkpointing too)
-        if getattr(cfg, "use_cache", False) is True and hasattr(m, "base_model_prefix"):
-            cfg.use_cache = False
+    kv_cache_off(module)  # a Hugging Face model: its KV cache grows again in the recompute (transformers turns it
+    # off for its own gradient checkpointing too)
     offloader = None
     if offload:
         from lightning_scale.activation_offload import ActivationOffloader
@@ -129,4 +136,4 @@ def checkpointed_units(module: nn.Module) -> List[str]:
     return [n for n, m in module.named_modules() if getattr(m, "_activation_checkpointing", None) is not None]
 
 
-__all__ = ["SAVED_OPS", "checkpoint_units", "checkpointed_units"]
+__all__ = ["SAVED_OPS", "checkpoint_units", "checkpointed_units", "kv_cache_off"]

@@ -238,10 +238,9 @@ def tile_attention(module: nn.Module, heads: int, modules: Optional[Sequence[str
         raise ConfigError(f"{setting}={heads}: no attention found to tile (a child named 'attn', 'attention' or "
                           "'self_attn' of each repeated block)", settings=(setting,))
     sp = max([getattr(m, "_lightning_scale_sp", 1) for m in module.modules()] + [1])
-    for m in module.modules():  # a Hugging Face model: no KV cache in training (a cache passed in runs untiled)
-        cfg = getattr(m, "config", None)
-        if getattr(cfg, "use_cache", False) is True and hasattr(m, "base_model_prefix"):
-            cfg.use_cache = False
+    from lightning_scale.activation_checkpointing import kv_cache_off
+
+    kv_cache_off(module)  # a Hugging Face model: no KV cache in training (a cache passed in runs untiled)
     for name, m in found:
         qkv = getattr(m, "qkv", None)
         if qkv is not None and type(qkv) is not nn.Linear:

@@ -100,14 +100,9 @@ class CausalSelfAttention(nn.Module):
             return core
         cache = self.__dict__.setdefault("_head_cores", {})  # not submodules: no parameters, not in state_dict
         if (first, last) not in cache:
-            from lightning_scale.sequence_parallel.models import HeadRange
+            from lightning_scale.sequence_parallel.models import sparse_core_for_heads
 
-            cfg = HeadRange(num_heads=last - first, block=core.sparsity_config.block, parent=core.sparsity_config,
-                            start=first)
-            cache[(first, last)] = SparseSelfAttention(
-                cfg, key_padding_mask_mode=core.key_padding_mask_mode, attn_mask_mode=core.attn_mask_mode,
-                max_seq_length=core.max_seq_length, causal=core.causal, auto_pad=core.auto_pad, backend=core.backend,
-                chunk_bytes=core.chunk_bytes, tile=core.tile)
+            cache[(first, last)] = sparse_core_for_heads(core, first, last - first)
         return cache[(first, last)]
 
 

@@ -230,8 +230,13 @@ def _local_heads(core: nn.Module, heads: int, group, first_head: int = 0) -> nn.
     sp, rank = C.group_size(group), C.group_rank(group)
     local = heads // sp
     offset = first_head if core.sparsity_config.num_heads > heads else 0
-    cfg = HeadRange(num_heads=local, block=core.sparsity_config.block, parent=core.sparsity_config,
-                    start=offset + rank * local)
+    return sparse_core_for_heads(core, offset + rank * local, local)
+
+
+def sparse_core_for_heads(core: SparseSelfAttention, start: int, num_heads: int) -> SparseSelfAttention:
+    """A block-sparse core like ``core`` over heads ``[start, start + num_heads)`` of its layout (no parameters: kept
+    off the module tree by the callers). Sequence parallelism's local heads and head-tiled attention's groups."""
+    cfg = HeadRange(num_heads=num_heads, block=core.sparsity_config.block, parent=core.sparsity_config, start=start)
     return SparseSelfAttention(cfg, key_padding_mask_mode=core.key_padding_mask_mode,
                                attn_mask_mode=core.attn_mask_mode, max_seq_length=core.max_seq_length,
                                causal=core.causal, auto_pad=core.auto_pad, backend=core.backend,
