@@ -3,6 +3,9 @@
     python bench/tune.py                          # sweep every candidate, then the tuner; prints both ratios
     python bench/tune.py --share 0.15 --steps 4
     python bench/tune.py --model gpt_small:n_layer=8,d_model=192,n_head=6,vocab_size=4096,seq_len=256  # out of sample
+    python bench/tune.py --model gpt_small:seq_len=2048 --global-batch 2 --sp 1,2 --memory-budget-mib 200
+        # long sequences: a budget where most layouts fit only with memory relief (tiled MLP, head tiling,
+        # activation offload) or Ulysses
 
 Both measure with the same probe (lightning_scale.tune.measure: parallelize() + engines in a fresh 2-rank group,
 ``--steps`` timed steps after 2 warm-up steps). The sweep measures every candidate that fits; the tuner measures the
@@ -37,9 +40,11 @@ def main() -> None:
     ap.add_argument("--memory-budget-mib", type=float, default=2048)
     ap.add_argument("--model", default="gpt_small", help="an estimator spec (gpt_small[:key=value,...]); the prior's "
                     "factors were fitted on gpt_small, so another shape is an out-of-sample check")
+    ap.add_argument("--sp", default="1", help="Ulysses sizes searched, e.g. 1,2 (a long --model seq_len)")
     args = ap.parse_args()
     model = _model_from_spec(args.model)
-    space = dict(stages=(0, 2, 3), offloads=("none", "optimizer"), buckets=(25.0,), acs=(None, "full"))
+    space = dict(stages=(0, 2, 3), offloads=("none", "optimizer"), buckets=(25.0,), acs=(None, "full"),
+                 sps=tuple(int(v) for v in args.sp.split(",")))
     rows = plan(model, model.cfg, 2, args.global_batch, args.memory_budget_mib * 2**20, **space)
     survivors = [r for r in rows if not r.reason]
     probes = max(1, math.ceil(args.share * len(survivors)))

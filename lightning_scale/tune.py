@@ -52,21 +52,51 @@ class Candidate:
     bucket_mb: float = 25.0
     ac: Optional[str] = None
     compile: bool = False
+    sp: int = 1  # Ulysses sequence parallelism: sp ranks share each sequence (L / sp positions each)
+    # memory relief (plan()'s ladder, only where the layout does not fit without it): the MLPs and norms tiled over
+    # tiled_mlp positions, the attention run tiled_attention heads at a time, the checkpointed units' inputs offloaded
+    tiled_mlp: int = 0
+    tiled_attention: int = 0
+    act_offload: bool = False
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.sp * self.tp * self.pp
+
+    @property
+    def split(self) -> str:
+        return f"dp{self.dp}tp{self.tp}pp{self.pp}" + (f"sp{self.sp}" if self.sp > 1 else "")
+
+    @property
+    def relief(self) -> str:
+        """The relief settings in the key ("" for none)."""
+        return ((f"/tmlp{self.tiled_mlp}" if self.tiled_mlp else "")
+                + (f"/theads{self.tiled_attention}" if self.tiled_attention else "")
+                + ("/actoff" if self.act_offload else ""))
 
     @property
     def key(self) -> str:
-        return (f"z{self.stage}/{self.offload}/dp{self.dp}tp{self.tp}pp{self.pp}/mb{self.micro_batch}x{self.accum}"
-                f"/b{self.bucket_mb:g}/ac-{self.ac or 'none'}/{'compile' if self.compile else 'eager'}")
+        return (f"z{self.stage}/{self.offload}/{self.split}/mb{self.micro_batch}x{self.accum}"
+                f"/b{self.bucket_mb:g}/ac-{self.ac or 'none'}/{'compile' if self.compile else 'eager'}{self.relief}")
 
     @property
     def family(self) -> str:
-        return f"stage {self.stage} offload={self.offload} dp{self.dp} tp{self.tp} pp{self.pp}"
+        return (f"stage {self.stage} offload={self.offload} dp{self.dp} tp{self.tp} pp{self.pp}"
+                + (f" sp{self.sp}" if self.sp > 1 else ""))
 
     def strategy_kwargs(self) -> Dict:
         kw = dict(stage=self.stage, offload=self.offload, tp=self.tp, pp=self.pp, bucket_mb=self.bucket_mb,
                   activation_checkpointing=self.ac, compile=self.compile)
         if self.pp > 1:
             kw["microbatches"] = self.accum
+        if self.sp > 1:
+            kw["sp"] = self.sp
+        if self.tiled_mlp:
+            kw["tiled_mlp"] = self.tiled_mlp
+        if self.tiled_attention:
+            kw["tiled_attention"] = self.tiled_attention
+        if self.act_offload:
+            kw["offload_activations"] = True
         return kw
 
     def overrides(self, precision: str = "32-true") -> List[str]:
@@ -74,13 +104,21 @@ class Candidate:
         batch = self.micro_batch * (self.accum if self.pp > 1 else 1)  # data.batch_size: one dp rank's batch
         line = ["strategy=zero3d", f"strategy.stage={self.stage}", f"strategy.offload={self.offload}",
                 f"strategy.tp={self.tp}", f"strategy.pp={self.pp}", f"strategy.bucket_mb={self.bucket_mb:g}",
-                f"trainer.devices={self.dp * self.tp * self.pp}", f"data.batch_size={batch}"]
+                f"trainer.devices={self.world}", f"data.batch_size={batch}"]
+        if self.sp > 1:
+            line.append(f"strategy.sp={self.sp}")
         if self.pp > 1:
             line.append(f"strategy.microbatches={self.accum}")
         else:
             line.append(f"trainer.accumulate_grad_batches={self.accum}")
         if self.ac:
             line.append(f"strategy.activation_checkpointing={self.ac}")
+        if self.tiled_mlp:
+            line.append(f"strategy.tiled_mlp={self.tiled_mlp}")
+        if self.tiled_attention:
+            line.append(f"strategy.tiled_attention={self.tiled_attention}")
+        if self.act_offload:
+            line.append("strategy.offload_activations=true")
         if self.compile:
             line.append("strategy.compile=true")
         group = {"32-true": "fp32", "bf16-mixed": "bf16", "16-mixed": "fp16", "bf16-true": "bf16_true"}
@@ -176,6 +214,13 @@ def parse_bytes(text: str) -> int:
         raise ConfigError(f"--memory-budget={text!r}: use a size like 2GiB, 512MiB or 1e9") from None
 
 
+def _ints(name: str, text: str) -> Tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise ConfigError(f"{name}={text!r}: use sizes like 1,2") from None
+
+
 def _divisors(n: int) -> List[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -183,15 +228,16 @@ def _divisors(n: int) -> List[int]:
 # ------------------------------------------------------------------------------------------------ candidates
 def enumerate_candidates(gpt, devices: int, global_batch: int, *, stages=(0, 1, 2, 3), offloads=None,
                          tps=None, pps=None, buckets=(5.0, 25.0), acs=(None, "full"), compile_options=(False,),
-                         micro_batches=None) -> Tuple[List[Candidate], List[Row]]:
-    """Every layout of ``devices`` for the GPTConfig ``gpt``; (candidates, rows rejected by arithmetic)."""
+                         micro_batches=None, sps=(1,)) -> Tuple[List[Candidate], List[Row]]:
+    """Every layout of ``devices`` for the GPTConfig (or :class:`Shape`) ``gpt``; (candidates, rows rejected by
+    arithmetic). ``sps``: Ulysses degrees to try (None: every divisor; the default 1: none)."""
     from lightning_scale.estimate import CHOICES
 
     if not isinstance(devices, int) or devices < 1:
         raise ConfigError(f"--devices={devices!r} must be a positive integer")
-    for name, values in (("--tp", tps), ("--pp", pps)):
+    for name, values in (("--tp", tps), ("--pp", pps), ("--sp", sps)):
         for v in values or ():
-            if devices % v:
+            if not isinstance(v, int) or v < 1 or devices % v:
                 raise ConfigError(f"{name}={v} does not divide --devices={devices}")
     rejected: List[Row] = []
     cands: List[Candidate] = []
@@ -199,43 +245,109 @@ def enumerate_candidates(gpt, devices: int, global_batch: int, *, stages=(0, 1, 
         for pp in (pps or _divisors(devices // tp)):
             if devices % (tp * pp):
                 continue
-            dp = devices // (tp * pp)
-            probe = Candidate(stage=0, offload="none", dp=dp, tp=tp, pp=pp)
-            why = ""
-            kv = getattr(gpt, "n_kv_head", None)
-            if tp > 1 and gpt.n_head is None:
-                why = f"tp={tp}: the head count of {getattr(gpt, 'name', 'the model')} is unknown"
-            elif gpt.n_head % tp:
-                why = f"tp={tp} does not divide model.n_head={gpt.n_head}"
-            elif kv and kv % tp:
-                why = f"tp={tp} does not divide the {kv} key/value heads"
-            elif pp > 1 and gpt.n_layer % pp:
-                why = f"pp={pp} does not divide model.n_layer={gpt.n_layer}"
-            elif global_batch % dp:
-                why = f"--global-batch={global_batch} sequences is not divisible by dp={dp}"
-            if why:
-                rejected.append(Row(probe, reason=why))
-                continue
-            per_rank = global_batch // dp
-            for stage, offload in CHOICES:
-                if stage not in stages or (offloads and offload not in offloads):
+            for sp in (sps or _divisors(devices // (tp * pp))):
+                if devices % (tp * pp * sp):
                     continue
-                if stage == 3 and tp > 1 and pp > 1:
-                    rejected.append(Row(dataclasses.replace(probe, stage=3, offload=offload),
-                                        reason="zero.stage=3 composes with tp or pp, not both"))
+                dp = devices // (tp * pp * sp)
+                probe = Candidate(stage=0, offload="none", dp=dp, tp=tp, pp=pp, sp=sp)
+                why = _split_problem(gpt, dp, tp, pp, sp, global_batch)
+                if why:
+                    rejected.append(Row(probe, reason=why))
                     continue
-                for mb in (micro_batches or _divisors(per_rank)):
-                    if per_rank % mb:
+                per_rank = global_batch // dp
+                for stage, offload in CHOICES:
+                    if stage not in stages or (offloads and offload not in offloads):
                         continue
-                    accum = per_rank // mb
-                    if pp > 1 and accum < pp:  # fewer micro-batches than stages: mostly bubble
+                    if stage == 3 and tp > 1 and pp > 1:
+                        rejected.append(Row(dataclasses.replace(probe, stage=3, offload=offload),
+                                            reason="zero.stage=3 composes with tp or pp, not both"))
                         continue
-                    for bucket in (buckets if stage in (0, 1, 2) else (25.0,)):
-                        for ac in acs:
-                            for comp in compile_options:
-                                cands.append(Candidate(stage, offload, dp, tp, pp, mb, accum, float(bucket), ac,
-                                                       bool(comp)))
+                    for mb in (micro_batches or _divisors(per_rank)):
+                        if per_rank % mb:
+                            continue
+                        accum = per_rank // mb
+                        if pp > 1 and accum < pp:  # fewer micro-batches than stages: mostly bubble
+                            continue
+                        for bucket in (buckets if stage in (0, 1, 2) else (25.0,)):
+                            for ac in acs:
+                                for comp in compile_options:
+                                    cands.append(Candidate(stage, offload, dp, tp, pp, mb, accum, float(bucket), ac,
+                                                           bool(comp), sp))
     return cands, rejected
+
+
+def _split_problem(gpt, dp: int, tp: int, pp: int, sp: int, global_batch: int) -> str:
+    """Why a dp x tp x pp x sp split cannot run this model ("" if it can)."""
+    kv = getattr(gpt, "n_kv_head", None)
+    name = getattr(gpt, "name", "the model")
+    if (tp > 1 or sp > 1) and gpt.n_head is None:
+        return f"{'tp' if tp > 1 else 'sp'}={tp if tp > 1 else sp}: the head count of {name} is unknown"
+    if tp > 1 and gpt.n_head % tp:
+        return f"tp={tp} does not divide model.n_head={gpt.n_head}"
+    if tp > 1 and kv and kv % tp:
+        return f"tp={tp} does not divide the {kv} key/value heads"
+    if sp > 1 and gpt.n_head % (tp * sp):
+        return f"sp={sp} does not divide the {gpt.n_head // tp} heads per tp rank (model.n_head={gpt.n_head}, tp={tp})"
+    if sp > 1 and kv and kv % (tp * sp):
+        return f"sp={sp} does not divide the {kv // tp} key/value heads per tp rank"
+    if sp > 1 and gpt.seq_len % sp:
+        return f"sp={sp} does not divide the sequence length {gpt.seq_len}"
+    if pp > 1 and gpt.n_layer % pp:
+        return f"pp={pp} does not divide model.n_layer={gpt.n_layer}"
+    if global_batch % dp:
+        return f"--global-batch={global_batch} sequences is not divisible by dp={dp}"
+    return ""
+
+
+RELIEF = ("tiled_mlp", "tiled_attention", "offload_activations")
+_RELIEF_SUPPORT: Dict[int, Tuple[bool, bool, bool]] = {}
+
+
+def relief_support(model) -> Tuple[bool, bool, bool]:
+    """(tiled MLP, head-tiled attention, head tiling under sp) for ``model``'s largest unit: whether
+    :mod:`lightning_scale.tiled_mlp` finds an MLP in it and :mod:`lightning_scale.tiled_attention` a head-tiled path
+    (the project GPT's attention, or a Hugging Face one with q/k/v/o_proj; only the GPT's under sp)."""
+    if id(model) not in _RELIEF_SUPPORT:
+        from lightning_scale.activation_plan import _units
+        from lightning_scale.tiled_attention import _default_attention, _hf_layout, tiled_attention_unit, tiled_attentions
+        from lightning_scale.tiled_mlp import _default_mlps
+
+        units = [u for u in _units(model) if any(True for _ in u.parameters())]
+        mlp = heads = heads_sp = False
+        if units:
+            unit = max(units, key=lambda u: sum(p.numel() for p in u.parameters()))
+            mlp = bool(_default_mlps(unit))
+            with tiled_attention_unit(unit, 1):
+                heads = bool(tiled_attentions(unit))
+            heads_sp = heads and not any(_hf_layout(m) is not None for _, m in _default_attention(unit))
+        _RELIEF_SUPPORT[id(model)] = (mlp, heads, heads_sp)
+    return _RELIEF_SUPPORT[id(model)]
+
+
+def relief_steps(model, gpt, c: Candidate, relief: Sequence[str] = RELIEF) -> List[Dict]:
+    """The memory relief ``c`` can take, cheapest first, each as the Candidate fields it sets: the tiled MLP and
+    norms (512 positions per tile, or a quarter of the local sequence if that is shorter), the attention a group of
+    heads at a time (sp heads per group: one per sp rank; not with tp), the checkpointed units' inputs offloaded
+    (with activation checkpointing). Only what the model supports (:func:`relief_support`), ``relief`` names and
+    ``c`` does not set already."""
+    mlp, heads, heads_sp = relief_support(model)
+    local = gpt.seq_len // max(1, c.sp)
+    out: List[Dict] = []
+    if "tiled_mlp" in relief and mlp and local >= 8 and not c.tiled_mlp:
+        out.append(dict(tiled_mlp=min(512, max(2, local // 4))))
+    if "tiled_attention" in relief and c.tp == 1 and (heads_sp if c.sp > 1 else heads) and not c.tiled_attention:
+        out.append(dict(tiled_attention=c.sp))
+    if "offload_activations" in relief and c.ac and not c.act_offload:
+        out.append(dict(act_offload=True))
+    return out
+
+
+def relief_ladder(model, gpt, c: Candidate, relief: Sequence[str] = RELIEF) -> List[Candidate]:
+    """``c``, then ``c`` with each of :func:`relief_steps` added in turn (every rung keeps the ones below it)."""
+    out = [c]
+    for step in relief_steps(model, gpt, c, relief):
+        out.append(dataclasses.replace(out[-1], **step))
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ estimate
@@ -253,12 +365,16 @@ def predict_bytes(model, gpt, c: Candidate, precision: str = "32-true") -> Tuple
     params = counts["params"] if c.pp == 1 else blocks / c.pp + max(embed, head)  # the heaviest stage
     params /= c.tp
     unit = counts["largest_unit_params"] / c.tp
-    est = E.estimate(max(1.0, params), dp=c.dp, stage=c.stage, offload=c.offload, precision=precision,
+    shards = c.dp * c.sp  # ZeRO shards over dp x sp (every sp rank of a replica holds the same parameters)
+    est = E.estimate(max(1.0, params), dp=shards, stage=c.stage, offload=c.offload, precision=precision,
                      largest_unit_params=min(unit, params), bucket_mb=c.bucket_mb, optimizer="adamw")
-    key = (id(model), gpt.seq_len, c.micro_batch, precision, c.ac, c.tp)
+    key = (id(model), gpt.seq_len, c.micro_batch, precision, c.ac, c.tp, c.sp, c.tiled_mlp, c.tiled_attention,
+           c.act_offload)
     if key not in _ACTS:  # the profile runs the unit on fake tensors: once per shape
         _ACTS[key] = E.activations_for_model(model, seq_len=gpt.seq_len, micro_batch=c.micro_batch,
-                                             precision=precision, activation_checkpointing=c.ac, tp=c.tp)
+                                             precision=precision, activation_checkpointing=c.ac, tp=c.tp, sp=c.sp,
+                                             tiled_mlp=c.tiled_mlp, tiled_attention=c.tiled_attention,
+                                             offload_activations=c.act_offload)
     acts = _ACTS[key]
     if c.pp > 1:  # a stage holds layers/pp units, and 1F1B keeps up to pp micro-batches' activations in flight
         acts = dataclasses.replace(acts, kept=acts.kept / c.pp * min(c.accum, c.pp))
@@ -267,15 +383,19 @@ def predict_bytes(model, gpt, c: Candidate, precision: str = "32-true") -> Tuple
     if c.stage == 0:
         step_numel = max(p.numel() for p in model.parameters()) / c.tp
     elif c.stage in (1, 2):
-        step_numel = min(params, c.bucket_mb * MiB / 4) / c.dp
+        step_numel = min(params, c.bucket_mb * MiB / 4) / shards
     else:
-        step_numel = max(unit, params - counts["largest_unit_params"] * gpt.n_layer / c.pp / c.tp) / c.dp
+        step_numel = max(unit, params - counts["largest_unit_params"] * gpt.n_layer / c.pp / c.tp) / shards
     est = E.with_activations(est, acts, step_tensor_numel=step_numel)
-    device = est.device.total + est.activation_bytes + est.step_scratch
-    return device, one_memory_bytes(est)
+    # stages 1-2 accumulating over micro-batches (no_sync) hold every gradient whole until the last one is reduced
+    # into the shard: the later micro-batches' activations sit on top of that (measured: +30 MiB on the bench GPT)
+    accumulated = params * E._PRECISION_BYTES[E._precision_key(precision)][1] if (
+        c.stage in (1, 2) and c.accum > 1) else 0.0
+    device = est.device.total + est.activation_bytes + est.step_scratch + accumulated
+    return device, one_memory_bytes(est, accumulated)
 
 
-def one_memory_bytes(est) -> float:
+def one_memory_bytes(est, accumulated: float = 0.0) -> float:
     """The peak live tensor bytes of a step when device and host are one memory (a CPU run): what the probes measure.
 
     Each model state counts once, wherever it lives: offload's host copy of a tensor in the same dtype *is* the
@@ -286,7 +406,9 @@ def one_memory_bytes(est) -> float:
     gradients), or the optimizer step (the gradients + its scratch). Stages 0-2 without offload keep their flat
     gradient buffer between steps; ZeRO-3 and the offloaded copies free theirs at ``zero_grad``. Checked against the
     probes' measurement on the bench GPT (fp32, 2 ranks): every stage x offload, mb 4 + full AC and mb 1 without AC,
-    within 0-12% (docs/tune.md)."""
+    within 0-12% (docs/tune.md). ``accumulated``: whole gradients held while micro-batches accumulate (stages 1-2),
+    alive with the activations of the later ones. With activation checkpointing the backward is a phase of its own:
+    what is kept + one unit recomputed + the gradients staged for their reduction."""
     from lightning_scale.estimate import _PRECISION_BYTES
 
     d, h = est.device, est.host
@@ -295,7 +417,15 @@ def one_memory_bytes(est) -> float:
     grads = max(d.grads, h.grads) if aliased else d.grads + h.grads
     if est.stage < 3 and est.offload == "none":  # the flat gradient buffer (stage 0: full, 1-2: the shard) stays
         resident, grads = resident + grads, 0.0  # allocated between steps (zero_grad zeroes it)
-    return resident + max(est.activation_bytes + d.gathered, d.transient + grads, grads + est.step_scratch)
+    a = est.activations
+    host_acts = a.host if a is not None else 0.0  # offloaded unit inputs: the same memory on a CPU
+    phases = [est.activation_bytes + host_acts + d.gathered + accumulated, d.transient + grads,
+              grads + est.step_scratch]
+    if a is not None and a.pipeline is None and a.policy != "none":
+        # checkpointing moves the activation peak into the backward (a unit recomputed), where the gradients
+        # staged for their reduction are alive: measured +33 MiB at L=4096 on the bench GPT without this phase
+        phases.append(a.kept + host_acts + a.recompute + d.transient + d.gathered + accumulated)
+    return resident + max(phases)
 
 
 def prior(c: Candidate) -> float:
@@ -305,6 +435,10 @@ def prior(c: Candidate) -> float:
     t = {0: 1.0, 1: 1.04, 2: 1.06, 3: 1.14}[c.stage]
     t *= {"none": 1.0, "optimizer": 1.12, "params": 1.08, "all": 1.2}[c.offload]
     t *= 1.0 + 0.2 * (c.tp > 1)
+    # measured at L=2048 on the bench GPT (2 ranks, docs/tune.md "Long sequences"): sp=2 1.06, the tiled MLP 1.11,
+    # + head tiling 1.17, activation offload + 0.015 over full AC (a CPU: no copy across a bus)
+    t *= 1.0 + 0.08 * (c.sp > 1)  # two all-to-alls per attention, forward and backward
+    t *= (1.1 if c.tiled_mlp else 1.0) * (1.06 if c.tiled_attention else 1.0) * (1.03 if c.act_offload else 1.0)
     if c.pp > 1:
         t *= 1.1 * (c.accum + c.pp - 1) / c.accum
     t *= {None: 1.0, "selective": 1.12, "full": 1.33}[c.ac]
@@ -316,21 +450,47 @@ def prior(c: Candidate) -> float:
 
 
 def plan(model, gpt, devices: int, global_batch: int, budget_bytes: float, *, precision: str = "32-true",
-         allow_compile: bool = False, **space) -> List[Row]:
-    """Every candidate as a Row: survivors (reason "") sorted by prior, then the rejected with their reasons."""
+         allow_compile: bool = False, relief: Sequence[str] = RELIEF, fixed_relief: Optional[Dict] = None,
+         **space) -> List[Row]:
+    """Every candidate as a Row: survivors (reason "") sorted by prior, then the rejected with their reasons.
+
+    A layout that does not fit climbs its relief ladder (:func:`relief_steps`: tiled MLP, head-tiled attention,
+    activation offload; ``relief`` names the rungs allowed, () none), taking a rung only where it lowers the
+    prediction (the activation peak may sit in the loss, not in the units): the first rung that fits is the
+    survivor, the rungs below it are rejected with their predicted bytes; one that fits as it is gets no relief
+    (each rung costs time).
+    ``fixed_relief``: Candidate fields every layout keeps (the user set them: ``tiled_mlp=...``)."""
     cands, rejected = enumerate_candidates(gpt, devices, global_batch, **space)
+    bad = [r for r in relief if r not in RELIEF]
+    if bad:
+        raise ConfigError(f"--relief={','.join(relief)}: unknown {', '.join(bad)} (choose from {', '.join(RELIEF)})")
     rows: List[Row] = []
-    for c in cands:
-        row = Row(c, prior=prior(c))
-        if c.compile and not allow_compile:
-            row.reason = "compile: the first inductor compile costs ~26 s per graph on a CPU (pass --compile)"
-        else:
-            row.predicted, row.predicted_all = predict_bytes(model, gpt, c, precision)
-            if row.predicted > budget_bytes:
-                row.reason = f"predicted {row.predicted / MiB:,.1f} MiB/rank > budget {budget_bytes / MiB:,.1f} MiB"
+    for base in cands:
+        base = dataclasses.replace(base, **(fixed_relief or {}))
+        if base.compile and not allow_compile:
+            rows.append(Row(base, prior=prior(base), reason="compile: the first inductor compile costs ~26 s per "
+                            "graph on a CPU (pass --compile)"))
+            continue
+        row = _planned(model, gpt, base, precision, budget_bytes)
         rows.append(row)
+        for step in relief_steps(model, gpt, base, relief) if relief and row.reason else ():
+            nxt = _planned(model, gpt, dataclasses.replace(row.candidate, **step), precision, budget_bytes)
+            if nxt.predicted >= row.predicted:
+                continue  # no lower: not worth its time
+            row = nxt
+            rows.append(row)
+            if not row.reason:
+                break
     survivors = sorted((r for r in rows if not r.reason), key=lambda r: (r.prior, r.predicted))
     return survivors + [r for r in rows if r.reason] + rejected
+
+
+def _planned(model, gpt, c: Candidate, precision: str, budget_bytes: float) -> Row:
+    row = Row(c, prior=prior(c))
+    row.predicted, row.predicted_all = predict_bytes(model, gpt, c, precision)
+    if row.predicted > budget_bytes:
+        row.reason = f"predicted {row.predicted / MiB:,.1f} MiB/rank > budget {budget_bytes / MiB:,.1f} MiB"
+    return row
 
 
 def no_fit_message(rows: Sequence[Row], budget_bytes: float, budget_name: str = "--memory-budget") -> str:
@@ -494,6 +654,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--tp", default=None, help="tp sizes to try, e.g. 1,2")
     ap.add_argument("--pp", default=None, help="pp sizes to try")
     ap.add_argument("--ac", default="none,full", help="none,full,selective")
+    ap.add_argument("--sp", default="auto", help="Ulysses sizes to try, e.g. 1,2; 'all': every divisor of --devices; "
+                    "'auto' (default): 1, and every divisor when no layout fits at 1")
+    ap.add_argument("--relief", default=",".join(RELIEF), help="memory relief a layout that does not fit may climb "
+                    f"to, cheapest first (default {','.join(RELIEF)}; 'none': off)")
     ap.add_argument("--estimate-only", action="store_true", help="prune and rank by the prior; measure nothing")
     ap.add_argument("--results", default="tune_results.jsonl", help="JSON-lines file the probes append to")
     ap.add_argument("--resume", default=None, help="a results file: its candidates are not measured again")
@@ -510,12 +674,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             base = [b for b in base if not b.startswith("model.seq_len")] + [f"model.seq_len={args.seq_len}"]
         ints = lambda s: tuple(int(v) for v in s.split(",")) if s else None  # noqa: E731
         budget = parse_bytes(args.memory_budget)
-        rows = plan(model, gpt, args.devices, args.global_batch, budget, precision=args.precision,
-                    allow_compile=args.compile, stages=ints(args.stages),
-                    offloads=tuple(args.offloads.split(",")) if args.offloads else None, tps=ints(args.tp),
-                    pps=ints(args.pp), acs=tuple(None if a == "none" else a for a in args.ac.split(",")),
-                    compile_options=(False, True))
+
+        def planned(sps):
+            return plan(model, gpt, args.devices, args.global_batch, budget, precision=args.precision,
+                        allow_compile=args.compile, stages=ints(args.stages),
+                        offloads=tuple(args.offloads.split(",")) if args.offloads else None, tps=ints(args.tp),
+                        pps=ints(args.pp), acs=tuple(None if a == "none" else a for a in args.ac.split(",")),
+                        compile_options=(False, True), sps=sps,
+                        relief=() if args.relief in ("", "none") else tuple(args.relief.split(",")))
+
+        auto = args.sp == "auto"
+        rows = planned((1,) if auto else None if args.sp == "all" else _ints("--sp", args.sp))
         survivors = [r for r in rows if not r.reason]
+        if auto and not survivors and args.devices > 1:  # nothing fits whole sequences: split them too
+            rows = planned(None)
+            survivors = [r for r in rows if not r.reason]
+            print("no layout fits with whole sequences per rank: Ulysses (sp) searched too")
         print(f"{len(rows)} candidates, {len(survivors)} fit {budget / MiB:,.1f} MiB/device")
         if not survivors:
             raise ConfigError(no_fit_message(rows, budget))
@@ -535,7 +709,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         line = ranked[0].candidate.overrides(args.precision)
         if base is None:  # a LightningModule of its own: the strategy's settings, not examples/train.py's config
             kw = ", ".join(f"{k}={v!r}" for k, v in ranked[0].candidate.strategy_kwargs().items())
-            print(f"\nwinner: Zero3DStrategy({kw}) on {ranked[0].candidate.dp * ranked[0].candidate.tp * ranked[0].candidate.pp}"
+            print(f"\nwinner: Zero3DStrategy({kw}) on {ranked[0].candidate.world}"
                   f" devices, {ranked[0].candidate.micro_batch} sequences per micro-batch x {ranked[0].candidate.accum}")
         else:
             check_overrides(line, base)
@@ -547,4 +721,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # ``python -m lightning_scale.tune`` runs this file as __main__: run the package module's main, so that its
+    # Candidate / Shape are the classes the probes (lightning_scale.tune_probe) check against (a __main__.Shape was
+    # not a lightning_scale.tune.Shape: --module probes ran the GPT worker and failed)
+    from lightning_scale.tune import main as _main
+
+    sys.exit(_main())

@@ -36,6 +36,7 @@ def probe_worker(rank: int, world_size: int, gpt_fields: Dict, cand: Dict, steps
     from lightning_scale.memory import LiveTensorBytes
     from lightning_scale.models.gpt import GPT, GPTConfig, lm_loss, make_batch
     from lightning_scale.parallelize import local_topology, parallelize
+    from lightning_scale.sequence_parallel import shard_sequence
     from lightning_scale.tune import Candidate
     from lightning_scale.zero.precision import make_loss_scaler, policy_for
 
@@ -63,6 +64,8 @@ def probe_worker(rank: int, world_size: int, gpt_fields: Dict, cand: Dict, steps
     def step(i: int) -> None:
         x, y = make_batch(gpt, local * topo.dp, seed=i)
         x, y = x.chunk(topo.dp)[topo.dp_rank], y.chunk(topo.dp)[topo.dp_rank]
+        if topo.sp > 1:  # this rank's L / sp positions of every sequence (the Trainer's batch_to_device)
+            x, y = shard_sequence((x, y), topo.sp_rank, topo.sp)
         scale = float(scaler.scale) if policy is not None and policy.loss_scaling else 1.0
         if c.pp > 1:
             with engine.no_sync(), autocast():
@@ -137,6 +140,10 @@ def module_worker(rank: int, world_size: int, shape: Dict, cand: Dict, steps: in
     ids = torch.randint(0, shape["vocab_size"], (local * topo.dp, shape["seq_len"] + 1), generator=g)
     ids = ids.chunk(topo.dp)[topo.dp_rank]
     batch = (ids[:, :-1].contiguous(), ids[:, 1:].contiguous())
+    if topo.sp > 1:  # this rank's L / sp positions of every sequence (the Trainer's batch_to_device)
+        from lightning_scale.sequence_parallel import shard_sequence
+
+        batch = shard_sequence(batch, topo.sp_rank, topo.sp)
     torch.distributed.barrier()
     res = measure_module(lm, config, topo, "cpu", batch, steps, warmup, precision, accum=c.accum if c.pp == 1 else 1)
     return dict(res, baseline_bytes=res["states_bytes"])
@@ -178,7 +185,7 @@ def measure(gpt, c: "Candidate", *, steps: int = 4, warmup: int = 2, precision: 
     worker = module_worker if isinstance(gpt, Shape) else probe_worker
     if isinstance(gpt, Shape) and not gpt.module:
         raise ConfigError("the CLI probes of a model that is not the package GPT need its LightningModule: --module")
-    ranks = run_distributed(worker, c.dp * c.tp * c.pp, args=(dataclasses.asdict(gpt), dataclasses.asdict(c),
+    ranks = run_distributed(worker, c.world, args=(dataclasses.asdict(gpt), dataclasses.asdict(c),
                             steps, warmup, precision, compile_setting), timeout=timeout)
     step_s = max(r["step_s"] for r in ranks)
     tokens = c.dp * c.micro_batch * c.accum * gpt.seq_len

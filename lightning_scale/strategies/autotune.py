@@ -45,8 +45,10 @@ from lightning_scale.strategies.probe_guard import ProbeGuard, agreed_error, des
 
 KNOWN = {"budget_s": 60.0, "memory": None, "steps": 2, "warmup": 1, "max_probes": None, "stages": None,
          "offloads": None, "tp": None, "pp": None, "ac": None, "buckets": (5.0, 25.0), "microbatches": None,
-         "compile": None, "probe_timeout_s": 300.0}
-SEARCHED = ("stage", "offload", "tp", "pp", "dp", "bucket_mb", "activation_checkpointing", "microbatches", "compile")
+         "compile": None, "probe_timeout_s": 300.0, "sp": None, "relief": None}
+SEARCHED = ("stage", "offload", "tp", "pp", "sp", "dp", "bucket_mb", "activation_checkpointing", "microbatches",
+            "compile", "tiled_mlp", "tiled_attention", "offload_activations")
+RELIEF_KEYS = {"tiled_mlp": "tiled_mlp", "tiled_attention": "tiled_attention", "offload_activations": "act_offload"}
 
 
 def options(value: Any) -> Dict[str, Any]:
@@ -59,7 +61,7 @@ def options(value: Any) -> Dict[str, Any]:
     if unknown:
         raise ConfigError(f"autotune: unknown key {unknown[0]!r}; known: {', '.join(KNOWN)}")
     out = dict(KNOWN, **value)
-    for key in ("stages", "offloads", "tp", "pp", "ac", "buckets", "microbatches", "compile"):
+    for key in ("stages", "offloads", "tp", "pp", "sp", "ac", "buckets", "microbatches", "compile", "relief"):
         if out[key] is not None and not isinstance(out[key], (list, tuple)):
             out[key] = (out[key],)
         if out[key] is not None:
@@ -69,6 +71,16 @@ def options(value: Any) -> Dict[str, Any]:
             raise ConfigError(f"autotune.{key}={out[key]!r} must be a positive number of seconds")
     if out["compile"] is not None:
         _check_compile_values(out["compile"])
+    from lightning_scale.tune import RELIEF
+
+    bad = [r for r in out["relief"] or () if r not in RELIEF]
+    if bad:
+        raise ConfigError(f"autotune.relief={list(out['relief'])!r}: unknown {bad[0]!r}; choose from "
+                          f"{', '.join(RELIEF)} ([] for none)")
+    for key in ("tp", "pp", "sp"):
+        for v in out[key] or ():
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"autotune.{key}={list(out[key])!r}: sizes are positive integers")
     return out
 
 
@@ -122,8 +134,11 @@ def with_settings(config: ParallelConfig, **flat: Any) -> ParallelConfig:
 
 
 def search_space(opts: Dict[str, Any], fixed: Dict[str, Any], world: int, n_head: int, n_layer: int
-                 ) -> Tuple[Dict[str, Any], List[Tuple[int, int, int]]]:
-    """(plan() keyword arguments, the (dp, tp, pp) splits); a restriction that excludes a fixed value: ConfigError."""
+                 ) -> Tuple[Dict[str, Any], List[Tuple[int, int, int, int]]]:
+    """(plan() keyword arguments, the (dp, tp, pp, sp) splits); a restriction that excludes a fixed value:
+    ConfigError. Ulysses (sp) is searched only where ``autotune.sp`` names sizes or ``sp`` is set; memory relief
+    (the tiled MLP, head-tiled attention, activation offload) is the ladder of :func:`lightning_scale.tune.plan`
+    unless one of them is set (then that value is kept for every layout) or ``autotune.relief`` restricts it."""
     from lightning_scale.tune import _divisors
 
     def pick(opt_key: str, flat: str, default):
@@ -140,13 +155,19 @@ def search_space(opts: Dict[str, Any], fixed: Dict[str, Any], world: int, n_head
     compiles = pick("compile", "compile", (False,))
     _check_compile_values(compiles)
     space["compile_options"] = tuple(dict.fromkeys(bool(v) for v in compiles))
+    from lightning_scale.tune import RELIEF
+
+    fixed_relief = {RELIEF_KEYS[k]: fixed[k] for k in RELIEF_KEYS if fixed.get(k)}
+    space["relief"] = () if fixed_relief else tuple(opts["relief"] if opts["relief"] is not None else RELIEF)
+    space["fixed_relief"] = fixed_relief
     tps, pps = pick("tp", "tp", _divisors(world)), pick("pp", "pp", _divisors(world))
-    splits = [(world // (t * p), t, p) for t in tps for p in pps if world % (t * p) == 0]
+    sps = pick("sp", "sp", (1,))
+    splits = [(world // (t * p * q), t, p, q) for t in tps for p in pps for q in sps if world % (t * p * q) == 0]
     if "dp" in fixed and fixed["dp"] is not None:
         splits = [s for s in splits if s[0] == fixed["dp"]]
     if not splits:
-        raise ConfigError(f"autotune: no dp x tp x pp split of {world} ranks with tp in {list(tps)}, pp in "
-                          f"{list(pps)}")
+        raise ConfigError(f"autotune: no dp x tp x pp x sp split of {world} ranks with tp in {list(tps)}, pp in "
+                          f"{list(pps)}, sp in {list(sps)}")
     return space, splits
 
 
@@ -181,7 +202,7 @@ def plan_rows(gpt_module, gpt, opts, fixed, world: int, batch_size: int, precisi
 
     space, splits = search_space(opts, fixed, world, gpt.n_head, gpt.n_layer)
     rows = []
-    for dp, tp, pp in splits:
+    for dp, tp, pp, sp in splits:
         if pp > 1:
             mbs = [batch_size // m for m in (opts["microbatches"] or _divisors(batch_size)) if batch_size % m == 0]
             if "microbatches" in fixed and fixed["microbatches"] > 1:
@@ -189,7 +210,7 @@ def plan_rows(gpt_module, gpt, opts, fixed, world: int, batch_size: int, precisi
         else:
             mbs = [batch_size]
         rows += plan(gpt_module, gpt, world, dp * batch_size, budget, precision=precision, tps=(tp,), pps=(pp,),
-                     micro_batches=tuple(mbs) or (batch_size,), allow_compile=True, **space)
+                     sps=(sp,), micro_batches=tuple(mbs) or (batch_size,), allow_compile=True, **space)
     survivors = sorted((r for r in rows if not r.reason), key=lambda r: (r.prior, r.predicted))
     return survivors + [r for r in rows if r.reason]
 
@@ -207,6 +228,8 @@ def prepare(strategy, trainer, config: ParallelConfig, batch) -> Tuple[torch.nn.
     """(a copy of the LightningModule on this rank's device where ``parallelize()`` would move it, the batch there, the
     live bytes before it). Nothing here communicates: a failure on one rank is agreed before the probe's first
     collective (``parallelize()`` broadcasts rank 0's parameters over the default group)."""
+    from lightning.fabric.utilities.apply_func import move_data_to_device
+
     from lightning_scale.materialize import has_meta
     from lightning_scale.tune_probe import _live_bytes
 
@@ -216,8 +239,8 @@ def prepare(strategy, trainer, config: ParallelConfig, batch) -> Tuple[torch.nn.
     module.trainer = trainer  # the same Trainer (configure_optimizers may read it)
     if not has_meta(module, recurse=True) and (config.zero.stage != 3 or config.tp > 1 or config.pp > 1):
         module.to(strategy.root_device)  # ZeRO-3 alone places its shards itself
-    batch = strategy.batch_to_device(batch) if config.sp == 1 else batch
-    return module, batch, base
+    # on the device whole: probe_one keeps this rank's positions of the candidate's sp split (not the strategy's)
+    return module, move_data_to_device(batch, strategy.root_device), base
 
 
 def measure_module(module, config: ParallelConfig, topo, device, batch, steps: int, warmup: int, precision,
@@ -347,6 +370,10 @@ def probe_one(strategy, trainer, c, cfg: ParallelConfig, batch, opts: Dict[str, 
     if _max([float(bool(error))], strategy.root_device)[0]:  # agreed before the probe's first collective
         return {"error": agreed_error(error, None), "probe_s": time.perf_counter() - t0}
     topo, groups, whole = probe_groups(cfg, world, rank, opts["probe_timeout_s"])
+    if topo.sp > 1:
+        from lightning_scale.sequence_parallel import shard_sequence
+
+        dev_batch = shard_sequence(dev_batch, topo.sp_rank, topo.sp)
     res = None
     guard = ProbeGuard(probe_store(), key, groups, rank)
     try:
@@ -397,6 +424,12 @@ def run(strategy, trainer, value: Any, given: Optional[Sequence[str]]) -> Dict[s
     rows = plan_rows(gpt_module, gpt, opts, fixed, world, batch_size, str(precision), budget,
                      trainer.accumulate_grad_batches)
     survivors = [r for r in rows if not r.reason]
+    if not survivors and opts["sp"] is None and "sp" not in fixed and world > 1:
+        from lightning_scale.tune import _divisors  # nothing fits whole sequences: split them (Ulysses) too
+
+        rows = plan_rows(gpt_module, gpt, dict(opts, sp=tuple(_divisors(world))), fixed, world, batch_size,
+                         str(precision), budget, trainer.accumulate_grad_batches)
+        survivors = [r for r in rows if not r.reason]
     if not survivors:
         raise ConfigError("autotune: " + no_fit_message(rows, budget, "autotune.memory"))
     compiled = compile_setting((fixed["compile"],) if "compile" in fixed else (opts["compile"] or ()))
@@ -433,7 +466,8 @@ def run(strategy, trainer, value: Any, given: Optional[Sequence[str]]) -> Dict[s
     winner = next(r for r in ranked if r.candidate.key == key)
     c = winner.candidate
     strategy.config = settings_config(strategy.config, c, world, compiled)
-    if (c.dp, c.tp, c.pp) != (strategy.topology.dp, strategy.topology.tp, strategy.topology.pp):
+    if (c.dp, c.tp, c.pp, c.sp) != (strategy.topology.dp, strategy.topology.tp, strategy.topology.pp,
+                                    strategy.topology.sp):
         strategy.topology = local_topology(strategy.config, world, rank)  # the Trainer's groups, not the probe's
     line = ["strategy.autotune=null"] + [o for o in c.overrides(str(precision)) if not o.startswith("precision")]
     if c.compile and compiled is not True:
@@ -454,10 +488,16 @@ def run(strategy, trainer, value: Any, given: Optional[Sequence[str]]) -> Dict[s
 
 def settings(c, compiled: Any = True) -> Dict[str, Any]:
     """The strategy settings of candidate ``c`` (``compiled``: the compile setting of a compiled candidate)."""
-    out = dict(stage=c.stage, offload=c.offload, tp=c.tp, pp=c.pp, bucket_mb=c.bucket_mb,
+    out = dict(stage=c.stage, offload=c.offload, tp=c.tp, pp=c.pp, sp=c.sp, bucket_mb=c.bucket_mb,
                activation_checkpointing=c.ac, compile=compiled if c.compile else False)
     if c.pp > 1:
         out["microbatches"] = c.accum
+    if c.tiled_mlp:
+        out["tiled_mlp"] = c.tiled_mlp
+    if c.tiled_attention:
+        out["tiled_attention"] = c.tiled_attention
+    if c.act_offload:
+        out["offload_activations"] = True
     return out
 
 

@@ -14,7 +14,7 @@ from lightning_scale.estimate import _model_from_spec
 from lightning_scale.tune import measure, plan
 
 
-SPACE = dict(tps=(1,), pps=(1,), acs=(None, "full"))
+SPACE = dict(tps=(1,), pps=(1,), acs=(None, "full"), relief=())  # the constructions below: no relief ladder
 
 
 def _offloaded3(c) -> bool:
@@ -96,3 +96,44 @@ def test_module_hf_llama_is_probed_through_the_cli(tmp_path, capsys):
     for r in rows:
         print(f"{r['key']}: predicted one memory {r['predicted_all_bytes'] / 2**20:.1f} MiB, measured "
               f"{r['measured_bytes'] / 2**20:.1f} MiB")
+
+
+@pytest.mark.timeout(300)
+def test_long_sequence_relief_winner_memory_within_15_percent_of_measured():
+    """At 2048 positions and a budget below every layout as it is, the survivors climbed the relief ladder; the
+    first one's probe and the first checkpointed one's (tiled MLP / head tiling / activation offload set through
+    parallelize()) run, their live bytes within 15% of the plan (checkpointing's backward phase counted)."""
+    model = _model_from_spec("gpt_small:seq_len=2048")
+    space = dict(tps=(1,), pps=(1,), acs=(None, "full"), stages=(2, 3))
+    smallest = min(r.predicted for r in plan(model, model.cfg, 2, 2, 1e15, relief=(), **space))
+    relieved = min(r.predicted for r in plan(model, model.cfg, 2, 2, 0.0, **space))  # every ladder climbed
+    assert relieved < smallest * 0.95, (relieved, smallest)
+    rows = plan(model, model.cfg, 2, 2, (relieved + smallest) / 2, **space)
+    survivors = [r for r in rows if not r.reason]
+    assert survivors and all(r.candidate.relief for r in survivors)
+    for winner in (survivors[0], next(r for r in survivors if r.candidate.ac)):
+        res = measure(model.cfg, winner.candidate, steps=1, warmup=1, timeout=240)
+        assert res["tokens_per_s"] > 0
+        rel = abs(winner.predicted_all - res["measured_bytes"]) / res["measured_bytes"]
+        assert rel < 0.15, (winner.candidate.key, winner.predicted_all, res["measured_bytes"])
+
+
+@pytest.mark.timeout(200)
+def test_python_dash_m_probes_a_module(tmp_path):
+    """``python -m lightning_scale.tune --module ...`` runs the file as __main__; its probes must still see a
+    ``--module`` Shape as one (once a __main__.Shape made measure() start the GPT worker: every probe failed with
+    ``GPTConfig.__init__() got an unexpected keyword argument 'n_kv_head'``). One probe of the tiny HF Llama, at a
+    budget only a relieved layout fits."""
+    import os
+    import sys
+
+    from lightning_scale.testing import run_script
+
+    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "strategies")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
+    proc = run_script([sys.executable, "-m", "lightning_scale.tune", "--module", "tune_llama_module:TinyLlama",
+                       "--devices", "2", "--global-batch", "2", "--seq-len", "1024", "--memory-budget", "40MiB",
+                       "--stages", "2", "--tp", "1", "--pp", "1", "--max-probes", "1", "--confirm", "0", "--steps",
+                       "1", "--results", str(tmp_path / "r.jsonl")], timeout=180, cwd=str(tmp_path), env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "winner: Zero3DStrategy(stage=2" in proc.stdout and "tiled_mlp=256" in proc.stdout, proc.stdout

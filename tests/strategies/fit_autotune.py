@@ -102,7 +102,9 @@ def main() -> None:
                        "layout": {"stage": c.zero.stage, "offload": [c.offload.optimizer, c.offload.params],
                                   "dp": strategy.topology.dp, "tp": c.tp, "pp": c.pp,
                                   "microbatches": c.pipeline.microbatches, "bucket_mb": c.zero.bucket_mb,
-                                  "ac": c.activation_checkpointing}}, f, default=str)
+                                  "ac": c.activation_checkpointing, "sp": strategy.topology.sp,
+                                  "tiled_mlp": c.tiled_mlp, "tiled_attention": c.tiled_attention,
+                                  "offload_activations": c.offload_activations}}, f, default=str)
 
 
 if __name__ == "__main__":

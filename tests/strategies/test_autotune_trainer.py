@@ -155,3 +155,47 @@ def test_autotune_searches_compile_in_process_and_reports_compile_seconds_apart(
     assert len(tuned["losses"]) == 4 and all(math.isfinite(v) for v in tuned["losses"]), tuned["losses"]
     print(f"eager {eager['tokens_per_s']:,.0f} tokens/s; compiled {compiled['tokens_per_s']:,.0f} tokens/s, compile "
           f"{compiled['compile_s']:.1f} s, {compiled['graphs']:.0f} graphs; winner {result['winner']}")
+
+
+def _long_budget(layers: int, seq_len: int, vocab: int, d_model: int) -> float:
+    """A budget per device between the smallest layout at sp=2 and the smallest with whole sequences (every relief
+    rung climbed): only Ulysses fits. The plan is the one autotune makes (plan_rows, 1 sequence per rank)."""
+    import torch
+
+    from lightning_scale.models.gpt import GPT, gpt_tiny
+    from lightning_scale.strategies.autotune import options, plan_rows
+
+    cfg = gpt_tiny(n_layer=layers, vocab_size=vocab, seq_len=seq_len, d_model=d_model)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    rows = plan_rows(model, cfg, options({"sp": [1, 2], "tp": 1, "pp": 1}), {}, 2, 1, "32-true", 0.0, 1)
+    whole = min(r.predicted for r in rows if r.candidate.sp == 1 and r.predicted)
+    split = min(r.predicted for r in rows if r.candidate.sp == 2 and r.predicted)
+    assert split < whole * 0.95, (split, whole)
+    return (split + whole) / 2
+
+
+@pytest.mark.slow  # two Trainer runs at 2048 positions: ~40 s on the quiet 2-core box
+def test_autotune_long_sequence_goes_to_ulysses_and_trains_like_the_hand_set_layout(tmp_path):
+    """No layout with whole sequences per rank fits (relief ladder included): autotune searches sp too, picks an sp=2
+    layout (dp 2 -> 1: both ranks read the same batch, each keeps half of every sequence), applies it, and the run
+    equals the same layout set by hand."""
+    long = ["--layers", "2", "--vocab", "4096", "--seq-len", "2048", "--d-model", "128", "--batch", "1"]
+    budget = _long_budget(2, 2048, 4096, 128)
+    auto = f"autotune={{'memory': {budget!r}, 'tp': 1, 'pp': 1, 'budget_s': 60, 'max_probes': 3}}"
+    tuned, proc = _fit(tmp_path, "tuned", "--option", auto, shape=long)
+    result = tuned["autotune"]
+    s = result["settings"]
+    assert s["sp"] == 2 and tuned["layout"]["sp"] == 2 and tuned["layout"]["dp"] == 1, result["winner"]
+    assert all("sp2" in t["key"] for t in result["table"]), result["table"]
+    assert any("sp2" not in k and "> budget" in why for k, why in result["rejected"])
+    assert "strategy.sp=2" in proc.stdout
+    print(result["winner"], [t["key"] for t in result["table"]], result["predicted_all_bytes"], result["measured_bytes"])
+    rel = abs(result["predicted_all_bytes"] - result["measured_bytes"]) / result["measured_bytes"]
+    assert rel < 0.15, (result["winner"], result["predicted_all_bytes"], result["measured_bytes"])
+    hand_opts = [f"{k}={v!r}" for k, v in s.items() if k != "dp"]
+    hand, _ = _fit(tmp_path, "hand", *[a for o in hand_opts for a in ("--option", o)], shape=long)
+    assert hand["autotune"] is None and hand["layout"] == tuned["layout"]
+    assert len(tuned["losses"]) == len(hand["losses"]) == 4
+    diff = max(abs(a - b) for a, b in zip(tuned["losses"], hand["losses"]))
+    assert diff < 1e-5, (tuned["losses"], hand["losses"])

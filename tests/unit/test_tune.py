@@ -11,7 +11,7 @@ from lightning_scale.config import ConfigError
 from lightning_scale.estimate import _model_from_spec
 from lightning_scale.tune import Candidate, check_overrides, enumerate_candidates, main, no_fit_message, plan, tune
 
-SPACE = dict(tps=(1,), pps=(1,), acs=(None, "full"))
+SPACE = dict(tps=(1,), pps=(1,), acs=(None, "full"), relief=())  # the constructions below: no relief ladder
 
 
 @functools.lru_cache(maxsize=None)

@@ -52,7 +52,7 @@ def test_explicit_settings_are_fixed_and_conflicts_name_the_key():
     assert explicit_settings(cfg, ["stage", "offload", "watchdog"]) == {"stage": 3, "offload": "optimizer"}
     assert explicit_settings(from_flat_kwargs(stage=2, tp=2), None) == {"tp": 2}  # off the schema default
     space, splits = search_space(options(True), {"stage": 3}, 4, 4, 2)
-    assert space["stages"] == (3,) and (4, 1, 1) in splits and (1, 2, 2) in splits
+    assert space["stages"] == (3,) and (4, 1, 1, 1) in splits and (1, 2, 2, 1) in splits
     with pytest.raises(ConfigError, match=r"autotune.stages=\[0, 1\] excludes stage=3, set explicitly"):
         search_space(options({"stages": [0, 1]}), {"stage": 3}, 2, 4, 2)
     with pytest.raises(ConfigError, match=r"autotune.tp=\[2\] excludes tp=1"):
@@ -68,6 +68,35 @@ def test_plan_rows_search_only_the_free_settings():
     assert keys and all(k.startswith("z3/") and "pp1" in k and k.endswith("ac-none/eager") for k in keys)
     assert {"dp2tp1pp1", "dp1tp2pp1"} <= {k.split("/")[2] for k in keys}  # dp and tp splits searched
     assert all(k.split("/")[3] == "mb4x1" for k in keys)  # pp=1: the dataloader's batch is the micro-batch
+
+
+def test_sp_and_memory_relief_options():
+    """Ulysses is searched where ``autotune.sp`` names sizes (or ``sp`` is set); the relief ladder is on unless the
+    user set one of its settings (then every layout keeps that value) or ``autotune.relief`` restricts it."""
+    from lightning_scale.tune import RELIEF
+
+    space, splits = search_space(options(True), {}, 2, 4, 2)
+    assert {s[3] for s in splits} == {1} and space["relief"] == RELIEF and space["fixed_relief"] == {}
+    space, splits = search_space(options({"sp": [1, 2], "relief": []}), {}, 2, 4, 2)
+    assert (1, 1, 1, 2) in splits and (2, 1, 1, 1) in splits and space["relief"] == ()
+    space, splits = search_space(options(True), {"sp": 2, "tiled_mlp": 256}, 2, 4, 2)
+    assert splits == [(1, 1, 1, 2)] and space["relief"] == () and space["fixed_relief"] == {"tiled_mlp": 256}
+    assert explicit_settings(from_flat_kwargs(sp=2, tiled_attention=1), None) == {"sp": 2, "tiled_attention": 1}
+    with pytest.raises(ConfigError, match=r"autotune.sp=\[1\] excludes sp=2, set explicitly"):
+        search_space(options({"sp": 1}), {"sp": 2}, 2, 4, 2)
+    with pytest.raises(ConfigError, match=r"autotune.relief=\['tiled_mlp', 'tiles'\]: unknown 'tiles'"):
+        options({"relief": ["tiled_mlp", "tiles"]})
+    with pytest.raises(ConfigError, match=r"autotune.sp=\[0\]: sizes are positive integers"):
+        options({"sp": 0})
+    gpt = gpt_tiny(n_layer=2, vocab_size=64, seq_len=16)
+    rows = plan_rows(GPT(gpt), gpt, options({"sp": [2], "stages": 2, "ac": "none", "buckets": 25}),
+                     {"tiled_mlp": 4}, 2, 4, "32-true", 1e15, 1)
+    keys = [r.candidate.key for r in rows if not r.reason]
+    assert keys and all("sp2" in k and k.endswith("/tmlp4") for k in keys), keys
+    from lightning_scale.strategies.autotune import settings
+
+    c = next(r.candidate for r in rows if not r.reason)
+    assert settings(c)["sp"] == 2 and settings(c)["tiled_mlp"] == 4 and "tiled_attention" not in settings(c)
 
 
 def test_hydra_strategy_autotune_key():

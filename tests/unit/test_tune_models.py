@@ -36,6 +36,29 @@ def test_hf_llama_module_is_counted_from_its_config():
     assert any(not r.reason and r.candidate.tp == 2 for r in rows)
 
 
+def test_hf_llama_relief_and_sp():
+    """A Hugging Face Llama: its MLP tiles and its attention head-tiles (q/k/v/o_proj), but not under sp (the
+    Ulysses swap of HF attention has no head-tiled path: no such rung there); sp needs its key/value heads to split."""
+    from lightning_scale.tune import relief_ladder, relief_support
+
+    model, shape = find_model(build_module(LLAMA, meta=True))
+    assert relief_support(model) == (True, True, False)
+    shape = dataclasses.replace(shape, seq_len=1024)
+    base = Candidate(stage=2, offload="none", dp=2, ac="full")
+    assert [c.relief for c in relief_ladder(model, shape, base)] == ["", "/tmlp256", "/tmlp256/theads1",
+                                                                      "/tmlp256/theads1/actoff"]
+    sp = dataclasses.replace(base, dp=1, sp=2)
+    assert [c.relief for c in relief_ladder(model, shape, sp)] == ["", "/tmlp128", "/tmlp128/actoff"]
+    rows = plan(model, shape, 4, 4, 1e12, stages=(2,), acs=(None,), buckets=(25,), tps=(1,), pps=(1,), sps=(2, 4))
+    why = {r.candidate.sp: r.reason for r in rows if r.reason}
+    assert "sp=4 does not divide the 2 key/value heads per tp rank" in why[4]
+    assert any(not r.reason and r.candidate.sp == 2 for r in rows)
+    c = dataclasses.replace(sp, tiled_mlp=128, act_offload=True)
+    assert c.strategy_kwargs() == dict(stage=2, offload="none", tp=1, pp=1, bucket_mb=25.0,
+                                       activation_checkpointing="full", compile=False, sp=2, tiled_mlp=128,
+                                       offload_activations=True)
+
+
 def test_module_without_a_countable_model_is_a_config_error_naming_module(capsys):
     assert main(["--module", "torch.nn:Identity", "--estimate-only"]) == 2
     err = capsys.readouterr().err
