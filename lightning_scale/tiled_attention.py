@@ -21,8 +21,9 @@ Qwen2/3, Gemma, ...): their own forward runs once per group with the projections
 (whole key/value heads per group under grouped-query attention: the group size rounds up to a multiple of the query
 heads per key/value head) and ``o_proj`` passing its input through; ``o_proj`` then runs once on the concatenation.
 Their KV cache is turned off (``use_cache=False``), as for activation checkpointing. Composes with activation checkpointing (a recompute runs the tiled forward again), ZeRO 0-3, pipeline stages and
-Ulysses sequence parallelism (the GPT: each group's core does its own all-to-alls, ``n`` a multiple of sp; not a
-Hugging Face attention), and with a block-sparse core (each group runs the layout of its own heads). Not with tensor parallelism: the tp projection
+Ulysses sequence parallelism (each group's core does its own all-to-alls, ``n`` -- for a Hugging Face GQA attention the
+group after its round-up -- a multiple of sp; the Ulysses attention function repeats a group's key/value heads as it
+does the whole layer's when sp does not divide them), and with a block-sparse core (each group runs the layout of its own heads). Not with tensor parallelism: the tp projection
 carries its own collectives, which the sliced projection would skip (a ``ConfigError``). In
 :func:`~lightning_scale.parallelize.parallelize` it is part of the activation-checkpointing step
 (``tiled_attention=HEADS``), after sp, before ZeRO-3.
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import math
 import types
 from typing import List, Optional, Sequence, Tuple
 
@@ -253,17 +255,19 @@ def tile_attention(module: nn.Module, heads: int, modules: Optional[Sequence[str
             raise ConfigError(f"{setting}={heads}: {name} has a block-sparse core inside the sequence-parallel "
                               "all-to-alls, which head tiling does not split; use one of them",
                               settings=(setting, "sp"))
-        if sp > 1 and heads % sp:
-            raise ConfigError(f"{setting}={heads} is not a multiple of sp={sp}: each group of heads goes through "
-                              "the sequence-parallel all-to-all, which splits its heads over the sp ranks",
-                              settings=(setting, "sp"))
         if getattr(m, "_tiled_heads_per", None) is not None:
             raise ConfigError(f"{setting}={heads}: {name} is tiled already", settings=(setting,))
-        if sp > 1 and _hf_layout(m) is not None:
-            raise ConfigError(f"{setting}={heads}: {name} is a Hugging Face attention under sequence parallelism, "
-                              "which head tiling does not split (the project GPT's attention does)",
-                              settings=(setting, "sp"))
         _wrap(name, m, heads, setting, compiled)
+        per = m._tiled_heads_per  # a Hugging Face GQA group rounds up to whole key/value heads
+        if sp > 1 and per % sp:  # each group goes through the sequence-parallel all-to-all
+            _unwrap(m)
+            if per == heads:
+                raise ConfigError(f"{setting}={heads} is not a multiple of sp={sp}: each group of heads goes through "
+                                  "the sequence-parallel all-to-all, which splits its heads over the sp ranks",
+                                  settings=(setting, "sp"))
+            raise ConfigError(f"{setting}={heads}: {name}'s groups take whole key/value heads, {per} query heads "
+                              f"each, not a multiple of sp={sp} (each group goes through the sequence-parallel "
+                              f"all-to-all); use a multiple of {math.lcm(per, sp)}", settings=(setting, "sp"))
     return [name for name, _ in found]
 
 

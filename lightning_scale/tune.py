@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import statistics
 import sys
@@ -300,43 +301,47 @@ def _split_problem(gpt, dp: int, tp: int, pp: int, sp: int, global_batch: int) -
 
 
 RELIEF = ("tiled_mlp", "tiled_attention", "offload_activations")
-_RELIEF_SUPPORT: Dict[int, Tuple[bool, bool, bool]] = {}
+_RELIEF_SUPPORT: Dict[int, Tuple[bool, bool, int]] = {}
 
 
-def relief_support(model) -> Tuple[bool, bool, bool]:
-    """(tiled MLP, head-tiled attention, head tiling under sp) for ``model``'s largest unit: whether
+def relief_support(model) -> Tuple[bool, bool, int]:
+    """(tiled MLP, head-tiled attention, query heads per key/value head) for ``model``'s largest unit: whether
     :mod:`lightning_scale.tiled_mlp` finds an MLP in it and :mod:`lightning_scale.tiled_attention` a head-tiled path
-    (the project GPT's attention, or a Hugging Face one with q/k/v/o_proj; only the GPT's under sp)."""
+    (the project GPT's attention, or a Hugging Face one with q/k/v/o_proj), and the GQA group a Hugging Face head
+    group rounds up to (1: none)."""
     if id(model) not in _RELIEF_SUPPORT:
         from lightning_scale.activation_plan import _units
         from lightning_scale.tiled_attention import _default_attention, _hf_layout, tiled_attention_unit, tiled_attentions
         from lightning_scale.tiled_mlp import _default_mlps
 
         units = [u for u in _units(model) if any(True for _ in u.parameters())]
-        mlp = heads = heads_sp = False
+        mlp = heads = False
+        group = 1
         if units:
             unit = max(units, key=lambda u: sum(p.numel() for p in u.parameters()))
             mlp = bool(_default_mlps(unit))
             with tiled_attention_unit(unit, 1):
                 heads = bool(tiled_attentions(unit))
-            heads_sp = heads and not any(_hf_layout(m) is not None for _, m in _default_attention(unit))
-        _RELIEF_SUPPORT[id(model)] = (mlp, heads, heads_sp)
+            layouts = [_hf_layout(m) for _, m in _default_attention(unit)]
+            group = max([lay[0] // lay[1] for lay in layouts if lay is not None] + [1])
+        _RELIEF_SUPPORT[id(model)] = (mlp, heads, group)
     return _RELIEF_SUPPORT[id(model)]
 
 
 def relief_steps(model, gpt, c: Candidate, relief: Sequence[str] = RELIEF) -> List[Dict]:
     """The memory relief ``c`` can take, cheapest first, each as the Candidate fields it sets: the tiled MLP and
     norms (512 positions per tile, or a quarter of the local sequence if that is shorter), the attention a group of
-    heads at a time (sp heads per group: one per sp rank; not with tp), the checkpointed units' inputs offloaded
+    heads at a time (sp heads per group -- one per sp rank --, with whole key/value heads under GQA; not with tp), the
+    checkpointed units' inputs offloaded
     (with activation checkpointing). Only what the model supports (:func:`relief_support`), ``relief`` names and
     ``c`` does not set already."""
-    mlp, heads, heads_sp = relief_support(model)
+    mlp, heads, group = relief_support(model)
     local = gpt.seq_len // max(1, c.sp)
     out: List[Dict] = []
     if "tiled_mlp" in relief and mlp and local >= 8 and not c.tiled_mlp:
         out.append(dict(tiled_mlp=min(512, max(2, local // 4))))
-    if "tiled_attention" in relief and c.tp == 1 and (heads_sp if c.sp > 1 else heads) and not c.tiled_attention:
-        out.append(dict(tiled_attention=c.sp))
+    if "tiled_attention" in relief and c.tp == 1 and heads and not c.tiled_attention:
+        out.append(dict(tiled_attention=c.sp if c.sp == 1 else math.lcm(c.sp, group)))
     if "offload_activations" in relief and c.ac and not c.act_offload:
         out.append(dict(act_offload=True))
     return out

@@ -314,7 +314,6 @@ def _sp_hf(model: nn.Module, group, tp: int = 1, stage: Optional[nn.Module] = No
     heads = cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     _check_heads(sp, tp, heads, f"{type(model).__name__}.config.num_attention_heads")
-    repeat = _hf_kv_repeat(heads // tp, max(1, kv_heads // tp), sp)  # tp split the key/value heads first
     inner_name = cfg._attn_implementation
     if inner_name not in ("eager", "sdpa"):
         raise ConfigError(f"sp={sp} with attn_implementation={inner_name!r}: sequence parallelism wraps 'eager' or "
@@ -328,7 +327,7 @@ def _sp_hf(model: nn.Module, group, tp: int = 1, stage: Optional[nn.Module] = No
         raise ConfigError(f"sp={sp}: {type(model).__name__}'s modeling module has no eager_attention_forward to wrap; "
                           "use attn_implementation='sdpa'", settings=("sp",))
     name = f"{HF_PREFIX}_{inner_name}_{id(model)}"  # the interface is global: one entry per model and group
-    attention = functools.partial(_hf_attention, inner=inner, eager=inner_name == "eager", repeat=repeat, group=group)
+    attention = functools.partial(_hf_attention, inner=inner, eager=inner_name == "eager", group=group)
     AttentionInterface.register(name, attention)
     AttentionMaskInterface.register(name, sdpa_mask)  # None for a plain causal mask: the full one is built here
     model.set_attn_implementation(name)
@@ -342,10 +341,12 @@ def _sp_hf(model: nn.Module, group, tp: int = 1, stage: Optional[nn.Module] = No
     model.loss_function = functools.partial(_hf_causal_lm_loss, group)
 
 
-def _hf_attention(module, query, key, value, attention_mask, *, inner, eager: bool, repeat: int, group, **kwargs):
-    """transformers attention function: (B, H, L/sp, D) q and (B, Hkv, L/sp, D) k, v -> ((B, L/sp, H, D), None)."""
+def _hf_attention(module, query, key, value, attention_mask, *, inner, eager: bool, group, **kwargs):
+    """transformers attention function: (B, H, L/sp, D) q and (B, Hkv, L/sp, D) k, v -> ((B, L/sp, H, D), None).
+    The key/value repeat follows the heads this call gets (all of the rank's, or a head-tiled group's)."""
     from transformers.integrations.sdpa_attention import repeat_kv
 
+    repeat = _hf_kv_repeat(query.shape[1], key.shape[1], C.group_size(group))
     seen = module
     if repeat > 1:
         key, value = repeat_kv(key, repeat), repeat_kv(value, repeat)

@@ -1,8 +1,9 @@
 """Head-tiled attention through parallelize() on 2 gloo ranks (issue 16), float64, 3 AdamW steps, with the tiled MLP
 and its tiled norms: dp2 at ZeRO 3 + full activation checkpointing (the recompute runs the groups again, ZeRO-3's
 reduce-scatter fires from the gradient-ready hooks once), sp=2 at ZeRO 3 (each group of 2 heads through the Ulysses
-all-to-alls) and pp=2, and an unchanged HF Llama (GQA) at dp2 ZeRO-3 + full AC: losses and parameters equal one
-untiled process within 1e-10.
+all-to-alls) and pp=2, and an unchanged HF Llama (GQA) at dp2 ZeRO-3 + full AC and at sp=2 (sdpa at ZeRO-3; eager
+at ZeRO-2 + full AC: each group's single key/value head repeated for the all-to-all): losses and parameters equal
+one untiled process within 1e-10.
 """
 
 from __future__ import annotations
@@ -16,7 +17,10 @@ CASES = [("gpt", (("stage", 3), ("activation_checkpointing", "full"), ("tiled_at
          ("gpt", (("sp", 2), ("stage", 3), ("tiled_attention", 2))),
          ("gpt", (("pp", 2), ("microbatches", MICRO), ("stage", 1), ("activation_checkpointing", "full"),
                   ("tiled_attention", 3))),
-         ("llama-sdpa", (("stage", 3), ("activation_checkpointing", "full"), ("tiled_attention", 1)))]
+         ("llama-sdpa", (("stage", 3), ("activation_checkpointing", "full"), ("tiled_attention", 1))),
+         # HF under Ulysses: each group of 2 query heads has 1 key/value head, repeated to split over sp=2
+         ("llama-sdpa", (("sp", 2), ("stage", 3), ("tiled_attention", 2))),
+         ("llama-eager", (("sp", 2), ("stage", 2), ("activation_checkpointing", "full"), ("tiled_attention", 1)))]
 
 
 def _train(rank: int, world_size: int):
@@ -31,7 +35,7 @@ def _train(rank: int, world_size: int):
     return out
 
 
-@pytest.mark.slow  # four layouts on 2 ranks
+@pytest.mark.slow  # six layouts on 2 ranks
 @pytest.mark.timeout(240)
 def test_tiled_attention_under_zero3_sp_pp_matches_one_untiled_process():
     assert_matches_reference(run_distributed(_train, 2, timeout=200)[0], CASES)

@@ -186,10 +186,19 @@ def test_an_attention_without_the_head_path_is_named():
     model = F.build("phi3", "eager", dtype=torch.float32)  # fused qkv_proj
     with pytest.raises(ConfigError, match=r"model.layers.0.self_attn \(Phi3Attention\) has no head-tiled path"):
         tile_attention(model, 1)
-    llama = F.build("llama", "eager", dtype=torch.float32)
+    # under sp a Hugging Face GQA group (rounded up to whole key/value heads) must split over the sp ranks
+    llama = F.build("llama", "eager", dtype=torch.float32)  # 4 query heads, 2 key/value heads: groups of 2
+    llama._lightning_scale_sp = 4
+    with pytest.raises(ConfigError, match=r"tiled_attention=1: model.layers.0.self_attn's groups take whole "
+                                          r"key/value heads, 2 query heads each, not a multiple of sp=4 \(each "
+                                          r"group goes through the sequence-parallel all-to-all\); use a multiple "
+                                          r"of 4"):
+        tile_attention(llama, 1)
+    assert not tiled_attentions(llama)  # the failed layer was unwrapped
     llama._lightning_scale_sp = 2
-    with pytest.raises(ConfigError, match=r"is a Hugging Face attention under sequence parallelism"):
-        tile_attention(llama, 2)
+    names = tile_attention(llama, 1)  # 1 -> 2 heads, a multiple of sp=2
+    assert names and names == tiled_attentions(llama) and all(llama.get_submodule(n)._tiled_heads_per == 2
+                                                               for n in names)
 
 
 def test_compiled_blocks_keep_the_groups_eager_and_exact():

@@ -26,7 +26,7 @@ def _long():
 
 def test_ladder_rungs_cheapest_first_and_only_what_lowers_the_plan():
     model, gpt = _long()
-    assert relief_support(model) == (True, True, True)  # the GPT: MLP, head tiling, head tiling under sp
+    assert relief_support(model) == (True, True, 1)  # the GPT: MLP, head tiling, no GQA group
     base = Candidate(stage=2, offload="none", dp=2, ac="full")
     rungs = relief_ladder(model, gpt, base)
     assert [(c.tiled_mlp, c.tiled_attention, c.act_offload) for c in rungs] == [

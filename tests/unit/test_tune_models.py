@@ -37,18 +37,20 @@ def test_hf_llama_module_is_counted_from_its_config():
 
 
 def test_hf_llama_relief_and_sp():
-    """A Hugging Face Llama: its MLP tiles and its attention head-tiles (q/k/v/o_proj), but not under sp (the
-    Ulysses swap of HF attention has no head-tiled path: no such rung there); sp needs its key/value heads to split."""
+    """A Hugging Face Llama: its MLP tiles and its attention head-tiles (q/k/v/o_proj; groups of whole key/value
+    heads, 2 query heads each), under sp too; sp needs its key/value heads to split."""
     from lightning_scale.tune import relief_ladder, relief_support
 
     model, shape = find_model(build_module(LLAMA, meta=True))
-    assert relief_support(model) == (True, True, False)
+    assert relief_support(model) == (True, True, 2)
     shape = dataclasses.replace(shape, seq_len=1024)
     base = Candidate(stage=2, offload="none", dp=2, ac="full")
     assert [c.relief for c in relief_ladder(model, shape, base)] == ["", "/tmlp256", "/tmlp256/theads1",
                                                                       "/tmlp256/theads1/actoff"]
     sp = dataclasses.replace(base, dp=1, sp=2)
-    assert [c.relief for c in relief_ladder(model, shape, sp)] == ["", "/tmlp128", "/tmlp128/actoff"]
+    assert [c.relief for c in relief_ladder(model, shape, sp)] == ["", "/tmlp128", "/tmlp128/theads2",
+                                                                    "/tmlp128/theads2/actoff"]
+    assert relief_ladder(model, shape, dataclasses.replace(base, dp=1, sp=4))[2].tiled_attention == 4
     rows = plan(model, shape, 4, 4, 1e12, stages=(2,), acs=(None,), buckets=(25,), tps=(1,), pps=(1,), sps=(2, 4))
     why = {r.candidate.sp: r.reason for r in rows if r.reason}
     assert "sp=4 does not divide the 2 key/value heads per tp rank" in why[4]
