@@ -215,6 +215,27 @@ def parse_bytes(text: str) -> int:
         raise ConfigError(f"--memory-budget={text!r}: use a size like 2GiB, 512MiB or 1e9") from None
 
 
+def resolve_device(requested: str, devices: int) -> str:
+    """``--device``: ``cpu``, ``cuda`` (one GPU per probe rank on this machine), or ``auto`` (cuda when this machine
+    has a GPU). Never a silent fall-back: a GPU machine with fewer GPUs than ``--devices`` is an error, not a CPU
+    measurement of a GPU layout."""
+    import torch
+
+    if requested not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"--device={requested!r}: choose auto, cpu or cuda")
+    has = torch.cuda.is_available()
+    if requested == "cpu" or (requested == "auto" and not has):
+        return "cpu"
+    if not has:
+        raise ConfigError("--device=cuda: this machine has no CUDA device (torch.cuda.is_available() is False)")
+    count = torch.cuda.device_count()
+    if devices > count:
+        raise ConfigError(f"--devices={devices}: this machine has {count} GPU(s) and the CLI's probes run on one "
+                          f"machine, one GPU per rank; tune the layout of a larger job with Zero3DStrategy("
+                          f"autotune=True) inside its own launch, or pass --device=cpu for a CPU estimate")
+    return "cuda"
+
+
 def _ints(name: str, text: str) -> Tuple[int, ...]:
     try:
         return tuple(int(v) for v in text.split(","))
@@ -650,6 +671,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--global-batch", type=int, default=8, help="sequences per optimizer step (all ranks)")
     ap.add_argument("--precision", default="32-true", help="the probes' precision: 32-true, bf16-mixed, 16-mixed, ...")
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--device", default="auto", help="where the probes run: auto (a GPU per rank when this machine "
+                    "has them), cpu (gloo), cuda (nccl)")
     ap.add_argument("--compile", action="store_true", help="also probe compile=True (per-unit inductor; its compile "
                     "seconds are reported apart from the steady tokens/s; ~1 min per compiled probe on a loaded 2-core CPU)")
     ap.add_argument("--compile-backend", default="inductor", help="the compiled probes' torch.compile backend "
@@ -695,7 +718,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             rows = planned(None)
             survivors = [r for r in rows if not r.reason]
             print("no layout fits with whole sequences per rank: Ulysses (sp) searched too")
-        print(f"{len(rows)} candidates, {len(survivors)} fit {budget / MiB:,.1f} MiB/device")
+        device = resolve_device(args.device, args.devices) if not args.estimate_only else None
+        print(f"{len(rows)} candidates, {len(survivors)} fit {budget / MiB:,.1f} MiB/device" + (
+            "" if device is None else f"; probes on {device} ({'nccl' if device == 'cuda' else 'gloo'}): measured = "
+            + ("the GPU's tensor bytes, vs the predicted device column" if device == "cuda"
+               else "every live tensor, vs the predicted one-memory column (a CPU)")))
         if not survivors:
             raise ConfigError(no_fit_message(rows, budget))
         if args.estimate_only:
@@ -704,7 +731,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         else:
             path = args.resume or args.results
             ranked = tune(rows, gpt, budget_s=args.budget_s, max_probes=args.max_probes, results_path=path,
-                          confirm=args.confirm, steps=args.steps, precision=args.precision,
+                          confirm=args.confirm, steps=args.steps, precision=args.precision, device=device,
                           compile_setting=True if args.compile_backend == "inductor" else {"backend": args.compile_backend})
             failed = [r for r in rows if r.result and "error" in r.result]
             if not ranked:

@@ -25,10 +25,26 @@ def _probe_config(c, compile_setting):
     return from_flat_kwargs(**kw)
 
 
+def _rank_device(rank: int, device: str):
+    """This probe rank's device: ``cpu``, or its own GPU (``cuda:rank`` on one machine, set as the current one)."""
+    import torch
+
+    if device != "cuda":
+        return torch.device("cpu")
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _space(dev) -> "str | None":
+    """The device type whose bytes a probe measures: an accelerator's own (host tensors are not its memory), or
+    every tensor on a CPU (host and device are one memory there)."""
+    return None if dev.type == "cpu" else dev.type
+
+
 def probe_worker(rank: int, world_size: int, gpt_fields: Dict, cand: Dict, steps: int, warmup: int,
-                 precision: str, compile_setting=True) -> Dict:
+                 precision: str, compile_setting=True, device: str = "cpu") -> Dict:
     """One rank of a probe: the layout through parallelize() + the engines, ``warmup + steps`` optimizer steps on
-    random tokens; then one more step under LiveTensorBytes for the measured peak."""
+    random tokens; then one more step under LiveTensorBytes for the measured peak (on a GPU its bytes only)."""
     import contextlib
 
     import torch
@@ -48,22 +64,23 @@ def probe_worker(rank: int, world_size: int, gpt_fields: Dict, cand: Dict, steps
     config = _probe_config(c, compile_setting)
     topo = local_topology(config, world_size, rank)
     torch.manual_seed(0)
+    dev = _rank_device(rank, device)
     on_meta = c.stage == 3 or c.tp > 1 or c.pp > 1
-    with torch.device("meta" if on_meta else "cpu"):
+    with torch.device("meta" if on_meta else dev):
         model = GPT(gpt)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    pm = parallelize(model, config, topo, "cpu", optimizers=[opt], loss_fn=lm_loss,
+    pm = parallelize(model, config, topo, dev, optimizers=[opt], loss_fn=lm_loss,
                      param_dtype=policy.param_dtype if policy is not None and c.stage == 3 else None)
     (engine,) = pm.make_engines(precision=policy, loss_scaler=scaler)
     if policy is not None and c.stage != 3:
         model.to(policy.param_dtype)  # what the engines did not own (the precision plugin's convert_module)
-    autocast = (lambda: torch.autocast("cpu", dtype=policy.autocast_dtype)) if policy and policy.autocast_dtype \
+    autocast = (lambda: torch.autocast(dev.type, dtype=policy.autocast_dtype)) if policy and policy.autocast_dtype \
         else contextlib.nullcontext
     local = c.micro_batch * c.accum
 
     def step(i: int) -> None:
         x, y = make_batch(gpt, local * topo.dp, seed=i)
-        x, y = x.chunk(topo.dp)[topo.dp_rank], y.chunk(topo.dp)[topo.dp_rank]
+        x, y = x.chunk(topo.dp)[topo.dp_rank].to(dev), y.chunk(topo.dp)[topo.dp_rank].to(dev)
         if topo.sp > 1:  # this rank's L / sp positions of every sequence (the Trainer's batch_to_device)
             x, y = shard_sequence((x, y), topo.sp_rank, topo.sp)
         scale = float(scaler.scale) if policy is not None and policy.loss_scaling else 1.0
@@ -86,13 +103,14 @@ def probe_worker(rank: int, world_size: int, gpt_fields: Dict, cand: Dict, steps
         t0 = time.perf_counter()
         step(i)
         times.append(time.perf_counter() - t0)
-    baseline = _live_bytes()
-    with LiveTensorBytes() as mem:
+    baseline = _live_bytes(_space(dev))
+    with LiveTensorBytes(device=_space(dev)) as mem:
         step(warmup + steps)
     median = statistics.median(times[warmup:])
     from lightning_scale.compile import compile_stats, compiled_units
 
     return {"step_s": median, "measured_bytes": baseline + mem.peak, "baseline_bytes": baseline,
+            "space": "device" if _space(dev) else "one memory",
             "compile_s": max(0.0, sum(times[:warmup]) - warmup * median), "compiled_units": len(compiled_units(model)),
             "graphs": compile_stats()["graphs"]}
 
@@ -117,7 +135,7 @@ def build_module(path: str, meta: bool = False, setting: str = "--module"):
 
 
 def module_worker(rank: int, world_size: int, shape: Dict, cand: Dict, steps: int, warmup: int,
-                  precision: str, compile_setting=True) -> Dict:
+                  precision: str, compile_setting=True, device: str = "cpu") -> Dict:
     """One rank of a ``--module`` probe: the LightningModule built here (``configure_model`` on meta where the strategy
     would: ZeRO-3, tp, pp), its ``configure_optimizers``, ``training_step((tokens, targets), 0)`` on random tokens
     (:func:`lightning_scale.strategies.autotune.measure_module`, the in-process probe's body)."""
@@ -134,23 +152,31 @@ def module_worker(rank: int, world_size: int, shape: Dict, cand: Dict, steps: in
     config = _probe_config(c, compile_setting)
     topo = local_topology(config, world_size, rank)
     torch.manual_seed(0)
+    dev = _rank_device(rank, device)
+    base = _live_bytes(_space(dev))
     lm = build_module(shape["module"], meta=config.meta_init and (c.stage == 3 or c.tp > 1 or c.pp > 1))
+    from lightning_scale.materialize import has_meta
+
+    if dev.type != "cpu" and not has_meta(lm, recurse=True) and not (c.stage == 3 and c.tp == 1 and c.pp == 1):
+        lm.to(dev)  # as the strategy places it (ZeRO-3 alone places its shards itself)
     g = torch.Generator().manual_seed(1)
     local = c.micro_batch * c.accum
     ids = torch.randint(0, shape["vocab_size"], (local * topo.dp, shape["seq_len"] + 1), generator=g)
     ids = ids.chunk(topo.dp)[topo.dp_rank]
-    batch = (ids[:, :-1].contiguous(), ids[:, 1:].contiguous())
+    batch = (ids[:, :-1].contiguous().to(dev), ids[:, 1:].contiguous().to(dev))
     if topo.sp > 1:  # this rank's L / sp positions of every sequence (the Trainer's batch_to_device)
         from lightning_scale.sequence_parallel import shard_sequence
 
         batch = shard_sequence(batch, topo.sp_rank, topo.sp)
     torch.distributed.barrier()
-    res = measure_module(lm, config, topo, "cpu", batch, steps, warmup, precision, accum=c.accum if c.pp == 1 else 1)
+    res = measure_module(lm, config, topo, dev, batch, steps, warmup, precision, accum=c.accum if c.pp == 1 else 1,
+                         base_bytes=base)
     return dict(res, baseline_bytes=res["states_bytes"])
 
 
-def _live_bytes() -> int:
-    """Bytes of distinct non-meta storages reachable from Python (model states between steps)."""
+def _live_bytes(device: "str | None" = None) -> int:
+    """Bytes of distinct non-meta storages reachable from Python (model states between steps); ``device``: only
+    storages on that device type."""
     import gc
 
     import torch
@@ -168,7 +194,7 @@ def _live_bytes() -> int:
                 key = (s.data_ptr(), s.nbytes())
             except Exception:  # noqa: BLE001 - meta / wrapper tensors
                 continue
-            if key in seen or s.device.type == "meta":
+            if key in seen or s.device.type == "meta" or (device is not None and s.device.type != device):
                 continue
             seen.add(key)
             total += s.nbytes()
@@ -176,8 +202,10 @@ def _live_bytes() -> int:
 
 
 def measure(gpt, c: "Candidate", *, steps: int = 4, warmup: int = 2, precision: str = "32-true",
-            timeout: float = 300.0, compile_setting=True) -> Dict:
-    """Probe one candidate in a fresh process group; tokens/s of the slowest rank, the largest rank's bytes."""
+            timeout: float = 300.0, compile_setting=True, device: str = "cpu") -> Dict:
+    """Probe one candidate in a fresh process group; tokens/s of the slowest rank, the largest rank's bytes.
+    ``device``: ``cpu`` (gloo; every live tensor counted: one memory) or ``cuda`` (nccl, one GPU per rank on this
+    machine; the GPU's tensor bytes counted: compare with the device prediction)."""
     from lightning_scale.testing import run_distributed
     from lightning_scale.tune import Shape
 
@@ -186,11 +214,13 @@ def measure(gpt, c: "Candidate", *, steps: int = 4, warmup: int = 2, precision: 
     if isinstance(gpt, Shape) and not gpt.module:
         raise ConfigError("the CLI probes of a model that is not the package GPT need its LightningModule: --module")
     ranks = run_distributed(worker, c.world, args=(dataclasses.asdict(gpt), dataclasses.asdict(c),
-                            steps, warmup, precision, compile_setting), timeout=timeout)
+                            steps, warmup, precision, compile_setting, device), timeout=timeout,
+                            backend="nccl" if device == "cuda" else "gloo")
     step_s = max(r["step_s"] for r in ranks)
     tokens = c.dp * c.micro_batch * c.accum * gpt.seq_len
     return {"tokens_per_s": tokens / step_s, "step_s": step_s,
             "measured_bytes": max(r["measured_bytes"] for r in ranks),
             "compile_s": max(r.get("compile_s", 0.0) for r in ranks),
             "compiled_units": min(r.get("compiled_units", 0) for r in ranks),
-            "graphs": max(r.get("graphs", 0) for r in ranks), "probe_s": time.perf_counter() - t0}
+            "graphs": max(r.get("graphs", 0) for r in ranks), "probe_s": time.perf_counter() - t0,
+            "space": "device" if device == "cuda" else "one memory"}

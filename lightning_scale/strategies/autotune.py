@@ -231,9 +231,9 @@ def prepare(strategy, trainer, config: ParallelConfig, batch) -> Tuple[torch.nn.
     from lightning.fabric.utilities.apply_func import move_data_to_device
 
     from lightning_scale.materialize import has_meta
-    from lightning_scale.tune_probe import _live_bytes
+    from lightning_scale.tune_probe import _live_bytes, _space
 
-    base = _live_bytes()
+    base = _live_bytes(_space(strategy.root_device))
     lm = strategy.lightning_module
     module = copy.deepcopy(lm, memo={id(trainer): trainer, id(lm._trainer): lm._trainer})
     module.trainer = trainer  # the same Trainer (configure_optimizers may read it)
@@ -257,9 +257,10 @@ def measure_module(module, config: ParallelConfig, topo, device, batch, steps: i
     from lightning_scale.strategies.pipeline_glue import PipelineGlue, split_batch
     from lightning_scale.strategies.precision import ZeroPrecision
     from lightning_scale.compile import compile_stats, compiled_units
-    from lightning_scale.tune_probe import _live_bytes
+    from lightning_scale.tune_probe import _live_bytes, _space
 
-    base = _live_bytes() if base_bytes is None else base_bytes
+    space = _space(torch.device(device))  # a GPU: its own bytes; a CPU: every tensor (one memory)
+    base = _live_bytes(space) if base_bytes is None else base_bytes
     graphs0 = compile_stats()["graphs"]
     module.log = module.log_dict = lambda *a, **k: None  # no loop is running: a probe logs nothing
     plugin = ZeroPrecision(precision, config.loss_scale)
@@ -305,11 +306,12 @@ def measure_module(module, config: ParallelConfig, topo, device, batch, steps: i
             t0 = time.perf_counter()
             step()
             times.append(time.perf_counter() - t0)
-        states = _live_bytes() - base
-        with LiveTensorBytes() as mem:
+        states = _live_bytes(space) - base
+        with LiveTensorBytes(device=space) as mem:
             step()
         median = statistics.median(times[warmup:])
         return {"step_s": median, "measured_bytes": float(states + mem.peak), "states_bytes": float(states),
+                "space": "device" if space else "one memory",
                 "peak_bytes": float(mem.peak), "compile_s": max(0.0, sum(times[:warmup]) - warmup * median),
                 "graphs": float(compile_stats()["graphs"] - graphs0),
                 "compiled_units": float(len(compiled_units(module)))}
@@ -394,7 +396,8 @@ def probe_one(strategy, trainer, c, cfg: ParallelConfig, batch, opts: Dict[str, 
         if failed:
             return {"error": agreed_error(error, guard), "probe_s": time.perf_counter() - t0}
         out = dict(zip(_RESULT_KEYS, values))
-        out.update(probe_s=time.perf_counter() - t0, warmup=warmup)
+        out.update(probe_s=time.perf_counter() - t0, warmup=warmup,
+                   space="one memory" if strategy.root_device.type == "cpu" else "device")
         return out
     finally:
         for group in groups:
@@ -479,7 +482,7 @@ def run(strategy, trainer, value: Any, given: Optional[Sequence[str]]) -> Dict[s
     return {"winner": c.key, "settings": dict(settings(c, compiled), dp=c.dp), "overrides": line,
             "precision": str(precision), "predicted_bytes": winner.predicted,
             "predicted_all_bytes": winner.predicted_all,
-            "measured_bytes": winner.result["measured_bytes"], "fixed": fixed,
+            "measured_bytes": winner.result["measured_bytes"], "space": winner.result.get("space"), "fixed": fixed,
             "table": [dict(key=r.candidate.key, **r.result, predicted_bytes=r.predicted,
                            predicted_all_bytes=r.predicted_all) for r in ranked + failed],
             "rejected": [(r.candidate.key, r.reason) for r in rows if r.reason],

@@ -137,3 +137,26 @@ def test_python_dash_m_probes_a_module(tmp_path):
                        "1", "--results", str(tmp_path / "r.jsonl")], timeout=180, cwd=str(tmp_path), env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "winner: Zero3DStrategy(stage=2" in proc.stdout and "tiled_mlp=256" in proc.stdout, proc.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+def test_cuda_probe_measures_the_gpu_bytes():
+    """On a GPU machine the CLI's probes run there (nccl, one GPU per rank): ZeRO-2 and ZeRO-3 + optimizer offload of
+    the bench GPT on one GPU; the measured bytes are the GPU's (the offloaded states are host memory, not counted)
+    and within 30% of the device prediction (not run on the CPU machines: skipped without CUDA)."""
+    import torch
+
+    from lightning_scale.tune import Candidate, predict_bytes
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    model = _model_from_spec("gpt_small")
+    for c in (Candidate(stage=2, offload="none", dp=1, micro_batch=4), Candidate(stage=3, offload="optimizer", dp=1,
+                                                                                 micro_batch=4, ac="full")):
+        res = measure(model.cfg, c, steps=2, warmup=1, timeout=240, device="cuda")
+        device, _ = predict_bytes(model, model.cfg, c)
+        print(f"{c.key}: {res['tokens_per_s']:,.0f} tokens/s, measured {res['measured_bytes'] / 2**20:.1f} MiB, "
+              f"predicted device {device / 2**20:.1f} MiB")
+        assert res["space"] == "device" and res["tokens_per_s"] > 0
+        assert abs(device - res["measured_bytes"]) / res["measured_bytes"] < 0.30, (c.key, device, res)

@@ -108,3 +108,25 @@ def test_failed_probes_are_listed_after_the_ranked_rows():
     table = format_ranked(ranked, failed=failed)
     assert table.splitlines()[-1].startswith(f"| - | {rows[0].candidate.key} | failed: RuntimeError: CUDA out of "
                                              f"memory on rank 1 |"), table
+
+
+def test_probe_device_is_never_a_silent_cpu_fallback(monkeypatch):
+    """``--device auto`` probes on the GPUs of a GPU machine; a machine with fewer GPUs than ``--devices`` is an error,
+    not a CPU measurement of a GPU layout; ``cuda`` without CUDA is named."""
+    import torch
+
+    from lightning_scale.tune import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto", 2) == "cpu" and resolve_device("cpu", 2) == "cpu"
+    with pytest.raises(ConfigError, match=r"--device=cuda: this machine has no CUDA device"):
+        resolve_device("cuda", 1)
+    with pytest.raises(ConfigError, match=r"--device='gpu': choose auto, cpu or cuda"):
+        resolve_device("gpu", 1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert resolve_device("auto", 1) == "cuda" and resolve_device("cpu", 2) == "cpu"
+    with pytest.raises(ConfigError, match=r"--devices=2: this machine has 1 GPU\(s\) and the CLI's probes run on one"):
+        resolve_device("auto", 2)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["--model", "gpt_tiny", "--devices", "1", "--device", "cuda", "--max-probes", "1"]) == 2
