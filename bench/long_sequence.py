@@ -31,7 +31,8 @@ Systems (one rank: a world-1 gloo group, the real ``parallelize()`` + engine pat
   between its forward and its backward (forced on this CPU, where the offloader leaves CPU tensors in place; the host
   copies are counted as host bytes)
 * ``ac_chunked_tiled_heads`` / ``ac_chunked_tiled_heads_offload_all_act``  + head-tiled attention
-  (``tiled_attention=1``: each block's attention runs and recomputes one head at a time, lightning_scale.tiled_attention)
+  (``tiled_attention=1``: each block's attention runs and recomputes one head at a time, lightning_scale.tiled_attention;
+  at sp=N groups of N heads: one head per rank after the all-to-all)
 * ``sparse_...``  the same with block-sparse attention (each head group runs its own heads' layout)
 
 How memory is measured: ``lightning_scale.memory.LiveTensorBytes`` (a TorchDispatchMode) is active from building
@@ -196,7 +197,7 @@ def one_step(args, name: str, length: int, topo) -> Tuple[int, float]:
         return _llama_step(args, spec, length, topo)
     config = from_flat_kwargs(stage=spec.get("stage", args.stage), activation_checkpointing=spec["ac"], sp=topo.sp,
                               tp=topo.tp, tiled_mlp=spec.get("tiled", 0), offload=spec.get("offload", "none"),
-                              offload_activations=spec.get("act", False), tiled_attention=spec.get("heads", 0))
+                              offload_activations=spec.get("act", False), tiled_attention=spec.get("heads", 0) * topo.sp)
     cfg = model_config(args, length, spec["chunk"])
     torch.manual_seed(0)
     with DeviceBytes() as mem:
@@ -261,7 +262,7 @@ def _llama_step(args, spec: dict, length: int, topo) -> Tuple[int, float]:
     if spec["sparse"] or topo.tp > 1:
         raise SystemExit("--model llama: the sparse systems and --tp are GPT-only in this bench")
     config = from_flat_kwargs(stage=args.stage, activation_checkpointing=spec["ac"], tiled_mlp=spec.get("tiled", 0),
-                              sp=topo.sp, tiled_attention=spec.get("heads", 0))
+                              sp=topo.sp, tiled_attention=spec.get("heads", 0) * topo.sp)  # a group per sp rank
     torch.manual_seed(0)
     with LiveTensorBytes() as mem:
         model = _llama(args, length)

@@ -29,15 +29,22 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 
+def _norm_size(m: nn.Module) -> Optional[int]:
+    shape = getattr(m, "normalized_shape", None)
+    if shape is None and "norm" in type(m).__name__.lower():
+        weight = getattr(m, "weight", None)
+        shape = tuple(weight.shape) if weight is not None else None
+    return int(shape[-1]) if shape else None
+
+
 def hidden_size(unit: nn.Module) -> Optional[int]:
-    """The unit's input width: the first norm's normalized size, else the first Linear's in_features."""
-    for m in unit.modules():
-        shape = getattr(m, "normalized_shape", None)
-        if shape is None and "norm" in type(m).__name__.lower():
-            weight = getattr(m, "weight", None)
-            shape = tuple(weight.shape) if weight is not None else None
-        if shape:
-            return int(shape[-1])
+    """The unit's input width: the normalized size of its first own norm (a child: the block's input norm, not a
+    per-head q/k norm inside its attention as in Qwen3 / Gemma3), else of the first norm inside it, else the first
+    Linear's in_features."""
+    for m in list(unit.children()) + list(unit.modules()):
+        size = _norm_size(m)
+        if size:
+            return size
     for m in unit.modules():
         if isinstance(m, nn.Linear):
             return int(m.in_features)
@@ -101,15 +108,21 @@ def _rotary_inputs(unit: nn.Module, tokens: int) -> Dict[str, Any]:
     full-length batch)."""
     import inspect
 
-    try:
-        if "position_embeddings" not in inspect.signature(type(unit).forward).parameters:
-            return {}
-    except (TypeError, ValueError):
+    def takes(m: nn.Module) -> bool:
+        try:
+            return "position_embeddings" in inspect.signature(type(m).forward).parameters
+        except (TypeError, ValueError):
+            return False
+
+    # the layer's own signature, or (GPT-NeoX: the layer passes **kwargs on) its attention's
+    if not takes(unit) and not any(takes(c) for c in unit.children()):
         return {}
-    head_dim = next((int(m.head_dim) for m in unit.modules() if isinstance(getattr(m, "head_dim", None), int)), None)
-    if head_dim is None:
+    # the rotary width: the attention's rotary_ndims under partial rotary (GPT-NeoX), else its head_dim
+    dims = [getattr(m, "rotary_ndims", None) or getattr(m, "head_dim", None) for m in unit.modules()]
+    dim = next((int(d) for d in dims if isinstance(d, int)), None)
+    if dim is None:
         return {}
-    return {"position_embeddings": (torch.empty(1, tokens, head_dim), torch.empty(1, tokens, head_dim))}
+    return {"position_embeddings": (torch.empty(1, tokens, dim), torch.empty(1, tokens, dim))}
 
 
 def profile_unit(unit: nn.Module, tokens: int, tp: int = 1, hidden: Optional[int] = None) -> Dict[str, float]:
