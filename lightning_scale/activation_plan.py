@@ -136,6 +136,9 @@ def estimate_activations(*, seq_len: int, micro_batch: int = 1, layers: int, per
     local = seq_len // sp
     T = micro_batch * local
     kept_per_token = {"none": layers * s, "full": layers * s_in, "selective": layers * s_sel}[policy]
+    # a sliding-window model's one explicit mask (boolean, ~ L^2 / sp: this rank's rows), alive from the first unit's
+    # forward to the last one's backward; per token at the profiled length (the plan profiles at the length it plans)
+    kept_per_token += per_token.get("mask", 0.0)
     host = 0.0
     if offload_activations:  # the unit inputs wait on the host; the device holds the one in use + the prefetched one
         host = layers * s_in * T

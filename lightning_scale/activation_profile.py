@@ -125,6 +125,27 @@ def _rotary_inputs(unit: nn.Module, tokens: int) -> Dict[str, Any]:
     return {"position_embeddings": (torch.empty(1, tokens, dim), torch.empty(1, tokens, dim))}
 
 
+def _mask_inputs(unit: nn.Module, tokens: int) -> Dict[str, Any]:
+    """``attention_mask``: a whole ``(1, 1, tokens, tokens)`` boolean mask for a Hugging Face layer whose attention has a
+    sliding window shorter than ``tokens`` -- the model then builds one explicit mask (the window) instead of plain
+    causal attention, and sdpa runs with it (on a CPU its math path: a score matrix per head); else nothing. Called
+    inside the fake mode."""
+    def window(m: nn.Module):
+        own = getattr(m, "sliding_window", None)
+        cfg = getattr(m, "config", None)
+        if own is not None or cfg is None or getattr(cfg, "use_sliding_window", True) is False:
+            return own
+        types, idx = getattr(cfg, "layer_types", None), getattr(m, "layer_idx", None)
+        if types is not None and isinstance(idx, int) and idx < len(types):  # mixed layers: this one's type
+            return getattr(cfg, "sliding_window", None) if types[idx] == "sliding_attention" else None
+        return getattr(cfg, "sliding_window", None)  # Mistral: every layer
+
+    windows = [window(m) for m in unit.modules()]
+    if not any(isinstance(w, int) and not isinstance(w, bool) and 0 < w < tokens for w in windows):
+        return {}
+    return {"attention_mask": torch.empty(1, 1, tokens, tokens, dtype=torch.bool)}
+
+
 def profile_unit(unit: nn.Module, tokens: int, tp: int = 1, hidden: Optional[int] = None) -> Dict[str, float]:
     """Per-token bytes of one unit at ``tokens`` positions (batch 1), float32: ``saved`` (all autograd keeps),
     ``input`` (the unit's input, what full checkpointing keeps), ``selective`` (input + every output of the
@@ -172,6 +193,9 @@ def profile_unit(unit: nn.Module, tokens: int, tp: int = 1, hidden: Optional[int
             x = torch.empty(1, tokens, hidden, requires_grad=True)
             kwargs = _rotary_inputs(unit, tokens)  # HF decoder layers: the model's cos / sin, shared by all units
             own |= {t.untyped_storage()._cdata for t in kwargs.get("position_embeddings", ())}
+            kwargs.update(_mask_inputs(unit, tokens))  # a sliding window: the model's one mask, shared by all units
+            mask_b = kwargs["attention_mask"].untyped_storage().nbytes() if "attention_mask" in kwargs else 0
+            own |= {kwargs["attention_mask"].untyped_storage()._cdata} if mask_b else set()
 
             def pack(t: torch.Tensor) -> torch.Tensor:
                 key = t.untyped_storage()._cdata
@@ -214,7 +238,8 @@ def profile_unit(unit: nn.Module, tokens: int, tp: int = 1, hidden: Optional[int
     # feeding the residual add)
     recorded_b = sum(n / tp if in_region else n for key, (n, in_region) in outputs.items() if key not in saved)
     return {"saved": saved_b / tokens, "input": input_b / tokens, "selective": selective_b / tokens,
-            "backward": backward_b / tokens, "hidden": float(hidden), "recorded": recorded_b / tokens}
+            "backward": backward_b / tokens, "hidden": float(hidden), "recorded": recorded_b / tokens,
+            "mask": mask_b / tokens}
 
 
 __all__ = ["hidden_size", "profile_unit"]

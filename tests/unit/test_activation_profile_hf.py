@@ -3,7 +3,7 @@ decoder layer runs alone on fake tensors (``profiled``, not ``counted`` from its
 (per-head q/k norms inside the attention: once taken for the layer's width), GPT-NeoX (partial rotary, its
 ``position_embeddings`` passed on by the layer's ``**kwargs``) included -- and the plan's activation peak of an
 unchanged model's forward + backward (float32, 512 positions, no checkpointing) is within 15% of the live tensor bytes
-measured (``LiveTensorBytes``)."""
+measured (``LiveTensorBytes``), sliding-window families (an explicit mask) included."""
 
 from __future__ import annotations
 
@@ -32,9 +32,11 @@ def test_decoder_layers_are_profiled(family):
     assert tiled.source == "profiled" and tiled.recompute < untiled.recompute  # the tiling is seen
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gpt_neox", "phi3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gpt_neox", "phi3", "mistral", "gemma3"])
 def test_plan_within_15_percent_of_a_measured_step(family):
-    """Families whose attention runs without an explicit mask at this length (no sliding window)."""
+    """Mistral (every layer) and Gemma3 (sliding layers) have a 5-position window: the model builds one explicit mask
+    and sdpa runs with it (on a CPU a score matrix per head); the profile runs the layer with such a mask and the plan
+    counts the mask once (1.96x / 1.70x under the measurement before)."""
     torch.manual_seed(0)
     model = F.build(family, "sdpa", dtype=torch.float32).train()
     plan = activations_for_model(model, seq_len=L, precision="32-true", chunked_loss=0)
