@@ -491,17 +491,8 @@ def run(strategy, trainer, value: Any, given: Optional[Sequence[str]]) -> Dict[s
 
 def settings(c, compiled: Any = True) -> Dict[str, Any]:
     """The strategy settings of candidate ``c`` (``compiled``: the compile setting of a compiled candidate)."""
-    out = dict(stage=c.stage, offload=c.offload, tp=c.tp, pp=c.pp, sp=c.sp, bucket_mb=c.bucket_mb,
-               activation_checkpointing=c.ac, compile=compiled if c.compile else False)
-    if c.pp > 1:
-        out["microbatches"] = c.accum
-    if c.tiled_mlp:
-        out["tiled_mlp"] = c.tiled_mlp
-    if c.tiled_attention:
-        out["tiled_attention"] = c.tiled_attention
-    if c.act_offload:
-        out["offload_activations"] = True
-    return out
+    # the candidate's own keywords; sp always (a winner at sp=1 replaces a user's launch-time sp), compile as set
+    return dict(c.strategy_kwargs(), sp=c.sp, compile=compiled if c.compile else False)
 
 
 def settings_config(config: ParallelConfig, c, world: int, compiled: Any = True) -> ParallelConfig:
