@@ -30,13 +30,13 @@ if [ "${1:-}" = "--dry-run" ]; then
     for s in gpu_zero gpu_models gpu_checkpoint gpu_long_sequence; do python "bench/$s.py" --dry-run; done
     exit 0
 fi
-step tests_gpu 110 python -m pytest -q -m gpu -p no:cacheprovider -o addopts="" tests/kernels tests/dist/test_zero3.py tests/unit/test_tiled_attention.py tests/dist/test_tune_probe.py
-step gpu_zero 150 python bench/gpu_zero.py --compile --rounds 1 --steps 10 --budget-s 95 --out "$OUT/gpu_zero"
+step tests_gpu 100 python -m pytest -q -m gpu -p no:cacheprovider -o addopts="" tests/kernels tests/dist/test_zero3.py tests/unit/test_tiled_attention.py tests/dist/test_tune_probe.py
+step gpu_zero 140 python bench/gpu_zero.py --compile --rounds 1 --steps 10 --budget-s 90 --out "$OUT/gpu_zero"
 # the autotuner's CLI probing on the GPU (nccl, the GPU's bytes vs the device prediction), one rank
 step tune_cli 40 python -m lightning_scale.tune --model gpt_small --devices 1 --memory-budget 8GiB --device cuda --max-probes 4 --confirm 0 --budget-s 30 --results "$OUT/tune.jsonl"
-step gpu_sparse_attention 70 python bench/gpu_sparse_attention.py --rounds 1 --lengths 4096 16384 --head-dims 64
-step gpu_long_sequence 90 python bench/gpu_long_sequence.py --systems dense,ac_offload_chunked_tiled_heads,rotary_ac_offload_chunked_tiled_heads --out "$OUT/gpu_long_sequence"
-step gpu_models 90 python bench/gpu_models.py --rounds 1 --steps 5 --out "$OUT/gpu_models"
-step gpu_checkpoint 60 python bench/gpu_checkpoint.py --rounds 1 --out "$OUT/gpu_checkpoint"
+step gpu_sparse_attention 60 python bench/gpu_sparse_attention.py --rounds 1 --lengths 4096 16384 --head-dims 64
+step gpu_long_sequence 80 python bench/gpu_long_sequence.py --systems dense,ac_offload_chunked_tiled_heads,rotary_ac_offload_chunked_tiled_heads --out "$OUT/gpu_long_sequence"
+step gpu_models 80 python bench/gpu_models.py --rounds 1 --steps 5 --out "$OUT/gpu_models"
+step gpu_checkpoint 50 python bench/gpu_checkpoint.py --rounds 1 --out "$OUT/gpu_checkpoint"
 # bench/gpu_tensor_parallel.py needs 2 or more GPUs (torchrun --nproc-per-node N); not run on one device.
 echo "done; see $OUT/summary.txt"
