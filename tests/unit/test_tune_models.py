@@ -101,3 +101,32 @@ def test_one_memory_counts_offloaded_states_once(stage, offload):
     assert one_memory_bytes(on) >= resident
     mixed = dict(kw, precision="bf16-mixed")
     assert one_memory_bytes(estimate(1e6, offload=offload, **mixed)) > one_memory_bytes(on) * 0.5
+
+
+def test_repeated_blocks_with_unknown_heads_plan_without_tp_or_sp():
+    """A model of repeated blocks whose head count is unknown (no GPT, no HF config): dp layouts are planned, tp and
+    sp splits rejected with the reason (the plan once raised TypeError on ``None % tp`` here, at tp=1 too)."""
+    import torch.nn as nn
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.mlp = nn.LayerNorm(32), nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+
+        def forward(self, x):
+            return x + self.mlp(self.norm(x))
+
+    class Blocks(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.blocks, self.head = nn.Embedding(100, 32), nn.ModuleList(Block() for _ in range(2)), \
+                nn.Linear(32, 100)
+
+    model, shape = find_model(Blocks())
+    assert isinstance(shape, Shape) and shape.n_head is None and shape.n_layer == 2
+    rows = plan(model, dataclasses.replace(shape, seq_len=64), 2, 2, 1e12, stages=(2,), acs=(None,), buckets=(25,),
+                pps=(1,), sps=(1, 2))
+    assert any(not r.reason and r.candidate.split == "dp2tp1pp1" for r in rows)
+    why = {r.candidate.split: r.reason for r in rows if r.reason}
+    assert "the head count of Blocks is unknown" in why["dp1tp2pp1"]
+    assert "sp=2: the head count of Blocks is unknown" in why["dp1tp1pp1sp2"]
