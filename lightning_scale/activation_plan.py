@@ -243,7 +243,7 @@ def profile_model(module, *, seq_len: int, sp: int = 1, tp: int = 1, chunked_los
     notes, source = [], "profiled"
     try:
         with tiled_unit(unit, tiled_mlp or 0), tiled_attention_unit(unit, tiled_attention or 0):
-            per_token = profile_unit(unit, max(1, seq_len // max(sp, 1)), tp=tp, hidden=hidden or None)
+            per_token = profile_unit(unit, max(1, seq_len // max(sp, 1)), tp=tp, hidden=hidden or None, sp=sp)
         if tiled_mlp:
             notes.append(f"tiled_mlp={tiled_mlp}: the unit profiled with its MLP and norms tiled")
         if tiled_attention:

@@ -146,7 +146,8 @@ def _mask_inputs(unit: nn.Module, tokens: int) -> Dict[str, Any]:
     return {"attention_mask": torch.empty(1, 1, tokens, tokens, dtype=torch.bool)}
 
 
-def profile_unit(unit: nn.Module, tokens: int, tp: int = 1, hidden: Optional[int] = None) -> Dict[str, float]:
+def profile_unit(unit: nn.Module, tokens: int, tp: int = 1, hidden: Optional[int] = None, sp: int = 1,
+                 mask: bool = True) -> Dict[str, float]:
     """Per-token bytes of one unit at ``tokens`` positions (batch 1), float32: ``saved`` (all autograd keeps),
     ``input`` (the unit's input, what full checkpointing keeps), ``selective`` (input + every output of the
     ops selective checkpointing keeps, whether autograd saves it or not), ``backward`` (the backward's working
@@ -184,6 +185,7 @@ def profile_unit(unit: nn.Module, tokens: int, tp: int = 1, hidden: Optional[int
                 if any(p.requires_grad for p in m.parameters(recurse=False))]
     saved: Dict[int, int] = {}
     refs: Dict[int, Any] = {}
+    squares: Dict[int, str] = {}  # saved (tokens x tokens) storages: a mask's shape, or one per head
     try:
         with FakeTensorMode(allow_non_fake_inputs=False):
             params = {n: nn.Parameter(torch.empty(p.shape, dtype=torch.float32), requires_grad=p.requires_grad)
@@ -193,7 +195,8 @@ def profile_unit(unit: nn.Module, tokens: int, tp: int = 1, hidden: Optional[int
             x = torch.empty(1, tokens, hidden, requires_grad=True)
             kwargs = _rotary_inputs(unit, tokens)  # HF decoder layers: the model's cos / sin, shared by all units
             own |= {t.untyped_storage()._cdata for t in kwargs.get("position_embeddings", ())}
-            kwargs.update(_mask_inputs(unit, tokens))  # a sliding window: the model's one mask, shared by all units
+            if mask:  # a sliding window: the model's one mask, shared by all units
+                kwargs.update(_mask_inputs(unit, tokens))
             mask_b = kwargs["attention_mask"].untyped_storage().nbytes() if "attention_mask" in kwargs else 0
             own |= {kwargs["attention_mask"].untyped_storage()._cdata} if mask_b else set()
 
@@ -202,6 +205,8 @@ def profile_unit(unit: nn.Module, tokens: int, tp: int = 1, hidden: Optional[int
                 if key not in own:
                     saved[key] = t.untyped_storage().nbytes()
                     refs[key] = StorageWeakRef(t.untyped_storage())
+                    if t.dim() >= 2 and t.shape[-1] == t.shape[-2] == tokens:  # position x position
+                        squares[key] = "mask" if t.dim() < 3 or t.shape[-3] == 1 else "heads"
                 return t
 
             with _reparametrize_module(unit, {**params, **buffers}), tracker:
@@ -237,9 +242,21 @@ def profile_unit(unit: nn.Module, tokens: int, tp: int = 1, hidden: Optional[int
     # what a split backward's records keep beyond the saved set: module outputs no op saves (an output projection
     # feeding the residual add)
     recorded_b = sum(n / tp if in_region else n for key, (n, in_region) in outputs.items() if key not in saved)
-    return {"saved": saved_b / tokens, "input": input_b / tokens, "selective": selective_b / tokens,
-            "backward": backward_b / tokens, "hidden": float(hidden), "recorded": recorded_b / tokens,
-            "mask": mask_b / tokens}
+    out = {"saved": saved_b / tokens, "input": input_b / tokens, "selective": selective_b / tokens,
+           "backward": backward_b / tokens, "hidden": float(hidden), "recorded": recorded_b / tokens,
+           "mask": mask_b / tokens}
+    if sp > 1 and mask_b:
+        # Ulysses: after the all-to-all a rank attends with H / sp heads over all L = sp x tokens positions, under
+        # the whole sequence's mask, where this run had H heads over ``tokens``: a saved score matrix per head is
+        # sp times larger in all, one of the mask's shape (1, 1, L, L) sp^2 times, the mask itself sp^2 times; the
+        # other terms take what the mask adds to them (a second run without it) sp times
+        extra = sum(n * ((sp * sp if squares[k] == "mask" else sp) - 1) for k, n in saved.items() if k in squares)
+        out["saved"] += extra / tokens
+        flat = profile_unit(unit, tokens, tp, hidden, mask=False)
+        for key in ("selective", "backward", "recorded"):
+            out[key] = flat[key] + (out[key] - flat[key]) * sp
+        out["mask"] *= sp * sp
+    return out
 
 
 __all__ = ["hidden_size", "profile_unit"]
