@@ -245,16 +245,17 @@ def profile_unit(unit: nn.Module, tokens: int, tp: int = 1, hidden: Optional[int
     out = {"saved": saved_b / tokens, "input": input_b / tokens, "selective": selective_b / tokens,
            "backward": backward_b / tokens, "hidden": float(hidden), "recorded": recorded_b / tokens,
            "mask": mask_b / tokens}
-    if sp > 1 and mask_b:
+    if sp > 1 and (mask_b or squares):  # a mask, or an attention that makes its score matrices (eager)
         # Ulysses: after the all-to-all a rank attends with H / sp heads over all L = sp x tokens positions, under
         # the whole sequence's mask, where this run had H heads over ``tokens``: a saved score matrix per head is
         # sp times larger in all, one of the mask's shape (1, 1, L, L) sp^2 times, the mask itself sp^2 times; the
         # other terms take what the mask adds to them (a second run without it) sp times
         extra = sum(n * ((sp * sp if squares[k] == "mask" else sp) - 1) for k, n in saved.items() if k in squares)
         out["saved"] += extra / tokens
-        flat = profile_unit(unit, tokens, tp, hidden, mask=False)
-        for key in ("selective", "backward", "recorded"):
-            out[key] = flat[key] + (out[key] - flat[key]) * sp
+        if mask_b:
+            flat = profile_unit(unit, tokens, tp, hidden, mask=False)
+            for key in ("selective", "backward", "recorded"):
+                out[key] = flat[key] + (out[key] - flat[key]) * sp
         out["mask"] *= sp * sp
     return out
 
