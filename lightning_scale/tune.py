@@ -493,6 +493,10 @@ def plan(model, gpt, devices: int, global_batch: int, budget_bytes: float, *, pr
     rows: List[Row] = []
     for base in cands:
         base = dataclasses.replace(base, **(fixed_relief or {}))
+        if base.act_offload and not base.ac:  # a user's offload_activations=True kept for every layout
+            rows.append(Row(base, prior=prior(base), reason="offload_activations=True needs activation_checkpointing "
+                            "'full' or 'selective'"))
+            continue
         if base.compile and not allow_compile:
             rows.append(Row(base, prior=prior(base), reason="compile: the first inductor compile costs ~26 s per "
                             "graph on a CPU (pass --compile)"))

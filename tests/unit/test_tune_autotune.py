@@ -3,6 +3,7 @@ the user fixed, conflicts named by key, the Hydra key strategy.autotune."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -95,7 +96,14 @@ def test_sp_and_memory_relief_options():
     assert keys and all("sp2" in k and k.endswith("/tmlp4") for k in keys), keys
     from lightning_scale.strategies.autotune import settings
 
-    c = next(r.candidate for r in rows if not r.reason)
+    # a user's offload_activations=True is kept: layouts without checkpointing are rejected with the reason
+    rows = plan_rows(GPT(gpt), gpt, options({"stages": 2, "buckets": 25}), {"offload_activations": True}, 2, 4,
+                     "32-true", 1e15, 1)
+    assert all(r.candidate.act_offload for r in rows if not r.reason)
+    assert all(r.candidate.ac for r in rows if not r.reason) and any(
+        "offload_activations=True needs activation_checkpointing" in r.reason for r in rows)
+    c = next(r.candidate for r in rows if not r.reason and r.candidate.sp == 1)
+    c = dataclasses.replace(c, sp=2, tiled_mlp=4, act_offload=False)
     assert settings(c)["sp"] == 2 and settings(c)["tiled_mlp"] == 4 and "tiled_attention" not in settings(c)
 
 
