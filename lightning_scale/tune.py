@@ -26,6 +26,7 @@ import os
 import statistics
 import sys
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -322,7 +323,9 @@ def _split_problem(gpt, dp: int, tp: int, pp: int, sp: int, global_batch: int) -
 
 
 RELIEF = ("tiled_mlp", "tiled_attention", "offload_activations")
-_RELIEF_SUPPORT: Dict[int, Tuple[bool, bool, int]] = {}
+# per model object, dropped with it (an id() key outlives its model: a later model at the same address would read a
+# stale entry)
+_RELIEF_SUPPORT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def relief_support(model) -> Tuple[bool, bool, int]:
@@ -330,7 +333,7 @@ def relief_support(model) -> Tuple[bool, bool, int]:
     :mod:`lightning_scale.tiled_mlp` finds an MLP in it and :mod:`lightning_scale.tiled_attention` a head-tiled path
     (the project GPT's attention, or a Hugging Face one with q/k/v/o_proj), and the GQA group a Hugging Face head
     group rounds up to (1: none)."""
-    if id(model) not in _RELIEF_SUPPORT:
+    if model not in _RELIEF_SUPPORT:
         from lightning_scale.activation_plan import _units
         from lightning_scale.tiled_attention import _default_attention, _hf_layout, tiled_attention_unit, tiled_attentions
         from lightning_scale.tiled_mlp import _default_mlps
@@ -345,8 +348,8 @@ def relief_support(model) -> Tuple[bool, bool, int]:
                 heads = bool(tiled_attentions(unit))
             layouts = [_hf_layout(m) for _, m in _default_attention(unit)]
             group = max([lay[0] // lay[1] for lay in layouts if lay is not None] + [1])
-        _RELIEF_SUPPORT[id(model)] = (mlp, heads, group)
-    return _RELIEF_SUPPORT[id(model)]
+        _RELIEF_SUPPORT[model] = (mlp, heads, group)
+    return _RELIEF_SUPPORT[model]
 
 
 def relief_steps(model, gpt, c: Candidate, relief: Sequence[str] = RELIEF) -> List[Dict]:
@@ -377,7 +380,7 @@ def relief_ladder(model, gpt, c: Candidate, relief: Sequence[str] = RELIEF) -> L
 
 
 # ------------------------------------------------------------------------------------------------ estimate
-_ACTS: Dict[tuple, object] = {}
+_ACTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {shape key: activation plan}
 
 
 def predict_bytes(model, gpt, c: Candidate, precision: str = "32-true") -> Tuple[float, float]:
@@ -394,14 +397,14 @@ def predict_bytes(model, gpt, c: Candidate, precision: str = "32-true") -> Tuple
     shards = c.dp * c.sp  # ZeRO shards over dp x sp (every sp rank of a replica holds the same parameters)
     est = E.estimate(max(1.0, params), dp=shards, stage=c.stage, offload=c.offload, precision=precision,
                      largest_unit_params=min(unit, params), bucket_mb=c.bucket_mb, optimizer="adamw")
-    key = (id(model), gpt.seq_len, c.micro_batch, precision, c.ac, c.tp, c.sp, c.tiled_mlp, c.tiled_attention,
-           c.act_offload)
-    if key not in _ACTS:  # the profile runs the unit on fake tensors: once per shape
-        _ACTS[key] = E.activations_for_model(model, seq_len=gpt.seq_len, micro_batch=c.micro_batch,
+    key = (gpt.seq_len, c.micro_batch, precision, c.ac, c.tp, c.sp, c.tiled_mlp, c.tiled_attention, c.act_offload)
+    cache = _ACTS.setdefault(model, {})
+    if key not in cache:  # the profile runs the unit on fake tensors: once per shape
+        cache[key] = E.activations_for_model(model, seq_len=gpt.seq_len, micro_batch=c.micro_batch,
                                              precision=precision, activation_checkpointing=c.ac, tp=c.tp, sp=c.sp,
                                              tiled_mlp=c.tiled_mlp, tiled_attention=c.tiled_attention,
                                              offload_activations=c.act_offload)
-    acts = _ACTS[key]
+    acts = cache[key]
     if c.pp > 1:  # a stage holds layers/pp units, and 1F1B keeps up to pp micro-batches' activations in flight
         acts = dataclasses.replace(acts, kept=acts.kept / c.pp * min(c.accum, c.pp))
     # the largest tensor one optimizer step call sees: a parameter (stage 0 steps the user's params), a flat

@@ -433,6 +433,9 @@ def run(strategy, trainer, value: Any, given: Optional[Sequence[str]]) -> Dict[s
         rows = plan_rows(gpt_module, gpt, dict(opts, sp=tuple(_divisors(world))), fixed, world, batch_size,
                          str(precision), budget, trainer.accumulate_grad_batches)
         survivors = [r for r in rows if not r.reason]
+        if rank == 0:
+            print("[lightning_scale autotune] no layout fits whole sequences per rank: Ulysses (sp) searched too",
+                  flush=True)
     if not survivors:
         raise ConfigError("autotune: " + no_fit_message(rows, budget, "autotune.memory"))
     compiled = compile_setting((fixed["compile"],) if "compile" in fixed else (opts["compile"] or ()))

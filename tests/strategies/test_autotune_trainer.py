@@ -189,7 +189,7 @@ def test_autotune_long_sequence_goes_to_ulysses_and_trains_like_the_hand_set_lay
     assert s["sp"] == 2 and tuned["layout"]["sp"] == 2 and tuned["layout"]["dp"] == 1, result["winner"]
     assert all("sp2" in t["key"] for t in result["table"]), result["table"]
     assert any("sp2" not in k and "> budget" in why for k, why in result["rejected"])
-    assert "strategy.sp=2" in proc.stdout
+    assert "strategy.sp=2" in proc.stdout and proc.stdout.count("Ulysses (sp) searched too") == 1  # rank 0 says so
     print(result["winner"], [t["key"] for t in result["table"]], result["predicted_all_bytes"], result["measured_bytes"])
     rel = abs(result["predicted_all_bytes"] - result["measured_bytes"]) / result["measured_bytes"]
     assert rel < 0.15, (result["winner"], result["predicted_all_bytes"], result["measured_bytes"])
