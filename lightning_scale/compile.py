@@ -80,7 +80,7 @@ def compile_units(module: nn.Module, setting: CompileSetting, units: Optional[Se
     options = compile_options(setting)
     if options is None and compiler is None:
         return []
-    wrap = (lambda fn: torch.compile(fn, **options)) if options is not None else compiler
+    from lightning_scale.activation_checkpointing import kv_cache_off
     from lightning_scale.zero.param_shard import resolve_units
 
     found = resolve_units(module, list(units) if units else None, setting=setting_units)
@@ -88,6 +88,14 @@ def compile_units(module: nn.Module, setting: CompileSetting, units: Optional[Se
         raise ConfigError("compile=True: the model has no repeated block to compile per unit (no layer_modules(), "
                           f"no ModuleList of one class); name the units in {setting_units}",
                           settings=("compile", setting_units))
+    # A Hugging Face KV cache in a training forward hands each layer its own cache slot (``cache.layers[idx]``):
+    # Dynamo guards on it, so every layer compiled its own graph, and past torch's recompile limit (8) the remaining
+    # layers ran eagerly (a 12-layer Llama: 8 graphs + 4 eager layers). Training reads no cache: off, as under
+    # activation checkpointing.
+    kv_cache_off(module)
+    if options is not None:
+        options = dict(_recompile_limit(len(found)), **options)
+    wrap = (lambda fn: torch.compile(fn, **options)) if options is not None else compiler
     for _, unit in found:
         if getattr(unit, "_ls_compiled", False):
             raise ConfigError(f"compile: {type(unit).__name__} is compiled already")
@@ -105,13 +113,36 @@ def compiled_units(module: nn.Module) -> List[str]:
     return [n for n, m in module.named_modules() if getattr(m, "_ls_compiled", False)]
 
 
+def _recompile_limit(units: int) -> Dict[str, int]:
+    """``recompile_limit`` for ``torch.compile`` of ``units`` units sharing one code object: at least one graph per
+    unit, so units that do specialize (a per-layer attribute Dynamo guards on) are all compiled instead of the ones
+    past the process default (8) silently running eagerly. {} where torch.compile has no such argument (torch < 2.9:
+    :func:`compile_stats` still reports a limit hit)."""
+    import inspect
+
+    if "recompile_limit" not in inspect.signature(torch.compile).parameters:
+        return {}
+    import torch._dynamo.config as dynamo_config
+
+    return {"recompile_limit": max(int(getattr(dynamo_config, "recompile_limit", 8)), units)}
+
+
+def _limit_hits(counters) -> int:
+    """Code objects Dynamo stopped compiling because they hit its recompile (cache size) limit: they run eagerly."""
+    marks = ("recompile limit", "recompile_limit", "cache_size_limit", "cache size limit")
+    return int(sum(n for reason, n in counters["unimplemented"].items() if any(m in reason.lower() for m in marks)))
+
+
 def compile_stats() -> Dict[str, Any]:
-    """Dynamo's process-wide counters: graphs compiled so far, graph breaks in total and by (shortened) reason."""
+    """Dynamo's process-wide counters: graphs compiled so far, graph breaks in total and by (shortened) reason, and
+    ``eager_fallbacks``: code objects that hit Dynamo's recompile limit (from then on they run eagerly: a unit of a
+    model that specializes per layer, under a user's own ``torch.compile`` whose limit was not raised)."""
     from torch._dynamo.utils import counters
 
     breaks = {reason.split("\n")[0][:120]: n for reason, n in counters["graph_break"].items()}
     return {"graphs": int(counters["stats"].get("unique_graphs", 0)),
-            "graph_breaks": int(sum(counters["graph_break"].values())), "break_reasons": breaks}
+            "graph_breaks": int(sum(counters["graph_break"].values())), "break_reasons": breaks,
+            "eager_fallbacks": _limit_hits(counters)}
 
 
 __all__ = ["COMPILE_OPTIONS", "compile_options", "compile_stats", "compile_units", "compiled_units", "unwrap_compiled"]

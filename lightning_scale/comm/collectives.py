@@ -35,15 +35,29 @@ def _eager(fn: Callable) -> Callable:
         return impl[0](*args, **kwargs)
 
     _EAGER.append((impl, fn))
+    _WRAPPER_CODE[:] = [call.__code__]  # one code object for every wrapper
+    if _DYNAMO_SEEN:  # defined after Dynamo's import (another module's @eager_under_compile): disabled at once
+        impl[0] = torch.compiler.disable(fn)
     return call
 
 
+eager_under_compile = _eager  # for other modules (the tensor-parallel layers' forwards)
 _EAGER: list = []
+_DYNAMO_SEEN: list = []
+_WRAPPER_CODE: list = []
 
 
 def _disable_under_dynamo(_module=None) -> None:
+    _DYNAMO_SEEN.append(True)
     for impl, fn in _EAGER:
         impl[0] = torch.compiler.disable(fn)
+    # The indirection itself (one code object for every wrapper) is never a frame Dynamo compiles: traced as its
+    # own frame after the graph break it holds, it recompiled per grad mode / caller and, once past the recompile
+    # limit, showed as an eager fallback in compile_stats.
+    skip = getattr(getattr(_module, "eval_frame", None), "skip_code", None)
+    if skip is not None:
+        for code in _WRAPPER_CODE:
+            skip(code)
 
 # (backend, op) -> True when the native collective failed once and the fallback is used.
 _NATIVE_BROKEN: Dict[Tuple[str, str], bool] = {}

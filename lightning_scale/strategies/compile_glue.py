@@ -3,7 +3,8 @@
 ``install`` appends a :class:`CompileReport` callback when the run compiles (``compile=`` set, or a user's own
 ``torch.compile`` found by :func:`lightning_scale.compile.unwrap_compiled`). Rank 0 prints one line after the
 first optimizer step (what that step compiled: graphs, graph breaks and their reasons) and one at the end of
-``fit`` with the graphs compiled after step 2: the recompiles, which should be 0. Validation under ``no_grad``
+``fit`` with the graphs compiled after step 2: the recompiles, which should be 0. Both lines end in a warning when
+Dynamo hit its recompile limit on a unit (the units past it run eagerly: never silent). Validation under ``no_grad``
 compiles its own graphs once (Dynamo guards on grad mode), so the baseline is taken after step 2's validation:
 at the start of step 3. ``strategy.compile_report`` holds the numbers (tests read it).
 """
@@ -23,6 +24,16 @@ def _stats() -> Dict[str, Any]:
     return compile_stats()
 
 
+def _fallbacks(stats: Dict[str, Any]) -> str:
+    """The report's warning when Dynamo gave up on a unit's code (its recompile limit): those units run eagerly."""
+    n = stats.get("eager_fallbacks", 0)
+    if not n:
+        return ""
+    return (f"; WARNING: {n} compiled code object(s) hit Dynamo's recompile limit, the units past it run EAGERLY "
+            "(each compiled its own graph: TORCH_LOGS=recompiles names the guard; compile=... raises the limit to "
+            "the number of units, a torch.compile of your own keeps torch's)")
+
+
 class CompileReport(pl.Callback):
     def __init__(self, strategy: Any) -> None:
         self.strategy = strategy
@@ -40,7 +51,7 @@ class CompileReport(pl.Callback):
             s = self.report["step1"] = _stats()
             reasons = "; ".join(f"{n}x {r}" for r, n in s["break_reasons"].items()) or "none"
             self._print(trainer, f"after step 1: {s['graphs']} graphs compiled, {s['graph_breaks']} graph breaks "
-                                 f"({reasons})")
+                                 f"({reasons}){_fallbacks(s)}")
 
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: Any, batch: Any, batch_idx: int) -> None:
         if trainer.global_step >= 2 and self.baseline is None:
@@ -52,7 +63,8 @@ class CompileReport(pl.Callback):
         self.report.update(end=s, recompiles=recompiles, steps=trainer.global_step)
         after = "n/a (fewer than 3 steps)" if recompiles is None else recompiles
         self._print(trainer, f"after {trainer.global_step} steps: {s['graphs']} graphs compiled, "
-                             f"{s['graph_breaks']} graph breaks, graphs compiled after step 2 (recompiles): {after}")
+                             f"{s['graph_breaks']} graph breaks, graphs compiled after step 2 (recompiles): {after}"
+                             f"{_fallbacks(s)}")
 
 
 def install(strategy: Any, trainer: "pl.Trainer") -> None:

@@ -13,6 +13,10 @@ reduce-scatter their output. Parameter names stay ``weight`` / ``bias`` so state
 ``transposed=True`` keeps GPT-2's ``Conv1D`` layout (weight stored ``(in, out)``). A module whose own
 code reads the sequence length from its input (the GPT attention) gathers on entry instead (plan
 style ``sequence_gather``) and its column-parallel layers get ``input_gathered=True``.
+
+Under ``torch.compile`` each layer's ``forward`` is a deliberate graph break (run eagerly, like every collective of
+:mod:`lightning_scale.comm`): traced, its per-layer constants (the accounting tag, the group) made Dynamo compile
+one graph per layer, and past torch's recompile limit (8) the layers beyond it ran eagerly anyway, unreported.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lightning_scale.comm import pairwise
+from lightning_scale.comm.collectives import eager_under_compile
 from lightning_scale.tensor_parallel.mappings import (
     _gather,
     _reduce_async,
@@ -443,6 +448,7 @@ class ColumnParallelLinear(_ParallelLinearBase):
                 bias = replica_grad_sum(bias, self.bias_spec, self.rank, self.group, self.tag + "/replicas")
         return weight, bias
 
+    @eager_under_compile  # a graph break under torch.compile (module docstring)
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (*, T, in) or (*, T/tp, in) -> (*, T, out/tp)
         weight, bias = self._params_for_forward()
         if self.input_gathered or self.tp == 1:  # 'sequence_gather' module hook did the communication
@@ -497,6 +503,7 @@ class RowParallelLinear(_ParallelLinearBase):
         if init:
             self.reset_parameters()
 
+    @eager_under_compile  # a graph break under torch.compile (module docstring)
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (*, T, in/tp) -> (*, T, out) or (*, T/tp, out)
         if not self.input_is_parallel:
             x = scatter_to_region(x, self.group, tag=self.tag)
@@ -571,6 +578,7 @@ class VocabParallelEmbedding(nn.Module):
                                   module._non_persistent_buffers_set)
         return layer
 
+    @eager_under_compile  # a graph break under torch.compile (module docstring)
     def forward(self, idx: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, C) or (B, T/tp, C)
         out = self._lookup(idx)
         scale = getattr(self, "embed_scale", None)

@@ -170,31 +170,37 @@ def _trivial(group) -> bool:
     return collectives.group_size(group) == 1
 
 
+@collectives.eager_under_compile  # a graph break: traced, Dynamo guarded on each tag
 def copy_to_region(x: torch.Tensor, group, *, tag: str = "") -> torch.Tensor:
     """Enter a tensor-parallel region: identity forward, all-reduce of the gradient backward."""
     return x if _trivial(group) else _CopyToRegion.apply(x, group, tag)
 
 
+@collectives.eager_under_compile  # a graph break: traced, Dynamo guarded on each tag
 def reduce_from_region(x: torch.Tensor, group, *, tag: str = "") -> torch.Tensor:
     """Leave a tensor-parallel region: all-reduce forward (partial sums -> full), identity backward."""
     return x if _trivial(group) else _ReduceFromRegion.apply(x, group, tag)
 
 
+@collectives.eager_under_compile  # a graph break: traced, Dynamo guarded on each tag
 def scatter_to_region(x: torch.Tensor, group, *, tag: str = "") -> torch.Tensor:
     """Keep this rank's chunk of the last dim; the gradient is all-gathered."""
     return x if _trivial(group) else _ScatterToRegion.apply(x, x.dim() - 1, group, tag)
 
 
+@collectives.eager_under_compile  # a graph break: traced, Dynamo guarded on each tag
 def gather_from_region(x: torch.Tensor, group, *, tag: str = "") -> torch.Tensor:
     """All-gather the last dim (e.g. a column-parallel output); the gradient keeps the own chunk."""
     return x if _trivial(group) else _GatherFromRegion.apply(x, x.dim() - 1, group, tag, False)
 
 
+@collectives.eager_under_compile  # a graph break: traced, Dynamo guarded on each tag
 def scatter_to_sequence_region(x: torch.Tensor, group, *, dim: int = -2, tag: str = "") -> torch.Tensor:
     """Keep this rank's chunk of the sequence dim of a replicated tensor; the gradient is all-gathered."""
     return x if _trivial(group) else _ScatterToRegion.apply(x, _norm_dim(x, dim), group, tag)
 
 
+@collectives.eager_under_compile  # a graph break: traced, Dynamo guarded on each tag
 def gather_from_sequence_region(x: torch.Tensor, group, *, dim: int = -2, grad_reduce_scatter: bool = True,
                                 tag: str = "") -> torch.Tensor:
     """All-gather the sequence dim before a column-parallel layer.
@@ -207,6 +213,7 @@ def gather_from_sequence_region(x: torch.Tensor, group, *, dim: int = -2, grad_r
     return _GatherFromRegion.apply(x, _norm_dim(x, dim), group, tag, grad_reduce_scatter)
 
 
+@collectives.eager_under_compile  # a graph break: traced, Dynamo guarded on each tag
 def reduce_scatter_to_sequence_region(x: torch.Tensor, group, *, dim: int = -2, tag: str = "") -> torch.Tensor:
     """Sum a row-parallel output over ranks and keep this rank's sequence chunk; backward all-gathers."""
     return x if _trivial(group) else _ReduceScatterToRegion.apply(x, _norm_dim(x, dim), group, tag)

@@ -59,7 +59,9 @@ def main() -> None:
     module = HFModule(args.family, args.attn)
     batches = [F.batch(4, 12, seed=s) for s in range(args.steps)]
     data = torch.utils.data.DataLoader(list(zip(*[torch.cat(t) for t in zip(*batches)])), batch_size=4)
-    opts = {k: int(v) for k, v in (o.split("=", 1) for o in args.option)}
+    import yaml  # "stage=3" -> 3, "compile=true" -> True, "compile={backend: aot_eager}" -> a dict
+
+    opts = {k: yaml.safe_load(v) for k, v in (o.split("=", 1) for o in args.option)}
     strategy = "auto" if args.strategy == "single" else Zero3DStrategy(**opts)
     rec = Losses()
     trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.steps,
@@ -69,7 +71,8 @@ def main() -> None:
     trainer.fit(module, train_dataloaders=data)
     if trainer.is_global_zero:
         with open(args.out, "w") as f:
-            json.dump({"losses": rec.losses, "world": trainer.world_size}, f)
+            report = getattr(trainer.strategy, "compile_report", {}).get("end")  # compile=...: Dynamo's counters
+            json.dump({"losses": rec.losses, "world": trainer.world_size, "compile": report}, f)
 
 
 if __name__ == "__main__":

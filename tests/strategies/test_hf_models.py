@@ -2,7 +2,8 @@
 
 No ``pipeline_layers``, no plan, no model-specific code in the LightningModule (``fit_hf.py``): pp=2 on Llama
 finds its stages through the automatic adapter, tp=2 on Gemma3 uses the model's own ``tp_plan`` (per-head q/k
-norms 'replicated_with_grad_allreduce', the scaled vocabulary-parallel embedding), ZeRO-3 on Llama. float32,
+norms 'replicated_with_grad_allreduce', the scaled vocabulary-parallel embedding), ZeRO-3 on Llama, ZeRO-2 on Llama
+with ``compile=`` (one graph for its layers, none left eager). float32,
 4 SGD steps, per-step losses within 1e-5 of the single-process run (one reference per family, shared).
 """
 
@@ -46,9 +47,14 @@ def _close(run, ref):
     ("llama", ["pp=2", "microbatches=2"]),
     ("gemma3", ["tp=2"]),
     pytest.param("llama", ["stage=3"], marks=pytest.mark.slow),  # suite time: ZeRO-3 has its own Trainer tests
-], ids=["llama-pp2", "gemma3-tp2", "llama-zero3"])
+    # compiled per decoder layer: one graph for the 4 layers (the KV cache off; it made one graph per layer)
+    ("llama", ["stage=2", "compile={backend: aot_eager}"]),
+], ids=["llama-pp2", "gemma3-tp2", "llama-zero3", "llama-zero2-compile"])
 def test_unchanged_hf_model_matches_single_process(tmp_path, reference, family, options):
     args = ["--family", family]
     for o in options:
         args += ["--option", o]
-    _close(_fit(tmp_path, "run", *args), reference[family])
+    run = _fit(tmp_path, "run", *args)
+    _close(run, reference[family])
+    if any(o.startswith("compile=") for o in options):
+        assert run["compile"]["graphs"] == 1 and run["compile"]["eager_fallbacks"] == 0, run["compile"]

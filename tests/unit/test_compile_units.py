@@ -1,0 +1,107 @@
+"""compile_units on models with many layers (one process, ``aot_eager``: Dynamo + AOTAutograd, no code generation).
+
+* An unchanged Hugging Face Llama of 10 layers compiles ONE graph for its 10 layers and equals eager exactly. Before,
+  its training forward kept a KV cache: each layer got its own cache slot, Dynamo guarded on it, compiled one graph per
+  layer and, past torch's recompile limit (8), ran the last 2 layers eagerly with nothing in the report.
+* Units that really do specialize (a per-layer attribute in Python control flow) are all compiled under ``compile=``
+  (the recompile limit is raised to the number of units); under a user's own ``torch.compile`` (torch's limit kept)
+  the limit hit is counted in ``compile_stats()["eager_fallbacks"]`` and the Trainer's compile report warns.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+from lightning_scale.compile import compile_stats, compile_units
+
+AOT = {"backend": "aot_eager"}
+
+
+def _delta(before, after):
+    return after["graphs"] - before["graphs"], after["eager_fallbacks"] - before["eager_fallbacks"]
+
+
+def test_hf_llama_of_ten_layers_compiles_one_graph_and_equals_eager():
+    pytest.importorskip("transformers")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lightning_scale.models import hf_families as F
+
+    cfg = AutoConfig.for_model("llama", **dict(F._COMMON, num_hidden_layers=10, num_key_value_heads=2))
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float64)
+    assert model.config.use_cache is True  # the default a user's model has
+    ref = copy.deepcopy(model)
+    torch._dynamo.reset()
+    before = compile_stats()
+    names = compile_units(model, AOT)
+    assert len(names) == 10
+    assert model.config.use_cache is False
+    x, _ = F.batch(2, 12, seed=0)
+    for _ in range(2):
+        out, want = model(input_ids=x).logits, ref(input_ids=x).logits
+        out.sum().backward()
+        want.sum().backward()
+        assert torch.equal(out, want)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+    assert _delta(before, compile_stats()) == (1, 0)  # one graph for ten layers, none left eager
+
+
+class _Specialized(nn.Module):
+    """A block whose forward depends on its position in Python: Dynamo compiles one graph per block."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.lin, self.index = nn.Linear(4, 4), index
+
+    def forward(self, x):
+        for _ in range(self.index):
+            x = x + 1
+        return self.lin(x)
+
+
+class _Stack(nn.Module):
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Specialized(i) for i in range(n))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+@pytest.mark.parametrize("how", ["compile_setting", "user_compile"])
+def test_units_that_specialize_are_all_compiled_or_the_fallback_is_counted(how):
+    import inspect
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _Stack(10)
+    ref = copy.deepcopy(model)
+    before = compile_stats()
+    if how == "compile_setting":
+        compile_units(model, AOT)
+    else:  # a user's own torch.compile: its context compiles the units, torch's recompile limit (8) is kept
+        compile_units(model, None, compiler=lambda fn: torch.compile(fn, **AOT))
+    x = torch.randn(2, 4)
+    out = model(x)
+    assert torch.equal(out, ref(x))
+    graphs, fallbacks = _delta(before, compile_stats())
+    if how == "compile_setting" and "recompile_limit" in inspect.signature(torch.compile).parameters:
+        assert (graphs, fallbacks) == (10, 0)
+    else:
+        assert (graphs, fallbacks) == (8, 1)
+
+
+def test_compile_report_warns_on_a_recompile_limit_hit(capsys):
+    from lightning_scale.strategies.compile_glue import _fallbacks
+
+    assert _fallbacks({"eager_fallbacks": 0}) == ""
+    assert "run EAGERLY" in _fallbacks({"eager_fallbacks": 1})
