@@ -580,9 +580,27 @@ class VocabParallelEmbedding(nn.Module):
 
     @eager_under_compile  # a graph break under torch.compile (module docstring)
     def forward(self, idx: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, C) or (B, T/tp, C)
+        self._check_ids(idx)
         out = self._lookup(idx)
         scale = getattr(self, "embed_scale", None)
         return out if scale is None else out * scale.to(self.weight.dtype)  # as the dense subclass' forward
+
+    def _check_ids(self, idx: torch.Tensor) -> None:
+        """An id outside the vocabulary is an error, as in ``nn.Embedding``: the vocabulary-parallel lookup would make
+        it a row of zeros on every rank (no rank owns it) and train on. On a GPU the check is asynchronous (a
+        device-side assert, no host sync)."""
+        if idx.numel() == 0:
+            return
+        if idx.device.type == "cpu":
+            low, high = int(idx.min()), int(idx.max())
+            if low < 0 or high >= self.num_embeddings:
+                raise IndexError(f"{self.tp_name or 'VocabParallelEmbedding'}: token id {high if high >= 0 else low} "
+                                 f"is outside the vocabulary [0, {self.num_embeddings}) (as nn.Embedding, which "
+                                 "raises 'index out of range in self')")
+        else:
+            torch._assert_async(((idx >= 0) & (idx < self.num_embeddings)).all(),
+                                f"{self.tp_name or 'VocabParallelEmbedding'}: a token id is outside the vocabulary "
+                                f"[0, {self.num_embeddings})")
 
     def _lookup(self, idx: torch.Tensor) -> torch.Tensor:
         pad = self.padding_idx

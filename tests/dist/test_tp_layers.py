@@ -129,6 +129,12 @@ def _embedding_case(errs, tp, rank, *, sp=False, tag=""):
         errs[f"{tag} fwd"] = _err(yl, y)
         (yl * proj).sum().backward()
     errs[f"{tag} dW"] = _err(_gather_full(layer.weight.grad, layer.weight_spec), dense.weight.grad)
+    for bad in (10, 11, -1):  # past the vocabulary (10, 11: the padded rows at tp=4) or negative: an error, as dense
+        try:
+            layer(torch.tensor([[1, bad]]))
+            errs[f"{tag} id {bad} raises"] = 1.0  # looked up as zeros and trained on
+        except IndexError as err:
+            errs[f"{tag} id {bad} raises"] = 0.0 if "outside the vocabulary [0, 10)" in str(err) else 1.0
 
 
 def _cross_entropy_case(errs, tp, rank, *, vocab=10, tag=""):
