@@ -181,17 +181,22 @@ def _hf_tiled_forward(self: nn.Module, hidden_states: torch.Tensor, *args, **kwa
 def _wrap(name: str, m: nn.Module, heads: int, setting: str, compiled: bool) -> None:
     """Tile ``m``: the project GPT's attention through its ``heads`` method, a Hugging Face one through its forward
     with sliced projections; anything else is a ConfigError naming ``setting``."""
+    # Compiled: the whole tiled entry is a graph break, not only the autograd node. Traced, Dynamo rebuilt the
+    # per-group closure with the module's own forward looked up as ``self.forward`` -- the tiled one: the backward's
+    # recompute of a Hugging Face attention tiled itself again and returned every head ("start (32) + length (32)
+    # exceeds dimension size (32)").
+    eager = torch.compiler.disable if compiled else (lambda fn: fn)
     if callable(getattr(type(m), "heads", None)) and isinstance(getattr(m, "n_head", None), int):
         m._tiled_heads_per = heads
         m._tiled_skip = getattr(m, "tiled_skip", "proj.")  # parameters outside the tiled region (output projection)
-        m.heads = types.MethodType(_tiled_heads, m)
+        m.heads = eager(types.MethodType(_tiled_heads, m))
     elif _hf_layout(m) is not None:
         layout = _hf_layout(m)
         group = layout[0] // layout[1]
         m._tiled_heads_per = -(-heads // group) * group  # whole key/value heads per group of query heads
         m._tiled_layout = layout
         m._tiled_inner_forward = m.__dict__.get("forward")
-        m.forward = types.MethodType(_hf_tiled_forward, m)
+        m.forward = eager(types.MethodType(_hf_tiled_forward, m))
     else:
         raise ConfigError(f"{setting}={heads}: {name} ({type(m).__name__}) has no head-tiled path (the project GPT's "
                           "attention, or a Hugging Face attention with separate q_proj / k_proj / v_proj / o_proj "

@@ -2,7 +2,7 @@
 left eager, and the compiled run equals the eager one.
 
 For the package GPT and an unchanged Hugging Face Llama (built from its config class), at tp=2, tp=2 + sequence
-parallel (GPT) and ZeRO-3: the same layout with 2 and with 10 layers compiles the same number of graphs, Dynamo never
+parallel (GPT), ZeRO-3 and (Llama) head-tiled attention under full activation checkpointing: the same layout with 2 and with 10 layers compiles the same number of graphs, Dynamo never
 hits its recompile limit (``compile_stats()["eager_fallbacks"]``), and 2 AdamW steps give the eager losses (1e-12).
 
 What failed before: the tensor-parallel layers and region mappings were traced and Dynamo guarded on each layer's
@@ -24,17 +24,18 @@ LAYOUTS = {
     "tp2": dict(tp=2),
     "tp2_sp": dict(tp=2, sequence_parallel=True, overlap_comm=False, stage=1),
     "z3": dict(stage=3),
+    "tiled_attention": dict(stage=2, tiled_attention=2, activation_checkpointing="full"),
 }
 
 
 def _model(kind: str, layers: int):
+    from lightning_scale.models import hf_families as F
+
     if kind == "gpt":
         from lightning_scale.models.gpt import GPT, gpt_tiny
 
-        return GPT(gpt_tiny(n_layer=layers, vocab_size=64, seq_len=SEQ)).double()
+        return GPT(gpt_tiny(n_layer=layers, vocab_size=F.VOCAB, seq_len=SEQ)).double()
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from lightning_scale.models import hf_families as F
 
     cfg = AutoConfig.for_model("llama", **dict(F._COMMON, num_hidden_layers=layers, num_key_value_heads=2))
     cfg._attn_implementation = "sdpa"
@@ -84,7 +85,7 @@ def _worker(rank: int, world_size: int, cases):
 @pytest.mark.timeout(400)
 def test_compiled_graphs_do_not_grow_with_depth():
     pytest.importorskip("transformers")
-    cases = [("gpt", "tp2"), ("gpt", "tp2_sp"), ("llama", "tp2"), ("llama", "z3")]
+    cases = [("gpt", "tp2"), ("gpt", "tp2_sp"), ("llama", "tp2"), ("llama", "z3"), ("llama", "tiled_attention")]
     results = run_distributed(_worker, 2, (cases,), timeout=360, preload=HF_RANK_PRELOAD)
     for rank, res in enumerate(results):
         for kind, layout in cases:

@@ -146,22 +146,30 @@ def test_bad_settings_are_config_errors():
         tile_attention(model, 2)
 
 
-@pytest.mark.parametrize("family,attn,ac", [("llama", "eager", None), ("llama", "sdpa", "full"), ("qwen3", "sdpa", None),
-                                             ("qwen2", "eager", "full"), ("mistral", "sdpa", None),
-                                             ("gemma3", "eager", None)])
-def test_hugging_face_attention_equals_untiled(family, attn, ac, monkeypatch):
+@pytest.mark.parametrize("family,attn,ac,compiled", [
+    ("llama", "eager", None, False), ("llama", "sdpa", "full", False), ("qwen3", "sdpa", None, False),
+    ("qwen2", "eager", "full", False), ("mistral", "sdpa", None, False), ("gemma3", "eager", None, False),
+    # compiled decoder layers (aot_eager): the tiled attention a graph break; its backward's recompute tiled itself
+    # again and failed ("start (32) + length (32) exceeds dimension size (32)") before the whole entry was eager
+    ("llama", "sdpa", None, True), ("llama", "sdpa", "full", True)])
+def test_hugging_face_attention_equals_untiled(family, attn, ac, compiled, monkeypatch):
     """An unchanged HF attention (GQA 4 query / 2 key-value heads; Qwen3's per-head q/k norms, Qwen2's biases,
     Mistral's sliding window, Gemma3's scaling): its own forward runs per group with sliced q/k/v projections (each
-    group takes whole key/value heads: 1 head per group rounds up to 2) and o_proj applied once outside."""
+    group takes whole key/value heads: 1 head per group rounds up to 2) and o_proj applied once outside; also inside
+    decoder layers compiled per unit."""
     import lightning_scale.tiled_attention as TA
     from lightning_scale.activation_checkpointing import checkpoint_units
+    from lightning_scale.compile import compile_units
     from lightning_scale.models import hf_families as F
 
     ref = F.build(family, attn, dtype=torch.float64).train()
     model = copy.deepcopy(ref)
     if ac:
         checkpoint_units(model, ac)
-    assert len(tile_attention(model, 1)) == ref.config.num_hidden_layers
+    assert len(tile_attention(model, 1, compiled=compiled)) == ref.config.num_hidden_layers
+    if compiled:
+        torch._dynamo.reset()
+        compile_units(model, {"backend": "aot_eager"})
     assert model.model.layers[0].self_attn._tiled_heads_per == 2
     calls = []
     only = TA._hf_heads_only
