@@ -157,6 +157,14 @@ def _cross_entropy_case(errs, tp, rank, *, vocab=10, tag=""):
     grad_full = torch.cat([_all(local.grad, r) for r in range(tp)], -1)
     errs[f"{tag} dlogits"] = _err(grad_full[..., :vocab], logits.grad)
     errs[f"{tag} dpad"] = grad_full[..., vocab:].abs().max().item() if grad_full.shape[-1] > vocab else 0.0
+    for bad in (vocab, -1):  # past the vocabulary (a padded column when vocab=10) or negative, not ignore_index
+        wrong = targets.clone()
+        wrong[2, 4] = bad
+        try:
+            vocab_parallel_cross_entropy(local, wrong, None, vocab_size=vocab)
+            errs[f"{tag} target {bad} raises"] = 1.0  # its logit counted as 0: trained on in silence
+        except IndexError as err:
+            errs[f"{tag} target {bad} raises"] = 0.0 if f"target {bad} is outside" in str(err) else 1.0
 
 
 def _all(t, r):
