@@ -139,7 +139,10 @@ def compile_stats() -> Dict[str, Any]:
     model that specializes per layer, under a user's own ``torch.compile`` whose limit was not raised)."""
     from torch._dynamo.utils import counters
 
-    breaks = {reason.split("\n")[0][:120]: n for reason, n in counters["graph_break"].items()}
+    breaks: Dict[str, int] = {}
+    for reason, n in counters["graph_break"].items():  # reasons that differ past their first line are summed
+        short = reason.split("\n")[0][:120]
+        breaks[short] = breaks.get(short, 0) + int(n)
     return {"graphs": int(counters["stats"].get("unique_graphs", 0)),
             "graph_breaks": int(sum(counters["graph_break"].values())), "break_reasons": breaks,
             "eager_fallbacks": _limit_hits(counters)}

@@ -105,3 +105,38 @@ def test_compile_report_warns_on_a_recompile_limit_hit(capsys):
 
     assert _fallbacks({"eager_fallbacks": 0}) == ""
     assert "run EAGERLY" in _fallbacks({"eager_fallbacks": 1})
+
+
+def test_graph_break_reasons_add_up_to_the_total():
+    """Reasons that share their first line (Dynamo names the function on a later one) are summed in
+    ``break_reasons``, not overwritten: the report's counts add up to ``graph_breaks``."""
+
+    @torch.compiler.disable
+    def first(x):
+        return x + 1
+
+    @torch.compiler.disable
+    def second(x):
+        return x * 2
+
+    class Unit(nn.Module):
+        def forward(self, x):
+            return second(first(x).sin()).cos()
+
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList([Unit(), Unit()])
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return x
+
+    torch._dynamo.reset()
+    model = Two()
+    compile_units(model, AOT)
+    model(torch.randn(3))
+    stats = compile_stats()
+    assert stats["graph_breaks"] >= 2
+    assert sum(stats["break_reasons"].values()) == stats["graph_breaks"], stats
