@@ -265,8 +265,9 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -10
 
 
 def make_batch(cfg: GPTConfig, batch_size: int, seed: int, device: Optional[torch.device] = None):
-    """A deterministic random (tokens, targets) batch for tests and benchmarks."""
+    """A deterministic random (tokens, targets) batch for tests and benchmarks: two tensors of their own (not views
+    of one buffer: masking targets with -100 must not write into the inputs)."""
     g = torch.Generator().manual_seed(seed)
     data = torch.randint(0, cfg.vocab_size, (batch_size, cfg.seq_len + 1), generator=g)
     data = data.to(device) if device is not None else data
-    return data[:, :-1], data[:, 1:]
+    return data[:, :-1].contiguous(), data[:, 1:].contiguous()

@@ -594,7 +594,7 @@ class VocabParallelEmbedding(nn.Module):
         if idx.device.type == "cpu":
             low, high = int(idx.min()), int(idx.max())
             if low < 0 or high >= self.num_embeddings:
-                raise IndexError(f"{self.tp_name or 'VocabParallelEmbedding'}: token id {high if high >= 0 else low} "
+                raise IndexError(f"{self.tp_name or 'VocabParallelEmbedding'}: token id {low if low < 0 else high} "
                                  f"is outside the vocabulary [0, {self.num_embeddings}) (as nn.Embedding, which "
                                  "raises 'index out of range in self')")
         else:

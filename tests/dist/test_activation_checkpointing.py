@@ -151,6 +151,7 @@ def _vocab_parallel_chunked(rank: int, world_size: int):
     model = GPT(gpt_tiny(**small)).double()
     parallelize(model, config, topo, "cpu")
     x, y = make_batch(gpt_tiny(**small), BATCH, seed=7)
+    y = y.clone()  # a view of the same ids as x: writing -100 into it fed -100 as input ids (zeros under tp)
     y[0, :5] = -100
     out = {}
     for chunk in (0, 3):
