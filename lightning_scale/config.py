@@ -308,6 +308,23 @@ class ParallelConfig:
     # False, True (torch.compile's defaults: inductor) or a dict of torch.compile options ({"backend": "aot_eager"}).
     compile: Any = False
 
+    def _check_fullgraph(self) -> None:
+        """``compile={"fullgraph": True}`` needs units without graph breaks: what puts deliberate ones inside every unit
+        (eager collectives and tiled regions) is named here, before training, not by Dynamo's "Unsupported: Skip calling
+        torch.compiler.disable()d function" at the first step."""
+        if not (isinstance(self.compile, Mapping) and self.compile.get("fullgraph")):
+            return
+        inside = (("tp", self.tp, self.tp > 1, "the parallel layers and their collectives"),
+                  ("sp", self.sp, self.sp > 1, "the Ulysses all-to-alls of every attention"),
+                  ("tiled_mlp", self.tiled_mlp, bool(self.tiled_mlp), "the tiled MLP, an eager region"),
+                  ("tiled_attention", self.tiled_attention, bool(self.tiled_attention),
+                   "the head-tiled attention, an eager region"))
+        for name, value, on, what in inside:
+            if on:
+                raise ConfigError(f"compile.fullgraph=True with {name}={value}: it puts deliberate graph breaks inside "
+                                  f"every unit ({what}), which fullgraph forbids; leave fullgraph off (the units then "
+                                  "compile in a few graphs each)", settings=("compile", name))
+
     def validate(self, world_size: Optional[int] = None) -> "ParallelConfig":
         for name in ("tp", "pp", "sp"):
             value = getattr(self, name)
@@ -368,6 +385,7 @@ class ParallelConfig:
                               "and would skip tensor parallelism's collectives; use one of them",
                               settings=("tiled_attention", "tp"))
         _check_compile(self.compile)
+        self._check_fullgraph()
         if world_size is not None:
             spx = f" x sp={self.sp}" if self.sp > 1 else ""
             if world_size % (self.tp * self.pp * self.sp):

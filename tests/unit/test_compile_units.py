@@ -140,3 +140,17 @@ def test_graph_break_reasons_add_up_to_the_total():
     stats = compile_stats()
     assert stats["graph_breaks"] >= 2
     assert sum(stats["break_reasons"].values()) == stats["graph_breaks"], stats
+
+
+@pytest.mark.parametrize("setting,value", [("tp", 2), ("sp", 2), ("tiled_mlp", 4), ("tiled_attention", 2)])
+def test_fullgraph_with_graph_breaks_inside_the_units_is_a_config_error(setting, value):
+    """compile={"fullgraph": True} with what breaks every unit's graph on purpose: a ConfigError naming both settings
+    before training (it was Dynamo's "Unsupported: Skip calling torch.compiler.disable()d function" at step 1 on every
+    rank); without those, fullgraph is accepted."""
+    from lightning_scale.config import ConfigError, from_flat_kwargs
+
+    with pytest.raises(ConfigError, match=rf"compile.fullgraph=True with {setting}={value}: it puts deliberate graph "
+                                          r"breaks inside every unit"):
+        from_flat_kwargs(compile={"fullgraph": True}, **{setting: value}).validate()
+    from_flat_kwargs(compile={"fullgraph": True}, stage=3).validate()
+    from_flat_kwargs(compile={"fullgraph": False}, **{setting: value}).validate()
