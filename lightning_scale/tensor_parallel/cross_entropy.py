@@ -107,11 +107,19 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return g.to(ctx.logits_dtype), None, None, None, None, None, None, None, None
 
 
+def no_values(t: torch.Tensor) -> bool:
+    """True where ``t``'s values cannot be read: empty, on the meta device, or a FakeTensor (the memory plan's
+    profiling): the range checks below are skipped there."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return t.numel() == 0 or t.device.type == "meta" or is_fake(t)
+
+
 def _check_targets(targets: torch.Tensor, vocab_size: int, ignore_index: int) -> None:
     """A target outside ``[0, vocab_size)`` (other than ``ignore_index``) is an error, as in ``F.cross_entropy``: no
     rank owns it, so its logit would count as 0 and the loss train on in silence. CPU: a check; GPU: an asynchronous
     device-side assert (no host sync)."""
-    if targets.numel() == 0:
+    if no_values(targets):
         return
     bad = ((targets < 0) | (targets >= vocab_size)) & (targets != ignore_index)
     if targets.device.type == "cpu":

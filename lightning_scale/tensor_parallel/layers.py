@@ -589,7 +589,9 @@ class VocabParallelEmbedding(nn.Module):
         """An id outside the vocabulary is an error, as in ``nn.Embedding``: the vocabulary-parallel lookup would make
         it a row of zeros on every rank (no rank owns it) and train on. On a GPU the check is asynchronous (a
         device-side assert, no host sync)."""
-        if idx.numel() == 0:
+        from lightning_scale.tensor_parallel.cross_entropy import no_values
+
+        if no_values(idx):
             return
         if idx.device.type == "cpu":
             low, high = int(idx.min()), int(idx.max())
