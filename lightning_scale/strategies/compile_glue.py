@@ -6,7 +6,8 @@ first optimizer step (what that step compiled: graphs, graph breaks and their re
 ``fit`` with the graphs compiled after step 2: the recompiles, which should be 0. Both lines end in a warning when
 Dynamo hit its recompile limit on a unit (the units past it run eagerly: never silent). Validation under ``no_grad``
 compiles its own graphs once (Dynamo guards on grad mode), so the baseline is taken after step 2's validation:
-at the start of step 3. ``strategy.compile_report`` holds the numbers (tests read it).
+at the start of step 3. Steps are this fit's: a run resumed from a checkpoint counts from its first step (the report
+says which global step that was), so its first compile is not taken for recompiles. ``strategy.compile_report`` holds the numbers (tests read it).
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ def _fallbacks(stats: Dict[str, Any]) -> str:
 class CompileReport(pl.Callback):
     def __init__(self, strategy: Any) -> None:
         self.strategy = strategy
-        self.baseline: Optional[int] = None  # graphs compiled when step 3 starts
+        self.start: Optional[int] = None  # the global step this fit started at (> 0 when resumed from a checkpoint)
+        self.baseline: Optional[int] = None  # graphs compiled when this run's step 3 starts
         self.report: Dict[str, Any] = {}
         strategy.compile_report = self.report
 
@@ -45,24 +47,34 @@ class CompileReport(pl.Callback):
         if trainer.is_global_zero:
             print(f"{PREFIX} {line}", flush=True)
 
+    def _run_steps(self, trainer: "pl.Trainer") -> int:
+        """Optimizer steps of this fit (a resumed run starts at the checkpoint's global step: its own steps count)."""
+        if self.start is None:
+            self.start = trainer.global_step
+        return trainer.global_step - self.start
+
+    def _where(self, trainer: "pl.Trainer") -> str:
+        return "" if not self.start else f" of this run (global step {trainer.global_step})"
+
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if trainer.global_step >= 1 and "step1" not in self.report:
+        if self._run_steps(trainer) >= 1 and "step1" not in self.report:
             s = self.report["step1"] = _stats()
             reasons = "; ".join(f"{n}x {r}" for r, n in s["break_reasons"].items()) or "none"
-            self._print(trainer, f"after step 1: {s['graphs']} graphs compiled, {s['graph_breaks']} graph breaks "
-                                 f"({reasons}){_fallbacks(s)}")
+            self._print(trainer, f"after step 1{self._where(trainer)}: {s['graphs']} graphs compiled, "
+                                 f"{s['graph_breaks']} graph breaks ({reasons}){_fallbacks(s)}")
 
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: Any, batch: Any, batch_idx: int) -> None:
-        if trainer.global_step >= 2 and self.baseline is None:
+        if self._run_steps(trainer) >= 2 and self.baseline is None:
             self.baseline = _stats()["graphs"]
 
     def on_train_end(self, trainer: "pl.Trainer", pl_module: Any) -> None:
         s = _stats()
         recompiles = None if self.baseline is None else s["graphs"] - self.baseline
-        self.report.update(end=s, recompiles=recompiles, steps=trainer.global_step)
+        run = self._run_steps(trainer)
+        self.report.update(end=s, recompiles=recompiles, steps=trainer.global_step, run_steps=run)
         after = "n/a (fewer than 3 steps)" if recompiles is None else recompiles
-        self._print(trainer, f"after {trainer.global_step} steps: {s['graphs']} graphs compiled, "
+        self._print(trainer, f"after {run} steps{self._where(trainer)}: {s['graphs']} graphs compiled, "
                              f"{s['graph_breaks']} graph breaks, graphs compiled after step 2 (recompiles): {after}"
                              f"{_fallbacks(s)}")
 
