@@ -51,13 +51,14 @@ def test_compiled_trainer_losses_equal_eager(tmp_path, layout):
     assert "(recompiles): 0" in stdout
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_compiled_checkpoint_resume_gives_identical_losses(tmp_path, stage):
+@pytest.mark.parametrize("layout", [["stage=2"], ["stage=3"], ["tp=2", "stage=1"], ["pp=2", "microbatches=2"]],
+                         ids=["zero2", "zero3", "tp2", "pp2"])
+def test_compiled_checkpoint_resume_gives_identical_losses(tmp_path, layout):
     """Issue 17 item 5, the resume test with compile on: a compiled run saves after step 2; a compiled run resumed from
     it trains steps 3-6 with the uninterrupted compiled run's losses, bit for bit (bf16-mixed, accumulation, clipping,
     as tests/strategies/test_zero_trainer.py's eager resume test), and the eager run's within 1e-5."""
     args = ["--devices", "2", "--steps", "6", "--accumulate", "2", "--clip", "0.5", "--epoch-batches", "4",
-            "--precision", "bf16-mixed", "--option", f"stage={stage}"]
+            "--precision", "bf16-mixed", *[a for o in layout for a in ("--option", o)]]
     ckpt = tmp_path / "ckpt"
     full = fit(tmp_path, "full", *args, "--option", AOT, "--ckpt-dir", str(ckpt))
     eager = fit(tmp_path, "eager", *args)
