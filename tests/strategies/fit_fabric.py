@@ -110,7 +110,10 @@ def parity(layouts, devices: int, tmp: str) -> dict:
             losses.append(loss)
             norms.append(norm)
         final = _full(fabric)
-        row = {"losses": losses, "norms": norms, "engine": type(fabric.strategy.engines[0]).__name__}
+        from lightning_scale.compile import compiled_units
+
+        row = {"losses": losses, "norms": norms, "engine": type(fabric.strategy.engines[0]).__name__,
+               "compiled": len(compiled_units(fabric.strategy._parallel.module))}
         if resume:  # a fresh model and optimizer resume from the folder and redo the last step
             fabric2 = _fabric(kw, devices)
             model2, opt2 = _setup(fabric2)

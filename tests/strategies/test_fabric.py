@@ -23,7 +23,8 @@ sys.path.insert(0, HERE)
 
 DP2 = [("stage0", dict(stage=0), False), ("stage1", dict(stage=1), False), ("stage2", dict(stage=2), True),
        ("stage3", dict(stage=3), True), ("stage2_offload", dict(stage=2, offload="optimizer"), False),
-       ("stage3_offload", dict(stage=3, offload="all"), False)]
+       ("stage3_offload", dict(stage=3, offload="all"), False),
+       ("stage3_compile", dict(stage=3, compile={"backend": "aot_eager"}), True)]  # compiled per block, resumed
 TP2 = [("tp2_stage1", dict(stage=1, tp=2), False), ("tp2_stage3", dict(stage=3, tp=2), True)]
 
 
@@ -86,7 +87,9 @@ def _check(tmp, ranks, layouts):
 def test_fabric_dp2_every_stage_and_offload_match_one_process(tmp_path):
     ranks = _launch(tmp_path, "--suite", "parity", "--layouts", repr(DP2))
     assert [ranks[0][n]["engine"] for n, _, _ in DP2] == [
-        "ZeroOptimizer", "ZeroOptimizer", "ZeroOptimizer", "Stage3Optimizer", "ZeroOptimizer", "Stage3Optimizer"]
+        "ZeroOptimizer", "ZeroOptimizer", "ZeroOptimizer", "Stage3Optimizer", "ZeroOptimizer", "Stage3Optimizer",
+        "Stage3Optimizer"]
+    assert [ranks[0][n]["compiled"] for n, _, _ in DP2] == [0] * 6 + [2]  # the compiled layout's 2 blocks
     _check(tmp_path, ranks, DP2)
 
 
