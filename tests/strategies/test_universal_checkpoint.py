@@ -193,3 +193,16 @@ def test_bad_checkpoint_format_is_named():
         with pytest.raises(ConfigError, match=r"checkpoint_async=.* must be True, False or 'overlap'"):
             Zero3DStrategy(stage=2, checkpoint_format="universal", checkpoint_async=bad)
     assert Zero3DStrategy(stage=2, checkpoint_format="universal", checkpoint_async="overlap").config.checkpoint_async
+
+
+@pytest.mark.parametrize("layout", [["stage=3"], ["stage=1", "tp=2"]], ids=["zero3", "tp2"])
+def test_eager_checkpoint_resumes_compiled_on_another_layout(saved, layout):
+    """The eager dp=2 ZeRO-2 step-2 checkpoint resumed by a compiled run (every block compiled, aot_eager) at ZeRO-3 and
+    at tp=2: the uninterrupted eager run's losses (1e-5); the compiled units keep the eager names, so nothing is
+    renamed or lost on the way (issue 17 item 5 with issue 13's format)."""
+    tmp, full = saved
+    opts = [a for o in [*layout, "compile={'backend': 'aot_eager'}"] for a in ("--option", o)]
+    run = fit(tmp, "compiled_" + "_".join(layout), "--devices", "2", *opts,
+              "--resume", str(tmp / "ckpt" / "epoch=0-step=2.ckpt"))
+    assert run["compile"]["step1"]["graphs"] > 0 and run["compile"]["end"]["eager_fallbacks"] == 0, run["compile"]
+    _close(run["losses"], full["losses"][2:])
