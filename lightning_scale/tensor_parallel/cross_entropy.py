@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_scale.comm import collectives, pairwise
+from lightning_scale.tensor_parallel.vocab_range import check_vocab_range
 
 
 def _exp_range(dtype: torch.dtype) -> float:
@@ -107,32 +108,6 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return g.to(ctx.logits_dtype), None, None, None, None, None, None, None, None
 
 
-def no_values(t: torch.Tensor) -> bool:
-    """True where ``t``'s values cannot be read: empty, on the meta device, or a FakeTensor (the memory plan's
-    profiling): the range checks below are skipped there."""
-    from torch._subclasses.fake_tensor import is_fake
-
-    return t.numel() == 0 or t.device.type == "meta" or is_fake(t)
-
-
-def _check_targets(targets: torch.Tensor, vocab_size: int, ignore_index: int) -> None:
-    """A target outside ``[0, vocab_size)`` (other than ``ignore_index``) is an error, as in ``F.cross_entropy``: no
-    rank owns it, so its logit would count as 0 and the loss train on in silence. CPU: a check; GPU: an asynchronous
-    device-side assert (no host sync)."""
-    if no_values(targets):
-        return
-    bad = ((targets < 0) | (targets >= vocab_size)) & (targets != ignore_index)
-    if targets.device.type == "cpu":
-        if bool(bad.any()):
-            value = int(targets[bad][0])
-            raise IndexError(f"vocab_parallel_cross_entropy: target {value} is outside the vocabulary [0, {vocab_size}) "
-                             f"and is not ignore_index={ignore_index} (F.cross_entropy raises 'Target {value} is out "
-                             "of bounds')")
-    else:
-        torch._assert_async(~bad.any(), f"vocab_parallel_cross_entropy: a target is outside the vocabulary "
-                                        f"[0, {vocab_size}) and is not ignore_index={ignore_index}")
-
-
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, group, *,
                                  vocab_size: Optional[int] = None, ignore_index: int = -100,
                                  tag: str = "tp/cross_entropy", inplace: bool = False, reduction: str = "mean"
@@ -154,7 +129,9 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, gr
     vocab_size = tp * n_local if vocab_size is None else vocab_size
     if not 0 < vocab_size <= tp * n_local:
         raise ValueError(f"vocab_size={vocab_size} does not fit {tp} shards of {n_local} logits")
-    _check_targets(targets, vocab_size, ignore_index)
+    # a target outside the vocabulary: an error, as F.cross_entropy's (no rank owns it: its logit would count as 0)
+    check_vocab_range(targets, vocab_size, "vocab_parallel_cross_entropy: target", allowed=ignore_index,
+                      hint=f" and is not ignore_index={ignore_index} (F.cross_entropy raises 'out of bounds')")
     start = collectives.group_rank(group) * n_local
     flat = logits.reshape(-1, n_local)
     return _VocabParallelCrossEntropy.apply(flat, targets.reshape(-1), group, start, vocab_size, ignore_index, tag,

@@ -52,6 +52,7 @@ from lightning_scale.tensor_parallel.sharding import (
     merge_shards,
     shard_tensor,
 )
+from lightning_scale.tensor_parallel.vocab_range import check_vocab_range
 
 
 class _ColumnLinearFn(torch.autograd.Function):
@@ -580,29 +581,12 @@ class VocabParallelEmbedding(nn.Module):
 
     @eager_under_compile  # a graph break under torch.compile (module docstring)
     def forward(self, idx: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, C) or (B, T/tp, C)
-        self._check_ids(idx)
+        # an id outside the vocabulary: an error, as nn.Embedding's (no rank owns it: a row of zeros otherwise)
+        check_vocab_range(idx, self.num_embeddings, f"{self.tp_name or 'VocabParallelEmbedding'}: token id",
+                          hint=" (as nn.Embedding, which raises 'index out of range in self')")
         out = self._lookup(idx)
         scale = getattr(self, "embed_scale", None)
         return out if scale is None else out * scale.to(self.weight.dtype)  # as the dense subclass' forward
-
-    def _check_ids(self, idx: torch.Tensor) -> None:
-        """An id outside the vocabulary is an error, as in ``nn.Embedding``: the vocabulary-parallel lookup would make
-        it a row of zeros on every rank (no rank owns it) and train on. On a GPU the check is asynchronous (a
-        device-side assert, no host sync)."""
-        from lightning_scale.tensor_parallel.cross_entropy import no_values
-
-        if no_values(idx):
-            return
-        if idx.device.type == "cpu":
-            low, high = int(idx.min()), int(idx.max())
-            if low < 0 or high >= self.num_embeddings:
-                raise IndexError(f"{self.tp_name or 'VocabParallelEmbedding'}: token id {low if low < 0 else high} "
-                                 f"is outside the vocabulary [0, {self.num_embeddings}) (as nn.Embedding, which "
-                                 "raises 'index out of range in self')")
-        else:
-            torch._assert_async(((idx >= 0) & (idx < self.num_embeddings)).all(),
-                                f"{self.tp_name or 'VocabParallelEmbedding'}: a token id is outside the vocabulary "
-                                f"[0, {self.num_embeddings})")
 
     def _lookup(self, idx: torch.Tensor) -> torch.Tensor:
         pad = self.padding_idx
