@@ -33,7 +33,11 @@ def live_tensor_mb(extra: Iterable[torch.Tensor] = ()) -> float:
                     tensors.append(obj.grad)
         except Exception:  # noqa: BLE001 - some objects raise on inspection
             continue
+    from torch._subclasses.fake_tensor import FakeTensor
+
     for t in tensors:
+        if isinstance(t, FakeTensor):  # torch.compile's tracing copies hold no memory
+            continue
         try:
             storage = t.untyped_storage()
             key = (storage.data_ptr(), storage.nbytes())

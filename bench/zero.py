@@ -3,7 +3,7 @@
     python bench/zero.py                     # 3 interleaved rounds, prints a markdown table of ratios to DDP
     python bench/zero.py --rounds 5 --steps 30 --systems ddp,ls_z2,deepspeed_z2
     python bench/zero.py --systems stage3    # groups: stage3 (z3 + offload rows and their peers), stage012, all
-    python bench/zero.py --compile           # + a compiled row ("+compile") for DDP, FSDP2 and every lightning_scale row
+    python bench/zero.py --compile           # + a compiled row ("+compile") for DDP, FSDP2, DeepSpeed and every ls row
 
 Rows and the peer each lightning_scale row is compared with (second table, ratios per round, median):
 
@@ -15,8 +15,9 @@ Rows and the peer each lightning_scale row is compared with (second table, ratio
 
 ``--compile``: the "+compile" rows compile every block's forward with inductor (lightning_scale.compile.compile_units,
 the same per-unit placement as ``Zero3DStrategy(compile=True)``; for DDP and FSDP2 too, torchtitan style); the
-warm-up steps absorb the compile time. Compiled rows are compared with DDP+compile (stages 0-2, target 0.97) and
-FSDP2+compile (stage 3, target 1.1).
+warm-up steps absorb the compile time. DeepSpeed's rows compile its own way (``engine.compile()``, inductor: the whole
+module, DeepSpeed's documented path). Compiled rows are compared with DDP+compile (stages 0-2, target 0.97),
+FSDP2+compile (stage 3, target 1.1) and DeepSpeed+compile at the same stage (target 1.2).
 
 On this CPU-only machine "offload" moves nothing (host and device are the same memory): the offload rows
 measure the cost of the offload code path (host copies of gradient shards, the CPU optimizer kernel).
@@ -60,11 +61,13 @@ PEERS = {
     "ls_z3": [("fsdp2", 1.05), ("deepspeed_z3", 1.2)],
     "ls_z2_offload": [("deepspeed_z2_offload", 1.1)],
     "ls_z3_offload": [("deepspeed_z3_offload", 1.1)],
-    "ls_z1": [("zero_redundancy", None), ("deepspeed_z1", None)],
-    "ls_z2": [("fsdp2_noreshard", None), ("deepspeed_z2", None)],
+    "ls_z1": [("zero_redundancy", None), ("deepspeed_z1", 1.2)],
+    "ls_z2": [("fsdp2_noreshard", None), ("deepspeed_z2", 1.2)],
 }
-COMPILE_PEERS = {"ls_z0": ("ddp", 0.97), "ls_z1": ("ddp", 0.97), "ls_z2": ("ddp", 0.97), "ls_z3": ("fsdp2", 1.1)}
-COMPILABLE = ("ddp", "fsdp2", "ls_")  # DeepSpeed / ZeroRedundancyOptimizer rows stay eager
+COMPILE_PEERS = {"ls_z0": [("ddp", 0.97)], "ls_z1": [("ddp", 0.97), ("deepspeed_z1", 1.2)],
+                 "ls_z2": [("ddp", 0.97), ("deepspeed_z2", 1.2)], "ls_z3": [("fsdp2", 1.1), ("deepspeed_z3", 1.2)],
+                 "ls_z2_offload": [("deepspeed_z2_offload", 1.1)], "ls_z3_offload": [("deepspeed_z3_offload", 1.1)]}
+COMPILABLE = ("ddp", "fsdp2", "ls_", "deepspeed")  # ZeroRedundancyOptimizer rows stay eager
 
 
 def _adamw(params):
@@ -160,7 +163,9 @@ def worker(rank: int, world: int, system: str, steps: int, warmup: int, global_b
     local = global_batch // world
     system, _, compiled = system.partition("+")
     module, step, zero_grad = _build(system, model, local)
-    if compiled:
+    if compiled and system.startswith("deepspeed"):
+        module.compile(backend="inductor")  # DeepSpeed's own compile: the engine's module, whole
+    elif compiled:
         from lightning_scale.compile import compile_units
 
         compile_units(model, True)  # every block's forward, inductor
@@ -185,8 +190,9 @@ def worker(rank: int, world: int, system: str, steps: int, warmup: int, global_b
             tokens += global_batch * cfg.seq_len
     dist.barrier()
     elapsed = time.perf_counter() - t0
+    graphs = int(torch._dynamo.utils.counters["stats"]["unique_graphs"]) if compiled else 0
     return {"tokens_per_s": tokens / elapsed, "state_mb": state_mb, "peak_rss_mb": peak_rss_mb(),
-            "loss": float(loss.detach())}
+            "loss": float(loss.detach()), "graphs": graphs}
 
 
 def _expand(spec: str):
@@ -219,12 +225,12 @@ def main() -> None:
                     help=f"comma-separated rows and/or groups ({', '.join(GROUPS)}); ddp is always added")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per (round, system) run")
     ap.add_argument("--plot", default=None, metavar="PATH", help="also write the ratios vs DDP as a bar chart (PNG)")
-    ap.add_argument("--compile", action="store_true", help="add a +compile row for DDP, FSDP2 and lightning_scale")
+    ap.add_argument("--compile", action="store_true", help="add a +compile row for DDP, FSDP2, DeepSpeed and lightning_scale")
     args = ap.parse_args()
     systems = _expand(args.systems)
     if args.compile:
-        systems += [f"{s}+compile" for s in list(systems) + ["ddp"] if s.startswith(COMPILABLE)
-                    and f"{s}+compile" not in systems]
+        compiled = [f"{s}+compile" for s in ["ddp", *systems] if s.startswith(COMPILABLE)]
+        systems = list(dict.fromkeys(systems + compiled))  # ddp+compile once (it ran twice per round with ddp listed)
     try:
         import deepspeed  # noqa: F401
     except Exception as err:  # noqa: BLE001 - not installed, or fails to import on this machine
@@ -258,10 +264,12 @@ def main() -> None:
                 "state_mb": max(o["state_mb"] for o in out),
                 "peak_rss_mb": max(o["peak_rss_mb"] for o in out),
                 "loss": out[0]["loss"],
+                "graphs": out[0]["graphs"],
             }
             print(f"round {r} {name:20s} {results[name]['tokens_per_s']:8.0f} tok/s  "
                   f"state {results[name]['state_mb']:6.1f} MB  rss {results[name]['peak_rss_mb']:6.0f} MB  "
-                  f"loss {results[name]['loss']:.4f}", flush=True)
+                  f"loss {results[name]['loss']:.4f}"
+                  + (f"  graphs {results[name]['graphs']}" if "+" in name else ""), flush=True)
         rounds.append({k: results[k] for k in systems if k in results})
     ok = [s for s in systems if s not in failed]
     rounds = [{k: r[k] for k in ok if k in r} for r in rounds]
@@ -270,9 +278,13 @@ def main() -> None:
     print(ratio_table(rounds, "ddp"))
     print("\nfinal-step loss (round 0; same data and init for every row): "
           + ", ".join(f"{k} {v['loss']:.4f}" for k, v in rounds[0].items()))
+    compiled_rows = {k: v["graphs"] for k, v in rounds[0].items() if "+" in k}
+    if compiled_rows:
+        print("graphs compiled per rank (round 0; 0 = nothing compiled): "
+              + ", ".join(f"{k} {n}" for k, n in compiled_rows.items()))
     pairs = [(ls, peer, target) for ls, peers in PEERS.items() if ls in ok for peer, target in peers]
-    pairs += [(f"{ls}+compile", f"{peer}+compile", target) for ls, (peer, target) in COMPILE_PEERS.items()
-              if f"{ls}+compile" in ok]
+    pairs += [(f"{ls}+compile", f"{peer}+compile", target) for ls, peers in COMPILE_PEERS.items()
+              if f"{ls}+compile" in ok for peer, target in peers]
     if pairs:
         print("\n### lightning_scale rows vs their named peer (same rounds)\n")
         print(peer_table(rounds, pairs, failed))
