@@ -150,7 +150,9 @@ class Topology:
     def build_groups(self, backend: Optional[str] = None) -> "Topology":
         """Create one process group per axis instance. Collective: all ranks call it.
 
-        Axes of size 1 get no group of their own (``group(axis)`` returns a 1-rank group only
+        With pp > 1 over NCCL (any backend but gloo) each pipeline group gets a twin for the messages that go from a
+        higher to a lower rank (:func:`lightning_scale.comm.p2p.register_reverse_group`). Axes of size 1 get no group
+        of their own (``group(axis)`` returns a 1-rank group only
         when needed); the dp axis of a pure data-parallel layout reuses the world group. With sp > 1 the
         dp x sp group (``dp_sp_group``, what ZeRO shards over) is built too; at sp == 1 it is the dp group.
         """
@@ -173,6 +175,15 @@ class Topology:
                 group = dist.new_group(ranks, backend=backend)
                 if self.rank in ranks:
                     self._groups[axis] = group
+        if self.pp > 1:
+            from lightning_scale.comm.p2p import needs_direction_groups, register_reverse_group
+
+            if needs_direction_groups(backend or dist.get_backend()):
+                # the pipeline group's twin: point-to-point messages from higher to lower ranks (comm.p2p's doc)
+                for ranks in self.all_axis_ranks("pp"):
+                    group = dist.new_group(ranks, backend=backend)
+                    if self.rank in ranks:
+                        register_reverse_group(self._groups["pp"], group)
         if self.sp > 1:
             if self.dp == 1:
                 self._groups["dp_sp"] = self._groups["sp"]

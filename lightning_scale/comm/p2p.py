@@ -23,7 +23,16 @@ Why a class and not bare ``dist.isend``:
   that time between two computes. The caller now only allocates, records and enqueues (a few us); the handle
   (:class:`PendingRecv`) waits for the post, then for the transfer. Accounting and the diagnostics trace stay on
   the caller's thread (their records are per thread). NCCL's calls only enqueue a kernel: no thread there.
-  ``LIGHTNING_SCALE_P2P_THREAD=0`` (or ``P2P(threaded=False)``) posts on the caller's thread.
+  ``LIGHTNING_SCALE_P2P_THREAD=0`` (or ``P2P(threaded=False)``) posts on the caller's thread;
+* **direction groups** (NCCL and every backend but gloo): NCCL ignores tags, and ``ProcessGroupNCCL`` runs all
+  point-to-point operations between two ranks of a group on one communicator and stream, in posting order, where a
+  send may wait for the peer's receive. A receive posted early (prefetch) would then sit in front of this rank's
+  later sends to that peer, and both ranks could wait on each other. :meth:`Topology.build_groups` therefore gives each
+  pipeline group a twin with the same ranks (:func:`register_reverse_group`): messages from a lower to a higher rank go
+  on the group, from higher to lower on the twin, so each (communicator, pair) carries one direction and is a FIFO,
+  kept in step by the schedule validator's order matching per direction (activations and gradients together). NCCL creates a pair's communicator at its first operation, collectively: a P2P with a twin
+  therefore makes the first transfer of every pair at construction, pair by pair in one global order. Under
+  ``LIGHTNING_SCALE_P2P_EMULATE=nccl`` (tests), gloo behaves as NCCL's point to point (:mod:`.p2p_emulate`).
 """
 
 from __future__ import annotations
@@ -34,22 +43,40 @@ import os
 import queue
 import threading
 from _thread import allocate_lock as _allocate_lock
-from typing import Dict, Hashable, Iterable, List, Optional, Tuple
+from typing import Dict, Hashable, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
+from lightning_scale.comm import p2p_emulate
 from lightning_scale.comm.accounting import record
 from lightning_scale.diagnostics import trace as _trace
 
-TAGS = {"act": 11, "grad": 12, "tied": 13}
+TAGS = {"act": 11, "grad": 12, "tied": 13, "connect": 14}
 _ABORT_TAG = 99
 # tags of stream_tag(): above every fixed tag; gloo tags are C ints
 _STREAM_TAG_BASE, _STREAMS, _STREAM_SEQS = 1 << 28, 1 << 12, 1 << 16
 _MAX_DIMS = 8
 THREAD_ENV = "LIGHTNING_SCALE_P2P_THREAD"
+DIRECTION_GROUPS_ENV = "LIGHTNING_SCALE_P2P_DIRECTION_GROUPS"  # "0": no twin groups (tests: show the hang they avoid)
+# pipeline group -> its twin with the same ranks, for messages from a higher to a lower rank (Topology.build_groups)
+_REVERSE: Dict[object, object] = {}
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
+
+
+def needs_direction_groups(backend) -> bool:
+    """True when point-to-point transfers over ``backend`` need one group per direction (see the module doc): every
+    backend but gloo (whose tags keep kinds apart and whose sends and receives do not queue behind each other), and
+    gloo under the NCCL emulation."""
+    if os.environ.get(DIRECTION_GROUPS_ENV, "").strip() == "0":
+        return False
+    return p2p_emulate.emulating_nccl() or str(backend).strip().lower() != "gloo"
+
+
+def register_reverse_group(group, reverse) -> None:
+    """``reverse`` (the same ranks as ``group``) carries ``group``'s point-to-point messages from higher to lower ranks."""
+    _REVERSE[group] = reverse
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -117,7 +144,8 @@ class PendingRecv:
         posted = self._posted
         if posted is not None:
             if not posted.acquire(timeout=-1 if timeout is None else max(0.0, timeout.total_seconds())):
-                raise RuntimeError(f"p2p: the poster thread did not post this transfer within {timeout}")
+                raise RuntimeError(f"p2p: the poster thread did not post this transfer (NCCL emulated: or did not finish "
+                                   f"it) within {timeout}")
             self._posted = None
         if self._error is not None:
             raise self._error
@@ -214,14 +242,20 @@ def _threaded_default(group, threaded: Optional[bool]) -> bool:
 
 
 class P2P:
-    """Asynchronous send/recv over ``group`` (peers named by global rank) with cached shapes."""
+    """Asynchronous send/recv over ``group`` (peers named by global rank) with cached shapes.
+
+    ``device``: where the connection transfers of a group with a direction twin live (a stage's parameters' device);
+    ``ranks``: the group's global ranks in pipeline-stage order (default: the group's order)."""
 
     def __init__(self, group, *, timeout: Optional[datetime.timedelta] = None,
-                 threaded: Optional[bool] = None) -> None:
+                 threaded: Optional[bool] = None, device=None, ranks: Optional[Sequence[int]] = None) -> None:
         self.group = group
         self.timeout = timeout
+        self.emulate = p2p_emulate.emulating_nccl()
         # post through the process's poster thread (default: under gloo; see the module doc)
-        self.threaded = _threaded_default(group, threaded)
+        self.threaded = _threaded_default(group, threaded) and not self.emulate
+        self.reverse_group = _REVERSE.get(group)  # messages from a higher to a lower rank (module doc)
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
         self._shapes: Dict[Tuple[int, str, Hashable], Tuple[torch.Size, torch.dtype]] = {}
         self._sent_headers: set = set()
         self._sends: List[PendingRecv] = []  # posted sends; each keeps its tensor alive until waited
@@ -229,6 +263,35 @@ class P2P:
         # (a torch.empty between two computes costs ~0.1 ms on a loaded CPU box: its code is cold by then)
         self._free: Dict[Tuple[torch.Size, torch.dtype], List[torch.Tensor]] = {}
         self.reused = 0  # receives that filled a recycled buffer (diagnostics, tests)
+        if self.reverse_group is not None:
+            self._connect_pairs(device, ranks)
+
+    def _connect_pairs(self, device, ranks: Optional[List[int]]) -> None:
+        """One small transfer each way between every two ranks that a pipeline connects (neighbours in stage order,
+        the first and last stage included, and the last stage with every rank: the loss hand-out), pairs in one
+        global order, each waited: NCCL creates a pair's communicator (one per direction group) collectively at its
+        first transfer, so the first transfers must not depend on the schedule (in it, two ranks can each start on a
+        different communicator). Pairs that never talk get no communicator."""
+        ranks = list(ranks) if ranks is not None else dist.get_process_group_ranks(self.group)
+        n = len(ranks)
+        pairs = {tuple(sorted((ranks[k], ranks[(k + 1) % n]))) for k in range(n)}
+        pairs |= {tuple(sorted((r, ranks[-1]))) for r in ranks[:-1]}
+        if device is None or torch.device(device).type == "meta":  # a stage built on meta: the backend's device
+            nccl = "nccl" in str(dist.get_backend(self.group)).lower() and torch.cuda.is_available()
+            device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        one = torch.zeros(1, device=device)
+        for i, j in sorted(pairs):
+            if self.rank == i:
+                self._post_send(one, j, TAGS["connect"], "pp_connect").wait()
+                self.recv_tagged(torch.empty_like(one), j, TAGS["connect"], "pp_connect").wait()
+            elif self.rank == j:
+                self.recv_tagged(torch.empty_like(one), i, TAGS["connect"], "pp_connect").wait()
+                self._post_send(one, i, TAGS["connect"], "pp_connect").wait()
+        self._sends.clear()
+
+    def _group_of(self, src: int, dst: int):
+        """The group a message from global rank ``src`` to ``dst`` travels on: the twin when higher -> lower."""
+        return self.group if self.reverse_group is None or src < dst else self.reverse_group
 
     # ------------------------------------------------------------------ send / recv
     def send(self, tensor: torch.Tensor, dst: int, kind: str, key: Hashable = None) -> PendingRecv:
@@ -339,18 +402,21 @@ class P2P:
             backend = str(dist.get_backend(self.group))
         except Exception:  # noqa: BLE001 - group already gone
             return
+        groups = [g for g in (self.group, self.reverse_group) if g is not None]
         if backend != "gloo":
-            try:
-                self.group.abort()
-            except Exception:  # noqa: BLE001
-                pass
+            for group in groups:
+                try:
+                    group.abort()
+                except Exception:  # noqa: BLE001
+                    pass
             return
         for peer in peers:
-            try:
-                work = dist.irecv(torch.empty(1), src=peer, group=self.group, tag=_ABORT_TAG)
-                work.wait(datetime.timedelta(milliseconds=1))
-            except Exception:  # noqa: BLE001 - the timeout is the point
-                pass
+            for group in groups:
+                try:
+                    work = dist.irecv(torch.empty(1), src=peer, group=group, tag=_ABORT_TAG)
+                    work.wait(datetime.timedelta(milliseconds=1))
+                except Exception:  # noqa: BLE001 - the timeout is the point
+                    pass
 
     # ------------------------------------------------------------------ helpers
     def _post_send(self, tensor: torch.Tensor, dst: int, tag: int, acct: str) -> PendingRecv:
@@ -361,13 +427,18 @@ class P2P:
         return pending
 
     def _post(self, call, tensor: torch.Tensor, peer: int, tag: int, seq: int) -> PendingRecv:
-        """``call`` (_isend / _irecv) of ``tensor`` with ``peer``: on the poster thread when threaded."""
-        if not self.threaded:
-            return PendingRecv(tensor, call(tensor, peer, group=self.group, tag=tag), self.timeout, seq)
+        """``call`` (_isend / _irecv) of ``tensor`` with ``peer``: on the poster thread when threaded, on the (group,
+        pair)'s emulated stream under the NCCL emulation."""
+        group = self._group_of(self.rank, peer) if call is _isend else self._group_of(peer, self.rank)
+        if not (self.threaded or self.emulate):
+            return PendingRecv(tensor, call(tensor, peer, group=group, tag=tag), self.timeout, seq)
         posted = _allocate_lock()
         posted.acquire()
         pending = PendingRecv(tensor, None, self.timeout, seq, posted=posted)
-        _poster().submit(pending, call, tensor, peer, self.group, tag)
+        if self.emulate:
+            p2p_emulate.post(pending, call, tensor, self.rank, peer, group, self.timeout)
+        else:
+            _poster().submit(pending, call, tensor, peer, group, tag)
         return pending
 
     @staticmethod

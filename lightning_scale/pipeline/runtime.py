@@ -127,13 +127,13 @@ class PipelineRuntime:
         self.pp_ranks = list(pp_ranks) if pp_ranks is not None else list(range(stage.pp))
         self._check_group(pp_group)
         self.pp_group = pp_group
-        self.p2p = P2P(pp_group, timeout=timeout) if stage.pp > 1 else None
+        self.device = next((p.device for p in stage.parameters()), torch.device("cpu"))
+        self.p2p = P2P(pp_group, timeout=timeout, device=self.device, ranks=self.pp_ranks) if stage.pp > 1 else None
         # this runtime's number on its pipeline and its step count: the loss hand-out's tag (stream_tag)
         self._stream = _RUNTIMES_BUILT.get(tuple(self.pp_ranks), 0) if stage.pp > 1 else 0
         if stage.pp > 1:
             _RUNTIMES_BUILT[tuple(self.pp_ranks)] = self._stream + 1
         self._steps = 0
-        self.device = next((p.device for p in stage.parameters()), torch.device("cpu"))
         split = sch.splits_backward
         self._splitters = {s: WeightGradSplitter(stage.chunk(s)) for s in stage.stage_ids} if split else {}
         # Timing of this rank's last schedule run (not the tied-gradient sum, not the loss hand-out):

@@ -14,8 +14,9 @@ consecutive stages are always on neighbouring ranks.
 
 Communication model (what the runtime does and the simulator assumes): a send never blocks (it
 is posted asynchronously and waited at the end of the step); a receive blocks until the matching
-send has been posted. Between two ranks, messages of one kind (activations or gradients) are
-matched in order, so the validator checks that both sides list them in the same order.
+send has been posted. Between two ranks, messages are matched in order (per kind on gloo, whose tags
+keep activations and gradients apart; all together on NCCL, which has no tags), so the validator checks
+that both sides list them in the same order, kinds together.
 """
 
 from __future__ import annotations

@@ -147,30 +147,33 @@ def _check_complete(sch: Schedule) -> None:
 
 
 def _check_matching(sch: Schedule) -> None:
-    """Per (sender, receiver, kind) channel, sends and receives list the same messages in the same order."""
-    sends: Dict[Tuple[int, int, str], List[Tuple[int, int]]] = {}
-    recvs: Dict[Tuple[int, int, str], List[Tuple[int, int]]] = {}
+    """Per (sender, receiver) pair, sends and receives list the same messages in the same order, activations and
+    gradients together: NCCL matches point-to-point messages by order alone (no tags), and the runtime posts them in
+    list order on one group per direction (lightning_scale.comm.p2p)."""
+    sends: Dict[Tuple[int, int], List[Tuple[str, int, int]]] = {}
+    recvs: Dict[Tuple[int, int], List[Tuple[str, int, int]]] = {}
     for r, acts in enumerate(sch.actions):
         for a in acts:
-            # A message is named by (sending stage, micro-batch).
+            # A message is named by (kind, sending stage, micro-batch).
             if a.kind == SEND_F:
-                sends.setdefault((r, a.peer, "act"), []).append((a.stage, a.microbatch))
+                sends.setdefault((r, a.peer), []).append(("act", a.stage, a.microbatch))
             elif a.kind == SEND_B:
-                sends.setdefault((r, a.peer, "grad"), []).append((a.stage, a.microbatch))
+                sends.setdefault((r, a.peer), []).append(("grad", a.stage, a.microbatch))
             elif a.kind == RECV_F:
-                recvs.setdefault((a.peer, r, "act"), []).append((a.stage - 1, a.microbatch))
+                recvs.setdefault((a.peer, r), []).append(("act", a.stage - 1, a.microbatch))
             elif a.kind == RECV_B:
-                recvs.setdefault((a.peer, r, "grad"), []).append((a.stage + 1, a.microbatch))
+                recvs.setdefault((a.peer, r), []).append(("grad", a.stage + 1, a.microbatch))
     for chan in sorted(set(sends) | set(recvs)):
-        src, dst, kind = chan
+        src, dst = chan
         out, inc = sends.get(chan, []), recvs.get(chan, [])
         for k in range(max(len(out), len(inc))):
             sent = out[k] if k < len(out) else None
             got = inc[k] if k < len(inc) else None
             if sent != got:
                 raise ScheduleError(
-                    f"{kind} channel rank {src} -> rank {dst}: message {k} is sent as (stage, microbatch)="
-                    f"{sent} but received as {got}; sends and receives must match one to one, in order"
+                    f"rank {src} -> rank {dst}: message {k} is sent as (kind, stage, microbatch)={sent} but received "
+                    f"as {got}; sends and receives between two ranks must match one to one, in order, activations "
+                    "and gradients together (NCCL matches them by order alone)"
                 )
 
 

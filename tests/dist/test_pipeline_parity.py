@@ -77,7 +77,8 @@ def _pipeline_worker(rank: int, world_size: int, model_kw: dict, runs: list, che
         eval_loss = runtime.eval_step(*make_batch(cfg, BATCH, seed=99)).item()
         mine = {id(p) for p in runtime.stage.parameters()}
         params = {n: p.detach().clone() for n, p in gpt.named_parameters() if id(p) in mine}
-        out[(schedule, v)] = dict(losses=losses, eval=eval_loss, params=params, reused=runtime.p2p.reused)
+        out[(schedule, v)] = dict(losses=losses, eval=eval_loss, params=params, reused=runtime.p2p.reused,
+                                  twin=runtime.p2p.reverse_group is not None, emulated=runtime.p2p.emulate)
     if check_p2p:
         out["p2p"] = _p2p_worker(topo, cfg)
     return out
@@ -124,6 +125,25 @@ def _reference(model_kw: dict):
     return losses, eval_loss, dict(gpt.named_parameters())
 
 
+def check_every_schedule(results: list, pp: int, reference: tuple, nccl: bool) -> None:
+    """Every rank's losses, eval loss and parameters of every run = the single-process ``reference`` (1e-10), each
+    parameter held by some rank; ``nccl``: the runs went through the direction twin under the NCCL emulation
+    (tests/dist/test_pipeline_nccl_semantics.py), else through one gloo group with tags."""
+    ref_losses, ref_eval, ref_params = reference
+    for schedule, v, _, _ in RUNS[pp]:
+        seen = set()
+        for rank, res in enumerate(results):
+            got = res[(schedule, v)]
+            assert got["twin"] == got["emulated"] == nccl, (schedule, rank, got["twin"], got["emulated"])
+            assert got["losses"] == pytest.approx(ref_losses, abs=1e-10, rel=0), (schedule, rank)
+            assert got["eval"] == pytest.approx(ref_eval, abs=1e-10, rel=0), (schedule, rank)
+            for name, value in got["params"].items():
+                err = (value - ref_params[name].detach()).abs().max().item()
+                assert err <= 1e-10, f"{schedule} v={v} rank {rank}: {name} differs by {err:.3e}"
+                seen.add(name)
+        assert seen == set(ref_params), f"{schedule}: parameters held by no rank: {set(ref_params) - seen}"
+
+
 @pytest.mark.parametrize("pp", [2, 4])
 def test_pipeline_matches_single_process(pp):
     results = _spawned(pp)
@@ -132,17 +152,7 @@ def test_pipeline_matches_single_process(pp):
     torch.manual_seed(SEED)
     init = dict(GPT(gpt_tiny(**model_kw)).double().named_parameters())
     assert max((init[n] - ref_params[n]).abs().max().item() for n in init) > 1e-3  # training moved them
-    for schedule, v, _, _ in RUNS[pp]:
-        seen = set()
-        for rank, res in enumerate(results):
-            got = res[(schedule, v)]
-            assert got["losses"] == pytest.approx(ref_losses, abs=1e-10, rel=0), (schedule, rank)
-            assert got["eval"] == pytest.approx(ref_eval, abs=1e-10, rel=0), (schedule, rank)
-            for name, value in got["params"].items():
-                err = (value - ref_params[name].detach()).abs().max().item()
-                assert err <= 1e-10, f"{schedule} v={v} rank {rank}: {name} differs by {err:.3e}"
-                seen.add(name)
-        assert seen == set(ref_params), f"{schedule}: parameters held by no rank: {set(ref_params) - seen}"
+    check_every_schedule(results, pp, (ref_losses, ref_eval, ref_params), nccl=False)
     # the exact results above include received gradient buffers refilled (the pool of P2P.recycle) where a full
     # backward frees one before the next gradient receive is posted: 1F1B's first rank
     assert results[0][("1f1b", 1)]["reused"] > 0, [res[("1f1b", 1)]["reused"] for res in results]

@@ -116,6 +116,23 @@ def test_validator_rejects_out_of_order_receives():
         validate_schedule(lower("bad", 2, 2, 1, orders))
 
 
+def test_validator_matches_activations_and_gradients_together():
+    """NCCL has no tags: between two ranks the messages meet in posting order whatever their kind. Rank 0 of interleaved
+    pp=2 receives from rank 1 both activations (stage 1 -> 2) and gradients (stage 3 -> 2); listing a gradient receive
+    before an activation receive that rank 1 sends first keeps each kind in order, and is refused."""
+    sch = build_schedule("interleaved_1f1b", 2, 2, 2)
+    acts = list(sch.actions[0])
+    grad = next(a for a in acts if a.kind == RECV_B and a.stage == 2 and a.microbatch == 0)
+    act = next(a for a in acts if a.kind == RECV_F and a.stage == 2 and a.microbatch == 0)
+    acts.remove(grad)
+    acts.insert(acts.index(act), grad)
+    for kind in (RECV_F, RECV_B):  # each kind's receives keep their order
+        assert [a for a in acts if a.kind == kind] == [a for a in sch.actions[0] if a.kind == kind]
+    with pytest.raises(ScheduleError, match=r"rank 1 -> rank 0: message 0 is sent as .*'act'.* but received as "
+                                            r".*'grad'.*activations and gradients together"):
+        validate_schedule(_replace(sch, 0, acts))
+
+
 def test_validator_detects_deadlock():
     # rank 0 waits for the gradient of micro-batch 0 before sending the activation rank 1 needs.
     acts0 = (Action(F, 0, 0), Action(RECV_B, 0, 0, 1), Action(SEND_F, 0, 0, 1), Action(B, 0, 0))
