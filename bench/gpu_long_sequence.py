@@ -19,8 +19,11 @@ the device peak); ``*_tiled`` add ``tiled_mlp=1024`` (each block's MLP run and r
 Memory: ``torch.cuda.max_memory_allocated()`` over building the model + one training step (reset before each
 probe); a probe that raises ``torch.OutOfMemoryError`` does not fit. A length fits when the peak is <= the budget
 (default: the device's total memory minus 2 GiB). Search: double from --start while it fits, then bisect to
---granularity. Tokens/s of a second timed step at the baseline's longest length. ``$OUT`` (or --out) gets
-``gpu_long_sequence.{json,md}``. Not a test.
+--granularity. Tokens/s of a second timed step at the baseline's longest length, and its MFU: model FLOPs per token
+6 x (12 L d^2 + V d) + 12 L d T (no recompute counted, PaLM's convention) x tokens/s / ``--peak-tflops`` (989, the
+H200's dense bf16). No compiled rows here: every probed length is a new shape (a compile per probe would spend the
+script's budget compiling); compiled speed is gpu_zero's, gpu_models' and gpu_tensor_parallel's. ``$OUT`` (or --out)
+gets ``gpu_long_sequence.{json,md}``. Not a test.
 """
 
 from __future__ import annotations
@@ -66,6 +69,11 @@ def gpt_kwargs(args) -> dict:
 def n_params(kw: dict, length: int) -> int:
     d, L, v = kw["d_model"], kw["n_layer"], kw["vocab_size"]
     return 2 * v * d + length * d + L * (12 * d * d + 13 * d) + 2 * d
+
+
+def flops_per_token(kw: dict, length: int) -> float:
+    d, L, v = kw["d_model"], kw["n_layer"], kw["vocab_size"]
+    return 6.0 * (12 * L * d * d + v * d) + 12.0 * L * d * length
 
 
 def one_step(args, name: str, length: int, topo, device, timed: bool = False) -> Tuple[Optional[int], float]:
@@ -133,6 +141,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--dry-run", action="store_true", help="print the plan and exit (no GPU needed)")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny GPT on the CPU, lengths 256..512 (code check)")
+    ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak for MFU (H200: 989)")
     args = ap.parse_args()
     names = [s for s in args.systems.split(",") if s]
     if any(s not in SYSTEMS for s in names):
@@ -194,12 +203,14 @@ def main() -> None:
             if rows[name]["longest"] >= base:
                 _, sec = one_step(args, name, base, topo, device, timed=True)
                 rows[name]["tokens_per_s_at_dense_len"] = base / sec
-    lines = [f"| system | longest L | x dense | peak GiB | tokens/s at L={base} |", "|---|---|---|---|---|"]
+                rows[name]["mfu_at_dense_len"] = base / sec * flops_per_token(kw, base) / (args.peak_tflops * 1e12)
+    lines = [f"| system | longest L | x dense | peak GiB | tokens/s at L={base} | MFU at L={base} |",
+             "|---|---|---|---|---|---|"]
     for name, r in rows.items():
         ratio = f"{r['longest'] / base:.2f}" if base else "-"
-        tps = r.get("tokens_per_s_at_dense_len")
+        tps, mfu = r.get("tokens_per_s_at_dense_len"), r.get("mfu_at_dense_len")
         lines.append(f"| {name} | {r['longest']}{'' if r['first_over'] else ' (>=)'} | {ratio} | "
-                     f"{r['peak_gib']:.2f} | {f'{tps:.0f}' if tps else '-'} |")
+                     f"{r['peak_gib']:.2f} | {f'{tps:.0f}' if tps else '-'} | {f'{mfu:.1%}' if mfu else '-'} |")
     table = "\n".join(lines)
     print(table)
     os.makedirs(args.out, exist_ok=True)

@@ -3,6 +3,7 @@
     python bench/gpu_models.py --dry-run            # the plan: model, rows, FLOP count (no GPU needed)
     python bench/gpu_models.py                      # every visible GPU, 2 rounds x 10 timed steps
     python bench/gpu_models.py --systems ddp,ls_z3,fsdp2 --steps 5 --out /tmp/gm
+    python bench/gpu_models.py --systems ddp,ls_z2,ls_z3,fsdp2 --compile   # + the same rows compiled (inductor)
 
 The GPU counterpart of ``bench/models.py`` (same rows, same peers; the Lightning Trainer rows are left to the CPU
 script). The model is an unchanged ``LlamaForCausalLM`` from ``LlamaConfig``: hidden 2048, 16 layers, 32 query /
@@ -10,7 +11,11 @@ script). The model is an unchanged ``LlamaForCausalLM`` from ``LlamaConfig``: hi
 AdamW, forward under ``torch.autocast(bfloat16)`` for every row. One rank per GPU (NCCL). Rows: ``ddp``,
 ``ls_z2``, ``ls_z3`` (dp = all GPUs), ``ls_tp`` (tp = all GPUs, the model's own tp_plan), ``ls_pp`` (pp = all
 GPUs, 1F1B, 4 micro-batches), ``fsdp2`` (fully_shard per layer + root), ``dtensor_tp`` (torchtitan's plan);
-the tp / pp rows need >= 2 GPUs and are skipped with the reason on one.
+the tp / pp rows need >= 2 GPUs and are skipped with the reason on one. ``--compile`` adds a "+compile" row per row:
+every decoder layer's forward compiled with inductor (lightning_scale rows: ``compile=True`` through ``parallelize``;
+ddp / fsdp2 / dtensor_tp: ``lightning_scale.compile.compile_units`` on the layers before wrapping, torchtitan's
+order), compared with the peer at the same setting (issue 17: ls_z2 >= 0.97x ddp, ls_z3 >= 1.1x fsdp2); the warm-up
+steps absorb the compile, and the graphs each compiled row built are printed (0 would mean it ran eagerly).
 
 MFU = tokens/s x FLOPs per token / (world x 989e12), the H200's dense bf16 peak (``--peak-tflops`` to change);
 FLOPs per token = 6 x (parameters outside the input embedding) + 12 x layers x hidden x seq (attention scores
@@ -30,7 +35,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 SYSTEMS = ["ddp", "ls_z2", "ls_z3", "ls_tp", "ls_pp", "fsdp2", "dtensor_tp"]
-PEERS = {"ls_z3": ("fsdp2", 1.05), "ls_tp": ("dtensor_tp", 1.3), "ls_z2": ("ddp", None)}
+PEERS = {"ls_z3": ("fsdp2", 1.05), "ls_tp": ("dtensor_tp", 1.3), "ls_z2": ("ddp", None),
+         "ls_z2+compile": ("ddp+compile", 0.97), "ls_z3+compile": ("fsdp2+compile", 1.1),
+         "ls_tp+compile": ("dtensor_tp+compile", None), "ls_pp+compile": ("ls_pp", None)}
 MODEL = dict(vocab=32000, hidden=2048, mlp=8192, layers=16, heads=32, kv_heads=8)
 
 
@@ -56,13 +63,17 @@ def _step_fn(system: str, model, rank: int, world: int, device):
     import torch.distributed as dist
     from models import _dtensor_plan, _fsdp2, _loss
 
+    from lightning_scale.compile import compile_units
+
+    system, _, compiled = system.partition("+")
+    compile_layers = (lambda: compile_units(model, True)) if compiled else (lambda: None)  # noqa: E731
     autocast = lambda: torch.autocast("cuda", dtype=torch.bfloat16)  # noqa: E731
     if _layout(system, world) is not None:
         import lightning_scale.models  # noqa: F401  (registers the HF pipeline adapter)
         from lightning_scale.config import from_flat_kwargs
         from lightning_scale.parallelize import local_topology, parallelize
 
-        config = from_flat_kwargs(**_layout(system, world))
+        config = from_flat_kwargs(**_layout(system, world), **({"compile": True} if compiled else {}))
         topo = local_topology(config, world, rank)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         pm = parallelize(model, config, topo, device, optimizers=[opt], loss_fn=_loss)
@@ -87,6 +98,7 @@ def _step_fn(system: str, model, rank: int, world: int, device):
         from torch.distributed.tensor.parallel import loss_parallel
 
         _dtensor_plan(model.to(device), init_device_mesh("cuda", (world,)))
+        compile_layers()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
         def step(x, y):
@@ -100,6 +112,7 @@ def _step_fn(system: str, model, rank: int, world: int, device):
             return loss.full_tensor().detach()
         return step
     model.to(device)
+    compile_layers()
     if system == "ddp":
         module = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index])
     else:
@@ -137,7 +150,8 @@ def worker(rank: int, world: int, system: str, kw: dict, batch: int, warmup: int
         losses.append(float(step(ids[:, :-1].contiguous(), ids[:, 1:].contiguous())))  # float() syncs
         times.append(time.perf_counter() - t0)
     return {"step_s": statistics.median(times[warmup:]), "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30,
-            "loss0": losses[0], "loss": losses[-1]}
+            "loss0": losses[0], "loss": losses[-1],
+            "graphs": int(torch._dynamo.utils.counters["stats"]["unique_graphs"]) if "+" in system else None}
 
 
 def _plan(args, kw, systems, world) -> str:
@@ -167,12 +181,15 @@ def main() -> int:
     ap.add_argument("--world", type=int, default=0, help="GPUs to use (0: all visible)")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak per GPU (H200: 989)")
     ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--compile", action="store_true", help="add a +compile row (inductor, per layer) for every row")
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.getcwd(), "gpu_models_out"))
     args = ap.parse_args()
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    if [s for s in systems if s not in SYSTEMS]:
-        print(f"error: --systems: known rows are {', '.join(SYSTEMS)}", file=sys.stderr)
+    if [s for s in systems if s.partition("+")[0] not in SYSTEMS or s.partition("+")[2] not in ("", "compile")]:
+        print(f"error: --systems: known rows are {', '.join(SYSTEMS)} (each also as ROW+compile)", file=sys.stderr)
         return 2
+    if args.compile:
+        systems = list(dict.fromkeys(systems + [f"{s}+compile" for s in systems if "+" not in s]))
     kw = dict(MODEL, layers=args.layers, seq=args.seq)
     import torch
 
@@ -187,7 +204,7 @@ def main() -> int:
 
     failed, rounds = {}, []
     for s in systems:
-        if s in ("ls_tp", "ls_pp", "dtensor_tp") and world < 2:
+        if s.partition("+")[0] in ("ls_tp", "ls_pp", "dtensor_tp") and world < 2:
             failed[s] = "needs >= 2 GPUs"
     for r in range(args.rounds):
         results = {}
@@ -204,10 +221,10 @@ def main() -> int:
             tps = args.batch * kw["seq"] / max(o["step_s"] for o in out)
             results[s] = {"tokens_per_s": tps, "mfu": tps * flops_per_token(kw) / (world * args.peak_tflops * 1e12),
                           "peak_gib": max(o["peak_gib"] for o in out), "loss0": out[0]["loss0"],
-                          "loss": out[0]["loss"]}
-            print(f"round {r} {s:12s} {tps:9.0f} tok/s  MFU {results[s]['mfu']:.1%}  peak "
-                  f"{results[s]['peak_gib']:.1f} GiB  loss {results[s]['loss0']:.4f} -> {results[s]['loss']:.4f}",
-                  flush=True)
+                          "loss": out[0]["loss"], "graphs": out[0]["graphs"]}
+            print(f"round {r} {s:18s} {tps:9.0f} tok/s  MFU {results[s]['mfu']:.1%}  peak "
+                  f"{results[s]['peak_gib']:.1f} GiB  loss {results[s]['loss0']:.4f} -> {results[s]['loss']:.4f}"
+                  + (f"  graphs {results[s]['graphs']}" if results[s]["graphs"] is not None else ""), flush=True)
         rounds.append(results)
     table = _table(rounds, systems, failed, kw, world, args)
     print(table)
