@@ -175,15 +175,7 @@ class Topology:
                 group = dist.new_group(ranks, backend=backend)
                 if self.rank in ranks:
                     self._groups[axis] = group
-        if self.pp > 1:
-            from lightning_scale.comm.p2p import needs_direction_groups, register_reverse_group
-
-            if needs_direction_groups(backend or dist.get_backend()):
-                # the pipeline group's twin: point-to-point messages from higher to lower ranks (comm.p2p's doc)
-                for ranks in self.all_axis_ranks("pp"):
-                    group = dist.new_group(ranks, backend=backend)
-                    if self.rank in ranks:
-                        register_reverse_group(self._groups["pp"], group)
+        self.build_pp_twin(backend or dist.get_backend(), lambda ranks: dist.new_group(ranks, backend=backend))
         if self.sp > 1:
             if self.dp == 1:
                 self._groups["dp_sp"] = self._groups["sp"]
@@ -195,6 +187,22 @@ class Topology:
                     if self.rank in ranks:
                         self._groups["dp_sp"] = group
         return self
+
+    def build_pp_twin(self, backend, new_group) -> None:
+        """Each pipeline group's twin (same ranks) for the point-to-point messages from higher to lower ranks, when
+        ``backend`` needs one (:func:`lightning_scale.comm.p2p.needs_direction_groups`: NCCL, any backend but gloo).
+        ``new_group(ranks)``: the collective group maker of the caller (every rank calls it for every pipeline).
+        This rank's twin is ``_groups["pp_twin"]`` (named in diagnostics, broken with the others) and is registered
+        with :mod:`lightning_scale.comm.p2p` against the pp group."""
+        from lightning_scale.comm.p2p import needs_direction_groups, register_reverse_group
+
+        if self.pp == 1 or not needs_direction_groups(backend):
+            return
+        for ranks in self.all_axis_ranks("pp"):
+            group = new_group(ranks)
+            if self.rank in ranks:
+                self._groups["pp_twin"] = group
+                register_reverse_group(self._groups["pp"], group)
 
     def group(self, axis: str):
         self._check_axis(axis)

@@ -47,6 +47,7 @@ def probe_groups(config: ParallelConfig, world: int, rank: int, timeout_s: float
             group = make(ranks)
             if group is not None:
                 topo._groups["dp_sp"] = group
+    topo.build_pp_twin(dist.get_backend(), make)  # NCCL: the pipeline's twin group, a probe group like the others
     whole = make(range(world))
     return topo, mine, whole
 

@@ -31,13 +31,20 @@ def test_every_schedule_matches_one_process_under_nccl_semantics(pp):
     check_every_schedule(results, pp, _reference(MODELS[pp]), nccl=True)
 
 
-def _one_stream_worker(rank: int, world_size: int, tie: bool, out_dir: str) -> None:
+def _one_stream_worker(rank: int, world_size: int, tie: bool, out_dir: str, probe: bool = False) -> None:
     """3 steps of 1F1B at pp=2 with a short P2P timeout; writes the error text, or "ok", to out_dir/rank<k>.txt (a
     failed run's ranks close their gloo pairs: the harness's final barrier then fails too)."""
     from lightning_scale.pipeline import PipelineRuntime, build_stage, gpt_pipeline_layers
     from lightning_scale.topology import Topology
 
-    topo = Topology(pp=world_size, rank=rank).build_groups()
+    if probe:  # the autotuner's probe groups (strategies/probe_guard.py), built by hand, twin included
+        from lightning_scale.config import from_flat_kwargs
+        from lightning_scale.strategies.probe_guard import probe_groups
+
+        topo, mine, _ = probe_groups(from_flat_kwargs(pp=2, microbatches=4), world_size, rank, 30.0)
+        assert topo._groups["pp_twin"] in mine  # broken with the others when a probe fails
+    else:
+        topo = Topology(pp=world_size, rank=rank).build_groups()
     cfg = gpt_tiny(n_layer=2, tie_weights=tie)
     torch.manual_seed(0)
     gpt = GPT(cfg).double()
@@ -82,3 +89,11 @@ def test_which_backends_get_direction_groups(monkeypatch):
     assert needs_direction_groups("gloo")
     monkeypatch.setenv("LIGHTNING_SCALE_P2P_DIRECTION_GROUPS", "0")
     assert not needs_direction_groups("nccl")
+
+
+def test_autotune_probe_groups_get_the_twin_too(tmp_path):
+    """The autotuner builds each probe's groups by hand (strategies/probe_guard.py): a pp probe on NCCL needs the
+    twin as well, or it hangs until the probe timeout and the layout is dropped as failed."""
+    run_distributed(_one_stream_worker, 2, (True, str(tmp_path), True), timeout=120, env=EMULATE)
+    assert [(tmp_path / f"rank{k}.txt").read_text() for k in (0, 1)] == ["ok", "ok"]
+
