@@ -66,6 +66,13 @@ class FailingGPT(GPTLightningModule):
         return super().training_step(batch, batch_idx)
 
 
+def _p2p_info(strategy):
+    """How the pipeline's point-to-point went (None without a pipeline): NCCL emulated, through the direction twin."""
+    glue = getattr(strategy, "_pipeline", None)
+    p2p = glue.runtime.p2p if glue is not None else None
+    return None if p2p is None else {"emulated": p2p.emulate, "twin": p2p.reverse_group is not None}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--strategy", default="zero2")
@@ -200,7 +207,8 @@ def main() -> None:
                    "compile": getattr(trainer.strategy, "compile_report", None),  # compile_glue's numbers
                    "cores": sorted({type(b.attn.core).__name__ for b in model.model.blocks}),
                        "precision": str(trainer.precision),
-                       "engines": [type(e).__name__ for e in getattr(trainer.strategy, "engines", [])]}, f)
+                       "engines": [type(e).__name__ for e in getattr(trainer.strategy, "engines", [])],
+                       "p2p": _p2p_info(trainer.strategy)}, f)
 
 
 if __name__ == "__main__":

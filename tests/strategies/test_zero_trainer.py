@@ -23,15 +23,16 @@ def script_ranks(args, default=2):
     return int(args[args.index("--devices") + 1]) if "--devices" in args else default
 
 
-def fit(tmp_path, name, *args, timeout=240, expect_ok=True, launcher="torchrun"):
+def fit(tmp_path, name, *args, timeout=240, expect_ok=True, launcher="torchrun", env=None):
     """One run of fit_gpt.py. ``launcher="torchrun"``: every rank started as torchrun does (forked from a
     pre-imported interpreter, see lightning_scale.testing.run_script); ``"lightning"``: the script alone, as a
-    user types it, and Lightning starts the other ranks."""
+    user types it, and Lightning starts the other ranks. ``env``: added to the ranks' environment."""
     out = tmp_path / f"{name}.json"
     cmd = [sys.executable, SCRIPT, "--out", str(out), *args]
     start = time.monotonic()
     ranks = script_ranks(args) if launcher == "torchrun" else None
-    proc = run_script(cmd, timeout=timeout, cwd=tmp_path, ranks=ranks)  # kills the script's ranks too on timeout
+    proc = run_script(cmd, timeout=timeout, cwd=tmp_path, ranks=ranks,  # kills the script's ranks too on timeout
+                      env=None if env is None else dict(os.environ, **env))
     elapsed = time.monotonic() - start
     if expect_ok:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
