@@ -32,7 +32,9 @@ Why a class and not bare ``dist.isend``:
   on the group, from higher to lower on the twin, so each (communicator, pair) carries one direction and is a FIFO,
   kept in step by the schedule validator's order matching per direction (activations and gradients together). NCCL creates a pair's communicator at its first operation, collectively: a P2P with a twin
   therefore makes the first transfer of every pair at construction, pair by pair in one global order. Under
-  ``LIGHTNING_SCALE_P2P_EMULATE=nccl`` (tests), gloo behaves as NCCL's point to point (:mod:`.p2p_emulate`).
+  ``LIGHTNING_SCALE_P2P_EMULATE=nccl`` (tests), gloo behaves as NCCL's point to point (:mod:`.p2p_emulate`). This
+  assumes NCCL's per-pair communicators (``init_process_group`` without ``device_id``, as under Lightning); a group
+  bound to a device runs all its peers on one communicator (docs/pipeline.md).
 """
 
 from __future__ import annotations
