@@ -193,16 +193,32 @@ class Topology:
         ``backend`` needs one (:func:`lightning_scale.comm.p2p.needs_direction_groups`: NCCL, any backend but gloo).
         ``new_group(ranks)``: the collective group maker of the caller (every rank calls it for every pipeline).
         This rank's twin is ``_groups["pp_twin"]`` (named in diagnostics, broken with the others) and is registered
-        with :mod:`lightning_scale.comm.p2p` against the pp group."""
-        from lightning_scale.comm.p2p import needs_direction_groups, register_reverse_group
+        with :mod:`lightning_scale.comm.p2p` against the pp group. When the default group is bound to a device
+        (``init_process_group(device_id=...)``, NCCL: one communicator for all of a group's peers) every connected
+        (src, dst) of a pipeline gets a 2-rank group instead (``_groups["pp_<src>_to_<dst>"]``)."""
+        from lightning_scale.comm.p2p import (bound_to_device, connected_pairs, needs_direction_groups,
+                                              register_pair_groups, register_reverse_group)
 
         if self.pp == 1 or not needs_direction_groups(backend):
             return
+        bound = bound_to_device()
         for ranks in self.all_axis_ranks("pp"):
-            group = new_group(ranks)
+            if not bound:
+                group = new_group(ranks)
+                if self.rank in ranks:
+                    self._groups["pp_twin"] = group
+                    register_reverse_group(self._groups["pp"], group)
+                continue
+            # a device-bound NCCL group runs its point-to-point with every peer on one communicator: at pp >= 3 the
+            # twin would still put a middle stage's receive from the left and send to the right on one stream
+            pairs = {}
+            for lo, hi in connected_pairs(ranks):
+                pairs[(lo, hi)], pairs[(hi, lo)] = new_group([lo, hi]), new_group([lo, hi])
             if self.rank in ranks:
-                self._groups["pp_twin"] = group
-                register_reverse_group(self._groups["pp"], group)
+                for (src, dst), group in pairs.items():
+                    if self.rank in (src, dst):
+                        self._groups[f"pp_{src}_to_{dst}"] = group
+                register_pair_groups(self._groups["pp"], {k: g for k, g in pairs.items() if self.rank in k})
 
     def group(self, axis: str):
         self._check_axis(axis)

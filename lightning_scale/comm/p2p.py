@@ -34,7 +34,8 @@ Why a class and not bare ``dist.isend``:
   therefore makes the first transfer of every pair at construction, pair by pair in one global order. Under
   ``LIGHTNING_SCALE_P2P_EMULATE=nccl`` (tests), gloo behaves as NCCL's point to point (:mod:`.p2p_emulate`). This
   assumes NCCL's per-pair communicators (``init_process_group`` without ``device_id``, as under Lightning); a group
-  bound to a device runs all its peers on one communicator (docs/pipeline.md).
+  bound to a device runs all its peers on one communicator, so there each connected (src, dst) gets a 2-rank group of
+  its own instead (:func:`register_pair_groups`).
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ THREAD_ENV = "LIGHTNING_SCALE_P2P_THREAD"
 DIRECTION_GROUPS_ENV = "LIGHTNING_SCALE_P2P_DIRECTION_GROUPS"  # "0": no twin groups (tests: show the hang they avoid)
 # pipeline group -> its twin with the same ranks, for messages from a higher to a lower rank (Topology.build_groups)
 _REVERSE: Dict[object, object] = {}
+# pipeline group -> {(src, dst): the 2-rank group for src -> dst}, for a process group bound to a device (see below)
+_PAIR_GROUPS: Dict[object, Dict[Tuple[int, int], object]] = {}
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
 
@@ -79,6 +82,34 @@ def needs_direction_groups(backend) -> bool:
 def register_reverse_group(group, reverse) -> None:
     """``reverse`` (the same ranks as ``group``) carries ``group``'s point-to-point messages from higher to lower ranks."""
     _REVERSE[group] = reverse
+
+
+def register_pair_groups(group, pairs: Dict[Tuple[int, int], object]) -> None:
+    """``pairs[(src, dst)]``: the 2-rank group that carries ``group``'s messages from ``src`` to ``dst`` (instead of
+    the twin): what a device-bound NCCL group needs, whose point-to-point shares one communicator for all peers."""
+    _PAIR_GROUPS[group] = dict(pairs)
+
+
+def bound_to_device() -> bool:
+    """True when the default group is bound to a device (``init_process_group(device_id=...)``): ProcessGroupNCCL
+    then runs a group's point-to-point with every peer on the group's one communicator and stream (also under the
+    ``nccl-bound`` emulation)."""
+    if p2p_emulate.emulating_bound():
+        return True
+    try:
+        return getattr(dist.group.WORLD, "bound_device_id", None) is not None
+    except Exception:  # noqa: BLE001 - no default group
+        return False
+
+
+def connected_pairs(ranks: Sequence[int]) -> List[Tuple[int, int]]:
+    """The (lower, higher) global-rank pairs a pipeline exchanges messages between, in one global order: neighbours in
+    stage order (first and last stage included: interleaved schedules, tied parameters) and the last stage with every
+    rank (the loss hand-out)."""
+    n = len(ranks)
+    pairs = {tuple(sorted((ranks[k], ranks[(k + 1) % n]))) for k in range(n) if n > 1}
+    pairs |= {tuple(sorted((r, ranks[-1]))) for r in ranks[:-1]}
+    return sorted(pairs)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -257,6 +288,7 @@ class P2P:
         # post through the process's poster thread (default: under gloo; see the module doc)
         self.threaded = _threaded_default(group, threaded) and not self.emulate
         self.reverse_group = _REVERSE.get(group)  # messages from a higher to a lower rank (module doc)
+        self.pair_groups = _PAIR_GROUPS.get(group)  # or one group per (src, dst): a device-bound NCCL group
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self._shapes: Dict[Tuple[int, str, Hashable], Tuple[torch.Size, torch.dtype]] = {}
         self._sent_headers: set = set()
@@ -265,7 +297,7 @@ class P2P:
         # (a torch.empty between two computes costs ~0.1 ms on a loaded CPU box: its code is cold by then)
         self._free: Dict[Tuple[torch.Size, torch.dtype], List[torch.Tensor]] = {}
         self.reused = 0  # receives that filled a recycled buffer (diagnostics, tests)
-        if self.reverse_group is not None:
+        if self.reverse_group is not None or self.pair_groups is not None:
             self._connect_pairs(device, ranks)
 
     def _connect_pairs(self, device, ranks: Optional[List[int]]) -> None:
@@ -275,14 +307,11 @@ class P2P:
         first transfer, so the first transfers must not depend on the schedule (in it, two ranks can each start on a
         different communicator). Pairs that never talk get no communicator."""
         ranks = list(ranks) if ranks is not None else dist.get_process_group_ranks(self.group)
-        n = len(ranks)
-        pairs = {tuple(sorted((ranks[k], ranks[(k + 1) % n]))) for k in range(n)}
-        pairs |= {tuple(sorted((r, ranks[-1]))) for r in ranks[:-1]}
         if device is None or torch.device(device).type == "meta":  # a stage built on meta: the backend's device
             nccl = "nccl" in str(dist.get_backend(self.group)).lower() and torch.cuda.is_available()
             device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         one = torch.zeros(1, device=device)
-        for i, j in sorted(pairs):
+        for i, j in connected_pairs(ranks):
             if self.rank == i:
                 self._post_send(one, j, TAGS["connect"], "pp_connect").wait()
                 self.recv_tagged(torch.empty_like(one), j, TAGS["connect"], "pp_connect").wait()
@@ -292,7 +321,10 @@ class P2P:
         self._sends.clear()
 
     def _group_of(self, src: int, dst: int):
-        """The group a message from global rank ``src`` to ``dst`` travels on: the twin when higher -> lower."""
+        """The group a message from global rank ``src`` to ``dst`` travels on: its own 2-rank group on a device-bound
+        NCCL group, else the twin when higher -> lower."""
+        if self.pair_groups is not None:
+            return self.pair_groups[(src, dst)]
         return self.group if self.reverse_group is None or src < dst else self.reverse_group
 
     # ------------------------------------------------------------------ send / recv
@@ -404,7 +436,7 @@ class P2P:
             backend = str(dist.get_backend(self.group))
         except Exception:  # noqa: BLE001 - group already gone
             return
-        groups = [g for g in (self.group, self.reverse_group) if g is not None]
+        groups = [g for g in (self.group, self.reverse_group, *(self.pair_groups or {}).values()) if g is not None]
         if backend != "gloo":
             for group in groups:
                 try:

@@ -33,7 +33,13 @@ _TAG = 0  # NCCL has no tags: one matching order per pair
 
 
 def emulating_nccl() -> bool:
-    return os.environ.get(EMULATE_ENV, "").strip().lower() == "nccl"
+    return os.environ.get(EMULATE_ENV, "").strip().lower() in ("nccl", "nccl-bound")
+
+
+def emulating_bound() -> bool:
+    """``nccl-bound``: a group bound to a device (``init_process_group(device_id=...)``): NCCL then runs the group's
+    point-to-point with every peer on the group's one communicator: one stream per group, not per pair."""
+    return os.environ.get(EMULATE_ENV, "").strip().lower() == "nccl-bound"
 
 
 class _PairStream:
@@ -80,13 +86,14 @@ def post(pending, call, tensor: torch.Tensor, me: int, peer: int, group, timeout
     """Queue ``call`` (isend / irecv) of ``tensor`` with ``peer`` on the (group, pair)'s emulated stream; ``pending``
     (a PendingRecv whose ``_posted`` lock is held) is released once the transfer has finished."""
     key = (os.getpid(), group.group_name, min(me, peer), max(me, peer))
+    stream_key = (os.getpid(), group.group_name, -1, -1) if emulating_bound() else key
     with _LOCK:
         first = key not in _CONNECTED
         _CONNECTED.add(key)
     if first:
         _connect(group, me, peer, timeout)  # on the caller's thread, as ncclCommInitRank would block it
     with _LOCK:
-        stream = _STREAMS.get(key)
+        stream = _STREAMS.get(stream_key)
         if stream is None:
-            stream = _STREAMS[key] = _PairStream(timeout)
+            stream = _STREAMS[stream_key] = _PairStream(timeout)
     stream.submit(pending, call, tensor, peer, group)

@@ -3,7 +3,8 @@ tags ignored, one FIFO stream per (group, pair) in which a send may wait for the
 collectively at their first transfer. No GPU here, and one GPU cannot run pp > 1: this is what stands for the NCCL runs.
 
 * every schedule at pp=2 and pp=4 (test_pipeline_parity's runs: GPipe, 1F1B, interleaved, zero-bubble; tied embedding
-  at pp=4) trains to the single-process result (float64, 1e-10) with the pipeline group's direction twin;
+  at pp=4) trains to the single-process result (float64, 1e-10) with the pipeline group's direction twin, and, for a
+  process group bound to a device (one NCCL communicator for all of a group's peers), with a group per (src, dst);
 * without the twin (``LIGHTNING_SCALE_P2P_DIRECTION_GROUPS=0``, what the runtime did before) the same emulation hangs
   at pp=2: the prefetched gradient receive sits in front of the activation send on the pair's one stream, and the
   tied-parameter exchange at construction starts on different communicators on the two ranks. Bounded by the P2P's
@@ -25,10 +26,17 @@ from test_pipeline_parity import MODELS, RUNS, _pipeline_worker, _reference, che
 EMULATE = {"LIGHTNING_SCALE_P2P_EMULATE": "nccl"}
 
 
+@pytest.mark.parametrize("mode", ["nccl", "nccl-bound"])
 @pytest.mark.parametrize("pp", [2, 4])
-def test_every_schedule_matches_one_process_under_nccl_semantics(pp):
-    results = run_distributed(_pipeline_worker, pp, (MODELS[pp], RUNS[pp], False), timeout=180, env=EMULATE)
-    check_every_schedule(results, pp, _reference(MODELS[pp]), nccl=True)
+def test_every_schedule_matches_one_process_under_nccl_semantics(pp, mode):
+    """``nccl``: per-pair communicators (init_process_group without device_id): one twin per pipeline group;
+    ``nccl-bound``: a group bound to a device runs all its peers on one communicator: a 2-rank group per connected
+    (src, dst) (with the twin alone 1F1B and interleaved hung at pp=4: a middle stage's receive from the left and send
+    to the right on one stream)."""
+    results = run_distributed(_pipeline_worker, pp, (MODELS[pp], RUNS[pp], False), timeout=180,
+                              env={"LIGHTNING_SCALE_P2P_EMULATE": mode})
+    path = "twin" if mode == "nccl" else "pairs"
+    check_every_schedule(results, pp, _reference(MODELS[pp]), f"{path}+emulated")
 
 
 def _one_stream_worker(rank: int, world_size: int, tie: bool, out_dir: str, probe: bool = False) -> None:

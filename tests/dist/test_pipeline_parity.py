@@ -78,10 +78,17 @@ def _pipeline_worker(rank: int, world_size: int, model_kw: dict, runs: list, che
         mine = {id(p) for p in runtime.stage.parameters()}
         params = {n: p.detach().clone() for n, p in gpt.named_parameters() if id(p) in mine}
         out[(schedule, v)] = dict(losses=losses, eval=eval_loss, params=params, reused=runtime.p2p.reused,
-                                  twin=runtime.p2p.reverse_group is not None, emulated=runtime.p2p.emulate)
+                                  path=_p2p_path(runtime.p2p))
     if check_p2p:
         out["p2p"] = _p2p_worker(topo, cfg)
     return out
+
+
+def _p2p_path(p2p) -> str:
+    """How the runtime's transfers went: "gloo" (one group, tags), "twin" (a group per direction: NCCL) or "pairs"
+    (a group per (src, dst): a device-bound NCCL group); "+emulated" under the NCCL emulation."""
+    path = "pairs" if p2p.pair_groups is not None else "twin" if p2p.reverse_group is not None else "gloo"
+    return path + ("+emulated" if p2p.emulate else "")
 
 
 def _p2p_worker(topo, cfg) -> dict:
@@ -125,16 +132,16 @@ def _reference(model_kw: dict):
     return losses, eval_loss, dict(gpt.named_parameters())
 
 
-def check_every_schedule(results: list, pp: int, reference: tuple, nccl: bool) -> None:
+def check_every_schedule(results: list, pp: int, reference: tuple, path: str) -> None:
     """Every rank's losses, eval loss and parameters of every run = the single-process ``reference`` (1e-10), each
-    parameter held by some rank; ``nccl``: the runs went through the direction twin under the NCCL emulation
-    (tests/dist/test_pipeline_nccl_semantics.py), else through one gloo group with tags."""
+    parameter held by some rank; the transfers went the ``path`` way (:func:`_p2p_path`; the NCCL ones:
+    tests/dist/test_pipeline_nccl_semantics.py)."""
     ref_losses, ref_eval, ref_params = reference
     for schedule, v, _, _ in RUNS[pp]:
         seen = set()
         for rank, res in enumerate(results):
             got = res[(schedule, v)]
-            assert got["twin"] == got["emulated"] == nccl, (schedule, rank, got["twin"], got["emulated"])
+            assert got["path"] == path, (schedule, rank, got["path"])
             assert got["losses"] == pytest.approx(ref_losses, abs=1e-10, rel=0), (schedule, rank)
             assert got["eval"] == pytest.approx(ref_eval, abs=1e-10, rel=0), (schedule, rank)
             for name, value in got["params"].items():
@@ -152,7 +159,7 @@ def test_pipeline_matches_single_process(pp):
     torch.manual_seed(SEED)
     init = dict(GPT(gpt_tiny(**model_kw)).double().named_parameters())
     assert max((init[n] - ref_params[n]).abs().max().item() for n in init) > 1e-3  # training moved them
-    check_every_schedule(results, pp, (ref_losses, ref_eval, ref_params), nccl=False)
+    check_every_schedule(results, pp, (ref_losses, ref_eval, ref_params), "gloo")
     # the exact results above include received gradient buffers refilled (the pool of P2P.recycle) where a full
     # backward frees one before the next gradient receive is posted: 1F1B's first rank
     assert results[0][("1f1b", 1)]["reused"] > 0, [res[("1f1b", 1)]["reused"] for res in results]

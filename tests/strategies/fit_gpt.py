@@ -70,7 +70,8 @@ def _p2p_info(strategy):
     """How the pipeline's point-to-point went (None without a pipeline): NCCL emulated, through the direction twin."""
     glue = getattr(strategy, "_pipeline", None)
     p2p = glue.runtime.p2p if glue is not None else None
-    return None if p2p is None else {"emulated": p2p.emulate, "twin": p2p.reverse_group is not None}
+    return None if p2p is None else {"emulated": p2p.emulate, "twin": p2p.reverse_group is not None,
+                                     "pairs": p2p.pair_groups is not None}
 
 
 def main() -> None:

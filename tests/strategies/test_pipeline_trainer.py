@@ -141,16 +141,18 @@ def test_pipeline_with_tensor_parallel_matches_single_process(tmp_path, single_t
     if devices == 8:
         run["pred0"] = single_tied["pred0"]  # prediction skipped to keep 8 processes short
     _check_matches(run, single_tied, tmp_path / "sd.pt", world=devices, weight_tol=1e-10)
-    assert run["p2p"] == {"emulated": False, "twin": False}  # gloo: one group per pipeline, tags
+    assert run["p2p"] == {"emulated": False, "twin": False, "pairs": False}  # gloo: one group per pipeline, tags
 
 
 @pytest.mark.timeout(150)
-def test_pipeline_trainer_under_nccl_point_to_point_semantics(tmp_path, single_tied):
+@pytest.mark.parametrize("mode", ["nccl", pytest.param("nccl-bound", marks=pytest.mark.slow)])
+def test_pipeline_trainer_under_nccl_point_to_point_semantics(tmp_path, single_tied, mode):
     """The strategy's pipelines (two of them: pp2 x tp2, tied embedding / LM head across the stages) through NCCL's
     point-to-point semantics emulated on gloo (lightning_scale/comm/p2p_emulate.py, docs/pipeline.md): the direction
-    twin of each pipeline group comes from the strategy's Topology, and the run equals one process (float64)."""
+    twin of each pipeline group (or, for a device-bound group, a group per (src, dst)) comes from the strategy's
+    Topology, and the run equals one process (float64)."""
     run = fit(tmp_path, "mp_nccl", "--devices", "4", "--tie", "--option", "pp=2", "--option", "tp=2",
               "--option", "microbatches=4", "--option", "stage=2", *COMMON, *F64,
-              "--state-dict-out", str(tmp_path / "sd.pt"), env={"LIGHTNING_SCALE_P2P_EMULATE": "nccl"})
+              "--state-dict-out", str(tmp_path / "sd.pt"), env={"LIGHTNING_SCALE_P2P_EMULATE": mode})
     _check_matches(run, single_tied, tmp_path / "sd.pt", world=4, weight_tol=1e-10)
-    assert run["p2p"] == {"emulated": True, "twin": True}
+    assert run["p2p"] == {"emulated": True, "twin": mode == "nccl", "pairs": mode == "nccl-bound"}
