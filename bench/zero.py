@@ -230,7 +230,7 @@ def main() -> None:
     systems = _expand(args.systems)
     if args.compile:
         compiled = [f"{s}+compile" for s in ["ddp", *systems] if s.startswith(COMPILABLE)]
-        systems = list(dict.fromkeys(systems + compiled))  # ddp+compile once (it ran twice per round with ddp listed)
+        systems = list(dict.fromkeys(systems + compiled))  # ddp+compile once (it ran twice with ddp listed)
     try:
         import deepspeed  # noqa: F401
     except Exception as err:  # noqa: BLE001 - not installed, or fails to import on this machine

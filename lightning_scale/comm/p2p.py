@@ -30,8 +30,9 @@ Why a class and not bare ``dist.isend``:
   later sends to that peer, and both ranks could wait on each other. :meth:`Topology.build_groups` therefore gives each
   pipeline group a twin with the same ranks (:func:`register_reverse_group`): messages from a lower to a higher rank go
   on the group, from higher to lower on the twin, so each (communicator, pair) carries one direction and is a FIFO,
-  kept in step by the schedule validator's order matching per direction (activations and gradients together). NCCL creates a pair's communicator at its first operation, collectively: a P2P with a twin
-  therefore makes the first transfer of every pair at construction, pair by pair in one global order. Under
+  kept in step by the schedule validator's order matching per direction (activations and gradients together). NCCL
+  creates a pair's communicator at its first operation, collectively: a P2P with a twin therefore makes the first
+  transfer of every pair at construction, pair by pair in one global order. Under
   ``LIGHTNING_SCALE_P2P_EMULATE=nccl`` (tests), gloo behaves as NCCL's point to point (:mod:`.p2p_emulate`). This
   assumes NCCL's per-pair communicators (``init_process_group`` without ``device_id``, as under Lightning); a group
   bound to a device runs all its peers on one communicator, so there each connected (src, dst) gets a 2-rank group of
@@ -80,7 +81,8 @@ def needs_direction_groups(backend) -> bool:
 
 
 def register_reverse_group(group, reverse) -> None:
-    """``reverse`` (the same ranks as ``group``) carries ``group``'s point-to-point messages from higher to lower ranks."""
+    """``reverse`` (the same ranks as ``group``) carries ``group``'s point-to-point messages from higher to lower
+    ranks."""
     _REVERSE[group] = reverse
 
 
@@ -177,8 +179,8 @@ class PendingRecv:
         posted = self._posted
         if posted is not None:
             if not posted.acquire(timeout=-1 if timeout is None else max(0.0, timeout.total_seconds())):
-                raise RuntimeError(f"p2p: the poster thread did not post this transfer (NCCL emulated: or did not finish "
-                                   f"it) within {timeout}")
+                raise RuntimeError(f"p2p: the poster thread did not post this transfer (NCCL emulated: or did not "
+                                   f"finish it) within {timeout}")
             self._posted = None
         if self._error is not None:
             raise self._error
