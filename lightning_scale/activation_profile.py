@@ -19,7 +19,6 @@ Everything is per token (bytes / tokens), in the dtype the unit is profiled in (
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Dict, Optional
 
 import torch
@@ -161,7 +160,9 @@ def profile_unit(unit: nn.Module, tokens: int, tp: int = 1, hidden: Optional[int
     hidden = hidden or hidden_size(unit)
     if hidden is None:
         raise ValueError(f"{type(unit).__name__}: cannot tell its hidden size")
-    inner = unit.__dict__.get("_ac_inner_forward") or functools.partial(type(unit).forward, unit)
+    from lightning_scale.compile import eager_forward
+
+    inner = eager_forward(unit)  # never the compiled one: see lightning_scale.compile.compile_units
     regions = [c for c in unit.children() if any(isinstance(m, nn.Linear) for m in c.modules())]
     tracker = _Tracker(SAVED_OPS)
     handles = []

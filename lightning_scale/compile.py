@@ -104,9 +104,50 @@ def compile_units(module: nn.Module, setting: CompileSetting, units: Optional[Se
             inner = unit.__dict__.get("_ac_inner_forward") or types.MethodType(type(unit).forward, unit)
             unit._ac_inner_forward = wrap(inner)
         else:
-            unit.forward = wrap(unit.forward)  # an instance attribute: the class is untouched
+            inner = unit.forward
+            unit.forward = wrap(inner)  # an instance attribute: the class is untouched
+        # The uncompiled forward, for code that runs a unit under a TorchDispatchMode (the memory plan's profile on
+        # fake tensors): Dynamo skips a frame it first meets under such a mode, and marks its code object skipped
+        # for good, so every later call of the compiled unit ran eagerly, and silently (a Hugging Face layer with
+        # activation checkpointing: 0 graphs in the Trainer).
+        unit._ls_eager_forward = inner
         unit._ls_compiled = True
     return [name for name, _ in found]
+
+
+def eager_forward(unit: nn.Module) -> Callable:
+    """The forward of ``unit`` without torch.compile and without activation checkpointing: what a profiler calls."""
+    fn = unit.__dict__.get("_ls_eager_forward") or unit.__dict__.get("_ac_inner_forward")
+    return fn if fn is not None else types.MethodType(type(unit).forward, unit)
+
+
+def _code_of(fn: Any) -> Optional[types.CodeType]:
+    """The code object Dynamo compiles for ``fn`` (a function, bound method or functools.partial of one)."""
+    for _ in range(8):
+        if isinstance(fn, types.MethodType):
+            fn = fn.__func__
+        elif hasattr(fn, "func") and callable(fn.func):  # functools.partial
+            fn = fn.func
+        else:
+            break
+    return getattr(fn, "__code__", None)
+
+
+def units_running_eagerly(module: nn.Module) -> Optional[List[str]]:
+    """Names of the compiled units of ``module`` whose forward code has no compiled entry in Dynamo's cache (after
+    they ran: they ran eagerly, e.g. because Dynamo skipped their code for good). None where this torch cannot tell."""
+    try:
+        from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+    except ImportError:  # pragma: no cover - older torch
+        return None
+    out = []
+    for name, unit in module.named_modules():
+        if not getattr(unit, "_ls_compiled", False):
+            continue
+        code = _code_of(unit.__dict__.get("_ls_eager_forward"))
+        if code is not None and not _debug_get_cache_entry_list(code):
+            out.append(name)
+    return out
 
 
 def compiled_units(module: nn.Module) -> List[str]:
@@ -148,4 +189,5 @@ def compile_stats() -> Dict[str, Any]:
             "eager_fallbacks": _limit_hits(counters)}
 
 
-__all__ = ["COMPILE_OPTIONS", "compile_options", "compile_stats", "compile_units", "compiled_units", "unwrap_compiled"]
+__all__ = ["COMPILE_OPTIONS", "compile_options", "compile_stats", "compile_units", "compiled_units", "eager_forward",
+           "units_running_eagerly", "unwrap_compiled"]

@@ -4,10 +4,12 @@
 ``torch.compile`` found by :func:`lightning_scale.compile.unwrap_compiled`). Rank 0 prints one line after the
 first optimizer step (what that step compiled: graphs, graph breaks and their reasons) and one at the end of
 ``fit`` with the graphs compiled after step 2: the recompiles, which should be 0. Both lines end in a warning when
-Dynamo hit its recompile limit on a unit (the units past it run eagerly: never silent). Validation under ``no_grad``
-compiles its own graphs once (Dynamo guards on grad mode), so the baseline is taken after step 2's validation:
-at the start of step 3. Steps are this fit's: a run resumed from a checkpoint counts from its first step (the report
-says which global step that was), so its first compile is not taken for recompiles. ``strategy.compile_report`` holds the numbers (tests read it).
+Dynamo hit its recompile limit on a unit (the units past it run eagerly: never silent), and the first one when a
+compiled unit has no compiled code after step 1 (it ran eagerly: Dynamo skipped its code; every rank warns).
+Validation under ``no_grad`` compiles its own graphs once (Dynamo guards on grad mode), so the baseline is taken
+after step 2's validation: at the start of step 3. Steps are this fit's: a run resumed from a checkpoint counts
+from its first step (the report says which global step that was), so its first compile is not taken for
+recompiles. ``strategy.compile_report`` holds the numbers (tests read it).
 """
 
 from __future__ import annotations
@@ -35,6 +37,16 @@ def _fallbacks(stats: Dict[str, Any]) -> str:
             "the number of units, a torch.compile of your own keeps torch's)")
 
 
+def _eager_units(names: Optional[list]) -> str:
+    """The report's warning when compiled units have no compiled code after step 1: they ran eagerly."""
+    if not names:
+        return ""
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    return (f"; WARNING: {len(names)} compiled unit(s) ran EAGERLY in step 1 ({shown}): Dynamo compiled nothing for "
+            "their forward (it skips, for good, code it first meets under a TorchDispatchMode or in its skip "
+            "list; TORCH_LOGS=+dynamo says why)")
+
+
 class CompileReport(pl.Callback):
     def __init__(self, strategy: Any) -> None:
         self.strategy = strategy
@@ -59,10 +71,17 @@ class CompileReport(pl.Callback):
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         if self._run_steps(trainer) >= 1 and "step1" not in self.report:
+            from lightning_scale.compile import units_running_eagerly
+
             s = self.report["step1"] = _stats()
+            eager = self.report["eager_units"] = units_running_eagerly(self.strategy.model)
             reasons = "; ".join(f"{n}x {r}" for r, n in s["break_reasons"].items()) or "none"
             self._print(trainer, f"after step 1{self._where(trainer)}: {s['graphs']} graphs compiled, "
-                                 f"{s['graph_breaks']} graph breaks ({reasons}){_fallbacks(s)}")
+                                 f"{s['graph_breaks']} graph breaks ({reasons}){_fallbacks(s)}{_eager_units(eager)}")
+            if eager:
+                import warnings
+
+                warnings.warn(f"{PREFIX}{_eager_units(eager)[1:]}", stacklevel=2)
 
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: Any, batch: Any, batch_idx: int) -> None:
         if self._run_steps(trainer) >= 2 and self.baseline is None:

@@ -71,8 +71,9 @@ def main() -> None:
     trainer.fit(module, train_dataloaders=data)
     if trainer.is_global_zero:
         with open(args.out, "w") as f:
-            report = getattr(trainer.strategy, "compile_report", {}).get("end")  # compile=...: Dynamo's counters
-            json.dump({"losses": rec.losses, "world": trainer.world_size, "compile": report}, f)
+            report = getattr(trainer.strategy, "compile_report", {})  # compile=...: Dynamo's counters at the end
+            json.dump({"losses": rec.losses, "world": trainer.world_size, "compile": report.get("end"),
+                       "eager_units": report.get("eager_units")}, f)
 
 
 if __name__ == "__main__":

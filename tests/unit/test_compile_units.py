@@ -154,3 +154,67 @@ def test_fullgraph_with_graph_breaks_inside_the_units_is_a_config_error(setting,
         from_flat_kwargs(compile={"fullgraph": True}, **{setting: value}).validate()
     from_flat_kwargs(compile={"fullgraph": True}, stage=3).validate()
     from_flat_kwargs(compile={"fullgraph": False}, **{setting: value}).validate()
+
+
+def _hf_llama(layers: int = 2):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lightning_scale.models import hf_families as F
+
+    cfg = AutoConfig.for_model("llama", **dict(F._COMMON, num_hidden_layers=layers, num_key_value_heads=2))
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32), F.batch(2, 12, seed=0)[0]
+
+
+@pytest.mark.parametrize("ac", [None, "full"])
+def test_the_memory_plan_profile_leaves_compiled_hf_units_compiled(ac):
+    """The strategy's layout table profiles a unit on fake tensors (a TorchDispatchMode) after ``parallelize`` has
+    compiled it. It used to call the compiled inner forward of a checkpointed unit: Dynamo skipped that frame under
+    the mode and marked the Hugging Face layer's code skipped for good, so every step ran eagerly (0 graphs, nothing
+    said). The profile now runs the eager forward; the units compile at the first real step."""
+    pytest.importorskip("transformers")
+    from lightning_scale.activation_checkpointing import checkpoint_units
+    from lightning_scale.activation_plan import profile_model
+    from lightning_scale.compile import units_running_eagerly
+
+    torch._dynamo.reset()
+    model, x = _hf_llama()
+    if ac:
+        checkpoint_units(model, ac)
+    names = compile_units(model, AOT)
+    prof = profile_model(model, seq_len=12)
+    assert prof.source == "profiled", prof.notes
+    before = compile_stats()
+    model(input_ids=x).logits.sum().backward()
+    assert _delta(before, compile_stats()) == (1, 0)
+    assert units_running_eagerly(model) == []
+    assert len(names) == 2
+
+
+def test_units_that_ran_eagerly_are_named(monkeypatch):
+    """The detector behind the compile report's warning, on the old defect put back: the profile handed the compiled
+    inner forward of checkpointed units (Dynamo skipped its code for good); the real step then compiles nothing and
+    every unit is named. Before any call no unit has compiled code either; after a good run none is named."""
+    pytest.importorskip("transformers")
+    import lightning_scale.compile as LC
+    from lightning_scale.activation_checkpointing import checkpoint_units
+    from lightning_scale.activation_plan import profile_model
+    from lightning_scale.compile import units_running_eagerly
+    from lightning_scale.strategies.compile_glue import _eager_units
+
+    torch._dynamo.reset()
+    model, x = _hf_llama()
+    checkpoint_units(model, "full")
+    compile_units(model, AOT)
+    assert units_running_eagerly(model) == ["model.layers.0", "model.layers.1"]  # nothing ran yet
+    with monkeypatch.context() as m:
+        m.setattr(LC, "eager_forward", lambda unit: unit.__dict__["_ac_inner_forward"])  # the compiled one
+        profile_model(model, seq_len=12)
+    before = compile_stats()
+    model(input_ids=x).logits.sum().backward()
+    assert _delta(before, compile_stats())[0] == 0  # skipped for good: the real step ran eagerly
+    eager = units_running_eagerly(model)
+    assert eager == ["model.layers.0", "model.layers.1"]
+    assert "2 compiled unit(s) ran EAGERLY in step 1 (model.layers.0, model.layers.1)" in _eager_units(eager)
+    assert _eager_units([]) == "" and _eager_units(None) == ""
