@@ -263,33 +263,12 @@ def check_weight_sources(root: nn.Module) -> None:
 
 # ----------------------------------------------------------------------------------------------- reading
 def tp_flat_piece(key: str, flat: torch.Tensor, local_shape: Sequence[int], start: int, spec=None, tp_rank: int = 0):
-    """``flat`` = elements ``[start, start + len)`` (row-major) of a local tensor of ``local_shape``: the whole tensor
-    (``spec=None``) or tp rank ``tp_rank``'s slice described by its ``ShardSpec``, fused sections along any dim
-    (GPT-2's ``Conv1D`` ``c_attn`` is split along dim 1) and vocabulary padding (zero-filled) included."""
-    from lightning_scale.checkpoint.layout import Chunk, Piece, TPSlice, flat_piece, flat_range_to_chunks
+    """``flat`` = elements ``[start, start + len)`` (row-major) of a local tensor of ``local_shape``, tp-mapped: the
+    layout-free checkpoint's mapping (:func:`lightning_scale.checkpoint.engine_pieces.flat_param_piece`), one for
+    both readers."""
+    from lightning_scale.checkpoint.engine_pieces import flat_param_piece
 
-    local = tuple(int(s) for s in local_shape)
-    if spec is None:
-        return flat_piece(key, flat, local, start)
-    padded, true = list(local), list(local)
-    padded[spec.dim], true[spec.dim] = spec.padded, spec.size
-    if spec.sections == 1:
-        return flat_piece(key, flat, local, start, tp=TPSlice(spec.dim, spec.local_range(tp_rank)[0]),
-                          global_shape=padded, true_shape=true)
-    d = spec.dim
-    piece = Piece(key, tuple(true), flat.dtype)
-    for chunk, pos in flat_range_to_chunks(local, start, start + flat.numel()):
-        view = flat[pos:pos + chunk.numel].view(chunk.sizes)
-        a, n = chunk.offsets[d], chunk.sizes[d]
-        for loc, glob, sl in spec.pieces(tp_rank):  # local rows [loc, loc + sl) = global [glob, glob + sl)
-            lo, hi = max(a, loc), min(a + n, loc + sl)
-            if lo >= hi:
-                continue
-            offsets, sizes = list(chunk.offsets), list(chunk.sizes)
-            offsets[d], sizes[d] = glob + lo - loc, hi - lo
-            piece.chunks.append(Chunk(tuple(offsets), tuple(sizes)))
-            piece.tensors.append(view.narrow(d, lo - a, hi - lo))
-    return piece
+    return flat_param_piece(key, flat, local_shape, start, spec, tp_rank)
 
 
 class WeightReader:

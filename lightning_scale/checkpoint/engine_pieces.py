@@ -13,7 +13,7 @@ parameter shard) and the inner optimizer's state for that master. A slot overlap
 
 tp slices are mapped back through the parameter's ``ShardSpec`` (``tp_spec``): a slice at ``tp_rank * local``
 along ``spec.dim`` of the padded global shape, the true (unpadded) size stored; fused sections (a qkv weight
-split per section) are cut into one sub-range per section. At stage 0 every dp rank holds the whole bucket and
+split per section, along dim 0, or GPT-2's ``Conv1D`` along dim 1) are cut per section. At stage 0 every dp rank holds the whole bucket and
 yields the same chunks: DCP's plan dedup writes them once.
 
 Loading reads the trainable weights into the *masters* only (``weights_from="master"`` when the checkpoint kept
@@ -25,15 +25,14 @@ resumed parameters are bit-for-bit what the saving run's step wrote.
 from __future__ import annotations
 
 import functools
-import math
 import warnings
 from typing import Dict, Iterator, Mapping, Optional, Sequence, Set
 
 import torch
 
 from lightning_scale.checkpoint.folder import CheckpointError
-from lightning_scale.checkpoint.layout import (Piece, TPSlice, flat_piece, master_key, model_key, optim_key,
-                                              tensor_piece)
+from lightning_scale.checkpoint.layout import (Chunk, Piece, TPSlice, flat_piece, flat_range_to_chunks, master_key,
+                                              model_key, optim_key, tensor_piece)
 
 WEIGHT_SOURCES = ("model", "master")
 
@@ -44,35 +43,36 @@ def _tp_spec(t: torch.Tensor):
 
 def flat_param_piece(key: str, flat: torch.Tensor, local_shape: Sequence[int], start: int, spec=None,
                      tp_rank: int = 0) -> Piece:
-    """``flat`` = elements ``[start, start + len)`` of a local tensor of ``local_shape`` (row-major), which is the
-    whole tensor (``spec=None``) or this tp rank's slice described by a ``ShardSpec``."""
+    """``flat`` = elements ``[start, start + len)`` (row-major) of a local tensor of ``local_shape``: the whole tensor
+    (``spec=None``) or tp rank ``tp_rank``'s slice described by its ``ShardSpec``, vocabulary padding included and
+    fused sections along any dim (a qkv weight split per section along dim 0; GPT-2's ``Conv1D`` ``c_attn``,
+    ``[in, 3 * out]``, along dim 1). Used for the layout-free checkpoint and for pretrained weights
+    (:func:`lightning_scale.pretrained.tp_flat_piece`)."""
     local = tuple(int(s) for s in local_shape)
     if spec is None:
         return flat_piece(key, flat, local, start)
-    padded = list(local)
-    padded[spec.dim] = spec.padded
-    true = list(local)
-    true[spec.dim] = spec.size
+    padded, true = list(local), list(local)
+    padded[spec.dim], true[spec.dim] = spec.padded, spec.size
     if spec.sections == 1:
         return flat_piece(key, flat, local, start, tp=TPSlice(spec.dim, spec.local_range(tp_rank)[0]),
                           global_shape=padded, true_shape=true)
-    if spec.dim != 0:
-        raise NotImplementedError(f"{key}: a fused tensor-parallel parameter split along dim {spec.dim} "
-                                  "(only dim 0 sections are mapped to the layout-free checkpoint)")
-    # Each section's local rows [loc, loc + sl) are global rows [glob, glob + sl) (sections may differ in size).
-    inner = math.prod(local[1:])
-    merged = Piece(key, tuple(true), flat.dtype)
-    end = start + flat.numel()
-    for loc, glob, sl in spec.pieces(tp_rank):
-        lo, hi = loc * inner, (loc + sl) * inner
-        a, b = max(lo, start), min(hi, end)
-        if a >= b:
-            continue
-        sub = flat_piece(key, flat[a - start:b - start], (sl,) + local[1:], a - lo,
-                         tp=TPSlice(0, glob), global_shape=true)
-        merged.chunks += sub.chunks
-        merged.tensors += sub.tensors
-    return merged
+    # Each rectangle of the flat range (contiguous) is cut per section along spec.dim: local positions
+    # [loc, loc + sl) are global [glob, glob + sl) (sections may differ in size). Along dim 0 the cuts stay
+    # contiguous; along a later dim they are strided views (saving copies them, loading writes through them).
+    d = spec.dim
+    piece = Piece(key, tuple(true), flat.dtype)
+    for chunk, pos in flat_range_to_chunks(local, start, start + flat.numel()):
+        view = flat[pos:pos + chunk.numel].view(chunk.sizes)
+        a, n = chunk.offsets[d], chunk.sizes[d]
+        for loc, glob, sl in spec.pieces(tp_rank):
+            lo, hi = max(a, loc), min(a + n, loc + sl)
+            if lo >= hi:
+                continue
+            offsets, sizes = list(chunk.offsets), list(chunk.sizes)
+            offsets[d], sizes[d] = glob + lo - loc, hi - lo
+            piece.chunks.append(Chunk(tuple(offsets), tuple(sizes)))
+            piece.tensors.append(view.narrow(d, lo - a, hi - lo))
+    return piece
 
 
 def tensor_pieces(key: str, t: torch.Tensor, tp_rank: int = 0) -> Piece:
