@@ -92,6 +92,9 @@ def _litgpt_lines() -> list:
     return lines
 
 
+MOE = 'Mixtral and Qwen2-MoE (`experts_implementation="eager"` in these configs: transformers\' default grouped matmul has no float64): their own `tp_plan` (transformers 5) covers attention, embedding and head only, so at tp=2 the fused expert weights stay whole on every rank (16% of this Mixtral\'s parameters split); the startup table\'s `tensor parallel` row says so, with a WARNING below half; zero3 shards the experts over dp.'
+
+
 def main() -> None:
     from test_hf_matrix import GRID, MODES, run_matrix
 
@@ -134,7 +137,7 @@ def main() -> None:
               "`pipeline_layers()`; they declare no `tp_plan` -> `ConfigError` asking for `tensor.plan`.",
               "", "dp2 x tp2 x pp2 (8 ranks, eager, ZeRO-1 over dp, 3 SGD steps, float64; "
               "`test_families_at_dp2_tp2_pp2_match_one_process`, slow): " + ", ".join(GRID) + " - per-step losses "
-              "within 1e-7 of one process (at most 8.9e-16 seen on 2026-12-02)."]
+              "within 1e-7 of one process (at most 8.9e-16 seen on 2026-12-02).", "", MOE]
     lines += ["", PRETRAINED]
     lines += _litgpt_lines() + tail
     with open(args.out, "w") as f:

@@ -32,6 +32,11 @@ FAMILIES: Dict[str, Tuple[str, dict, str]] = {
     "phi3": ("phi3", dict(num_key_value_heads=2, pad_token_id=0), "fused qkv and gate_up (tp: split by parts)"),
     "gpt_neox": ("gpt_neox", dict(rotary_pct=0.5), "fused per-head qkv, partial rotary, parallel residual"),
     "gpt2": ("gpt2", dict(n_inner=64), "learned positions, fused Conv1D c_attn, tied head"),
+    "mixtral": ("mixtral", dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, experts_implementation="eager"),
+                "mixture of experts: top-2 router over 4 experts (fused expert weights)"),
+    "qwen2_moe": ("qwen2_moe", dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                    shared_expert_intermediate_size=32, experts_implementation="eager"),
+                  "experts + a gated shared expert, q/k/v biases"),
 }
 
 

@@ -221,6 +221,24 @@ def _unit(row: Any) -> str:
     return "GiB" if max(row.device.total, row.host.total) >= GiB else "MiB"
 
 
+TP_MOSTLY_REPLICATED = 0.5  # below this fraction of the parameters split over tp, the row warns
+
+
+def tensor_parallel_row(summary: Optional[Dict[str, Any]]) -> Optional[Tuple[str, str]]:
+    """The startup table's "tensor parallel" row from :func:`~lightning_scale.tensor_parallel.plan.split_summary`:
+    the share of the parameters tp split and the largest groups it left whole on every tp rank (a model's own
+    ``tp_plan`` may cover its attention only: an MoE's experts then stay replicated and tp saves little memory)."""
+    if not summary:
+        return None
+    text = f"{summary['fraction']:.0%} of {summary['total']:,} parameters split over tp={summary['tp']}"
+    if summary["replicated"]:
+        text += "; replicated on every tp rank: " + ", ".join(f"{k} ({n:,})" for k, n in summary["replicated"])
+    if summary["fraction"] < TP_MOSTLY_REPLICATED:
+        text += (" - WARNING: most parameters are not split (the plan covers little of this model), so tp saves "
+                 "little memory here; zero.stage=3 shards what tp leaves whole over dp")
+    return ("tensor parallel", text)
+
+
 def layout_table(strategy: Any) -> str:
     topo, cfg = strategy.topology, strategy.config
     module = _module(strategy)
@@ -232,6 +250,9 @@ def layout_table(strategy: Any) -> str:
     if attention is not None:
         rows.append(("attention", attention))
     rows += compile_and_checkpointing(strategy, module)
+    tp_row = tensor_parallel_row(getattr(getattr(strategy, "_parallel", None), "tp_summary", None))
+    if tp_row is not None:
+        rows.append(tp_row)
     engines = list(getattr(strategy, "engines", []) or [])
     if engines:
         rows.append(("optimizer", ", ".join(f"{type(_engine_optimizer(e)).__name__} in {type(e).__name__}"

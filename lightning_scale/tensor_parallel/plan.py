@@ -438,6 +438,28 @@ def _share_sibling_inputs(model: nn.Module, state: TensorParallelState, group, s
         state.shared_inputs[pname] = share
 
 
+def split_summary(model: nn.Module, tp: int, top: int = 3) -> Dict[str, object]:
+    """After :func:`apply_tensor_parallel`: how much of ``model`` tp split. ``split`` / ``total``: parameters of the
+    whole model (a split one counted at its global size), ``replicated``: the largest replicated parameter groups
+    as (pattern with layer indices as ``*``, parameters over all layers), largest first. A model's own ``tp_plan``
+    may cover its attention only (Mixtral's and Qwen2-MoE's in transformers 5: the experts, most of the model, stay
+    whole on every tp rank), which the startup table says."""
+    split = replicated = 0
+    groups: Dict[str, int] = {}
+    for name, prm in model.named_parameters():
+        spec = tp_spec(prm)
+        if spec is not None:
+            split += prm.numel() // max(1, spec.local_size) * spec.size
+        else:
+            replicated += prm.numel()
+            key = _generic(name)
+            groups[key] = groups.get(key, 0) + prm.numel()
+    total = split + replicated
+    largest = sorted(groups.items(), key=lambda kv: -kv[1])[:top]
+    return {"tp": tp, "split": split, "total": total, "fraction": split / total if total else 0.0,
+            "replicated": largest}
+
+
 def apply_tensor_parallel(model: nn.Module, plan: Optional[Dict[str, object]] = None, group=None, *,
                           sequence_parallel: bool = False, share_inputs: bool = True) -> nn.Module:
     """Split ``model`` in place over the tp process ``group`` following ``plan`` (None: built-in plan).

@@ -301,3 +301,35 @@ def test_find_plannable_module_inside_a_wrapper():
     assert find_plannable_module(wrapper) == ("model", wrapper.model)
     with pytest.raises(ConfigError, match="no module with a built-in tensor-parallel plan"):
         find_plannable_module(nn.Sequential(nn.Linear(2, 2)))
+
+
+def test_split_summary_and_the_startup_row_name_what_tp_left_whole():
+    """The startup table's "tensor parallel" row: the share of the parameters tp split (a split one counted at its
+    global size, from its ShardSpec) and the largest groups it left whole; a model whose plan splits little (an MoE
+    whose own tp_plan covers attention only: its 3-D expert weights stay whole on every rank, Mixtral at tp=2: 16%)
+    gets a WARNING in that row."""
+    from lightning_scale.strategies.report import tensor_parallel_row
+    from lightning_scale.tensor_parallel.plan import split_summary
+
+    def model(expert_size: int) -> nn.Module:
+        m = nn.Module()
+        m.layers = nn.ModuleList()
+        for _ in range(2):
+            layer = nn.Module()
+            layer.fc = nn.Linear(8, 8, bias=False)  # this rank's half of a 16 x 8 column-parallel weight
+            layer.fc.weight.tp_spec = make_spec(0, 16, 2)
+            layer.norm = nn.LayerNorm(8, bias=False)
+            layer.experts = nn.Parameter(torch.zeros(expert_size, 8))
+            m.layers.append(layer)
+        return m
+
+    dense = split_summary(model(1), 2)
+    assert (dense["split"], dense["total"]) == (2 * 128, 2 * 128 + 2 * 8 + 2 * 8)
+    assert dense["replicated"] == [("layers.*.experts", 16), ("layers.*.norm.weight", 16)]
+    row = tensor_parallel_row(dense)
+    assert row == ("tensor parallel", "89% of 288 parameters split over tp=2; replicated on every tp rank: "
+                                      "layers.*.experts (16), layers.*.norm.weight (16)")
+    moe = split_summary(model(64), 2)
+    assert moe["replicated"][0] == ("layers.*.experts", 1024) and moe["fraction"] < 0.5
+    assert "WARNING: most parameters are not split" in tensor_parallel_row(moe)[1]
+    assert tensor_parallel_row(None) is None
