@@ -191,6 +191,11 @@ def _structure(model: nn.Module):
     if bad:
         raise ConfigError(f"pipeline: {family} uses config.{bad[0]}={getattr(config, bad[0])!r}, math in the "
                           f"model's forward that the built-in adapter does not run; {_hook_hint(model)}")
+    if getattr(config, "output_router_logits", False) is True:  # a mixture of experts' load-balancing loss
+        raise ConfigError(f"pipeline: {family} has config.output_router_logits=True: its forward adds the router's "
+                          "auxiliary (load-balancing) loss to the loss, which the built-in adapter does not compute "
+                          "(the pipeline's loss would lack it, silently); set output_router_logits=False, or "
+                          f"{_hook_hint(model)}")
     return base, names[:k], lists[0], names[k + 1:], next(iter(head_plan)), family
 
 

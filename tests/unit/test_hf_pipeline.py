@@ -62,3 +62,15 @@ def test_found_inside_a_wrapper_and_unsupported_family_named():
     with pytest.raises(ConfigError, match=r"OPTForCausalLM \(model_type 'opt'\).*pipeline_layers\(\)"):
         pipeline_layers(OPTForCausalLM(OPTConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=2, ffn_dim=32,
                                                  vocab_size=32, word_embed_proj_dim=16)))
+
+
+def test_a_router_auxiliary_loss_is_refused_not_dropped():
+    """A mixture of experts with ``output_router_logits=True`` adds the router's load-balancing loss to its loss in
+    its own forward; the adapter runs the layers one by one and would train without it, silently: a ConfigError that
+    names the setting. Off (the default), the chain equals the model."""
+    model = F.build("mixtral", "eager")
+    x, _ = F.batch(2, 8, seed=0)
+    assert torch.equal(hf_pipeline_layers(model)(x), model(input_ids=x).logits)
+    model.config.output_router_logits = True
+    with pytest.raises(ConfigError, match=r"MixtralForCausalLM .*output_router_logits=True.*auxiliary"):
+        pipeline_layers(model)
