@@ -211,10 +211,20 @@ def _counted_profile(unit, hidden: int, tp: int) -> Dict[str, float]:
     Mixtral layer's activations were under-counted 2.8x."""
     import torch.nn as nn
 
+    from lightning_scale.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
     lin = [m for m in unit.modules() if isinstance(m, nn.Linear)]
     outs = sum(m.out_features for m in lin) / tp
     ins = sum(m.in_features for m in lin) / tp
     widest = max((m.out_features for m in lin), default=hidden) / tp
+    # a unit split already (a live tp model): its parallel layers at their local widths (a column-parallel layer
+    # makes out / tp, a row-parallel one reads in / tp); they are not nn.Linear, and were missed (a Hugging Face
+    # Llama's plan at tp=2 was 2.98x under the measured step)
+    for m in unit.modules():
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+            col = isinstance(m, ColumnParallelLinear)
+            out_f, in_f = m.out_features / (m.tp if col else 1), m.in_features / (1 if col else m.tp)
+            outs, ins, widest = outs + out_f, ins + in_f, max(widest, out_f)
     experts, routed = _expert_weights(unit), 0.0
     if experts:
         k = experts_per_token(unit)

@@ -50,7 +50,7 @@ def test_plan_within_15_percent_of_a_measured_step(family):
 def test_a_mixture_of_experts_is_counted_with_its_experts(family, k):
     """An MoE layer cannot run alone on fake tensors (its routing has data-dependent shapes): the plan counts it, and
     the count includes the stacked expert weights each token passes ``top_k`` times (without them a Mixtral layer
-    was 2.6x under its measured step; tests/dist/test_memory_plan_moe.py measures the plan on 2 ranks)."""
+    was 2.6x under its measured step; tests/dist/test_memory_plan_counted.py measures the plan on 2 ranks)."""
     from lightning_scale.activation_plan import _counted_profile, _expert_weights, experts_per_token, profile_model
     from lightning_scale.models import hf_families as F
 

@@ -1,10 +1,15 @@
-"""The memory plan of a mixture of experts (Mixtral, Qwen2-MoE from transformers' config classes) on 2 ranks.
+"""The memory plan of Hugging Face models the plan counts instead of profiling, on 2 ranks: a mixture of experts
+(Mixtral, Qwen2-MoE from transformers' config classes) and any model split by tp.
 
 An MoE layer's routing has data-dependent shapes, so it cannot be profiled on fake tensors; the plan counted its
 activations from its Linear layers alone, missing the stacked expert weights ``(experts, out, in)`` that every
 token passes ``top_k`` times: the step-1 plan of this Mixtral was 2.59x under the measured peak (Qwen2-MoE 1.61x),
 so the autotuner and the estimator would pick layouts that do not fit. The count now includes the experts
-(``activation_plan._counted_profile``). Each case: one Trainer launch, float32, 2 x 1024 tokens per rank, the
+(``activation_plan._counted_profile``). At tp > 1 the live, split layers are counted: the tp layers are not
+``nn.Linear`` and were left out (an HF Llama's plan at tp=2 was 2.98x under, Mixtral's 1.27x, GPT-2 2.49x, Phi-3
+3.08x); now Llama, Mixtral (and by hand Qwen3, GPT-2, Phi-3) are within 15%. Not yet: sliding-window families at
+tp=2 (Mistral 2.84x, Gemma3 3.2x under: a CPU's sdpa keeps per-head score matrices with an explicit mask, which a
+count of Linear sizes does not see; the step-1 check warns). Each case: one Trainer launch, float32, 2 x 1024 tokens per rank, the
 measured step-1 peak (the engines' bytes + ``LiveTensorBytes``) within 15% of the plan on every rank, no warning.
 Run as a script, this file is one rank of that launch.
 """
@@ -22,6 +27,8 @@ CASES = {  # name: (family, Zero3DStrategy kwargs)
     "mixtral_zero2": ("mixtral", {"stage": 2}),
     "mixtral_zero2_ac": ("mixtral", {"stage": 2, "activation_checkpointing": "full"}),
     "qwen2_moe_zero2": ("qwen2_moe", {"stage": 2}),
+    "llama_tp2": ("llama", {"tp": 2}),
+    "mixtral_tp2": ("mixtral", {"tp": 2}),
 }
 SEQ, BATCH = 1024, 2
 
@@ -66,7 +73,7 @@ def _fit(name: str) -> dict:
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_moe_step1_peak_within_15_percent(tmp_path, name):
+def test_counted_step1_peak_within_15_percent(tmp_path, name):
     pytest.importorskip("transformers")
     from lightning_scale.testing import run_script
 
@@ -77,7 +84,8 @@ def test_moe_step1_peak_within_15_percent(tmp_path, name):
         assert abs(r["ratio"] - 1) <= 0.15, (name, results)
         assert not r["warned"], (name, r)
         assert r["activations"] > 0.25 * r["predicted"], (name, r)
-        assert any("stacked expert weights" in n for n in r["notes"]), r["notes"]
+        if "tp" not in CASES[name][1]:  # the one-unit profile's note (at tp the live split unit is counted)
+            assert any("stacked expert weights" in n for n in r["notes"]), r["notes"]
     print(name, [round(r["ratio"], 3) for r in results])
 
 
