@@ -103,20 +103,9 @@ def _ls_build(kw, rank, world, device="cpu", **layout):
     tp_rank = topo.tp_rank if config.tp > 1 else 0
 
     def step(x, y):
-        import torch.distributed as dist
+        from lightning_scale.testing import dp_step
 
-        x, y = x.to(device), y.to(device)
-        if topo.dp > 1:
-            x, y = x.chunk(topo.dp)[topo.dp_rank], y.chunk(topo.dp)[topo.dp_rank]
-        loss = _loss(model(input_ids=x).logits, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        loss = loss.detach().clone()
-        if topo.dp > 1:
-            dist.all_reduce(loss, group=topo.dp_group)
-            loss /= topo.dp
-        return float(loss)
+        return dp_step(model, opt, topo, x, y, _loss, device=device)
 
     return model, engine, tp_rank, step
 

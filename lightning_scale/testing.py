@@ -387,3 +387,27 @@ def live_rss_bytes() -> int:
     except OSError:  # not glibc: the reading then includes the allocator's cache
         pass
     return psutil.Process().memory_info().rss
+
+
+def dp_step(model, opt, topo, x, y, loss_fn, *, device=None, before_step=None) -> float:
+    """One training step of a causal LM over the data-parallel axis of ``topo`` (tests and benches): this rank's
+    ``1 / dp`` of the rows of ``(x, y)`` (tp / pp peers: the same rows), ``loss_fn(model(input_ids=x).logits, y)``,
+    backward, ``before_step()`` (e.g. a clip), ``opt.step()``; returns the loss averaged over dp (each rank holds
+    an equal share, so it is the whole batch's mean)."""
+    import torch.distributed as dist
+
+    if device is not None:
+        x, y = x.to(device), y.to(device)
+    if topo.dp > 1:
+        x, y = x.chunk(topo.dp)[topo.dp_rank], y.chunk(topo.dp)[topo.dp_rank]
+    loss = loss_fn(model(input_ids=x).logits, y)
+    loss.backward()
+    if before_step is not None:
+        before_step()
+    opt.step()
+    opt.zero_grad()
+    loss = loss.detach().clone()
+    if topo.dp > 1:
+        dist.all_reduce(loss, group=topo.dp_group)
+        loss /= topo.dp
+    return float(loss)

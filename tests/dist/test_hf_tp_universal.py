@@ -70,23 +70,9 @@ def _layout(family: str, layout: dict, rank: int, world_size: int):
 
 
 def _train(model, opt, topo, steps):
-    import torch.distributed as dist
+    from lightning_scale.testing import dp_step
 
-    losses = []
-    for step in steps:
-        x, y = _batch(step)
-        if topo.dp > 1:
-            x, y = x.chunk(topo.dp)[topo.dp_rank], y.chunk(topo.dp)[topo.dp_rank]
-        loss = _loss(model(input_ids=x).logits, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        loss = loss.detach().clone()
-        if topo.dp > 1:
-            dist.all_reduce(loss, group=topo.dp_group)
-            loss /= topo.dp
-        losses.append(loss.item())
-    return losses
+    return [dp_step(model, opt, topo, *_batch(step), _loss) for step in steps]
 
 
 def worker(rank: int, world_size: int, root: str) -> dict:

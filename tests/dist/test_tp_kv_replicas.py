@@ -73,10 +73,9 @@ CASES_4 = [("llama", 1, dict(tp=4, stage=1)), ("llama", 2, dict(tp=4, stage=1)),
 
 
 def _run(family, kv, layout, rank, world_size):
-    import torch.distributed as dist
-
     from lightning_scale.config import from_flat_kwargs
     from lightning_scale.parallelize import local_topology, parallelize
+    from lightning_scale.testing import dp_step
 
     config = from_flat_kwargs(**layout)
     topo = local_topology(config, world_size, rank)
@@ -86,19 +85,8 @@ def _run(family, kv, layout, rank, world_size):
     (engine,) = pm.make_engines()
     losses, norms = [], []
     for step in range(STEPS):
-        x, y = _batch(step)
-        if topo.dp > 1:
-            x, y = x.chunk(topo.dp)[topo.dp_rank], y.chunk(topo.dp)[topo.dp_rank]
-        loss = _loss(model(input_ids=x).logits, y)
-        loss.backward()
-        norms.append(engine.clip_grad_norm_(CLIP).item())
-        opt.step()
-        opt.zero_grad()
-        loss = loss.detach().clone()
-        if topo.dp > 1:
-            dist.all_reduce(loss, group=topo.dp_group)
-            loss /= topo.dp
-        losses.append(loss.item())
+        losses.append(dp_step(model, opt, topo, *_batch(step), _loss,
+                              before_step=lambda: norms.append(engine.clip_grad_norm_(CLIP).item())))
     attn = model.model.layers[0].self_attn
     k_rows = attn.k_proj.weight.shape[0] if hasattr(attn, "k_proj") else attn.qkv_proj.weight.shape[0]
     out = {"losses": losses, "norms": norms, "k_rows": k_rows,
