@@ -57,25 +57,37 @@ def _fit(name: str) -> dict:
             "warned": [str(w.message) for w in caught if "[lightning_scale memory]" in str(w.message)]}
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", list(CASES))
-def test_step1_peak_within_15_percent_on_2_ranks(tmp_path, name):
+def launch_and_check(script: str, tmp_path, name: str, timeout: float = 400) -> list:
+    """Run ``script`` (one rank of a 2-rank Trainer launch writing ``plan<rank>.json``) and check every rank's step-1
+    ratio within 15%, no warning, activations a real share of the plan; returns the ranks' results."""
     from lightning_scale.testing import run_script
 
-    proc = run_script([sys.executable, __file__, str(tmp_path), name], timeout=400, cwd=tmp_path, ranks=2)
+    proc = run_script([sys.executable, script, str(tmp_path), name], timeout=timeout, cwd=tmp_path, ranks=2)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     results = [json.loads((tmp_path / f"plan{r}.json").read_text()) for r in range(2)]
     for r in results:
         assert abs(r["ratio"] - 1) <= 0.15, (name, results)
         assert not r["warned"], (name, r)
         assert r["activations"] > 0.25 * r["predicted"], (name, r)
+    print(name, [round(r["ratio"], 3) for r in results])
+    return results
+
+
+def main(fit) -> None:
+    """This file as a script: one rank of the launch, writing its plan<rank>.json."""
+    out, name = sys.argv[1], sys.argv[2]
+    result = fit(name)
+    with open(os.path.join(out, f"plan{os.environ.get('RANK', '0')}.json"), "w") as f:
+        json.dump(result, f)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CASES))
+def test_step1_peak_within_15_percent_on_2_ranks(tmp_path, name):
+    results = launch_and_check(__file__, tmp_path, name)
     want_tokens = BATCH * SEQ // CASES[name].get("sp", 1)
     assert all(r["tokens"] == want_tokens for r in results), results
-    print(name, [round(r["ratio"], 3) for r in results])
 
 
 if __name__ == "__main__":
-    out, name = sys.argv[1], sys.argv[2]
-    result = _fit(name)
-    with open(os.path.join(out, f"plan{os.environ.get('RANK', '0')}.json"), "w") as f:
-        json.dump(result, f)
+    main(_fit)
