@@ -21,6 +21,7 @@ did not acknowledge are killed, so no process is left.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import os
 import select
@@ -37,6 +38,7 @@ EXIT_HANG = 70  # a hang was detected (by any rank)
 EXIT_PEER_FAILED = 71  # another rank failed first; this one was ended by the watchdog
 EXIT_STOP_TIMEOUT = 72  # a stop (signal / failure) did not complete within stop_timeout
 _ACK_WAIT_S = 5.0
+_FINISHES: Dict[int, int] = {}  # rank -> normal ends so far in this process: ranks end their fits in step
 
 
 class PeerFailedError(RuntimeError):
@@ -86,6 +88,24 @@ class Watchdog:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=2 * self.config.heartbeat_interval + 1)
         self._thread = None
+
+    def finish(self) -> None:
+        """Normal end, after :meth:`close`: this rank's last use of the store. The rank whose process hosts the c10d
+        store (rank 0, under Lightning's launcher and a torchrun without an agent store) waits, at most
+        ``stop_timeout``, until every rank got here: otherwise a rank 0 done first exits while a peer still checks
+        the store at the end of its last step, and that peer fails a finished run ("Failed to recv, got 0 bytes",
+        seen at the end of a 1-step fit)."""
+        gen = _FINISHES[self.rank] = _FINISHES.get(self.rank, -1) + 1
+        key = f"done/{gen}/"
+        try:
+            self.store.set(f"{key}{self.rank}", "1")
+            if self.rank == 0:
+                self.store.wait([f"{key}{r}" for r in range(self.world)],
+                                datetime.timedelta(seconds=self.config.stop_timeout))
+        except Exception as err:  # noqa: BLE001 - the run is over: a peer gone or late is not this rank's failure
+            if self.rank == 0:
+                self._print(f"{report.PREFIX} rank 0: not every rank reached the end of the run within "
+                            f"{self.config.stop_timeout:g} s ({type(err).__name__}); exiting anyway")
 
     def _budget(self) -> float:
         grace = self.config.first_step_grace if trace.RECORD.step == 0 else 0.0

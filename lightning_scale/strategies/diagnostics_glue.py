@@ -191,6 +191,7 @@ def teardown(strategy: Any) -> None:
     wd = getattr(strategy, "_ls_watchdog", None)
     if wd is not None and not wd.stopping:
         wd.close()
+        wd.finish()  # the store's host leaves only after every rank's last use of it
         strategy._ls_watchdog = None
 
 

@@ -1,17 +1,17 @@
-"""The memory plan of Hugging Face models the plan counts instead of profiling, on 2 ranks: a mixture of experts
-(Mixtral, Qwen2-MoE from transformers' config classes) and any model split by tp.
+"""The memory plan of Hugging Face models the one-unit profile cannot run as they are, on 2 ranks: a mixture of
+experts (Mixtral, Qwen2-MoE from transformers' config classes) and any model split by tp.
 
 An MoE layer's routing has data-dependent shapes, so it cannot be profiled on fake tensors; the plan counted its
 activations from its Linear layers alone, missing the stacked expert weights ``(experts, out, in)`` that every
 token passes ``top_k`` times: the step-1 plan of this Mixtral was 2.59x under the measured peak (Qwen2-MoE 1.61x),
 so the autotuner and the estimator would pick layouts that do not fit. The count now includes the experts
-(``activation_plan._counted_profile``). At tp > 1 the live, split layers are counted: the tp layers are not
-``nn.Linear`` and were left out (an HF Llama's plan at tp=2 was 2.98x under, Mixtral's 1.27x, GPT-2 2.49x, Phi-3
-3.08x); now Llama, Mixtral (and by hand Qwen3, GPT-2, Phi-3) are within 15%. Not yet: sliding-window families at
-tp=2 (Mistral 2.84x, Gemma3 3.2x under: a CPU's sdpa keeps per-head score matrices with an explicit mask, which a
-count of Linear sizes does not see; the step-1 check warns). Each case: one Trainer launch, float32, 2 x 1024 tokens per rank, the
-measured step-1 peak (the engines' bytes + ``LiveTensorBytes``) within 15% of the plan on every rank, no warning.
-Run as a script, this file is one rank of that launch.
+(``activation_plan._counted_profile``). At tp > 1 the live units are split and run collectives: they were counted
+from their ``nn.Linear`` layers, which the tensor-parallel layers are not (an HF Llama's plan at tp=2 was 2.98x
+under, Gemma3's 10.5x); now each unit is profiled with its parallel layers swapped for local-sized ``nn.Linear`` on
+meta (``report.local_linears``), so sliding-window attention's per-head scores are seen too (Mistral, Gemma3), and a
+unit that still cannot run (an MoE) is counted with the parallel layers at their local widths. Each case: one Trainer
+launch, float32, 2 x 1024 tokens per rank, the measured step-1 peak (the engines' bytes + ``LiveTensorBytes``)
+within 15% of the plan on every rank, no warning. Run as a script, this file is one rank of that launch.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ CASES = {  # name: (family, Zero3DStrategy kwargs)
     "qwen2_moe_zero2": ("qwen2_moe", {"stage": 2}),
     "llama_tp2": ("llama", {"tp": 2}),
     "mixtral_tp2": ("mixtral", {"tp": 2}),
+    "mistral_tp2": ("mistral", {"tp": 2}),  # sliding window: sdpa keeps per-head scores with the explicit mask
+    "gemma3_tp2": ("gemma3", {"tp": 2}),
 }
 SEQ, BATCH = 1024, 2
 

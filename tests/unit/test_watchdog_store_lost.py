@@ -44,3 +44,30 @@ def test_lost_store_host(stopping):
             assert time.monotonic() - lost >= 1.0
     finally:
         host.kill()
+
+
+def test_the_store_host_leaves_only_after_every_rank_finished(capsys):
+    """A normal end: rank 0 (whose process hosts the store) waits in ``finish`` until every rank has made its last
+    use of the store, so its exit cannot fail a peer that is still checking the store at the end of its last step
+    (a 1-step Trainer fit of a Mistral at tp=2 failed rank 1 that way: "Failed to recv, got 0 bytes"); a peer that
+    never comes bounds the wait at ``stop_timeout`` and rank 0 says so."""
+    import threading
+
+    host = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    peer = dist.TCPStore("127.0.0.1", host.port, is_master=False, timeout=datetime.timedelta(seconds=5))
+    config = DiagnosticsConfig(heartbeat_interval=0.2, stop_timeout=3.0)
+    rank0, rank1 = Watchdog(host, 0, 2, config, exit_fn=lambda c: None), Watchdog(peer, 1, 2, config,
+                                                                                   exit_fn=lambda c: None)
+    done = []
+    t = threading.Thread(target=lambda: (rank0.finish(), done.append(time.monotonic())))
+    t.start()
+    time.sleep(0.5)
+    assert not done  # rank 0 is waiting for rank 1
+    late = time.monotonic()
+    rank1.finish()
+    t.join(timeout=10)
+    assert done and 0 <= done[0] - late < 2.0  # released by rank 1, well before the 3 s bound
+    start = time.monotonic()
+    rank0.finish()  # the next end: rank 1 never arrives
+    assert 2.5 <= time.monotonic() - start < 10
+    assert "not every rank reached the end of the run within 3 s" in capsys.readouterr().err
