@@ -222,8 +222,7 @@ def _counted_profile(unit, hidden: int, tp: int) -> Dict[str, float]:
     # Llama's plan at tp=2 was 2.98x under the measured step)
     for m in unit.modules():
         if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
-            col = isinstance(m, ColumnParallelLinear)
-            out_f, in_f = m.out_features / (m.tp if col else 1), m.in_features / (1 if col else m.tp)
+            in_f, out_f = m.local_features
             outs, ins, widest = outs + out_f, ins + in_f, max(widest, out_f)
     experts, routed = _expert_weights(unit), 0.0
     if experts:

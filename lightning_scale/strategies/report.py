@@ -9,7 +9,6 @@ device / host totals then equal the table's ``*`` row (``tests/unit/test_report.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -333,6 +332,8 @@ def _profile(strategy: Any, module: Any, seq_len: int) -> Tuple[Any, int]:
         # the live split units profiled at their local sizes (counting their layers missed the per-head scores of
         # sliding-window attention: Mistral / Gemma3 at tp=2 2.8-3.2x under). Tiled units stay counted (profiled
         # this way a tiled Llama + AC came out 1.38x under; counted, 0.87).
+        from lightning_scale.tensor_parallel.plan import local_linears
+
         with local_linears(inner):
             return profile_model(inner, seq_len=seq_len, sp=1, tp=1), 1
     units = [u for u in _units(inner) if any(True for _ in u.parameters())]
@@ -340,33 +341,6 @@ def _profile(strategy: Any, module: Any, seq_len: int) -> Tuple[Any, int]:
     vocab, chunk = _vocab_and_chunk(inner, None)
     return UnitProfile(per_token=_counted_profile(units[0], hidden, 1), layers=len(units), hidden=hidden,
                        vocab=vocab, chunk=chunk, unit_type=type(units[0]), source="counted", notes=()), 1
-
-
-@contextlib.contextmanager
-def local_linears(model: Any):
-    """Inside: every tensor-parallel linear of ``model`` replaced by an ``nn.Linear`` of this rank's local shape on
-    ``meta`` (no collective, no memory), so a split decoder layer can be profiled on fake tensors as it runs here: its
-    attention already uses the local heads. A layer whose forward still reaches a collective (a gradient all-reduce
-    hook) fails the profile and is counted instead. Restored on exit."""
-    import torch
-    import torch.nn as nn
-
-    from lightning_scale.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-
-    swapped = []
-    for name, m in list(model.named_modules()):
-        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
-            col = isinstance(m, ColumnParallelLinear)
-            out_f = m.out_features // m.tp if col else m.out_features
-            in_f = m.in_features if col else m.in_features // m.tp
-            local = nn.Linear(in_f, out_f, bias=m.bias is not None, device="meta", dtype=torch.float32)
-            swapped.append((name, m))
-            model.set_submodule(name, local)
-    try:
-        yield
-    finally:
-        for name, m in swapped:
-            model.set_submodule(name, m)
 
 
 def _step_numel(strategy: Any) -> Optional[float]:

@@ -22,7 +22,7 @@ one graph per layer, and past torch's recompile limit (8) the layers beyond it r
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -327,6 +327,7 @@ class _ParallelLinearBase(nn.Module):
 
     weight_spec: ShardSpec
     bias_spec: Optional[ShardSpec]
+    splits_output: bool  # column-parallel (output features split) or row-parallel (input features split)
 
     def _setup(self, in_features: int, out_features: int, group, name: str, transposed: bool) -> None:
         self.in_features, self.out_features = in_features, out_features
@@ -351,6 +352,12 @@ class _ParallelLinearBase(nn.Module):
 
     def _weight(self) -> torch.Tensor:
         return self.weight.t() if self.transposed else self.weight  # (out_local, in_local) view
+
+    @property
+    def local_features(self) -> Tuple[int, int]:
+        """(in, out) features of the matmul this rank runs: its slice of the split side, the other side whole."""
+        local = self.weight_spec.local_size
+        return (self.in_features, local) if self.splits_output else (local, self.out_features)
 
     def _make_params(self, weight_shape, bias_shape, device, dtype) -> None:
         self.weight = nn.Parameter(torch.empty(weight_shape, device=device, dtype=dtype))
@@ -407,6 +414,8 @@ class ColumnParallelLinear(_ParallelLinearBase):
     ``pad=True`` pads ``out_features`` to a multiple of tp (vocabulary heads; see
     :func:`~lightning_scale.tensor_parallel.cross_entropy.vocab_parallel_cross_entropy`).
     """
+
+    splits_output = True
 
     def __init__(self, in_features: int, out_features: int, *, group, bias: bool = True,
                  gather_output: bool = False, sections: int = 1, pad: bool = False,
@@ -485,6 +494,8 @@ class RowParallelLinear(_ParallelLinearBase):
     (:func:`~lightning_scale.tensor_parallel.overlap.set_overlap`) overlaps the forward all-reduce with the
     layer's own matmul, chunk by chunk.
     """
+
+    splits_output = False
 
     overlap_chunks, overlap_blocking = 1, False
 

@@ -16,10 +16,11 @@ Built-in plans (``plan=None``): the project GPT, a Hugging Face model's own ``tp
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import re
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -436,6 +437,27 @@ def _share_sibling_inputs(model: nn.Module, state: TensorParallelState, group, s
         state.hooks.append(parent.register_forward_pre_hook(share.clear))
         state.hooks.append(parent.register_forward_hook(share.clear, always_call=True))
         state.shared_inputs[pname] = share
+
+
+@contextlib.contextmanager
+def local_linears(model: nn.Module) -> Iterator[None]:
+    """Inside: every tensor-parallel linear of ``model`` replaced by an ``nn.Linear`` of this rank's local shape on
+    ``meta`` (no collective, no memory), so a split decoder layer can be profiled on fake tensors as it runs here (the
+    memory plan, ``strategies/report._profile``): its attention already uses the local heads. A layer whose forward
+    still reaches a collective (a gradient all-reduce hook) fails the profile and is counted instead. Restored on
+    exit."""
+    swapped = []
+    for name, m in list(model.named_modules()):
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+            in_f, out_f = m.local_features
+            swapped.append((name, m))
+            model.set_submodule(name, nn.Linear(in_f, out_f, bias=m.bias is not None, device="meta",
+                                                dtype=torch.float32))
+    try:
+        yield
+    finally:
+        for name, m in swapped:
+            model.set_submodule(name, m)
 
 
 def split_summary(model: nn.Module, tp: int, top: int = 3) -> Dict[str, object]:

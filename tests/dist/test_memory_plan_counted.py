@@ -8,7 +8,7 @@ so the autotuner and the estimator would pick layouts that do not fit. The count
 (``activation_plan._counted_profile``). At tp > 1 the live units are split and run collectives: they were counted
 from their ``nn.Linear`` layers, which the tensor-parallel layers are not (an HF Llama's plan at tp=2 was 2.98x
 under, Gemma3's 10.5x); now each unit is profiled with its parallel layers swapped for local-sized ``nn.Linear`` on
-meta (``report.local_linears``), so sliding-window attention's per-head scores are seen too (Mistral, Gemma3), and a
+meta (``tensor_parallel.plan.local_linears``), so sliding-window attention's per-head scores are seen too (Mistral, Gemma3), and a
 unit that still cannot run (an MoE) is counted with the parallel layers at their local widths. Each case: one Trainer
 launch, float32, 2 x 1024 tokens per rank, the measured step-1 peak (the engines' bytes + ``LiveTensorBytes``)
 within 15% of the plan on every rank, no warning. Run as a script, this file is one rank of that launch.
