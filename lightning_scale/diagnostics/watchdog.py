@@ -21,7 +21,6 @@ did not acknowledge are killed, so no process is left.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import json
 import os
 import select
@@ -99,9 +98,16 @@ class Watchdog:
         key = f"done/{gen}/"
         try:
             self.store.set(f"{key}{self.rank}", "1")
-            if self.rank == 0:
-                self.store.wait([f"{key}{r}" for r in range(self.world)],
-                                datetime.timedelta(seconds=self.config.stop_timeout))
+            if self.rank != 0:
+                return
+            keys = [f"{key}{r}" for r in range(self.world)]
+            deadline = time.monotonic() + self.config.stop_timeout
+            while not self.store.check(keys):
+                if self.store.check(["stop_req"]) or self.store.check(["abort"]):
+                    return  # not a normal end on some rank: it bounds its own exit; do not hold this one
+                if time.monotonic() > deadline:
+                    raise TimeoutError("done keys missing")
+                time.sleep(0.05)
         except Exception as err:  # noqa: BLE001 - the run is over: a peer gone or late is not this rank's failure
             if self.rank == 0:
                 self._print(f"{report.PREFIX} rank 0: not every rank reached the end of the run within "

@@ -191,7 +191,8 @@ def teardown(strategy: Any) -> None:
     wd = getattr(strategy, "_ls_watchdog", None)
     if wd is not None and not wd.stopping:
         wd.close()
-        wd.finish()  # the store's host leaves only after every rank's last use of it
+        if sys.exc_info()[1] is None:  # a normal end (not a teardown while an error or a stop propagates)
+            wd.finish()  # the store's host leaves only after every rank's last use of it
         strategy._ls_watchdog = None
 
 
