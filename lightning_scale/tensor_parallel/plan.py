@@ -443,7 +443,7 @@ def _share_sibling_inputs(model: nn.Module, state: TensorParallelState, group, s
 def local_linears(model: nn.Module) -> Iterator[None]:
     """Inside: every tensor-parallel linear of ``model`` replaced by an ``nn.Linear`` of this rank's local shape on
     ``meta`` (no collective, no memory), so a split decoder layer can be profiled on fake tensors as it runs here (the
-    memory plan, ``strategies/report._profile``): its attention already uses the local heads. A layer whose forward
+    memory plan, ``strategies/memory_plan._profile``): its attention already uses the local heads. A layer whose forward
     still reaches a collective (a gradient all-reduce hook) fails the profile and is counted instead. Restored on
     exit."""
     swapped = []

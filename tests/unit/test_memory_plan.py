@@ -52,7 +52,7 @@ def _fit(name: str, drop_activations: bool = False, untiled_too: bool = False) -
     from lightning_scale import Zero3DStrategy
     from lightning_scale.lit import GPTLightningModule
     from lightning_scale.models.gpt import GPTConfig
-    from lightning_scale.strategies import report
+    from lightning_scale.strategies import memory_plan as report
 
     seq, batch, ac, chunk, tiled = SHAPES[name]
     torch.manual_seed(0)
