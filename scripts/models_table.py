@@ -92,7 +92,7 @@ def _litgpt_lines() -> list:
     return lines
 
 
-MOE = 'Mixtral and Qwen2-MoE (`experts_implementation="eager"` in these configs: transformers\' default grouped matmul has no float64): their own `tp_plan` (transformers 5) covers attention, embedding and head only, so at tp=2 the fused expert weights stay whole on every rank (16% of this Mixtral\'s parameters split); the startup table\'s `tensor parallel` row says so, with a WARNING below half; zero3 shards the experts over dp.'
+MOE = 'Mixtral and Qwen2-MoE (`experts_implementation="eager"` in these configs: transformers\' default grouped matmul has no float64): their own `tp_plan` (transformers 5) covers attention, embedding and head only; the built-in plan adds their experts (style `experts`: every expert\'s intermediate width split over tp, Qwen2-MoE\'s shared expert column / row-wise), so at tp=2 99% of their parameters are split (16% of this Mixtral\'s with its own plan). Mixtral\'s router keeps its routing weights in float32, so its tp2 rows differ from one process by float32 rounding (~1e-9 over 3 steps), not 1e-16 ([tensor_parallel.md](tensor_parallel.md#mixture-of-experts)).'
 
 
 def main() -> None:

@@ -9,7 +9,7 @@ family has it), 4 layers (so pp=2 puts 2 layers on each stage), vocabulary 96, f
 from __future__ import annotations
 
 import os
-from typing import Dict, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -40,13 +40,16 @@ FAMILIES: Dict[str, Tuple[str, dict, str]] = {
 }
 
 
-def build(name: str, attn: str = "eager", dtype: torch.dtype = torch.float64, seed: int = 0) -> nn.Module:
-    """A fresh tiny ``AutoModelForCausalLM`` of family ``name`` with ``attn`` attention, seeded init."""
+def build(name: str, attn: str = "eager", dtype: torch.dtype = torch.float64, seed: int = 0,
+          overrides: Optional[Dict[str, Any]] = None) -> nn.Module:
+    """A fresh tiny ``AutoModelForCausalLM`` of family ``name`` with ``attn`` attention, seeded init; ``overrides``:
+    config values that replace the family's."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoConfig, AutoModelForCausalLM
 
     model_type, extra, _ = FAMILIES[name]
     kwargs = dict(_COMMON, **extra)
+    kwargs.update(overrides or {})
     if model_type == "gpt_neox":
         kwargs["num_key_value_heads"] = kwargs["num_attention_heads"]  # no GQA in NeoX
     if model_type == "gpt2":  # GPT2Config maps hidden_size / num_* / max_position_embeddings, not the MLP width

@@ -225,12 +225,15 @@ TP_MOSTLY_REPLICATED = 0.5  # below this fraction of the parameters split over t
 def tensor_parallel_row(summary: Optional[Dict[str, Any]]) -> Optional[Tuple[str, str]]:
     """The startup table's "tensor parallel" row from :func:`~lightning_scale.tensor_parallel.plan.split_summary`:
     the share of the parameters tp split and the largest groups it left whole on every tp rank (a model's own
-    ``tp_plan`` may cover its attention only: an MoE's experts then stay replicated and tp saves little memory)."""
+    ``tp_plan`` may cover its attention only; the built-in plan adds the experts of a mixture-of-experts layer where
+    it can, and the row names those it left whole and why)."""
     if not summary:
         return None
     text = f"{summary['fraction']:.0%} of {summary['total']:,} parameters split over tp={summary['tp']}"
     if summary["replicated"]:
         text += "; replicated on every tp rank: " + ", ".join(f"{k} ({n:,})" for k, n in summary["replicated"])
+    for pattern, why in (summary.get("experts_whole") or {}).items():
+        text += f"; experts {pattern} left whole: {why}"
     if summary["fraction"] < TP_MOSTLY_REPLICATED:
         text += (" - WARNING: most parameters are not split (the plan covers little of this model), so tp saves "
                  "little memory here; zero.stage=3 shards what tp leaves whole over dp")

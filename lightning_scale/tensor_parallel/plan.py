@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 
 from lightning_scale.config import ConfigError
-from lightning_scale.tensor_parallel import grads
+from lightning_scale.tensor_parallel import experts, grads
 from lightning_scale.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from lightning_scale.tensor_parallel.hf import LocalHeadsConfig, default_plan, is_hf_model
 from lightning_scale.tensor_parallel.layers import (
@@ -59,6 +59,7 @@ class Action:
     module: nn.Module
     style: Style  # sections resolved
     weight_spec: Optional[ShardSpec]
+    param_specs: Dict[str, ShardSpec] = field(default_factory=dict)  # 'experts': each expert weight's spec
 
 
 @dataclass
@@ -73,6 +74,8 @@ class TensorParallelPlan:
     styles: Dict[str, str] = field(default_factory=dict)
     # attention module name -> {config attr: local value}: its forward reads head counts from its config
     config_views: Dict[str, Dict[str, int]] = field(default_factory=dict)
+    # experts modules the built-in plan left whole (pattern -> why)
+    experts_whole: Dict[str, str] = field(default_factory=dict)
 
 
 def _pattern_regex(pattern: str) -> "re.Pattern":
@@ -146,6 +149,8 @@ def _check_module(name: str, module: nn.Module, style: Style) -> None:
                           f"vocabulary-parallel embedding would not run; leave it out of the plan ('replicate')")
     if isinstance(module, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
         raise ConfigError(f"tensor.plan: {name!r} is already tensor-parallel (plan applied twice?)")
+    if style.kind == "experts" and (why := experts.unsupported(module)) is not None:
+        raise ConfigError(f"tensor.plan: style {style.name!r} on {name!r}: {why}")
 
 
 def _is_kv(attr: str) -> bool:
@@ -204,6 +209,9 @@ def _resolve(name: str, module: nn.Module, style: Style, parent: Optional[nn.Mod
     try:
         if style.kind == "vocab":
             return Action(name, module, style, make_spec(0, module.num_embeddings, tp, pad=True, what=name))
+        if style.kind == "experts":
+            specs = experts.expert_specs(name, module, tp)
+            return Action(name, module, style, next(iter(specs.values())), specs)
         if not style.shards_linear:
             return Action(name, module, style, None)
         in_f, out_f, transposed = dense_features(module)
@@ -346,10 +354,14 @@ def plan_tensor_parallel(model: nn.Module, plan: Optional[Dict[str, object]], tp
         raise ConfigError(f"tp={tp!r} must be a positive integer")
     strict = plan is not None
     views: set = set()
+    whole: Dict[str, str] = {}
     if plan is None:
         plan = default_plan(model, sequence_parallel)
         if is_hf_model(model) and tp > 1:
             plan, views = _split_gathered_pairs(model, plan, tp)
+            patterns = [_pattern_regex(p) for p in plan]
+            add, whole = experts.expert_plan_entries(model, lambda n: any(rx.match(n) for rx in patterns), tp)
+            plan.update(add)
     if sequence_parallel and is_hf_model(model):
         raise ConfigError("tensor.sequence_parallel=True is supported for the project GPT only: Hugging Face "
                           "models derive positions and masks from the hidden states' sequence length")
@@ -369,7 +381,7 @@ def plan_tensor_parallel(model: nn.Module, plan: Optional[Dict[str, object]], tp
                               parent_fixes={n: {a: v for a, v in f.items() if not a.startswith("config.")}
                                             for n, f in fixes.items()},
                               ties=_ties(model, actions), styles={a.name: a.style.name for a in actions},
-                              config_views=config_views)
+                              config_views=config_views, experts_whole=whole)
 
 
 def _check_sequence_parallel(model: nn.Module, actions: List[Action]) -> None:
@@ -464,8 +476,9 @@ def split_summary(model: nn.Module, tp: int, top: int = 3) -> Dict[str, object]:
     """After :func:`apply_tensor_parallel`: how much of ``model`` tp split. ``split`` / ``total``: parameters of the
     whole model (a split one counted at its global size), ``replicated``: the largest replicated parameter groups
     as (pattern with layer indices as ``*``, parameters over all layers), largest first. A model's own ``tp_plan``
-    may cover its attention only (Mixtral's and Qwen2-MoE's in transformers 5: the experts, most of the model, stay
-    whole on every tp rank), which the startup table says."""
+    may cover its attention only (Mixtral's and Qwen2-MoE's in transformers 5); the built-in plan adds their
+    experts (:mod:`~lightning_scale.tensor_parallel.experts`) where tp can split them: ``experts_whole`` names the
+    experts modules it left whole and why. The startup table prints all of it."""
     split = replicated = 0
     groups: Dict[str, int] = {}
     for name, prm in model.named_parameters():
@@ -478,8 +491,9 @@ def split_summary(model: nn.Module, tp: int, top: int = 3) -> Dict[str, object]:
             groups[key] = groups.get(key, 0) + prm.numel()
     total = split + replicated
     largest = sorted(groups.items(), key=lambda kv: -kv[1])[:top]
+    state = getattr(model, "_tp_state", None)
     return {"tp": tp, "split": split, "total": total, "fraction": split / total if total else 0.0,
-            "replicated": largest}
+            "replicated": largest, "experts_whole": dict(getattr(state, "experts_whole", {}) or {})}
 
 
 def apply_tensor_parallel(model: nn.Module, plan: Optional[Dict[str, object]] = None, group=None, *,
@@ -511,6 +525,8 @@ def apply_tensor_parallel(model: nn.Module, plan: Optional[Dict[str, object]] = 
         elif act.style.kind == "sequence_gather" and sequence_parallel:
             hook = _sequence_gather_hook(group, f"tp/{act.name}", act.name)
             state.hooks.append(act.module.register_forward_pre_hook(hook))
+        elif act.style.kind == "experts":
+            state.hooks.extend(experts.split_experts(act.name, act.module, act.param_specs, group))
         elif act.style.kind == "grad_allreduce":
             state.hooks.extend(grads.install_grad_allreduce(act.module, group, f"tp/{act.name}"))
             replicated_in_region.update(id(prm) for prm in act.module.parameters())
@@ -530,6 +546,7 @@ def apply_tensor_parallel(model: nn.Module, plan: Optional[Dict[str, object]] = 
     if sequence_parallel:
         _mark_sequence_parallel_partials(model, split_modules, replicated_in_region)
     state.partial_grad_names = [n for n, prm in model.named_parameters() if tp_partial_grad(prm)]
+    state.experts_whole = dict(p.experts_whole)
     model._tp_state = state
     _patch_gpt_loss(model, state)
     return model

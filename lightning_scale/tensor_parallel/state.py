@@ -35,6 +35,8 @@ class TensorParallelState:
     partial_grad_names: List[str] = field(default_factory=list)
     # parent module name -> the SharedInput its sibling column-parallel layers use (one input-gradient reduction)
     shared_inputs: Dict[str, Any] = field(default_factory=dict)
+    # experts modules the built-in plan left whole: pattern -> why (tensor_parallel.experts)
+    experts_whole: Dict[str, str] = field(default_factory=dict)
 
     def partial_grad_params(self, model: nn.Module) -> List[torch.nn.Parameter]:
         params = [model.get_parameter(n) for n in self.partial_grad_names]

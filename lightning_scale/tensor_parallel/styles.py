@@ -22,6 +22,10 @@ style                           effect
 ``sequence_gather``             (sequence parallel only) a module (attention, MLP) whose first input is
                                 all-gathered along the sequence on entry, so it sees the full sequence;
                                 the ``colwise`` layers inside it then skip their own input gather
+``experts``                     a mixture-of-experts layer's experts module (transformers' 3-D expert weights):
+                                every expert's intermediate width split, gate / up column-wise, down
+                                row-wise, one all-reduce of the layer's output
+                                (:mod:`~lightning_scale.tensor_parallel.experts`)
 ``replicate``                   nothing (documents that the module stays whole)
 ``replicated_with_grad_allreduce``  stays whole, but sits on split activations (per-head q/k norms after a
                                 ``colwise`` q/k projection see only this rank's heads): its gradient is
@@ -49,7 +53,7 @@ from lightning_scale.config import ConfigError
 
 @dataclass(frozen=True)
 class Style:
-    kind: str  # colwise | rowwise | vocab | sequence_split | sequence_gather | replicate | grad_allreduce
+    kind: str  # colwise | rowwise | vocab | experts | sequence_split | sequence_gather | replicate | grad_allreduce
     sections: int = 0  # 0: detect (colwise on an attention's fused qkv), else fixed
     gather_output: bool = False
     pad: bool = False  # pad out_features to a multiple of tp (vocabulary heads)
@@ -70,6 +74,7 @@ _STYLES = {
     "rowwise_split_input": Style("rowwise", sections=1, split_input=True),
     "packed_rowwise": Style("rowwise", sections=2),
     "vocab": Style("vocab"),
+    "experts": Style("experts"),
     "vocab_colwise": Style("colwise", sections=1, pad=True),
     "sequence_split": Style("sequence_split"),
     "sequence_gather": Style("sequence_gather"),
@@ -118,5 +123,6 @@ def parse_style(value: Union[str, Style], pattern: str = "") -> Style:
     if value in _NOT_IMPLEMENTED:
         raise ConfigError(f"tensor.plan: transformers' style {value!r}{where} (mixture-of-experts / expert "
                           f"parallel / MLA / local parameters / per-unit splits) is not implemented here; pass a "
-                          f"plan without it, e.g. leaving those modules replicated ('replicate')")
+                          f"plan without it, e.g. leaving those modules replicated ('replicate'), or split a "
+                          f"transformers experts module's every expert with 'experts'")
     raise ConfigError(f"tensor.plan: unknown style {value!r}{where}; known styles: {', '.join(STYLE_NAMES)}")

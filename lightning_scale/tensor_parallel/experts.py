@@ -1,0 +1,170 @@
+"""Tensor parallelism inside a mixture-of-experts layer: every expert's intermediate width split over tp.
+
+transformers (5.x) keeps a MoE layer's experts as 3-D parameters of one module (``MixtralExperts``,
+``Qwen2MoeExperts``, ...: ``gate_up_proj`` (E, 2I, H), ``down_proj`` (E, H, I)), decorated with
+``use_experts_implementation``, which records the layout on the instance (``is_transposed``,
+``is_concatenated``, ``has_gate``, ``has_bias``, ``has_post_expert_norm``). The models' own tensor-parallel plans
+leave those modules whole (Mixtral's splits its attention only: 16% of the parameters at tp=2); transformers'
+expert-parallel plans need a token dispatch (``ep_dispatch_experts``) this package does not build.
+
+Style ``experts`` splits them the Megatron way, inside every expert: the gate / up projection column-parallel
+(``[gate | up]`` as two fused sections, each cut over tp), the down projection row-parallel. Every rank routes every
+token alike (the router stays whole and sees the same input), runs its slice of each chosen expert, and one
+all-reduce of the module's output sums the slices: the routing weight multiplies an expert's output, a linear
+step, so it applies to each slice. Backward: the gradients of the module's floating inputs (the hidden states and
+the routing weights) are partial on each rank and are all-reduced (``copy_to_region``), so the router's and the
+earlier layers' gradients come out whole. Exact up to the order of the sum; the same ``experts_implementation``
+(eager, grouped_mm, batched_mm) runs on the local slices.
+
+The built-in Hugging Face plan adds ``experts`` for every such module tp can split, and splits the gated MLP next
+to it (Qwen2-MoE's ``shared_expert``) column / row-wise. Left whole (the startup table's ``tensor parallel`` row
+shows what stays whole): experts with biases (the down projection's bias would be added tp times), a norm after
+each expert (not linear), and experts whose intermediate width tp does not divide (a user's own plan naming such
+a module with ``experts`` gets a ConfigError).
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from lightning_scale.tensor_parallel.mappings import copy_to_region, reduce_from_region, tp_rank
+from lightning_scale.tensor_parallel.sharding import ShardSpec, make_spec, mark_sharded, shard_tensor
+
+_LAYOUT_ATTRS = ("is_transposed", "has_gate", "has_bias")
+
+
+def is_experts(module: nn.Module) -> bool:
+    """A transformers experts module (3-D expert weights, layout recorded by ``use_experts_implementation``)."""
+    return (all(isinstance(getattr(module, a, None), bool) for a in _LAYOUT_ATTRS)
+            and isinstance(getattr(module, "down_proj", None), nn.Parameter) and module.down_proj.dim() == 3)
+
+
+def _up_name(module: nn.Module) -> str:
+    return "gate_up_proj" if module.has_gate else "up_proj"
+
+
+def unsupported(module: nn.Module) -> Optional[str]:
+    """Why ``experts`` cannot split ``module`` (None when it can)."""
+    if not is_experts(module):
+        return (f"{type(module).__name__} is not a transformers experts module (3-D gate_up_proj / down_proj "
+                f"weights with the layout use_experts_implementation records)")
+    if module.has_bias:
+        return f"{type(module).__name__} has expert biases (the down projection's would be added once per tp rank)"
+    if getattr(module, "has_post_expert_norm", False):
+        return f"{type(module).__name__} normalizes each expert's output (not linear in the split)"
+    up = getattr(module, _up_name(module), None)
+    if not isinstance(up, nn.Parameter) or up.dim() != 3:
+        return f"{type(module).__name__} has no 3-D {_up_name(module)}"
+    return None
+
+
+def expert_specs(name: str, module: nn.Module, tp: int) -> Dict[str, ShardSpec]:
+    """The shard spec of each expert weight of ``module`` over ``tp`` ranks; ValueError naming the width tp does not
+    divide, or why the module cannot be split."""
+    why = unsupported(module)
+    if why is not None:
+        raise ValueError(f"style 'experts' on {name!r}: {why}")
+    up_name = _up_name(module)
+    up, down = getattr(module, up_name), module.down_proj
+    up_dim, down_dim = (2, 1) if module.is_transposed else (1, 2)
+    width = down.shape[down_dim]  # the intermediate width I
+    gated_fused = module.has_gate and getattr(module, "is_concatenated", True)
+    if width % tp:
+        raise ValueError(f"tp={tp} does not divide the intermediate width {width} of the experts {name!r}")
+    # [gate | up]: two sections, each cut over tp; interleaved [g0, u0, g1, u1, ...]: a contiguous cut (I % tp == 0
+    # keeps every pair on one rank); no gate: the up projection's I rows
+    up_spec = make_spec(up_dim, up.shape[up_dim], tp, sections=2 if gated_fused else 1, what=f"{name}.{up_name}")
+    down_spec = make_spec(down_dim, width, tp, what=f"{name}.down_proj")
+    return {up_name: up_spec, "down_proj": down_spec}
+
+
+def _marking_apply(specs: Dict[str, ShardSpec]):
+    def _apply(self, fn, recurse=True):  # .to_empty() from meta builds new Parameters: mark them again
+        out = type(self)._apply(self, fn, recurse)
+        for pname, spec in specs.items():
+            mark_sharded(getattr(self, pname), spec)
+        return out
+
+    return _apply
+
+
+def _enter(group, tag: str):
+    def hook(module, args, kwargs):  # every floating input that carries a gradient: partial here, summed over tp
+        def enter(x):
+            if isinstance(x, torch.Tensor) and x.is_floating_point() and x.requires_grad:
+                return copy_to_region(x, group, tag=tag)
+            return x
+
+        return tuple(enter(a) for a in args), {k: enter(v) for k, v in kwargs.items()}
+
+    return hook
+
+
+def _leave(group, tag: str, name: str):
+    def hook(module, args, kwargs, output):
+        if not isinstance(output, torch.Tensor):
+            raise TypeError(f"tensor-parallel experts {name!r} must return one tensor, got {type(output).__name__}")
+        return reduce_from_region(output, group, tag=tag)
+
+    return hook
+
+
+@torch.no_grad()
+def split_experts(name: str, module: nn.Module, specs: Dict[str, ShardSpec], group) -> List[object]:
+    """Keep this rank's slice of every expert weight of ``module`` (in place: same module, same parameter names;
+    meta stays meta) and install the region hooks. Returns the hook handles."""
+    rank = tp_rank(group)
+    for pname, spec in specs.items():
+        full = getattr(module, pname)
+        if full.is_meta:
+            shape = list(full.shape)
+            shape[spec.dim] = spec.local_size
+            local = torch.empty(shape, device="meta", dtype=full.dtype)
+        else:
+            local = shard_tensor(full.detach(), spec, rank)
+        param = nn.Parameter(local, requires_grad=full.requires_grad)
+        mark_sharded(param, spec)
+        setattr(module, pname, param)
+    module._apply = types.MethodType(_marking_apply(dict(specs)), module)
+    tag = f"tp/{name}"
+    return [module.register_forward_pre_hook(_enter(group, tag), with_kwargs=True),
+            module.register_forward_hook(_leave(group, tag, name), with_kwargs=True)]
+
+
+def _gated_mlp(module: nn.Module) -> bool:
+    return all(isinstance(getattr(module, n, None), nn.Linear) for n in ("gate_proj", "up_proj", "down_proj"))
+
+
+def expert_plan_entries(model: nn.Module, covered, tp: int) -> Tuple[Dict[str, str], Dict[str, str]]:
+    """(entries to add to a Hugging Face model's built-in plan, experts modules left whole -> why). ``covered``:
+    whether a module name is matched by the plan already. Every experts module tp can split gets ``experts``; a
+    gated MLP beside it in the same MoE block (a shared expert), unplanned, gets colwise / colwise / rowwise."""
+    from lightning_scale.tensor_parallel.plan import _generic  # one naming of layer patterns
+
+    add: Dict[str, str] = {}
+    whole: Dict[str, str] = {}
+    modules = dict(model.named_modules())
+    for name, module in modules.items():
+        if not name or covered(name) or not is_experts(module):
+            continue
+        try:
+            expert_specs(name, module, tp)
+        except ValueError as err:
+            whole.setdefault(_generic(name), str(err))
+            continue
+        add[_generic(name)] = "experts"
+        parent = name.rsplit(".", 1)[0] if "." in name else ""
+        for child, sub in modules[parent].named_children() if parent in modules else ():
+            full = f"{parent}.{child}" if parent else child
+            if sub is module or not _gated_mlp(sub) or any(covered(f"{full}.{p}") for p in ("gate_proj", "up_proj")):
+                continue
+            if sub.up_proj.out_features % tp:
+                continue
+            pattern = _generic(full)
+            add.update({f"{pattern}.gate_proj": "colwise", f"{pattern}.up_proj": "colwise",
+                        f"{pattern}.down_proj": "rowwise"})
+    return add, whole
