@@ -51,6 +51,8 @@ class WeightSource:
 
     directory: str
     rename: Optional[Dict[str, str]] = None  # model key -> file key, for names the prefix rules do not find
+    # transformers' renamings / fused MoE experts for this model (checkpoint.hf_conversions), None when none
+    conversions: Any = None
 
 
 def _meta_active() -> bool:
@@ -130,7 +132,10 @@ def _build_on_meta(cls: Any, directory: str, args: Sequence[Any], kwargs: Dict[s
 
 def record(model: nn.Module, directory: str, rename: Optional[Dict[str, str]] = None) -> nn.Module:
     """Mark ``model`` (on meta) as filled from ``directory`` when the strategy materializes it."""
-    object.__setattr__(model, SOURCE_ATTR, WeightSource(os.path.abspath(directory), dict(rename) if rename else None))
+    from lightning_scale.checkpoint.hf_conversions import conversions_for
+
+    object.__setattr__(model, SOURCE_ATTR, WeightSource(os.path.abspath(directory), dict(rename) if rename else None,
+                                                        conversions_for(model)))
     return model
 
 
@@ -153,13 +158,16 @@ def load_pretrained(model: nn.Module, directory: Any, *, rename: Optional[Dict[s
     meta (each rank then reads only its slices / stage / shard), else loaded now (every tensor, strict)."""
     from lightning_scale.materialize import has_meta
 
+    from lightning_scale.checkpoint.hf_conversions import conversions_for
+
     directory = _check_directory(directory, "load_pretrained")  # (model, dir)
-    check_source(model, WeightSource(directory, rename), "load_pretrained")
+    conversions = conversions_for(model)
+    check_source(model, WeightSource(directory, rename, conversions), "load_pretrained")
     if has_meta(model, recurse=True):
         return record(model, directory, rename)
     from lightning_scale.checkpoint.hf import load_hf_weights_
 
-    load_hf_weights_(model, directory, rename=rename, device=next(model.parameters()).device)
+    load_hf_weights_(model, directory, rename=rename, device=next(model.parameters()).device, conversions=conversions)
     return model
 
 
@@ -218,12 +226,12 @@ def weight_sources(root: nn.Module) -> List[Tuple[str, nn.Module, WeightSource]]
     return sorted(found, key=lambda x: -len(x[0]))
 
 
-def _open(directory: str):
+def _open(directory: str, conversions: Any = None):
     from lightning_scale.checkpoint.folder import CheckpointError
     from lightning_scale.checkpoint.hf import HFCheckpoint
 
     try:
-        return HFCheckpoint(directory)
+        return HFCheckpoint(directory, conversions)
     except CheckpointError as err:
         raise ConfigError(f"pretrained weights: {err}") from err
 
@@ -236,7 +244,7 @@ def check_source(module: nn.Module, source: WeightSource, what: str = "pretraine
     if mine and theirs and mine != theirs:
         raise ConfigError(f"{what}: {source.directory} holds a {theirs!r} model (config.json), the module is a "
                           f"{mine!r} model ({type(module).__name__})")
-    ckpt = _open(source.directory)
+    ckpt = _open(source.directory, source.conversions)
     try:
         missing, wrong = [], []
         for key, t in module.state_dict(keep_vars=True).items():
@@ -281,8 +289,11 @@ class WeightReader:
     def __init__(self, root: nn.Module) -> None:
         self.sources = [(p + "." if p else "", s) for p, _, s in weight_sources(root)]
         self._ckpts: Dict[str, Any] = {}
-        self._tp_rank = {id(p): int(getattr(m, "rank", 0)) for m in root.modules()
-                         if getattr(m, "weight_spec", None) is not None for p in m.parameters(recurse=False)}
+        # the tp rank of every split tensor: its tp layer's, or its tp-split model's (an experts module's weights)
+        self._tp_rank = {id(p): int(state.rank) for m in root.modules()
+                         if (state := getattr(m, "_tp_state", None)) is not None for p in m.parameters()}
+        self._tp_rank.update({id(p): int(getattr(m, "rank", 0)) for m in root.modules()
+                              if getattr(m, "weight_spec", None) is not None for p in m.parameters(recurse=False)})
 
     def __bool__(self) -> bool:
         return bool(self.sources)
@@ -296,10 +307,10 @@ class WeightReader:
     def covers(self, fqn: str) -> bool:
         return self._find(fqn) is not None
 
-    def _ckpt(self, directory: str):
-        if directory not in self._ckpts:
-            self._ckpts[directory] = _open(directory)
-        return self._ckpts[directory]
+    def _ckpt(self, source: WeightSource):
+        if source.directory not in self._ckpts:
+            self._ckpts[source.directory] = _open(source.directory, source.conversions)
+        return self._ckpts[source.directory]
 
     def release(self) -> None:
         for ckpt in self._ckpts.values():
@@ -316,7 +327,7 @@ class WeightReader:
             piece.key = key
             by_source.setdefault(id(source), (source, []))[1].append(piece)
         for source, pieces in by_source.values():
-            missing = load_hf_pieces_(self._ckpt(source.directory), pieces, rename=source.rename, strip="")
+            missing = load_hf_pieces_(self._ckpt(source), pieces, rename=source.rename, strip="")
             if missing:
                 raise ConfigError(f"pretrained weights: {source.directory} has no tensor for {missing[:5]}")
 

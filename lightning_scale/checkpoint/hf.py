@@ -40,11 +40,13 @@ import torch
 from torch import nn
 
 from lightning_scale.checkpoint.folder import CheckpointError
+from lightning_scale.checkpoint.hf_conversions import fuse, renamed
 from lightning_scale.checkpoint.layout import Chunk, Piece
 
 SAFETENSORS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 PREFIXES = ("transformer.", "model.")
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 TIED_HEADS = {"lm_head.weight": ("model.embed_tokens.weight", "transformer.wte.weight", "wte.weight",
                                  "embed_tokens.weight")}
 
@@ -53,10 +55,12 @@ TIED_HEADS = {"lm_head.weight": ("model.embed_tokens.weight", "transformer.wte.w
 class HFCheckpoint:
     """A local HF checkpoint directory: names, shapes, dtypes; whole tensors or regions read on demand."""
 
-    def __init__(self, directory: str) -> None:
+    def __init__(self, directory: str, conversions: Optional[Any] = None) -> None:
         from safetensors import safe_open
 
         self.directory = directory
+        self.conversions = conversions  # hf_conversions.Conversions: transformers' renamings / fused experts
+        self._fused: Dict[str, Any] = {}
         index = os.path.join(directory, INDEX)
         if os.path.exists(index):
             with open(index) as f:
@@ -83,22 +87,63 @@ class HFCheckpoint:
         self._handles.clear()  # safe_open handles unmap when collected
 
     def shape(self, name: str) -> Tuple[int, ...]:
+        if name in self._fused:
+            return self._fused[name].shape
         return tuple(self._handle(name).get_slice(name).get_shape())
 
+    def file_of(self, name: str) -> str:
+        """The file holding ``name`` (a fused tensor: its first source's)."""
+        return self.weight_map[self._fused[name].sources()[0] if name in self._fused else name]
+
+    def sources_of(self, name: str) -> List[str]:
+        """The file tensors ``name`` is read from (itself, or a fused tensor's sources)."""
+        return self._fused[name].sources() if name in self._fused else [name]
+
+    def _find(self, key: str) -> Optional[str]:
+        for c in renamed(key, self.conversions):
+            for cand in [c] + [c[len(p):] if c.startswith(p) else p + c for p in PREFIXES]:
+                if cand in self.weight_map:
+                    return cand
+        return None
+
     def resolve(self, key: str, rename: Optional[Dict[str, str]] = None) -> Optional[str]:
-        """The file's name for a model key (see the module docstring), or None."""
-        cands = [rename[key]] if rename and key in rename else []
-        cands.append(key)
-        for p in PREFIXES:
-            cands += [key[len(p):]] if key.startswith(p) else [p + key]
-        cands += list(TIED_HEADS.get(key, ()))
-        return next((c for c in cands if c in self.weight_map), None)
+        """The file's name for a model key (see the module docstring), or None. A model tensor transformers builds from
+        several file tensors (fused MoE experts, :mod:`.hf_conversions`) resolves to its own key, read through them."""
+        if rename and key in rename and rename[key] in self.weight_map:
+            return rename[key]
+        found = self._find(key) or next((c for c in TIED_HEADS.get(key, ()) if c in self.weight_map), None)
+        if found is not None or key in self._fused:
+            return found or key
+        fused = fuse(key, self.conversions, self._find, self.shape)
+        if fused is None:
+            return None
+        self._fused[key] = fused
+        return key
 
     def read(self, name: str, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        if name in self._fused:
+            shape = self._fused[name].shape
+            return self.read_chunk(name, Chunk(offsets=(0,) * len(shape), sizes=shape), dtype)
         t = self._handle(name).get_tensor(name)
         return t if dtype is None else t.to(dtype)
 
     def read_chunk(self, name: str, chunk: Chunk, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        if name in self._fused:
+            fused = self._fused[name]
+            if any(o + s > n for o, s, n in zip(chunk.offsets, chunk.sizes, fused.shape)):
+                raise CheckpointError(f"{self.directory}: {name} (fused from {fused.parts[0][0]} ...) has shape "
+                                      f"{fused.shape}; region {chunk} is outside it")
+            if dtype is None:  # the files' own dtype
+                first = fused.parts[0][0]
+                dtype = _SAFETENSORS_DTYPES.get(self._handle(first).get_slice(first).get_dtype())
+                if dtype is None:  # another dtype name: read one element to learn it
+                    dtype = self._file_chunk(first, Chunk(offsets=(0,) * len(fused.part_shapes[0]),
+                                                          sizes=(1,) * len(fused.part_shapes[0]))).dtype
+            return fused.read_chunk(chunk.offsets, chunk.sizes, lambda n, o, s: self._file_chunk(
+                n, Chunk(offsets=tuple(o), sizes=tuple(s)), dtype), dtype)
+        return self._file_chunk(name, chunk, dtype)
+
+    def _file_chunk(self, name: str, chunk: Chunk, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         sl = self._handle(name).get_slice(name)
         shape = tuple(sl.get_shape())
         if len(shape) != len(chunk.sizes) or any(o + s > n for o, s, n in zip(chunk.offsets, chunk.sizes, shape)):
@@ -137,13 +182,14 @@ def _allocate_meta_(module: nn.Module, device: torch.device) -> None:
 
 @torch.no_grad()
 def load_hf_weights_(module: nn.Module, directory: str, *, rename: Optional[Dict[str, str]] = None,
-                     device: Optional[torch.device] = None, strict: bool = True) -> Dict[str, List[str]]:
+                     device: Optional[torch.device] = None, strict: bool = True,
+                     conversions: Optional[Any] = None) -> Dict[str, List[str]]:
     """Fill ``module``'s parameters and persistent buffers from an HF directory, each tensor read once (tied
     tensors once). Returns ``{"loaded": [...], "missing": [...], "unexpected": [...]}``; ``strict`` raises when a
     model tensor is not in the file."""
     device = torch.device(device or "cpu")
     _allocate_meta_(module, device)
-    ckpt = HFCheckpoint(directory)
+    ckpt = HFCheckpoint(directory, conversions)
     seen: Dict[int, str] = {}
     loaded, missing, used = [], [], set()
     try:
@@ -158,13 +204,13 @@ def load_hf_weights_(module: nn.Module, directory: str, *, rename: Optional[Dict
                 continue
             value = ckpt.read(src, t.dtype)
             if tuple(value.shape) != tuple(t.shape):
-                raise CheckpointError(f"{os.path.join(directory, ckpt.weight_map[src])}: {src} has shape "
+                raise CheckpointError(f"{os.path.join(directory, ckpt.file_of(src))}: {src} has shape "
                                       f"{tuple(value.shape)}, the model's {key} is {tuple(t.shape)}")
             t.copy_(value)
             del value
             seen[id(t)] = key
             loaded.append(key)
-            used.add(src)
+            used.update(ckpt.sources_of(src))
     finally:
         ckpt.close()
     if strict and missing:

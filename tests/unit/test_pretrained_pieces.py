@@ -86,7 +86,9 @@ def test_plain_from_pretrained_in_the_meta_context_records_and_passes_through_ou
         concrete = transformers.LlamaForCausalLM.from_pretrained(llama_dir)
     for m in (model, concrete):
         assert next(m.parameters()).is_meta and not m.training
-        assert getattr(m, SOURCE_ATTR) == WeightSource(os.path.abspath(llama_dir))
+        source = getattr(m, SOURCE_ATTR)
+        assert (source.directory, source.rename) == (os.path.abspath(llama_dir), None)
+        assert isinstance(source, WeightSource) and not source.conversions.fused  # a Llama fuses nothing
     with pytest.raises(RuntimeError, match="meta"):  # outside the context: transformers' own behaviour
         with torch.device("meta"):
             transformers.AutoModelForCausalLM.from_pretrained(llama_dir)

@@ -1,0 +1,144 @@
+"""transformers' checkpoint conversions, for region reads: model tensors the files keep under other names and shapes.
+
+transformers 5 loads some checkpoints through weight conversions (``transformers.conversion_mapping``). Mixtral's
+files keep each expert's ``block_sparse_moe.experts.{e}.w1 / w3 / w2.weight`` while the model holds
+``mlp.experts.gate_up_proj`` ``(E, 2I, H)`` (the experts' ``w1`` stacked, then their ``w3`` stacked, concatenated
+along dim 1) and ``mlp.experts.down_proj`` (the ``w2`` stacked); Qwen2-MoE, DeepSeek, OLMoE and the other
+Qwen2-MoE-style families fuse ``gate_proj`` / ``up_proj`` / ``down_proj`` the same way. The mapping is taken from
+transformers itself (``get_model_conversion_mapping(model)``), so a family it converts is read as it would load it.
+
+:func:`conversions_for` keeps the parts a region read can follow: renamings with literal patterns
+(``.block_sparse_moe.`` -> ``.mlp.``) and converters made of ``MergeModulelist(dim=0)`` optionally followed by
+``Concatenate(dim=d)``. :class:`FusedTensor` is such a model tensor seen through its sources: a region of it (a tp
+slice of every expert, a ZeRO-3 flat shard's rows) reads only the matching rows of the matching experts' tensors.
+Other conversions (permutations, splits, dequantization) are not followed: those keys stay unresolved and the
+usual ``no tensor for ...`` error names them.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import torch
+
+_REGEX = re.compile(r"[\^$()\[\]+?{}|\\]")  # a pattern holding one of these is a regex, not a literal
+
+
+@dataclass(frozen=True)
+class Conversions:
+    renames: Tuple[Tuple[str, str], ...] = ()  # (file literal, model literal)
+    # (model key suffix, file key suffixes with '*' = the expert index, concatenation dim of the stacked tensors)
+    fused: Tuple[Tuple[str, Tuple[str, ...], Optional[int]], ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.renames or self.fused)
+
+
+def conversions_for(model: Any) -> Optional[Conversions]:
+    """The conversions transformers applies when it loads ``model``'s checkpoints that a region read can follow;
+    None for a model that is not a transformers model (or a transformers without conversion mappings)."""
+    if not hasattr(getattr(model, "config", None), "model_type"):
+        return None
+    try:
+        from transformers import conversion_mapping as cm
+    except ImportError:
+        return None
+    try:
+        mapping = cm.get_model_conversion_mapping(model)
+    except Exception:  # noqa: BLE001 -- a model transformers has no mapping for: names are read as they are
+        return None
+    renames, fused = [], []
+    for t in mapping:
+        src, dst = list(getattr(t, "source_patterns", ()) or ()), list(getattr(t, "target_patterns", ()) or ())
+        if any(_REGEX.search(p) for p in src + dst):
+            continue
+        ops = list(getattr(t, "operations", None) or [])
+        if not ops and len(src) == 1 and len(dst) == 1 and "*" not in src[0] + dst[0]:
+            renames.append((src[0], dst[0]))
+            continue
+        if (len(dst) != 1 or not ops or not isinstance(ops[0], cm.MergeModulelist) or ops[0].dim != 0
+                or not all("*" in s for s in src)):
+            continue
+        if len(ops) == 1 and len(src) == 1:
+            fused.append((dst[0], tuple(src), None))
+        elif len(ops) == 2 and isinstance(ops[1], cm.Concatenate):
+            fused.append((dst[0], tuple(src), int(ops[1].dim)))
+    return Conversions(tuple(renames), tuple(fused)) or None
+
+
+def renamed(key: str, conversions: Optional[Conversions]) -> List[str]:
+    """File names ``key`` may have under the renamings (the key itself first)."""
+    out = [key]
+    for file_lit, model_lit in (conversions.renames if conversions else ()):
+        out += [k.replace(model_lit, file_lit) for k in out if model_lit in k]
+    return out
+
+
+@dataclass
+class FusedTensor:
+    """A model tensor made of the file tensors ``parts[p][e]`` (source pattern p, expert e): stacked over the experts
+    (dim 0), the parts concatenated along ``cat_dim`` (None: one part)."""
+
+    parts: List[List[str]]
+    part_shapes: List[Tuple[int, ...]]  # one file tensor's shape per part
+    cat_dim: Optional[int]
+
+    @property
+    def shape(self) -> Tuple[int, ...]:
+        first = (len(self.parts[0]),) + self.part_shapes[0]
+        if self.cat_dim is None:
+            return first
+        return tuple(sum(s[self.cat_dim - 1] for s in self.part_shapes) if d == self.cat_dim else n
+                     for d, n in enumerate(first))
+
+    def sources(self) -> List[str]:
+        return [n for part in self.parts for n in part]
+
+    def read_chunk(self, offsets: Sequence[int], sizes: Sequence[int], read: Callable, dtype) -> torch.Tensor:
+        """The region ``offsets`` / ``sizes`` of the fused tensor; ``read(name, offsets, sizes)`` reads a region of
+        one file tensor."""
+        out = torch.empty(tuple(sizes), dtype=dtype)
+        cat = self.cat_dim
+        for e in range(offsets[0], offsets[0] + sizes[0]):
+            start = 0  # where the current part begins along the concatenation dim
+            for p, names in enumerate(self.parts):
+                length = self.part_shapes[p][cat - 1] if cat is not None else None
+                off, size = list(offsets[1:]), list(sizes[1:])
+                dst = [e - offsets[0]] + [slice(None)] * (len(sizes) - 1)
+                if cat is not None:
+                    lo, hi = max(offsets[cat], start), min(offsets[cat] + sizes[cat], start + length)
+                    start += length
+                    if lo >= hi:
+                        continue
+                    off[cat - 1], size[cat - 1] = lo - (start - length), hi - lo
+                    dst[cat] = slice(lo - offsets[cat], hi - offsets[cat])
+                out[tuple(dst)] = read(names[e], off, size).to(dtype)
+        return out
+
+
+def fuse(key: str, conversions: Optional[Conversions], find: Callable[[str], Optional[str]],
+         shape_of: Callable[[str], Tuple[int, ...]]) -> Optional[FusedTensor]:
+    """``key`` as a fused tensor of the files (``find``: a file name for a candidate name, or None), or None."""
+    for suffix, patterns, cat in (conversions.fused if conversions else ()):
+        if not key.endswith(suffix):
+            continue
+        base = key[: len(key) - len(suffix)]
+        parts = []
+        for pattern in patterns:
+            names, e = [], 0
+            while (name := find(base + pattern.replace("*", str(e)))) is not None:
+                names.append(name)
+                e += 1
+            parts.append(names)
+        if not parts[0] or any(len(p) != len(parts[0]) for p in parts):
+            continue
+        shapes = [shape_of(p[0]) for p in parts]
+        if any(shape_of(n) != shapes[i] for i, p in enumerate(parts) for n in p):
+            continue  # experts of different shapes: not a stack
+        if cat is not None and any(len(s) != len(shapes[0]) or s[:cat - 1] + s[cat:] != shapes[0][:cat - 1]
+                                   + shapes[0][cat:] for s in shapes):
+            continue
+        return FusedTensor(parts, shapes, cat)
+    return None
