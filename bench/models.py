@@ -3,6 +3,7 @@
     python bench/models.py                            # 3 interleaved rounds x 5 timed steps
     python bench/models.py --rounds 1 --steps 3       # quick look (the figures in bench/RESULTS.md)
     python bench/models.py --systems ddp,ls_z3,lightning_fsdp2 --layers 4
+    python bench/models.py --model mixtral --layers 4 --hidden 256   # a mixture-of-experts model (below)
 
 The model is an unchanged ``LlamaForCausalLM`` built from ``LlamaConfig`` (no download): hidden 512, 8 layers,
 8 query / 4 key-value heads, MLP 1408, vocabulary 32000, untied head, sdpa attention, fp32 = 56.4M parameters
@@ -27,6 +28,12 @@ The model is an unchanged ``LlamaForCausalLM`` built from ``LlamaConfig`` (no do
     lightning_tp     Lightning Trainer + ModelParallelStrategy(tensor_parallel_size=2): the dtensor_tp plan in
                      configure_model
 
+``--model mixtral``: an unchanged ``MixtralForCausalLM`` instead (8 experts of MLP width ``--hidden * 2``, top-2,
+transformers' default experts implementation), and one more row, ``ls_tp2_own``: tp=2 with the model's own
+``tp_plan`` (attention only, the experts whole on every rank: what lightning_scale did before its ``experts`` style
+and what transformers' own tp gives). dtensor_tp / lightning_tp then split attention, embedding and head (torch's
+plans have no style for 3-D expert weights); ls_tp2 / ls_tp2_vp split every expert's width as well.
+
 Peers (targets from issue 14): ls_z3 vs lightning_fsdp2 and fsdp2 (>= 1.05x), ls_tp2 vs lightning_tp and
 dtensor_tp (>= 1.3x); ls_z2 and ls_pp2 are compared with ddp. Each (round, system) runs in fresh processes
 (peak RSS is per process, max over ranks), in an order rotated every round; tokens/s is the global tokens per
@@ -46,22 +53,34 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import peak_rss_mb, peer_table, ratio_table, round_ratios, write_plot  # noqa: E402
 
 SYSTEMS = ["ddp", "ls_z2", "ls_z3", "ls_tp2", "ls_tp2_vp", "ls_tp2_vp_unshared", "ls_pp2", "fsdp2", "dtensor_tp",
-           "lightning_fsdp2", "lightning_tp"]
+           "lightning_fsdp2", "lightning_tp", "ls_tp2_own"]
 PEERS = {"ls_z3": [("lightning_fsdp2", 1.05), ("fsdp2", 1.05)], "ls_tp2": [("lightning_tp", 1.3),
          ("dtensor_tp", 1.3)], "ls_tp2_vp": [("lightning_tp", 1.3), ("dtensor_tp", 1.3), ("ls_tp2", None),
                                              ("ls_tp2_vp_unshared", None)],
          "ls_tp2_vp_unshared": [("dtensor_tp", 1.3)],
-         "ls_z2": [("ddp", None)], "ls_pp2": [("ddp", None)]}
+         "ls_z2": [("ddp", None)], "ls_pp2": [("ddp", None)], "ls_tp2_own": [("dtensor_tp", None)]}
 LS = {"ls_z2": dict(stage=2), "ls_z3": dict(stage=3), "ls_tp2": dict(tp=2, stage=1), "ls_tp2_vp": dict(tp=2, stage=1),
-      "ls_tp2_vp_unshared": dict(tp=2, stage=1), "ls_pp2": dict(pp=2, stage=1, microbatches=2)}
+      "ls_tp2_vp_unshared": dict(tp=2, stage=1), "ls_pp2": dict(pp=2, stage=1, microbatches=2),
+      "ls_tp2_own": dict(tp=2, stage=1)}
 
 
 def build_llama(kw: dict):
-    """The unchanged HF Llama of the module docstring, seeded init, fp32, sdpa."""
+    """The unchanged HF Llama of the module docstring (``kw["model"] == "mixtral"``: the Mixtral), seeded init, fp32,
+    sdpa."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    if kw.get("model") == "mixtral":
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        config = MixtralConfig(vocab_size=kw["vocab"], hidden_size=kw["hidden"], intermediate_size=kw["hidden"] * 2,
+                               num_hidden_layers=kw["layers"], num_attention_heads=kw["heads"],
+                               num_key_value_heads=kw["kv_heads"], max_position_embeddings=kw["seq"],
+                               num_local_experts=8, num_experts_per_tok=2, tie_word_embeddings=False,
+                               attn_implementation="sdpa")
+        torch.manual_seed(0)
+        return MixtralForCausalLM(config)
     config = LlamaConfig(vocab_size=kw["vocab"], hidden_size=kw["hidden"], intermediate_size=kw["mlp"],
                          num_hidden_layers=kw["layers"], num_attention_heads=kw["heads"],
                          num_key_value_heads=kw["kv_heads"], max_position_embeddings=kw["seq"],
@@ -83,11 +102,13 @@ def _dtensor_plan(model, mesh) -> None:
 
     plan = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
             "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
-    for i in range(len(model.model.layers)):
+    for i, layer in enumerate(model.model.layers):
         p = f"model.layers.{i}."
-        plan.update({p + n: ColwiseParallel() for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                                                         "mlp.gate_proj", "mlp.up_proj")})
-        plan.update({p + "self_attn.o_proj": RowwiseParallel(), p + "mlp.down_proj": RowwiseParallel()})
+        plan.update({p + n: ColwiseParallel() for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")})
+        plan[p + "self_attn.o_proj"] = RowwiseParallel()
+        if hasattr(layer.mlp, "gate_proj"):  # a dense MLP (Mixtral's experts stay whole: no 3-D style in torch)
+            plan.update({p + "mlp.gate_proj": ColwiseParallel(), p + "mlp.up_proj": ColwiseParallel(),
+                         p + "mlp.down_proj": RowwiseParallel()})
     parallelize_module(model, mesh, plan)
 
 
@@ -110,11 +131,18 @@ def _plain_step(system: str, model, rank: int, world: int):
         from lightning_scale.parallelize import local_topology, parallelize
 
         kwargs, loss_fn = dict(LS[system]), _loss
-        if system.startswith("ls_tp2_vp"):  # the model's own plan, the head's logits left split over the vocabulary
-            from lightning_scale.tensor_parallel import tensor_parallel_state
+        if system == "ls_tp2_own":  # the model's own tp_plan only (a Mixtral's experts whole on every rank)
             from lightning_scale.tensor_parallel.hf import hf_plan
 
-            kwargs["plan"] = {**hf_plan(model), "lm_head": "vocab_colwise"}
+            kwargs["plan"] = hf_plan(model)
+        if system.startswith("ls_tp2_vp"):  # the model's own plan, the head's logits left split over the vocabulary
+            from lightning_scale.tensor_parallel import tensor_parallel_state
+            from lightning_scale.tensor_parallel.experts import expert_plan_entries
+            from lightning_scale.tensor_parallel.hf import _matches, hf_plan
+
+            plan = hf_plan(model)
+            plan.update(expert_plan_entries(model, lambda n: any(_matches(p, n) for p in plan), 2)[0])  # as built in
+            kwargs["plan"] = {**plan, "lm_head": "vocab_colwise"}
 
             def loss_fn(logits, targets):
                 return tensor_parallel_state(model).cross_entropy(logits, targets)
@@ -262,9 +290,10 @@ def worker(rank: int, world: int, system: str, kw: dict, batch: int, warmup: int
 
 
 def _params_m(kw: dict) -> float:
-    h, v, m, L = kw["hidden"], kw["vocab"], kw["mlp"], kw["layers"]
-    kv = h * kw["kv_heads"] // kw["heads"]
-    return (2 * v * h + L * (2 * h * h + 2 * h * kv + 3 * h * m + 2 * h) + h) / 1e6
+    import torch
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in build_llama(kw).parameters()) / 1e6
 
 
 def main() -> None:
@@ -277,6 +306,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--model", choices=["llama", "mixtral"], default="llama")
     ap.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated rows; ddp is always added")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per (round, system) run")
     ap.add_argument("--plot", default=None, metavar="PATH", help="also write the ratios vs DDP as a bar chart (PNG)")
@@ -288,7 +318,7 @@ def main() -> None:
     if "ddp" not in systems:
         systems.insert(0, "ddp")
     kw = dict(vocab=args.vocab, hidden=args.hidden, mlp=args.hidden * 11 // 4, layers=args.layers,
-              heads=8, kv_heads=4, seq=args.seq)
+              heads=8, kv_heads=4, seq=args.seq, model=args.model)
     kw["mlp"] = -(-kw["mlp"] // 64) * 64  # 512 -> 1408, Llama's rounding
     from lightning_scale.testing import run_distributed
 
@@ -318,7 +348,8 @@ def main() -> None:
         raise SystemExit(f"the baseline failed: {failed.get('ddp')}")
     ok = [s for s in systems if s not in failed]
     rounds = [{k: r[k] for k in ok if k in r} for r in rounds]
-    print(f"\n## HF Llama {_params_m(kw):.1f}M ({datetime.date.today()}, 2 CPU ranks, {tokens} tokens/step, "
+    name = f"HF {args.model.capitalize()} {_params_m(kw):.1f}M"
+    print(f"\n## {name} ({datetime.date.today()}, 2 CPU ranks, {tokens} tokens/step, "
           f"{args.rounds} rounds x {args.steps} timed steps)\n")
     print(ratio_table(rounds, "ddp", extra=("peak_rss_mb",)))
     print("\nfirst / last loss (round 0; same init and data for every row): "
@@ -330,7 +361,7 @@ def main() -> None:
         print(f"- {name} failed: {why}")
     if args.plot:
         write_plot(args.plot, round_ratios(rounds, "ddp"), baseline="ddp",
-                   title=f"HF Llama {_params_m(kw):.0f}M, tokens/s (2 CPU ranks, {datetime.date.today()})")
+                   title=f"{name}, tokens/s (2 CPU ranks, {datetime.date.today()})")
 
 
 if __name__ == "__main__":

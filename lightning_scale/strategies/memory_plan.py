@@ -143,8 +143,8 @@ def plan_for_batch(strategy: Any, micro_batch: int, seq_len: int) -> Optional[An
         acts = stage_plan(strategy, prof, tp, micro_batch, seq_len, pp_rank=stage.pp_rank, units=units,
                           schedule=glue.runtime.schedule, prefetch=glue.runtime.prefetch,
                           tied_numel=sum(t.param.numel() for t in stage.tied),
-                          split_widths={s: split_backward_width([stage.chunk(s)], prof.unit_type, s == stage.num_stages - 1)
-                                        for s in stage.stage_ids})
+                          split_widths={s: split_backward_width([stage.chunk(s)], prof.unit_type,
+                                                                s == stage.num_stages - 1) for s in stage.stage_ids})
     else:
         common = dict(seq_len=seq_len, micro_batch=micro_batch, hidden=prof.hidden, vocab=prof.vocab,
                       precision=precision, activation_checkpointing=ac, offload_activations=offload, sp=1, tp=tp,

@@ -5,7 +5,8 @@ thing in the same unit: per-rank model states of this run. The header is *measur
 ``memory_bytes()`` reports now); what the first backward / step has not allocated yet (stage-3 gradient shards,
 the optimizer's m and v) is filled in from this run's row of the estimate and marked so. The header's
 device / host totals then equal the table's ``*`` row (``tests/unit/test_report.py`` checks every stage). The
-predicted peak row (model states + activations) and step 1's check of it are :mod:`lightning_scale.strategies.memory_plan`.
+predicted peak row (model states + activations) and step 1's check of it:
+:mod:`lightning_scale.strategies.memory_plan`.
 """
 
 from __future__ import annotations
