@@ -36,7 +36,9 @@ def _hand_written(path: str) -> list:
 PRETRAINED = ("Pretrained weights: `AutoModelForCausalLM.from_pretrained(dir)` inside `configure_model` (or "
               "`lightning_scale.from_pretrained` / `load_pretrained`) under zero3, tp=2 and pp=2 reads each rank's "
               "shard / slices / stage from the safetensors files; tested on Llama (zero3, tp2, pp2) and GPT-2 (zero3, "
-              "tp2, pp2), Phi3 with one kv head at tp2 (fused projections read by parts), and on both at dp2 x tp2 "
+              "tp2, pp2), Phi3 with one kv head at tp2 (fused projections read by parts), Mixtral (tp2, zero3) and "
+              "Qwen2-MoE (tp2), whose files keep each expert's own tensors (read through transformers' conversion "
+              "mapping; Mixtral 1e-8: its float32 routing weights), and Llama / GPT-2 at dp2 x tp2 "
               "(ZeRO-3, 4 ranks), Llama at dp2 x pp2 (ZeRO-3, 4 ranks) and both at dp2 x tp2 x pp2 (8 ranks), each "
               "rank reading 25-26% of the file, against one process's `from_pretrained`, float64 1e-10 "
               "(`tests/dist/test_pretrained.py`); under Fabric (`init_module(empty_init=True)`, zero3 and tp2; "
@@ -121,7 +123,8 @@ def main() -> None:
              "(`tests/dist/test_hf_matrix.py`): tiny configs from transformers' config classes, 2 ranks, float64, "
              f"3 SGD steps; a cell is `ok` when every per-step loss is within {TOL:g} of one process (the largest "
              "difference in brackets). The model is unchanged: zero3 shards it over dp=2 with one unit per decoder "
-             "layer (found automatically, each rank half of every batch), tp uses its own `tp_plan`, pp the "
+             "layer (found automatically, each rank half of every batch), tp uses its own `tp_plan` (and splits a "
+             "mixture of experts' experts, style `experts`), pp the "
              "automatic adapter (`lightning_scale.models.hf_pipeline`).", "",
              "| family | model_type | exercises | attention | " + " | ".join(modes) + " |",
              "|---|---|---|---|" + "---|" * len(modes)]
