@@ -204,6 +204,33 @@ def _expert_weights(unit) -> list:
     return [p for p in unit.parameters() if p.dim() == 3 and id(p) not in in_linear]
 
 
+def _expert_matmuls(unit, tp: int) -> list:
+    """(in, out) features per token of each stacked expert weight of ``unit``, as one rank runs it: a transformers
+    experts module of an unsplit unit at ``tp`` > 1 is split by the ``experts`` style (every expert's intermediate
+    width over tp, :mod:`lightning_scale.tensor_parallel.experts`); a split one is counted at its local shapes."""
+    from lightning_scale.tensor_parallel.experts import expert_specs, is_experts
+    from lightning_scale.tensor_parallel.sharding import tp_spec
+
+    shapes = {id(p): tuple(p.shape) for p in _expert_weights(unit)}
+    transposed = set()
+    for m in unit.modules():
+        if not is_experts(m):
+            continue
+        if m.is_transposed:
+            transposed.update(id(p) for p in m.parameters(recurse=False))
+        if tp > 1 and not any(tp_spec(p) is not None for p in m.parameters(recurse=False)):
+            try:
+                specs = expert_specs("", m, tp)
+            except ValueError:  # left whole by the built-in plan
+                continue
+            for pname, spec in specs.items():
+                shape = list(getattr(m, pname).shape)
+                shape[spec.dim] = spec.local_size
+                shapes[id(getattr(m, pname))] = tuple(shape)
+    # (experts, out, in); transposed layouts store (experts, in, out)
+    return [(s[1], s[2]) if i in transposed else (s[2], s[1]) for i, s in shapes.items()]
+
+
 def _counted_profile(unit, hidden: int, tp: int) -> Dict[str, float]:
     """The fallback when a unit's forward cannot run alone: Linear layers' input + output sizes (float32). A mixture
     of experts (its routing has data-dependent shapes: no fake-tensor profile) counts its stacked expert weights
@@ -224,16 +251,16 @@ def _counted_profile(unit, hidden: int, tp: int) -> Dict[str, float]:
         if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
             in_f, out_f = m.local_features
             outs, ins, widest = outs + out_f, ins + in_f, max(widest, out_f)
-    experts, routed = _expert_weights(unit), 0.0
+    experts, routed = _expert_matmuls(unit, tp), 0.0
     if experts:
         k = experts_per_token(unit)
-        outs += k * sum(p.shape[1] for p in experts)
-        ins += k * sum(p.shape[2] for p in experts)
+        outs += k * sum(o for _, o in experts)
+        ins += k * sum(i for i, _ in experts)
         # what the elementwise ops between and after the expert matmuls keep (the gated activation, the routing
         # weight), counted as half of every expert output: with it the step-1 plan of a tiny Mixtral / Qwen2-MoE
         # (1024 tokens, ZeRO-2, with and without full AC) is within 7% of the measured peak (2026-12-05)
-        routed = k * sum(p.shape[1] for p in experts) / 2
-        widest = max([widest] + [p.shape[1] for p in experts])
+        routed = k * sum(o for _, o in experts) / 2
+        widest = max([widest] + [o for _, o in experts])
     return {"saved": 4.0 * (ins + outs + routed + 2 * hidden), "input": 4.0 * hidden,
             "selective": 4.0 * (hidden + outs), "backward": 4.0 * 2 * max(widest, hidden)}
 
@@ -286,6 +313,8 @@ def profile_model(module, *, seq_len: int, sp: int = 1, tp: int = 1, chunked_los
     vocab, chunk = _vocab_and_chunk(module, chunked_loss)
     notes, source = [], "profiled"
     try:
+        if _expert_weights(unit):  # routing with data-dependent shapes: fake tensors cannot run it (and torch logs
+            raise RuntimeError("a mixture of experts")  # the failure at ERROR level): counted, not tried
         with tiled_unit(unit, tiled_mlp or 0), tiled_attention_unit(unit, tiled_attention or 0):
             per_token = profile_unit(unit, max(1, seq_len // max(sp, 1)), tp=tp, hidden=hidden or None, sp=sp)
         if tiled_mlp:
@@ -294,10 +323,12 @@ def profile_model(module, *, seq_len: int, sp: int = 1, tp: int = 1, chunked_los
             notes.append(f"tiled_attention={tiled_attention}: the unit profiled with its attention head-tiled")
     except Exception as err:  # a unit that needs more than one tensor (masks, rotary tables): count instead
         per_token, source = _counted_profile(unit, hidden, tp), "counted"
-        notes.append(f"{type(unit).__name__} did not run alone on fake tensors ({type(err).__name__}); activations "
-                     "counted from its Linear sizes" + (f" and its {len(_expert_weights(unit))} stacked expert weights "
-                                                        f"(each token through {experts_per_token(unit)} experts)"
-                                                        if _expert_weights(unit) else ""))
+        experts = _expert_weights(unit)
+        why = ("is a mixture of experts (routing with data-dependent shapes: no fake-tensor profile)" if experts else
+               f"did not run alone on fake tensors ({type(err).__name__})")
+        notes.append(f"{type(unit).__name__} {why}; activations counted from its Linear sizes" + (
+            f" and its {len(experts)} stacked expert weights (each token through {experts_per_token(unit)} experts)"
+            if experts else ""))
     return UnitProfile(per_token=per_token, layers=len(units), hidden=hidden, vocab=vocab, chunk=chunk,
                        unit_type=type(unit), source=source, notes=tuple(notes))
 

@@ -167,3 +167,34 @@ def test_builtin_plan_splits_moe_experts_and_shared_expert():
                                                       "shared_expert.down_proj")] == [
         "experts", "colwise", "colwise", "rowwise"]
     assert "model.layers.1.mlp.shared_expert_gate" not in qwen
+
+
+def test_the_estimator_counts_experts_split_at_tp_without_trying_fake_tensors():
+    """The memory estimator / autotuner count a mixture-of-experts unit (its routing cannot run on fake tensors):
+    at tp > 1 every expert's intermediate width is now split, so the count uses the local widths. The fake-tensor
+    attempt is skipped: with transformers' default grouped_mm experts torch logged it at ERROR level (an 'E...'
+    RuntimeError line in the autotuner's output)."""
+    import logging
+
+    pytest.importorskip("transformers")
+    from lightning_scale.activation_plan import _expert_matmuls, _units, profile_model
+    from lightning_scale.models import hf_families as F
+
+    model = F.build("mixtral", "eager", dtype=torch.float32, overrides={"experts_implementation": "grouped_mm"})
+    logged = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = logged.append
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")  # where torch reports the failed meta kernel
+    fake_log.addHandler(handler)
+    try:
+        whole, split = profile_model(model, seq_len=16, tp=1), profile_model(model, seq_len=16, tp=2)
+    finally:
+        fake_log.removeHandler(handler)
+    assert not logged, [r.getMessage() for r in logged]
+    assert whole.source == "counted" and "is a mixture of experts" in whole.notes[0], whole.notes
+    experts = model.model.layers[0].mlp.experts
+    e, two_i, h = experts.gate_up_proj.shape
+    unit = next(u for u in _units(model) if any(True for _ in u.parameters()))
+    assert _expert_matmuls(unit, 1) == [(h, two_i), (two_i // 2, h)]
+    assert _expert_matmuls(unit, 2) == [(h, two_i // 2), (two_i // 4, h)]
+    assert split.per_token["saved"] < whole.per_token["saved"]
