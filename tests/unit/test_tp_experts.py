@@ -4,7 +4,7 @@ Every layout ``use_experts_implementation`` declares (``[gate | up]`` concatenat
 no gate) is split by :func:`expert_specs`; run through transformers' own ``batched_mm`` / ``grouped_mm`` experts
 implementation on each rank's slices, the slices' outputs sum to the whole module's output (what the all-reduce of
 the tp region does), in float64. A wrong cut (the interleaved layout cut as two sections, the down projection along
-the wrong dim) fails it. The dist test (tests/dist/test_tp_experts.py) runs real Mixtral / Qwen2-MoE at tp=2.
+the wrong dim) fails it. The dist test (tests/dist/test_tp_experts_dist.py) runs real Mixtral / Qwen2-MoE at tp=2.
 """
 
 from __future__ import annotations
