@@ -7,10 +7,10 @@ training it was meant to keep; a resume of a stage-3 checkpoint onto tp=2 failed
 
 One 2-rank launch, float64, AdamW: each family of ``FAMILIES`` (GPT-2's Conv1D, Phi-3's gathered fused projections,
 GPT-NeoX's per-head interleaved qkv, Llama's grouped-query heads, Qwen2-MoE's 3-D expert weights split inside every
-expert, ``[gate | up]`` in two sections along dim 1 and ``down_proj`` along dim 2) trains 2 steps at tp=2 (ZeRO-1) and saves with
-``save_engines`` (what ``checkpoint_format="universal"`` writes); the same ranks then load it at dp=2 ZeRO-2 (the
-flat shards cut the fused weights mid-row) and train step 3. Against one process that trained the same 3 batches:
-the checkpoint's weights and Adam moments read whole (1e-10), and the resumed step-3 loss (1e-10).
+expert, ``[gate | up]`` in two sections along dim 1 and ``down_proj`` along dim 2) trains 2 steps at tp=2 (ZeRO-1)
+and saves with ``save_engines`` (what ``checkpoint_format="universal"`` writes); the same ranks then load it at dp=2
+ZeRO-2 (the flat shards cut the fused weights mid-row) and train step 3. Against one process that trained the same 3
+batches: the checkpoint's weights and Adam moments read whole (1e-10), and the resumed step-3 loss (1e-10).
 """
 
 from __future__ import annotations
