@@ -82,14 +82,13 @@ def expert_specs(name: str, module: nn.Module, tp: int) -> Dict[str, ShardSpec]:
     return {up_name: up_spec, "down_proj": down_spec}
 
 
-def _marking_apply(specs: Dict[str, ShardSpec]):
-    def _apply(self, fn, recurse=True):  # .to_empty() from meta builds new Parameters: mark them again
-        out = type(self)._apply(self, fn, recurse)
-        for pname, spec in specs.items():
-            mark_sharded(getattr(self, pname), spec)
-        return out
-
-    return _apply
+def _apply(self, fn, recurse=True):
+    """``nn.Module._apply``, then the expert weights marked again: ``.to_empty()`` from meta builds new Parameters.
+    Installed per instance (module-level, so the split model still pickles and deep-copies)."""
+    out = type(self)._apply(self, fn, recurse)
+    for pname, spec in self._tp_expert_specs.items():
+        mark_sharded(getattr(self, pname), spec)
+    return out
 
 
 def _enter(group, tag: str):
@@ -129,7 +128,8 @@ def split_experts(name: str, module: nn.Module, specs: Dict[str, ShardSpec], gro
         param = nn.Parameter(local, requires_grad=full.requires_grad)
         mark_sharded(param, spec)
         setattr(module, pname, param)
-    module._apply = types.MethodType(_marking_apply(dict(specs)), module)
+    module._tp_expert_specs = dict(specs)
+    module._apply = types.MethodType(_apply, module)
     tag = f"tp/{name}"
     return [module.register_forward_pre_hook(_enter(group, tag), with_kwargs=True),
             module.register_forward_hook(_leave(group, tag, name), with_kwargs=True)]

@@ -198,3 +198,24 @@ def test_the_estimator_counts_experts_split_at_tp_without_trying_fake_tensors():
     assert _expert_matmuls(unit, 1) == [(h, two_i), (two_i // 2, h)]
     assert _expert_matmuls(unit, 2) == [(h, two_i // 2), (two_i // 4, h)]
     assert split.per_token["saved"] < whole.per_token["saved"]
+
+
+def test_split_experts_stay_marked_through_materialization_and_copies():
+    """A model split on meta is materialized with ``to_empty``, which builds new Parameters: the experts' shard
+    specs (read by checkpoints, pretrained reads and gradient norms) are marked again; a deep copy keeps its own."""
+    pytest.importorskip("transformers")
+    from lightning_scale.models import hf_families as F
+    from lightning_scale.tensor_parallel.experts import split_experts
+    from lightning_scale.tensor_parallel.sharding import tp_spec
+
+    with torch.device("meta"):
+        model = F.build("mixtral", "eager")
+    experts = model.model.layers[0].mlp.experts
+    specs = expert_specs("e", experts, 2)
+    for hook in split_experts("e", experts, specs, None):  # a group of one: the hooks are identities
+        hook.remove()
+    copied = copy.deepcopy(model).model.layers[0].mlp.experts
+    for module in (experts, copied):
+        module.to_empty(device="cpu")
+        assert {n: tp_spec(getattr(module, n)) for n in specs} == specs
+        assert module.gate_up_proj.shape[1] == specs["gate_up_proj"].local_size
