@@ -28,6 +28,7 @@ CASES = {  # name: (family, Zero3DStrategy kwargs)
     "qwen2_moe_zero2": ("qwen2_moe", {"stage": 2}),
     "llama_tp2": ("llama", {"tp": 2}),
     "mixtral_tp2": ("mixtral", {"tp": 2}),
+    "mixtral_tp2_ac": ("mixtral", {"tp": 2, "activation_checkpointing": "full"}),  # experts split, recomputed
     "mistral_tp2": ("mistral", {"tp": 2}),  # sliding window: sdpa keeps per-head scores with the explicit mask
     "gemma3_tp2": ("gemma3", {"tp": 2}),
 }
