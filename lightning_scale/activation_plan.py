@@ -224,9 +224,7 @@ def _expert_matmuls(unit, tp: int) -> list:
             except ValueError:  # left whole by the built-in plan
                 continue
             for pname, spec in specs.items():
-                shape = list(getattr(m, pname).shape)
-                shape[spec.dim] = spec.local_size
-                shapes[id(getattr(m, pname))] = tuple(shape)
+                shapes[id(getattr(m, pname))] = spec.local_shape(getattr(m, pname).shape)
     # (experts, out, in); transposed layouts store (experts, in, out)
     return [(s[1], s[2]) if i in transposed else (s[2], s[1]) for i, s in shapes.items()]
 

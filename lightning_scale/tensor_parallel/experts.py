@@ -120,9 +120,7 @@ def split_experts(name: str, module: nn.Module, specs: Dict[str, ShardSpec], gro
     for pname, spec in specs.items():
         full = getattr(module, pname)
         if full.is_meta:
-            shape = list(full.shape)
-            shape[spec.dim] = spec.local_size
-            local = torch.empty(shape, device="meta", dtype=full.dtype)
+            local = torch.empty(spec.local_shape(full.shape), device="meta", dtype=full.dtype)
         else:
             local = shard_tensor(full.detach(), spec, rank)
         param = nn.Parameter(local, requires_grad=full.requires_grad)

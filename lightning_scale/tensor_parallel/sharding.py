@@ -109,6 +109,10 @@ class ShardSpec:
             local, base = local + n, base + part
         return tuple(out)
 
+    def local_shape(self, shape) -> Tuple[int, ...]:
+        """The shape of one rank's shard of a full tensor of ``shape``."""
+        return tuple(self.local_size if d == self.dim else n for d, n in enumerate(shape))
+
     def local_range(self, rank: int) -> tuple:
         """[start, end) of rank's rows in the padded full tensor (sections == 1 only)."""
         piece = rank * self.part_splits[0] // self.tp if self.splits else rank
