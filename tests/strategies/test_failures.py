@@ -1,4 +1,6 @@
 """Trainer runs (2 CPU ranks) with an injected fault: every process ends by itself, names the rank and the cause.
+One case of each fault is launched as a user types it (Lightning starts rank 1), the others with every rank started
+from outside, as srun / torchrun do (each rank must then end with the same code).
 
 Each run is launched in its own session with a timeout; when the script (rank 0) has exited, the test checks
 the pids every rank recorded (psutil) before it kills the process group, so "no process left" is observed,
@@ -37,7 +39,7 @@ def _start(cmd, tmp_path, env):
     Forked from the test zygote when it is on (rank 0 skips the ~10 s import of Lightning that rank 1 still pays;
     the script's Python signal handlers, exit status and output are those of ``python SCRIPT``), else under
     run_script's supervisor (PR_SET_PDEATHSIG: if pytest itself is killed, the job's group goes with it).
-    Returns (process, output reader, returncode as a shell reports it)."""
+    Returns (processes, output reader, return codes as a shell reports them)."""
     if testing._use_zygote():
         out_path = str(tmp_path / "output.txt")
         proc = testing_zygote.zygote(testing.SCRIPT_PRELOAD).fork(
@@ -47,7 +49,7 @@ def _start(cmd, tmp_path, env):
             with open(out_path, errors="replace") as f:
                 return f.read()
 
-        return proc, output, lambda: proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
+        return [proc], output, lambda: [proc.returncode if proc.returncode >= 0 else 128 - proc.returncode]
     supervise = [sys.executable, "-c", "from lightning_scale.testing import _supervise; _supervise()"]
     proc = subprocess.Popen([*supervise, *cmd], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -59,55 +61,99 @@ def _start(cmd, tmp_path, env):
         reader.join(timeout=10)
         return "".join(chunks)
 
-    return proc, output, lambda: proc.returncode
+    return [proc], output, lambda: [proc.returncode]
 
 
-def launch(tmp_path, *args, timeout: float, signal_after_step=None, signal_ranks=(), signum=signal.SIGTERM):
+def _start_external(cmd, tmp_path, env, ranks=2):
+    """Every rank started from outside, as srun or torchrun do (RANK / LOCAL_RANK / WORLD_SIZE / MASTER_* set: Lightning
+    starts no process of its own), each in a session of its own, forked from the test zygote when it is on (else a
+    fresh interpreter under run_script's supervisor). A signal to one rank reaches that rank only, as ``scancel
+    --signal`` to one task or a node's own SIGTERM does. Returns what ``_start`` does; the output is rank 0's,
+    then rank 1's."""
+    port = str(testing._free_port())
+    outs, procs = [str(tmp_path / f"output{r}.txt") for r in range(ranks)], []
+    for r in range(ranks):
+        rank_env = dict(env, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks),
+                        NODE_RANK="0", GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        if testing._use_zygote():
+            procs.append(testing_zygote.zygote(testing.SCRIPT_PRELOAD).fork(
+                "script", cmd[1:], rank_env, str(tmp_path), outs[r], outs[r], str(tmp_path / f"exit_status{r}")))
+        else:
+            supervise = [sys.executable, "-c", "from lightning_scale.testing import _supervise; _supervise()"]
+            with open(outs[r], "w") as f:
+                procs.append(subprocess.Popen([*supervise, *cmd], cwd=tmp_path, env=rank_env, stdout=f,
+                                              stderr=subprocess.STDOUT, text=True, start_new_session=True))
+
+    def output():
+        text = []
+        for path in outs:
+            with open(path, errors="replace") as f:
+                text.append(f.read())
+        return "".join(text)
+
+    def codes():
+        return [p.returncode if p.returncode >= 0 else 128 - p.returncode for p in procs]
+
+    return procs, output, codes
+
+
+def launch(tmp_path, *args, timeout: float, signal_after_step=None, signal_ranks=(), signum=signal.SIGTERM,
+           launcher="lightning"):
     """Run fit_failures.py; optionally send ``signum`` to ``signal_ranks`` once rank 0 finished that batch.
-    Returns (returncode, stdout + stderr, pids that were still alive when the script had exited)."""
+    ``launcher="lightning"``: the script as a user types it (Lightning starts rank 1); ``"external"``: every rank
+    started from outside, as srun / torchrun do. Returns (return code, stdout + stderr, pids that were still alive
+    when the job had exited); with external ranks every rank must end with the same code (asserted)."""
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir(exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc, output, returncode = _start([sys.executable, SCRIPT, "--pid-dir", str(pid_dir), *map(str, args)],
-                                      tmp_path, env)
+    start = {"lightning": _start, "external": _start_external}[launcher]
+    procs, output, returncodes = start([sys.executable, SCRIPT, "--pid-dir", str(pid_dir), *map(str, args)],
+                                       tmp_path, env)
     try:
         deadline = time.monotonic() + timeout
         if signal_after_step is not None:
             steps = pid_dir / "rank0.steps"
-            while time.monotonic() < deadline and proc.poll() is None and not (
+            while time.monotonic() < deadline and all(p.poll() is None for p in procs) and not (
                     steps.exists() and len(steps.read_text().split()) > signal_after_step):
                 time.sleep(0.05)
             for r in signal_ranks:
                 os.kill(int((pid_dir / f"rank{r}.pid").read_text()), signum)
-        proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
         pids = [int(p.read_text()) for p in pid_dir.glob("rank*.pid")]
         end = time.monotonic() + 5.0  # a child may be a moment behind its parent
         while time.monotonic() < end and any(_alive(p) for p in pids):
             time.sleep(0.05)
-        return returncode(), output(), [p for p in pids if _alive(p)]
+        codes, out = returncodes(), output()
+        assert len(set(codes)) == 1, f"the ranks ended with different codes {codes}: {out[-4000:]}"
+        return codes[0], out, [p for p in pids if _alive(p)]
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
+        for p in procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
 
 
 def _ours(out: str):
     return [ln for ln in out.splitlines() if ln.startswith("[lightning_scale]")]
 
 
-@pytest.mark.parametrize("mode, waits_in", [
-    ("zero2", r"reduce_scatter #\d+ \(axis dp \[0, 1\], tag grad, \d+ B\)"),
-    ("pp2", r"recv<-1 #\d+ \(axis pp \[0, 1\], tag pp_\w+, \d+ B\)"),
-    pytest.param("zero3", r"(reduce_scatter|all_gather) #\d+ \(axis dp \[0, 1\], tag \w+, \d+ B\)",
+# Lightning's launcher (rank 1 a child of rank 0, a fresh interpreter: ~10 s of imports) for one case of each fault;
+# the others with every rank started from outside, as srun / torchrun do.
+@pytest.mark.parametrize("mode, waits_in, launcher", [
+    ("zero2", r"reduce_scatter #\d+ \(axis dp \[0, 1\], tag grad, \d+ B\)", "lightning"),
+    ("pp2", r"recv<-1 #\d+ \(axis pp \[0, 1\], tag pp_\w+, \d+ B\)", "external"),
+    pytest.param("zero3", r"(reduce_scatter|all_gather) #\d+ \(axis dp \[0, 1\], tag \w+, \d+ B\)", "external",
                  marks=pytest.mark.slow),
-    pytest.param("tp2", r"all_reduce #\d+ \(axis tp \[0, 1\], tag tp/[\w.]+, \d+ B\)", marks=pytest.mark.slow),
+    pytest.param("tp2", r"all_reduce #\d+ \(axis tp \[0, 1\], tag tp/[\w.]+, \d+ B\)", "external",
+                 marks=pytest.mark.slow),
 ])
-def test_hang_in_training_step(tmp_path, mode, waits_in):
+def test_hang_in_training_step(tmp_path, mode, waits_in, launcher):
     # timeout: first_step_grace 20 s + start-up under load
     rc, out, left = launch(tmp_path, "--mode", mode, "--fault", "hang", "--fault-step", "2",
-                           "--hang-timeout", HANG_S, timeout=HANG_S + 140)
+                           "--hang-timeout", HANG_S, timeout=HANG_S + 140, launcher=launcher)
     assert rc == EXIT_HANG, out[-4000:]
     assert left == [], f"processes left: {left}"
     assert out.count("HANG: every rank exits now (stuck rank(s): [1])") == 2, out[-4000:]  # both ranks reported
@@ -157,17 +203,17 @@ def test_secondary_errors_in_teardown_never_replace_the_first(tmp_path):
 _slow = pytest.mark.slow
 
 
-@pytest.mark.parametrize("mode, ranks, save", [
-    ("zero3", (0, 1), True),
-    pytest.param("zero3", (1,), False, marks=_slow),
-    pytest.param("zero2", (1,), False, marks=_slow),
-    pytest.param("zero2", (0, 1), True, marks=_slow),
-    pytest.param("pp2", (1,), False, marks=_slow),
-    pytest.param("pp2", (0, 1), True, marks=_slow),
-    pytest.param("tp2", (1,), False, marks=_slow),
-    pytest.param("tp2", (0, 1), True, marks=_slow),
+@pytest.mark.parametrize("mode, ranks, save, launcher", [
+    ("zero3", (0, 1), True, "lightning"),
+    pytest.param("zero3", (1,), False, "lightning", marks=_slow),
+    pytest.param("zero2", (1,), False, "external", marks=_slow),
+    pytest.param("zero2", (0, 1), True, "external", marks=_slow),
+    pytest.param("pp2", (1,), False, "external", marks=_slow),
+    pytest.param("pp2", (0, 1), True, "external", marks=_slow),
+    pytest.param("tp2", (1,), False, "external", marks=_slow),
+    pytest.param("tp2", (0, 1), True, "external", marks=_slow),
 ], ids=lambda v: {(0, 1): "all", (1,): "rank1", True: "save", False: "nosave"}.get(v, v))
-def test_sigterm_stops_every_rank(tmp_path, mode, ranks, save):
+def test_sigterm_stops_every_rank(tmp_path, mode, ranks, save, launcher):
     """SIGTERM to all ranks (as SLURM does) and to rank 1 only, in each mode; with save_on_preempt the checkpoint
     written on the signal loads. At ZeRO-3 the run also logs weight norms between steps (the gathered() pattern; a
     bare read raises a clear error)."""
@@ -177,7 +223,7 @@ def test_sigterm_stops_every_rank(tmp_path, mode, ranks, save):
     if norms:
         extra.append("--norms")
     rc, out, left = launch(tmp_path, "--mode", mode, "--steps", 200, "--step-sleep", 0.1, *extra,
-                           timeout=240, signal_after_step=3, signal_ranks=ranks)
+                           timeout=240, signal_after_step=3, signal_ranks=ranks, launcher=launcher)
     assert rc == 128 + signal.SIGTERM, out[-3000:]
     assert left == [], f"processes left: {left}"
     m = re.search(r"every rank stopped after batch (\d+) \(global step (\d+)\) on SIGTERM", out)
