@@ -238,12 +238,26 @@ def _exit_code(exc: SystemExit) -> int:
     return 1
 
 
+def _join_threads() -> None:
+    """The interpreter's first exit step (``threading._shutdown``): the callbacks registered with
+    ``threading._register_atexit`` (``concurrent.futures`` wakes its idle pool workers there), then every non-daemon
+    thread joined. Joining without the callbacks waits forever on an executor that was never shut down (inductor's
+    cold compile leaves one: a forked rank that had finished its work hung at exit)."""
+    shutdown = getattr(threading, "_shutdown", None)
+    if shutdown is not None:
+        shutdown()
+        return
+    for callback in reversed(getattr(threading, "_threading_atexits", [])):  # pragma: no cover - other Pythons
+        callback()
+    for t in threading.enumerate():
+        if t is not threading.current_thread() and not t.daemon:
+            t.join()
+
+
 def _finish(code: int) -> None:
     """What the interpreter does at exit, minus the module teardown (gloo's threads can abort it)."""
     try:
-        for t in threading.enumerate():
-            if t is not threading.current_thread() and not t.daemon:
-                t.join()
+        _join_threads()
         import atexit
 
         atexit._run_exitfuncs()

@@ -165,3 +165,19 @@ def test_run_script_ranks_start_like_torchrun(tmp_path):
     assert len({ln.split(" port ")[1].split()[0] for ln in lines}) == 1  # one MASTER_PORT for both
     assert all(f"argv ['a', 'b'] here True extra True cwd {tmp_path}" in ln for ln in lines), proc.stdout
     assert (proc.returncode, proc.stderr) == (3, "err 0\nerr 1\n")
+
+
+def test_forked_script_with_an_idle_thread_pool_exits_as_the_interpreter_does(tmp_path):
+    """A script that leaves a ThreadPoolExecutor running (not shut down) ends under ``python`` (concurrent.futures
+    wakes its workers from threading's exit hook); forked from the zygote it hung at exit, joining the idle worker
+    (a Trainer run with a cold inductor cache, whose compile leaves such a pool, timed out after its work was done)."""
+    script = tmp_path / "pool.py"
+    script.write_text("import concurrent.futures, threading\n"
+                      "pool = concurrent.futures.ThreadPoolExecutor(1)\n"
+                      "concurrent.futures.kept = pool  # held past the script, as inductor's compile pool is\n"
+                      "print(pool.submit(lambda: 6 * 7).result())\n"
+                      "threading.Thread(target=lambda: None).start()\n")
+    for ranks in (None, 1):  # a fresh interpreter, then forked from the zygote
+        proc = run_script([sys.executable, str(script)], timeout=60, cwd=str(tmp_path), ranks=ranks,
+                          preload=("json",))
+        assert (proc.returncode, proc.stdout) == (0, "42\n"), (ranks, proc.stderr)
