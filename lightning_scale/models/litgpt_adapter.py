@@ -30,10 +30,13 @@ the plan machinery (``tensor_parallel.plan._parent_fixes``) divides by tp when i
   Per-head q/k norms (``norm_qk``, default type) ``replicated_with_grad_allreduce`` (they see only this rank's
   heads);
 * MLP ``fc`` / ``fc_1`` / ``fc_2`` ``colwise``, ``proj`` ``rowwise``; ``transformer.wte`` ``vocab``; ``lm_head``
-  ``colwise_gather`` (litgpt returns full logits and its users compute the loss from them).
+  ``colwise_gather`` (litgpt returns full logits and its users compute the loss from them);
+* a mixture-of-experts MLP (``LLaMAMoE``, ``n_expert > 0``) ``experts``: every expert's and the shared expert's
+  width split, the gate whole, one all-reduce of the block's output (:mod:`lightning_scale.tensor_parallel.experts`);
+  experts whose down projection has a bias are refused by name.
 
-Refused with a ``ConfigError`` naming the setting: sequence parallelism, mixture-of-experts MLPs
-(``n_expert``), latent attention (``latent_attention``), q/k norms over all heads (``norm_qk_type='olmo2'``).
+Refused with a ``ConfigError`` naming the setting: sequence parallelism, latent attention (``latent_attention``),
+q/k norms over all heads (``norm_qk_type='olmo2'``).
 
 The plan is found like any built-in one (``tensor_parallel_plan()`` on the model): litgpt's ``GPT`` class gets
 that one method when ``litgpt.model`` is (or gets) imported -- nothing here imports litgpt itself.
@@ -178,9 +181,6 @@ def _refuse_unsupported(config, sequence_parallel: bool) -> None:
     if sequence_parallel:
         raise ConfigError("tensor.sequence_parallel=True is not supported for litgpt's GPT (its blocks read the "
                           "sequence length from the hidden states); use sequence_parallel=False")
-    if config.n_expert:
-        raise ConfigError(f"tensor parallel: litgpt config n_expert={config.n_expert} (mixture-of-experts MLP) has "
-                          "no built-in plan; pass tensor.plan={pattern: style} leaving the experts 'replicate'")
     if config.latent_attention:
         raise ConfigError("tensor parallel: litgpt config latent_attention (multi-head latent attention) has no "
                           "built-in plan; pass tensor.plan={pattern: style}")
@@ -206,6 +206,8 @@ def litgpt_tp_plan(gpt: nn.Module, sequence_parallel: bool = False) -> Dict[str,
         plan.update({h + "mlp.fc": "colwise", h + "mlp.proj": "rowwise"})
     elif mlp in ("LLaMAMLP", "GemmaMLP"):
         plan.update({h + "mlp.fc_1": "colwise", h + "mlp.fc_2": "colwise", h + "mlp.proj": "rowwise"})
+    elif mlp == "LLaMAMoE":  # every expert's (and the shared expert's) width split, the gate whole
+        plan[h + "mlp"] = "experts"
     else:
         raise ConfigError(f"tensor parallel: litgpt config mlp_class_name={config.mlp_class_name!r} has no built-in "
                           "plan; pass tensor.plan={pattern: style}")

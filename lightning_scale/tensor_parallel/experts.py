@@ -21,6 +21,16 @@ to it (Qwen2-MoE's ``shared_expert``) column / row-wise. Left whole (the startup
 shows what stays whole): experts with biases (the down projection's bias would be added tp times), a norm after
 each expert (not linear), and experts whose intermediate width tp does not divide (a user's own plan naming such
 a module with ``experts`` gets a ConfigError).
+
+The same style splits a mixture-of-experts *block* that holds its router: a ``gate`` and an ``experts`` list of MLP
+modules (litgpt's ``LLaMAMoE``, with its optional ``shared_experts``; also the per-expert ``w1 / w3 / w2`` layout
+older transformers saved). Every expert's and the shared expert's up projections are cut by rows, the down
+projection by columns; the gate stays whole. The block's input reaches both the gate and the experts, so the region
+is drawn around the experts only: the block's floating inputs enter it (their gradient all-reduced), the gate's
+input gradient is scaled by ``1 / tp`` before that sum (the gate path is whole on every rank: the sum gives it back
+once), and the gate's floating outputs (router logits, or the routing weights of a grouped router) enter the region
+again, so their partial gradients are summed before the gate's backward. One all-reduce of the block's output sums
+the experts' slices. Exact for tp a power of two (halving and summing whole values is exact).
 """
 
 from __future__ import annotations
@@ -47,11 +57,64 @@ def _up_name(module: nn.Module) -> str:
     return "gate_up_proj" if module.has_gate else "up_proj"
 
 
+# A per-expert MLP's linear layers: (up projections, cut by rows; the down projection, cut by columns)
+_MLP_LAYOUTS = ((("fc_1", "fc_2"), "proj"),  # litgpt LLaMAMLP / GemmaMLP
+                (("fc",), "proj"),  # litgpt GptNeoxMLP
+                (("gate_proj", "up_proj"), "down_proj"),  # Hugging Face gated MLPs
+                (("w1", "w3"), "w2"))  # Mixtral's experts as older transformers built them
+_SHARED = ("shared_experts", "shared_expert")
+
+
+def _mlp_layout(module: nn.Module) -> Optional[Tuple[Tuple[str, ...], str]]:
+    for ups, down in _MLP_LAYOUTS:
+        if all(type(getattr(module, n, None)) is nn.Linear for n in (*ups, down)):
+            return ups, down
+    return None
+
+
+def is_moe_block(module: nn.Module) -> bool:
+    """A mixture-of-experts block holding its router: a ``gate`` module and an ``experts`` list of MLPs."""
+    experts = getattr(module, "experts", None)
+    return (isinstance(getattr(module, "gate", None), nn.Module) and isinstance(experts, nn.ModuleList)
+            and len(experts) > 0 and all(_mlp_layout(e) is not None for e in experts))
+
+
+def _block_mlps(module: nn.Module) -> Dict[str, nn.Module]:
+    """prefix -> MLP of every expert (``experts.i``) and the shared expert of a MoE block."""
+    mlps = {f"experts.{i}": e for i, e in enumerate(module.experts)}
+    for name in _SHARED:
+        if getattr(module, name, None) is not None:
+            mlps[name] = getattr(module, name)
+    return mlps
+
+
+def _block_unsupported(module: nn.Module) -> Optional[str]:
+    kind = type(module).__name__
+    known = {"gate", "experts", *_SHARED}
+    other = [n for n, _ in module.named_children() if n not in known]
+    if other:
+        return f"{kind} has modules besides its gate, experts and shared expert ({', '.join(other)})"
+    for name in _SHARED:
+        shared = getattr(module, name, None)
+        if shared is not None and _mlp_layout(shared) is None:
+            return f"{kind}.{name} ({type(shared).__name__}) is not an MLP of linear layers"
+    for prefix, mlp in _block_mlps(module).items():
+        ups, down = _mlp_layout(mlp)
+        if getattr(mlp, down).bias is not None:
+            return f"{kind}.{prefix}.{down} has a bias (it would be added once per tp rank)"
+        if len({getattr(mlp, n).out_features for n in ups}) != 1:
+            return f"{kind}.{prefix}: its up projections {ups} have different widths"
+    return None
+
+
 def unsupported(module: nn.Module) -> Optional[str]:
     """Why ``experts`` cannot split ``module`` (None when it can)."""
+    if is_moe_block(module):
+        return _block_unsupported(module)
     if not is_experts(module):
         return (f"{type(module).__name__} is not a transformers experts module (3-D gate_up_proj / down_proj "
-                f"weights with the layout use_experts_implementation records)")
+                f"weights with the layout use_experts_implementation records) nor a mixture-of-experts block "
+                f"(a gate and an experts list of MLPs)")
     if module.has_bias:
         return f"{type(module).__name__} has expert biases (the down projection's would be added once per tp rank)"
     if getattr(module, "has_post_expert_norm", False):
@@ -68,6 +131,8 @@ def expert_specs(name: str, module: nn.Module, tp: int) -> Dict[str, ShardSpec]:
     why = unsupported(module)
     if why is not None:
         raise ValueError(f"style 'experts' on {name!r}: {why}")
+    if is_moe_block(module):
+        return _block_specs(name, module, tp)
     up_name = _up_name(module)
     up, down = getattr(module, up_name), module.down_proj
     up_dim, down_dim = (2, 1) if module.is_transposed else (1, 2)
@@ -82,12 +147,28 @@ def expert_specs(name: str, module: nn.Module, tp: int) -> Dict[str, ShardSpec]:
     return {up_name: up_spec, "down_proj": down_spec}
 
 
+def _block_specs(name: str, module: nn.Module, tp: int) -> Dict[str, ShardSpec]:
+    specs: Dict[str, ShardSpec] = {}
+    for prefix, mlp in _block_mlps(module).items():
+        ups, down = _mlp_layout(mlp)
+        width = getattr(mlp, down).in_features
+        if width % tp:
+            raise ValueError(f"tp={tp} does not divide the intermediate width {width} of {name}.{prefix}")
+        for n in ups:
+            lin = getattr(mlp, n)
+            specs[f"{prefix}.{n}.weight"] = make_spec(0, lin.out_features, tp, what=f"{name}.{prefix}.{n}")
+            if lin.bias is not None:
+                specs[f"{prefix}.{n}.bias"] = make_spec(0, lin.out_features, tp, what=f"{name}.{prefix}.{n}.bias")
+        specs[f"{prefix}.{down}.weight"] = make_spec(1, width, tp, what=f"{name}.{prefix}.{down}")
+    return specs
+
+
 def _apply(self, fn, recurse=True):
     """``nn.Module._apply``, then the expert weights marked again: ``.to_empty()`` from meta builds new Parameters.
     Installed per instance (module-level, so the split model still pickles and deep-copies)."""
     out = type(self)._apply(self, fn, recurse)
     for pname, spec in self._tp_expert_specs.items():
-        mark_sharded(getattr(self, pname), spec)
+        mark_sharded(self.get_parameter(pname), spec)
     return out
 
 
@@ -112,25 +193,64 @@ def _leave(group, tag: str, name: str):
     return hook
 
 
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
+def _gate_hooks(gate: nn.Module, group, tag: str) -> List[object]:
+    """The router of a MoE block inside the experts' region: its input gradient (whole on every rank) scaled by
+    1 / tp before the region's sum, its floating outputs' gradients (partial: they weight the experts' slices)
+    summed over tp."""
+    scale = 1.0 / torch.distributed.get_world_size(group)
+
+    def enter(module, args):
+        return tuple(_ScaleGrad.apply(a, scale) if isinstance(a, torch.Tensor) and a.is_floating_point()
+                     and a.requires_grad else a for a in args)
+
+    def leave(module, args, output):
+        def one(x):
+            if isinstance(x, torch.Tensor) and x.is_floating_point() and x.requires_grad:
+                return copy_to_region(x, group, tag=tag)
+            return x
+
+        return type(output)(one(o) for o in output) if isinstance(output, tuple) else one(output)
+
+    return [gate.register_forward_pre_hook(enter), gate.register_forward_hook(leave)]
+
+
 @torch.no_grad()
 def split_experts(name: str, module: nn.Module, specs: Dict[str, ShardSpec], group) -> List[object]:
     """Keep this rank's slice of every expert weight of ``module`` (in place: same module, same parameter names;
     meta stays meta) and install the region hooks. Returns the hook handles."""
     rank = tp_rank(group)
     for pname, spec in specs.items():
-        full = getattr(module, pname)
+        owner_name, _, leaf = pname.rpartition(".")
+        owner = module.get_submodule(owner_name) if owner_name else module
+        full = getattr(owner, leaf)
         if full.is_meta:
             local = torch.empty(spec.local_shape(full.shape), device="meta", dtype=full.dtype)
         else:
             local = shard_tensor(full.detach(), spec, rank)
         param = nn.Parameter(local, requires_grad=full.requires_grad)
         mark_sharded(param, spec)
-        setattr(module, pname, param)
+        setattr(owner, leaf, param)
+        if isinstance(owner, nn.Linear) and leaf == "weight":  # the local widths, as the parallel linears keep them
+            owner.out_features, owner.in_features = local.shape
     module._tp_expert_specs = dict(specs)
     module._apply = types.MethodType(_apply, module)
     tag = f"tp/{name}"
-    return [module.register_forward_pre_hook(_enter(group, tag), with_kwargs=True),
-            module.register_forward_hook(_leave(group, tag, name), with_kwargs=True)]
+    handles = [module.register_forward_pre_hook(_enter(group, tag), with_kwargs=True),
+               module.register_forward_hook(_leave(group, tag, name), with_kwargs=True)]
+    if is_moe_block(module):
+        handles += _gate_hooks(module.gate, group, tag)
+    return handles
 
 
 def _gated_mlp(module: nn.Module) -> bool:

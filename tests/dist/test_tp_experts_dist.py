@@ -93,3 +93,85 @@ def test_moe_at_tp2_splits_the_experts_and_equals_one_process(runs, family):
             worst[name] = ((g - p.grad).abs().max() / p.grad.abs().max().clamp_min(1e-300)).item()
         bad = {n: w for n, w in worst.items() if not w <= tol}
         assert not bad, (family, rank, bad)
+
+
+# --- a MoE block that holds its router (a gate + an experts list of MLPs): litgpt's LLaMAMoE layout, and a user's own
+# block with Hugging Face-style or older Mixtral-style expert MLPs. litgpt's own is tests/dist/test_litgpt.py.
+H, I, E, K = 16, 24, 4, 2
+MLP_NAMES = {"hf": ("gate_proj", "up_proj", "down_proj"), "mixtral_v4": ("w1", "w3", "w2"),
+             "litgpt": ("fc_1", "fc_2", "proj")}
+
+
+class _MLP(torch.nn.Module):
+    def __init__(self, names):
+        super().__init__()
+        self.names = names
+        for n, (i, o) in zip(names, ((H, I), (H, I), (I, H))):
+            setattr(self, n, torch.nn.Linear(i, o, bias=False))
+
+    def forward(self, x):
+        up1, up2, down = (getattr(self, n) for n in self.names)
+        return down(torch.nn.functional.silu(up1(x)) * up2(x))
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, names, shared):
+        super().__init__()
+        self.gate = torch.nn.Linear(H, E, bias=False)
+        self.experts = torch.nn.ModuleList(_MLP(names) for _ in range(E))
+        self.shared_experts = _MLP(names) if shared else None
+
+    def forward(self, x):
+        weights, idx = torch.topk(self.gate(x).softmax(-1), K)
+        y = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            tok, slot = torch.where(idx == e)
+            y = y.index_add(0, tok, weights[tok, slot, None] * expert(x[tok]))
+        return y + self.shared_experts(x) if self.shared_experts is not None else y
+
+
+def _block_model(names, shared):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(H, H), _Block(names, shared), torch.nn.Linear(H, 3)).double()
+
+
+def _block_grads(model):
+    x = torch.randn(20, H, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    loss = model(x).square().mean()
+    loss.backward()
+    return loss.item()
+
+
+def block_worker(rank: int, world_size: int) -> dict:
+    import torch.distributed as dist
+
+    from lightning_scale.tensor_parallel import apply_tensor_parallel, consolidate_state_dict
+
+    out = {}
+    for kind, names in MLP_NAMES.items():
+        model = apply_tensor_parallel(_block_model(names, kind == "litgpt"), {"1": "experts"}, dist.group.WORLD)
+        loss = _block_grads(model)
+        out[kind] = dict(loss=loss, local={n: tuple(p.shape) for n, p in model.named_parameters()},
+                         grads=consolidate_state_dict(model, values={n: p.grad for n, p in model.named_parameters()}))
+    return out
+
+
+@pytest.mark.timeout(200)
+def test_moe_block_holding_its_router_at_tp2_equals_one_process():
+    """Style ``experts`` on a block with a gate and a list of MLP experts (Hugging Face-style, Mixtral's old
+    ``w1 / w3 / w2`` and litgpt's ``fc_1 / fc_2 / proj`` names; a shared expert in the last): every expert's width
+    halved, the gate whole, loss and every consolidated gradient = one process within 1e-12 relative (float64)."""
+    runs = run_distributed(block_worker, 2, (), timeout=150)
+    for kind, names in MLP_NAMES.items():
+        ref = _block_model(names, kind == "litgpt")
+        loss = _block_grads(ref)
+        for run in runs:
+            r = run[kind]
+            assert abs(r["loss"] - loss) <= 1e-12 * abs(loss), (kind, r["loss"], loss)
+            for n, p in ref.named_parameters():
+                want = tuple(p.shape)
+                if ".experts." in n or ".shared_experts." in n:
+                    want = (want[0] // 2, want[1]) if not n.endswith(f"{names[2]}.weight") else (want[0], want[1] // 2)
+                assert r["local"][n] == want, (kind, n, r["local"][n], want)
+                err = (r["grads"][n] - p.grad).abs().max() / p.grad.abs().max()
+                assert err <= 1e-12, (kind, n, err.item())
