@@ -37,6 +37,19 @@ FAMILIES: Dict[str, Tuple[str, dict, str]] = {
     "qwen2_moe": ("qwen2_moe", dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                     shared_expert_intermediate_size=32, experts_implementation="eager"),
                   "experts + a gated shared expert, q/k/v biases"),
+    # no base_model_pp_plan in their configs: pp uses the Llama pattern (hf_pipeline._LLAMA_PATTERN), checked here
+    "olmoe": ("olmoe", dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, experts_implementation="eager"),
+              "mixture of experts, q/k RMSNorm over all heads (pp: the Llama pattern)"),
+    "phimoe": ("phimoe", dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                              experts_implementation="eager"), "mixture of experts, LayerNorm (pp: the Llama pattern)"),
+    "hunyuan_v1_dense": ("hunyuan_v1_dense", dict(num_key_value_heads=2, head_dim=8),
+                         "q/k norms after rotary (pp: the Llama pattern)"),
+    "nemotron": ("nemotron", dict(num_key_value_heads=2, head_dim=8),
+                 "LayerNorm1P, squared-ReLU MLP without gate, partial rotary (pp: the Llama pattern)"),
+    "stablelm": ("stablelm", dict(num_key_value_heads=2), "partial rotary, LayerNorm (pp: the Llama pattern; no tp "
+                                                          "plan of its own: tp refused by name)"),
+    "bitnet": ("bitnet", dict(num_key_value_heads=2), "sub-layer norms, ReLU^2 (pp: the Llama pattern; no tp plan of "
+                                                      "its own: tp refused by name)"),
 }
 
 

@@ -27,7 +27,8 @@ stage finds and keeps in sync. GPT-2 has no ``base_model_pp_plan``: its learned 
 (``wte(ids) + wpe(positions)``) and ``transformer.h`` blocks are taken from its fixed structure
 (:func:`_gpt2_layers`). Other families without a ``base_model_pp_plan`` (OPT, Falcon...) or whose
 forward does more than this (e.g. ``embedding_multiplier``, ``logit_scale``) get a ``ConfigError`` that
-names them and says to define ``pipeline_layers()``. Nothing here imports ``transformers`` at import
+names them and says to define ``pipeline_layers()``; a few families whose config lacks the plan although their base
+model is the Llama pattern (OLMoE, PhiMoE, HunYuan dense, Nemotron, StableLM, BitNet) use that pattern (``_LLAMA_PATTERN``, each checked by the test matrix). Nothing here imports ``transformers`` at import
 time (duck typing on ``config.model_type`` / ``base_model_prefix``); the mask functions are imported
 when a layer first runs.
 """
@@ -171,12 +172,20 @@ class HFHead(nn.Module):
         return logits
 
 
+# Families whose config declares no base_model_pp_plan although their base model runs the Llama pattern (embed_tokens,
+# the rotary table, every decoder layer, norm; the head lm_head): each is a family of hf_families, so the layer chain
+# is checked equal to the model (tests/unit/test_hf_pipeline.py) and pp=2 to one process (tests/dist/test_hf_matrix.py).
+_LLAMA_PATTERN = ("olmoe", "phimoe", "hunyuan_v1_dense", "nemotron", "stablelm", "bitnet")
+
+
 def _structure(model: nn.Module):
     """(base model, embedding names, layers name, post names, head name) from transformers' own pp plans."""
     config = model.config
     base = getattr(model, "base_model", None)
     plan = getattr(config, "base_model_pp_plan", None) or getattr(base, "_pp_plan", None)
     head_plan = getattr(type(model), "_pp_plan", None) or {}  # the class' own: the instance's adds the base's
+    if not plan and config.model_type in _LLAMA_PATTERN and base is not None and base is not model:
+        plan, head_plan = {"embed_tokens": None, "layers": None, "norm": None}, {"lm_head": None}
     family = f"{type(model).__name__} (model_type {config.model_type!r})"
     if base is None or base is model or not plan or len(head_plan) != 1:
         raise ConfigError(f"pipeline: {family} declares no pipeline structure (config.base_model_pp_plan and a "
