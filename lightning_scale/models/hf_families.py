@@ -37,6 +37,12 @@ FAMILIES: Dict[str, Tuple[str, dict, str]] = {
     "qwen2_moe": ("qwen2_moe", dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                     shared_expert_intermediate_size=32, experts_implementation="eager"),
                   "experts + a gated shared expert, q/k/v biases"),
+    "deepseek_v3": ("deepseek_v3", dict(num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
+                                        moe_intermediate_size=32, n_group=1, topk_group=1, first_k_dense_replace=1,
+                                        q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                                        v_head_dim=8, experts_implementation="eager"),
+                    "multi-head latent attention (tp: style mla_kv_a_proj), grouped sigmoid router, shared expert, a "
+                    "dense first layer"),
     # no base_model_pp_plan in their configs: pp uses the Llama pattern (hf_pipeline._LLAMA_PATTERN), checked here
     "olmoe": ("olmoe", dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, experts_implementation="eager"),
               "mixture of experts, q/k RMSNorm over all heads (pp: the Llama pattern)"),

@@ -38,6 +38,7 @@ from lightning_scale.tensor_parallel.layers import (
     is_conv1d,
 )
 from lightning_scale.tensor_parallel.mappings import (
+    copy_to_region,
     gather_from_sequence_region,
     scatter_to_sequence_region,
     tp_rank,
@@ -149,6 +150,8 @@ def _check_module(name: str, module: nn.Module, style: Style) -> None:
                           f"vocabulary-parallel embedding would not run; leave it out of the plan ('replicate')")
     if isinstance(module, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
         raise ConfigError(f"tensor.plan: {name!r} is already tensor-parallel (plan applied twice?)")
+    if style.kind == "mla_kv_a" and not isinstance(module, nn.Linear):
+        raise ConfigError(f"tensor.plan: style {style.name!r} needs nn.Linear; {name!r} is {type(module).__name__}")
     if style.kind == "experts" and (why := experts.unsupported(module)) is not None:
         raise ConfigError(f"tensor.plan: style {style.name!r} on {name!r}: {why}")
 
@@ -212,6 +215,8 @@ def _resolve(name: str, module: nn.Module, style: Style, parent: Optional[nn.Mod
         if style.kind == "experts":
             specs = experts.expert_specs(name, module, tp)
             return Action(name, module, style, next(iter(specs.values())), specs)
+        if style.kind == "mla_kv_a":
+            _rope_width(name, module, parent)  # checked now: a missing width is a ConfigError before anything moves
         if not style.shards_linear:
             return Action(name, module, style, None)
         in_f, out_f, transposed = dense_features(module)
@@ -235,6 +240,26 @@ def _resolve(name: str, module: nn.Module, style: Style, parent: Optional[nn.Mod
         return Action(name, module, style, spec)
     except ValueError as err:
         raise ConfigError(f"tensor.plan: {err}") from None
+
+
+def _rope_width(name: str, module: nn.Module, parent: Optional[nn.Module]) -> int:
+    """The rotary features at the end of an MLA key / value down-projection's output (``qk_rope_head_dim`` of its
+    attention or the attention's config)."""
+    width = getattr(parent, "qk_rope_head_dim", None)
+    width = width if isinstance(width, int) else getattr(getattr(parent, "config", None), "qk_rope_head_dim", None)
+    if not isinstance(width, int) or not 0 < width < module.out_features:
+        raise ConfigError(f"tensor.plan: style 'mla_kv_a_proj' on {name!r}: its attention declares no "
+                          f"qk_rope_head_dim below its {module.out_features} output features (the rotary part of "
+                          "[latent | k_rot])")
+    return width
+
+
+def _mla_kv_a_hook(group, tag: str, rope: int):
+    def hook(module, args, output):  # [latent | k_rot]: k_rot feeds this rank's heads only, its gradient is partial
+        latent, k_rot = output.split([output.shape[-1] - rope, rope], dim=-1)
+        return torch.cat([latent, copy_to_region(k_rot, group, tag=tag)], dim=-1)
+
+    return hook
 
 
 def _check_heads(pname: str, parent: nn.Module, tp: int, proj: str) -> int:
@@ -527,6 +552,10 @@ def apply_tensor_parallel(model: nn.Module, plan: Optional[Dict[str, object]] = 
             state.hooks.append(act.module.register_forward_pre_hook(hook))
         elif act.style.kind == "experts":
             state.hooks.extend(experts.split_experts(act.name, act.module, act.param_specs, group))
+        elif act.style.kind == "mla_kv_a":
+            parent = model.get_submodule(_parent_name(act.name)) if "." in act.name else None
+            rope = _rope_width(act.name, act.module, parent)
+            state.hooks.append(act.module.register_forward_hook(_mla_kv_a_hook(group, f"tp/{act.name}", rope)))
         elif act.style.kind == "grad_allreduce":
             state.hooks.extend(grads.install_grad_allreduce(act.module, group, f"tp/{act.name}"))
             replicated_in_region.update(id(prm) for prm in act.module.parameters())

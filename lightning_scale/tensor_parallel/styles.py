@@ -26,6 +26,11 @@ style                           effect
                                 every expert's intermediate width split, gate / up column-wise, down
                                 row-wise, one all-reduce of the layer's output
                                 (:mod:`~lightning_scale.tensor_parallel.experts`)
+``mla_kv_a_proj``               (multi-head latent attention, DeepSeek-V2/V3) the shared key / value down-projection
+                                stays whole; the rotary part of its output ``[latent | k_rot]`` (the last
+                                ``qk_rope_head_dim`` features) goes to this rank's heads only, so its gradient is
+                                all-reduced over tp in the backward (the latent part's comes back whole through
+                                the column-parallel ``kv_b_proj``)
 ``replicate``                   nothing (documents that the module stays whole)
 ``replicated_with_grad_allreduce``  stays whole, but sits on split activations (per-head q/k norms after a
                                 ``colwise`` q/k projection see only this rank's heads): its gradient is
@@ -53,7 +58,8 @@ from lightning_scale.config import ConfigError
 
 @dataclass(frozen=True)
 class Style:
-    kind: str  # colwise | rowwise | vocab | experts | sequence_split | sequence_gather | replicate | grad_allreduce
+    kind: str  # colwise | rowwise | vocab | experts | mla_kv_a | sequence_split | sequence_gather | replicate |
+    # grad_allreduce
     sections: int = 0  # 0: detect (colwise on an attention's fused qkv), else fixed
     gather_output: bool = False
     pad: bool = False  # pad out_features to a multiple of tp (vocabulary heads)
@@ -78,6 +84,7 @@ _STYLES = {
     "vocab_colwise": Style("colwise", sections=1, pad=True),
     "sequence_split": Style("sequence_split"),
     "sequence_gather": Style("sequence_gather"),
+    "mla_kv_a_proj": Style("mla_kv_a"),
     "replicate": Style("replicate"),
     "replicated_with_grad_allreduce": Style("grad_allreduce"),
     "sequence_parallel": Style("replicate"),
@@ -94,7 +101,7 @@ STYLE_NAMES = tuple(sorted(_STYLES)) + tuple(sorted(_ALIASES))
 # transformers styles with no equivalent here (mixture-of-experts and expert-parallel plans, MLA, hidden-split
 # embeddings, local params, per-unit splits); tests/unit/test_tp_plan.py checks every style of the installed
 # transformers is either implemented above or named here, so a new release's styles are refused by name
-_NOT_IMPLEMENTED = ("moe_tp_experts", "moe_identity_expert", "mla_kv_a_proj", "embedding_colwise", "local_params",
+_NOT_IMPLEMENTED = ("moe_tp_experts", "moe_identity_expert", "embedding_colwise", "local_params",
                     "all_reduce", "grouped_gemm", "ep_dispatch_experts", "unit_colwise", "unit_rowwise")
 
 

@@ -19,7 +19,11 @@ import torch
 
 from lightning_scale.testing import HF_RANK_PRELOAD, run_distributed
 
-FAMILIES = {"mixtral": 1e-6, "qwen2_moe": 1e-12}
+# DeepSeek-V3: its router scores in float32 like Mixtral's; its attention is multi-head latent attention (the shared
+# k_rot of kv_a_proj_with_mqa feeds this rank's heads only: style mla_kv_a_proj all-reduces its gradient)
+FAMILIES = {"mixtral": 1e-6, "qwen2_moe": 1e-12, "deepseek_v3": 1e-6}
+# the share of parameters split at tp=2 (DeepSeek-V3: the latent projections kv_a / q_a and the routers stay whole)
+SPLIT = {"mixtral": 0.95, "qwen2_moe": 0.95, "deepseek_v3": 0.9}
 
 
 def _batch():
@@ -84,7 +88,7 @@ def test_moe_at_tp2_splits_the_experts_and_equals_one_process(runs, family):
             dim = 1 if name.endswith("gate_up_proj") else 2
             want = tuple(n // 2 if d == dim else n for d, n in enumerate(full))
             assert r["local_shapes"][name] == want, (name, r["local_shapes"][name], want)
-        assert r["fraction"] > 0.95, r["fraction"]  # was 0.16 for this Mixtral with its own plan
+        assert r["fraction"] > SPLIT[family], r["fraction"]  # was 0.16 for this Mixtral with its own plan
         assert r["experts_tags"], "no all-reduce tagged by an experts module"
         assert abs(r["loss"] - loss.item()) <= 1e-12 * abs(loss.item()), (rank, r["loss"], loss.item())
         worst = {}
