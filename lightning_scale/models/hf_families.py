@@ -43,6 +43,17 @@ FAMILIES: Dict[str, Tuple[str, dict, str]] = {
                                         v_head_dim=8, experts_implementation="eager"),
                     "multi-head latent attention (tp: style mla_kv_a_proj), grouped sigmoid router, shared expert, a "
                     "dense first layer"),
+    # scalings in the forward that the pipeline adapter applies (hf_pipeline._SCALES)
+    "granite": ("granite", dict(num_key_value_heads=2, embedding_multiplier=4.0, logits_scaling=2.0,
+                                residual_multiplier=0.5, attention_multiplier=0.3), "embedding / logit / residual "
+                                "multipliers (pp: the head and the embedding apply them)"),
+    "granitemoe": ("granitemoe", dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                                      embedding_multiplier=4.0, logits_scaling=2.0, experts_implementation="eager"),
+                   "mixture of experts with Granite's multipliers (pp: no pipeline plan, the Llama pattern)"),
+    "cohere": ("cohere", dict(num_key_value_heads=2, logit_scale=0.25), "LayerNorm, parallel attention / MLP, "
+                                                                         "logits * logit_scale"),
+    "cohere2": ("cohere2", dict(num_key_value_heads=2, head_dim=8, sliding_window=5, logit_scale=0.25),
+                "sliding / full layers, logits * logit_scale"),
     # no base_model_pp_plan in their configs: pp uses the Llama pattern (hf_pipeline._LLAMA_PATTERN), checked here
     "olmoe": ("olmoe", dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, experts_implementation="eager"),
               "mixture of experts, q/k RMSNorm over all heads (pp: the Llama pattern)"),
@@ -50,6 +61,9 @@ FAMILIES: Dict[str, Tuple[str, dict, str]] = {
                               experts_implementation="eager"), "mixture of experts, LayerNorm (pp: the Llama pattern)"),
     "hunyuan_v1_dense": ("hunyuan_v1_dense", dict(num_key_value_heads=2, head_dim=8),
                          "q/k norms after rotary (pp: the Llama pattern)"),
+    "hunyuan_v1_moe": ("hunyuan_v1_moe", dict(num_key_value_heads=2, head_dim=8, num_experts=4, moe_topk=2,
+                                              experts_implementation="eager"),
+                       "mixture of experts, q/k norms after rotary (pp: the Llama pattern)"),
     "nemotron": ("nemotron", dict(num_key_value_heads=2, head_dim=8),
                  "LayerNorm1P, squared-ReLU MLP without gate, partial rotary (pp: the Llama pattern)"),
     "stablelm": ("stablelm", dict(num_key_value_heads=2), "partial rotary, LayerNorm (pp: the Llama pattern; no tp "

@@ -26,7 +26,8 @@ Tied embeddings need nothing: the head's ``lm_head`` *is* the embedding's Parame
 stage finds and keeps in sync. GPT-2 has no ``base_model_pp_plan``: its learned position embedding
 (``wte(ids) + wpe(positions)``) and ``transformer.h`` blocks are taken from its fixed structure
 (:func:`_gpt2_layers`). Other families without a ``base_model_pp_plan`` (OPT, Falcon...) or whose
-forward does more than this (e.g. ``embedding_multiplier``, ``logit_scale``) get a ``ConfigError`` that
+forward does more than this (e.g. ``embedding_multiplier``, ``logit_scale`` outside the families whose scaling the
+adapter applies: Granite, Cohere, ``_SCALES``) get a ``ConfigError`` that
 names them and says to define ``pipeline_layers()``; a few families whose config lacks the plan although their base
 model is the Llama pattern (OLMoE, PhiMoE, HunYuan dense, Nemotron, StableLM, BitNet) use that pattern (``_LLAMA_PATTERN``, each checked by the test matrix). Nothing here imports ``transformers`` at import
 time (duck typing on ``config.model_type`` / ``base_model_prefix``); the mask functions are imported
@@ -78,10 +79,11 @@ def _join_mask(h: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
 class HFEmbedding(nn.Module):
     """input_ids (B, T) or stack([ids, attention_mask], 1) (B, 2, T) -> hidden (B, T, C [+1])."""
 
-    def __init__(self, modules: List[nn.Module], has_mask: Optional[bool]) -> None:
+    def __init__(self, modules: List[nn.Module], has_mask: Optional[bool], multiplier: Optional[float] = None) -> None:
         super().__init__()
         self.embed = nn.ModuleList(modules)  # e.g. [embed_tokens] or [embed_in, emb_dropout]
         self.has_mask = has_mask  # None: per batch, from the inputs' shape
+        self.multiplier = multiplier  # Granite: inputs_embeds * embedding_multiplier
 
     def split_inputs(self, inputs: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """ids (B, T) and the padding mask (B, T) or None."""
@@ -99,6 +101,8 @@ class HFEmbedding(nn.Module):
         h = ids
         for m in self.embed:
             h = m(h)
+        if self.multiplier is not None:
+            h = h * self.multiplier
         return _join_mask(h, mask)
 
 
@@ -157,16 +161,21 @@ class HFHead(nn.Module):
     """Final norm(s) + LM head (+ Gemma's final logit soft-capping): (B, T, C [+1]) -> logits (B, T, V)."""
 
     def __init__(self, post: List[nn.Module], head: nn.Module, softcap: Optional[float], has_mask: Optional[bool],
-                 width: int) -> None:
+                 width: int, logit_scale: Optional[float] = None, logits_scaling: Optional[float] = None) -> None:
         super().__init__()
         self.post, self.head = nn.ModuleList(post), head
         self.softcap, self.has_mask, self.width = softcap, has_mask, width
+        self.logit_scale, self.logits_scaling = logit_scale, logits_scaling  # Cohere: *; Granite: /
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h, _ = _split_mask(x, self.has_mask, self.width)
         for m in self.post:
             h = m(h)
         logits = self.head(h)
+        if self.logit_scale is not None:  # as CohereForCausalLM.forward
+            logits = logits * self.logit_scale
+        if self.logits_scaling is not None:  # as GraniteForCausalLM.forward
+            logits = logits / self.logits_scaling
         if self.softcap is not None:  # as GemmaXForCausalLM.forward
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
@@ -175,7 +184,14 @@ class HFHead(nn.Module):
 # Families whose config declares no base_model_pp_plan although their base model runs the Llama pattern (embed_tokens,
 # the rotary table, every decoder layer, norm; the head lm_head): each is a family of hf_families, so the layer chain
 # is checked equal to the model (tests/unit/test_hf_pipeline.py) and pp=2 to one process (tests/dist/test_hf_matrix.py).
-_LLAMA_PATTERN = ("olmoe", "phimoe", "hunyuan_v1_dense", "nemotron", "stablelm", "bitnet")
+_LLAMA_PATTERN = ("olmoe", "phimoe", "hunyuan_v1_dense", "hunyuan_v1_moe", "nemotron", "stablelm", "bitnet",
+                  "granitemoe")
+# Families whose forward adds to that pattern only a scaling by a config value, which the adapter applies (model type
+# -> those attributes): Granite's embeddings * embedding_multiplier and logits / logits_scaling, Cohere's logits *
+# logit_scale. Another family with such an attribute is refused (its forward may use it otherwise).
+_SCALES = {"cohere": ("logit_scale",), "cohere2": ("logit_scale",),
+           "granite": ("embedding_multiplier", "logits_scaling"), "granitemoe": ("embedding_multiplier", "logits_scaling"),
+           "granitemoeshared": ("embedding_multiplier", "logits_scaling")}
 
 
 def _structure(model: nn.Module):
@@ -196,7 +212,8 @@ def _structure(model: nn.Module):
         raise ConfigError(f"pipeline: {family}: base_model_pp_plan {names} has {len(lists)} layer lists; "
                           f"{_hook_hint(model)}")
     k = names.index(lists[0])
-    bad = [a for a in _UNSUPPORTED_CONFIG if getattr(config, a, None) not in (None, False, 1, 1.0)]
+    applied = _SCALES.get(config.model_type, ())
+    bad = [a for a in _UNSUPPORTED_CONFIG if a not in applied and getattr(config, a, None) not in (None, False, 1, 1.0)]
     if bad:
         raise ConfigError(f"pipeline: {family} uses config.{bad[0]}={getattr(config, bad[0])!r}, math in the "
                           f"model's forward that the built-in adapter does not run; {_hook_hint(model)}")
@@ -225,11 +242,14 @@ def hf_pipeline_layers(model: nn.Module, attention_mask: Optional[bool] = None) 
         raise ConfigError(f"pipeline: {family}: attn_implementation={impl!r} is not supported by the adapter")
     rotary = getattr(base, "rotary_emb", None)
     layers = getattr(base, layers_name)[: getattr(config, "num_hidden_layers", None) or None]
-    out: List[nn.Module] = [HFEmbedding([getattr(base, n) for n in pre], attention_mask)]
+    applied = _SCALES.get(model.config.model_type, ())
+    multiplier = base.embedding_multiplier if "embedding_multiplier" in applied else None
+    out: List[nn.Module] = [HFEmbedding([getattr(base, n) for n in pre], attention_mask, multiplier)]
     out += [HFDecoderLayer(layer, i, config, rotary, attention_mask) for i, layer in enumerate(layers)]
     softcap = getattr(model.config, "final_logit_softcapping", None)
     out.append(HFHead([getattr(base, n) for n in post], getattr(model, head_name), softcap, attention_mask,
-                      config.hidden_size))
+                      config.hidden_size, logit_scale=model.logit_scale if "logit_scale" in applied else None,
+                      logits_scaling=model.config.logits_scaling if "logits_scaling" in applied else None))
     return nn.Sequential(*out)
 
 

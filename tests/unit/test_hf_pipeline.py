@@ -74,3 +74,12 @@ def test_a_router_auxiliary_loss_is_refused_not_dropped():
     model.config.output_router_logits = True
     with pytest.raises(ConfigError, match=r"MixtralForCausalLM .*output_router_logits=True.*auxiliary"):
         pipeline_layers(model)
+
+
+def test_a_scaling_outside_the_known_families_is_refused_by_name():
+    """Granite's and Cohere's scalings are applied by the adapter (their chains equal the model above); the same
+    config attribute on another family is refused, naming it: that family's forward may use it some other way."""
+    model = F.build("llama", "eager")
+    model.config.logit_scale = 0.5
+    with pytest.raises(ConfigError, match=r"config\.logit_scale=0\.5"):
+        hf_pipeline_layers(model)
