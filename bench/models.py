@@ -28,6 +28,12 @@ The model is an unchanged ``LlamaForCausalLM`` built from ``LlamaConfig`` (no do
     lightning_tp     Lightning Trainer + ModelParallelStrategy(tensor_parallel_size=2): the dtensor_tp plan in
                      configure_model
 
+``--model deepseek_v3``: an unchanged ``DeepseekV3ForCausalLM`` (multi-head latent attention, 8 routed experts of
+width ``--hidden``, top-2, a shared expert, the first layer dense): ls_tp2 / ls_tp2_vp split its heads (transformers'
+``mla_kv_a_proj`` plan) and every expert's width, ``ls_tp2_own`` its own plan only (attention, dense and shared MLPs;
+the routed experts whole); torch's plans have no style for MLA (its shared rotary key needs its gradient summed over
+tp), so the dtensor_tp / lightning_tp rows are not run for it.
+
 ``--model mixtral``: an unchanged ``MixtralForCausalLM`` instead (8 experts of MLP width ``--hidden * 2``, top-2,
 transformers' default experts implementation), and one more row, ``ls_tp2_own``: tp=2 with the model's own
 ``tp_plan`` (attention only, the experts whole on every rank: what lightning_scale did before its ``experts`` style
@@ -71,6 +77,20 @@ def build_llama(kw: dict):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    if kw.get("model") == "deepseek_v3":
+        from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+        h = kw["hidden"]
+        config = DeepseekV3Config(vocab_size=kw["vocab"], hidden_size=h, intermediate_size=h * 2,
+                                  moe_intermediate_size=h, num_hidden_layers=kw["layers"],
+                                  num_attention_heads=kw["heads"], num_key_value_heads=kw["heads"],
+                                  n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=1,
+                                  topk_group=1, first_k_dense_replace=1, q_lora_rank=h // 2, kv_lora_rank=h // 4,
+                                  qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
+                                  max_position_embeddings=kw["seq"], tie_word_embeddings=False,
+                                  attn_implementation="sdpa")
+        torch.manual_seed(0)
+        return DeepseekV3ForCausalLM(config)
     if kw.get("model") == "mixtral":
         from transformers import MixtralConfig, MixtralForCausalLM
 
@@ -112,6 +132,15 @@ def _dtensor_plan(model, mesh) -> None:
     parallelize_module(model, mesh, plan)
 
 
+def _own_plan(model) -> dict:
+    """The model's own tp_plan, as the built-in path applies it: patterns that match no module dropped (DeepSeek-V3's
+    declares q_proj, which it does not build with q_lora_rank set); a plan passed by the user must match."""
+    from lightning_scale.tensor_parallel.hf import _matches, hf_plan
+
+    names = [n for n, _ in model.named_modules() if n]
+    return {p: s for p, s in hf_plan(model).items() if any(_matches(p, n) for n in names)}
+
+
 def _fsdp2(model, mesh=None) -> None:
     from torch.distributed.fsdp import fully_shard
 
@@ -132,15 +161,13 @@ def _plain_step(system: str, model, rank: int, world: int):
 
         kwargs, loss_fn = dict(LS[system]), _loss
         if system == "ls_tp2_own":  # the model's own tp_plan only (a Mixtral's experts whole on every rank)
-            from lightning_scale.tensor_parallel.hf import hf_plan
-
-            kwargs["plan"] = hf_plan(model)
+            kwargs["plan"] = _own_plan(model)
         if system.startswith("ls_tp2_vp"):  # the model's own plan, the head's logits left split over the vocabulary
             from lightning_scale.tensor_parallel import tensor_parallel_state
             from lightning_scale.tensor_parallel.experts import expert_plan_entries
-            from lightning_scale.tensor_parallel.hf import _matches, hf_plan
+            from lightning_scale.tensor_parallel.hf import _matches
 
-            plan = hf_plan(model)
+            plan = _own_plan(model)
             plan.update(expert_plan_entries(model, lambda n: any(_matches(p, n) for p in plan), 2)[0])  # as built in
             kwargs["plan"] = {**plan, "lm_head": "vocab_colwise"}
 
@@ -306,7 +333,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--model", choices=["llama", "mixtral"], default="llama")
+    ap.add_argument("--model", choices=["llama", "mixtral", "deepseek_v3"], default="llama")
     ap.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated rows; ddp is always added")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per (round, system) run")
     ap.add_argument("--plot", default=None, metavar="PATH", help="also write the ratios vs DDP as a bar chart (PNG)")
