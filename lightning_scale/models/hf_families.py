@@ -54,6 +54,22 @@ FAMILIES: Dict[str, Tuple[str, dict, str]] = {
                                                                          "logits * logit_scale"),
     "cohere2": ("cohere2", dict(num_key_value_heads=2, head_dim=8, sliding_window=5, logit_scale=0.25),
                 "sliding / full layers, logits * logit_scale"),
+    "qwen3_moe": ("qwen3_moe", dict(num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                                    moe_intermediate_size=32, experts_implementation="eager"),
+                  "mixture of experts, per-head q/k RMSNorm"),
+    "glm4_moe": ("glm4_moe", dict(num_key_value_heads=2, head_dim=8, n_routed_experts=4, num_experts_per_tok=2,
+                                  moe_intermediate_size=32, n_group=1, topk_group=1, first_k_dense_replace=1,
+                                  experts_implementation="eager"),
+                 "partial rotary, grouped sigmoid router, shared expert, a dense first layer"),
+    "ernie4_5_moe": ("ernie4_5_moe", dict(num_key_value_heads=2, head_dim=8, moe_num_experts=4, moe_k=2,
+                                          moe_intermediate_size=32, experts_implementation="eager"),
+                     "mixture of experts with shared experts, interleaved rotary"),
+    "gpt_oss": ("gpt_oss", dict(num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+                                experts_implementation="eager", layer_types=["full_attention"] * 4),
+                "attention sinks, experts with biases (tp leaves them whole), no sdpa in transformers"),
+    "exaone4": ("exaone4", dict(num_key_value_heads=2, head_dim=8), "post-norms, per-head q/k norms"),
+    "olmo3": ("olmo3", dict(num_key_value_heads=2, sliding_window=5), "sliding / full layers, q/k norms over all heads"),
+    "seed_oss": ("seed_oss", dict(num_key_value_heads=2, head_dim=8), "q/k/v biases, rotary"),
     # no base_model_pp_plan in their configs: pp uses the Llama pattern (hf_pipeline._LLAMA_PATTERN), checked here
     "olmoe": ("olmoe", dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, experts_implementation="eager"),
               "mixture of experts, q/k RMSNorm over all heads (pp: the Llama pattern)"),
@@ -71,6 +87,10 @@ FAMILIES: Dict[str, Tuple[str, dict, str]] = {
     "bitnet": ("bitnet", dict(num_key_value_heads=2), "sub-layer norms, ReLU^2 (pp: the Llama pattern; no tp plan of "
                                                       "its own: tp refused by name)"),
 }
+
+
+# families transformers runs with eager attention only (it refuses sdpa for them)
+NO_SDPA = ("gemma2", "gpt_oss")
 
 
 def build(name: str, attn: str = "eager", dtype: torch.dtype = torch.float64, seed: int = 0,

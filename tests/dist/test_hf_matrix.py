@@ -133,8 +133,8 @@ def _cases(families):
 
     for name in families:
         for attn in ("eager", "sdpa"):
-            if name == "gemma2" and attn == "sdpa":
-                continue  # transformers itself refuses sdpa for Gemma2 (soft-capping)
+            if name in F.NO_SDPA and attn == "sdpa":
+                continue  # transformers itself refuses sdpa for these (Gemma2: soft-capping; GPT-OSS: sinks)
             for mode in MODES:
                 yield name, attn, mode
     del F
