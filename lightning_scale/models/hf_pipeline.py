@@ -29,7 +29,8 @@ stage finds and keeps in sync. GPT-2 has no ``base_model_pp_plan``: its learned 
 forward does more than this (e.g. ``embedding_multiplier``, ``logit_scale`` outside the families whose scaling the
 adapter applies: Granite, Cohere, ``_SCALES``) get a ``ConfigError`` that
 names them and says to define ``pipeline_layers()``; a few families whose config lacks the plan although their base
-model is the Llama pattern (OLMoE, PhiMoE, HunYuan dense, Nemotron, StableLM, BitNet) use that pattern (``_LLAMA_PATTERN``, each checked by the test matrix). Nothing here imports ``transformers`` at import
+model is the Llama pattern (``_LLAMA_PATTERN``: OLMoE, PhiMoE, HunYuan dense and MoE, Nemotron, StableLM, BitNet,
+GraniteMoE; each checked by the test matrix) use that pattern. Nothing here imports ``transformers`` at import
 time (duck typing on ``config.model_type`` / ``base_model_prefix``); the mask functions are imported
 when a layer first runs.
 """
@@ -190,8 +191,7 @@ _LLAMA_PATTERN = ("olmoe", "phimoe", "hunyuan_v1_dense", "hunyuan_v1_moe", "nemo
 # -> those attributes): Granite's embeddings * embedding_multiplier and logits / logits_scaling, Cohere's logits *
 # logit_scale. Another family with such an attribute is refused (its forward may use it otherwise).
 _SCALES = {"cohere": ("logit_scale",), "cohere2": ("logit_scale",),
-           "granite": ("embedding_multiplier", "logits_scaling"), "granitemoe": ("embedding_multiplier", "logits_scaling"),
-           "granitemoeshared": ("embedding_multiplier", "logits_scaling")}
+           "granite": ("embedding_multiplier", "logits_scaling"), "granitemoe": ("embedding_multiplier", "logits_scaling")}
 
 
 def _structure(model: nn.Module):

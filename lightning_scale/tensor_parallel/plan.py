@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 
 from lightning_scale.config import ConfigError
-from lightning_scale.tensor_parallel import experts, grads
+from lightning_scale.tensor_parallel import experts, grads, mla
 from lightning_scale.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from lightning_scale.tensor_parallel.hf import LocalHeadsConfig, default_plan, is_hf_model
 from lightning_scale.tensor_parallel.layers import (
@@ -38,7 +38,6 @@ from lightning_scale.tensor_parallel.layers import (
     is_conv1d,
 )
 from lightning_scale.tensor_parallel.mappings import (
-    copy_to_region,
     gather_from_sequence_region,
     scatter_to_sequence_region,
     tp_rank,
@@ -216,7 +215,7 @@ def _resolve(name: str, module: nn.Module, style: Style, parent: Optional[nn.Mod
             specs = experts.expert_specs(name, module, tp)
             return Action(name, module, style, next(iter(specs.values())), specs)
         if style.kind == "mla_kv_a":
-            _rope_width(name, module, parent)  # checked now: a missing width is a ConfigError before anything moves
+            mla.rope_width(name, module, parent)  # checked now: a missing width is a ConfigError before anything moves
         if not style.shards_linear:
             return Action(name, module, style, None)
         in_f, out_f, transposed = dense_features(module)
@@ -240,26 +239,6 @@ def _resolve(name: str, module: nn.Module, style: Style, parent: Optional[nn.Mod
         return Action(name, module, style, spec)
     except ValueError as err:
         raise ConfigError(f"tensor.plan: {err}") from None
-
-
-def _rope_width(name: str, module: nn.Module, parent: Optional[nn.Module]) -> int:
-    """The rotary features at the end of an MLA key / value down-projection's output (``qk_rope_head_dim`` of its
-    attention or the attention's config)."""
-    width = getattr(parent, "qk_rope_head_dim", None)
-    width = width if isinstance(width, int) else getattr(getattr(parent, "config", None), "qk_rope_head_dim", None)
-    if not isinstance(width, int) or not 0 < width < module.out_features:
-        raise ConfigError(f"tensor.plan: style 'mla_kv_a_proj' on {name!r}: its attention declares no "
-                          f"qk_rope_head_dim below its {module.out_features} output features (the rotary part of "
-                          "[latent | k_rot])")
-    return width
-
-
-def _mla_kv_a_hook(group, tag: str, rope: int):
-    def hook(module, args, output):  # [latent | k_rot]: k_rot feeds this rank's heads only, its gradient is partial
-        latent, k_rot = output.split([output.shape[-1] - rope, rope], dim=-1)
-        return torch.cat([latent, copy_to_region(k_rot, group, tag=tag)], dim=-1)
-
-    return hook
 
 
 def _check_heads(pname: str, parent: nn.Module, tp: int, proj: str) -> int:
@@ -554,8 +533,8 @@ def apply_tensor_parallel(model: nn.Module, plan: Optional[Dict[str, object]] = 
             state.hooks.extend(experts.split_experts(act.name, act.module, act.param_specs, group))
         elif act.style.kind == "mla_kv_a":
             parent = model.get_submodule(_parent_name(act.name)) if "." in act.name else None
-            rope = _rope_width(act.name, act.module, parent)
-            state.hooks.append(act.module.register_forward_hook(_mla_kv_a_hook(group, f"tp/{act.name}", rope)))
+            rope = mla.rope_width(act.name, act.module, parent)
+            state.hooks.append(mla.install(act.module, group, f"tp/{act.name}", rope))
         elif act.style.kind == "grad_allreduce":
             state.hooks.extend(grads.install_grad_allreduce(act.module, group, f"tp/{act.name}"))
             replicated_in_region.update(id(prm) for prm in act.module.parameters())
