@@ -38,7 +38,9 @@ tp), so the dtensor_tp / lightning_tp rows are not run for it.
 transformers' default experts implementation), and one more row, ``ls_tp2_own``: tp=2 with the model's own
 ``tp_plan`` (attention only, the experts whole on every rank: what lightning_scale did before its ``experts`` style
 and what transformers' own tp gives). dtensor_tp / lightning_tp then split attention, embedding and head (torch's
-plans have no style for 3-D expert weights); ls_tp2 / ls_tp2_vp split every expert's width as well.
+plans have no style for 3-D expert weights); ls_tp2 / ls_tp2_vp split every expert's width as well. ``ls_tp2_ep``
+(MoE models): ls_tp2_vp with the experts placed whole instead, half of them per rank
+(``Zero3DStrategy(tp=2, expert_parallel=True)``; ratios against ls_tp2_vp and ls_tp2_own).
 
 Peers (targets from issue 14): ls_z3 vs lightning_fsdp2 and fsdp2 (>= 1.05x), ls_tp2 vs lightning_tp and
 dtensor_tp (>= 1.3x); ls_z2 and ls_pp2 are compared with ddp. Each (round, system) runs in fresh processes
@@ -59,15 +61,16 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import peak_rss_mb, peer_table, ratio_table, round_ratios, write_plot  # noqa: E402
 
 SYSTEMS = ["ddp", "ls_z2", "ls_z3", "ls_tp2", "ls_tp2_vp", "ls_tp2_vp_unshared", "ls_pp2", "fsdp2", "dtensor_tp",
-           "lightning_fsdp2", "lightning_tp", "ls_tp2_own"]
+           "lightning_fsdp2", "lightning_tp", "ls_tp2_own", "ls_tp2_ep"]
 PEERS = {"ls_z3": [("lightning_fsdp2", 1.05), ("fsdp2", 1.05)], "ls_tp2": [("lightning_tp", 1.3),
          ("dtensor_tp", 1.3)], "ls_tp2_vp": [("lightning_tp", 1.3), ("dtensor_tp", 1.3), ("ls_tp2", None),
                                              ("ls_tp2_vp_unshared", None)],
          "ls_tp2_vp_unshared": [("dtensor_tp", 1.3)],
-         "ls_z2": [("ddp", None)], "ls_pp2": [("ddp", None)], "ls_tp2_own": [("dtensor_tp", None)]}
+         "ls_z2": [("ddp", None)], "ls_pp2": [("ddp", None)], "ls_tp2_own": [("dtensor_tp", None)],
+         "ls_tp2_ep": [("ls_tp2_vp", None), ("ls_tp2_own", None)]}
 LS = {"ls_z2": dict(stage=2), "ls_z3": dict(stage=3), "ls_tp2": dict(tp=2, stage=1), "ls_tp2_vp": dict(tp=2, stage=1),
       "ls_tp2_vp_unshared": dict(tp=2, stage=1), "ls_pp2": dict(pp=2, stage=1, microbatches=2),
-      "ls_tp2_own": dict(tp=2, stage=1)}
+      "ls_tp2_own": dict(tp=2, stage=1), "ls_tp2_ep": dict(tp=2, stage=1)}
 
 
 def build_llama(kw: dict):
@@ -162,13 +165,15 @@ def _plain_step(system: str, model, rank: int, world: int):
         kwargs, loss_fn = dict(LS[system]), _loss
         if system == "ls_tp2_own":  # the model's own tp_plan only (a Mixtral's experts whole on every rank)
             kwargs["plan"] = _own_plan(model)
-        if system.startswith("ls_tp2_vp"):  # the model's own plan, the head's logits left split over the vocabulary
+        if system.startswith("ls_tp2_vp") or system == "ls_tp2_ep":  # the model's own plan, the head's logits
+            # left split over the vocabulary; ls_tp2_ep: the experts placed whole (style expert_parallel)
             from lightning_scale.tensor_parallel import tensor_parallel_state
             from lightning_scale.tensor_parallel.experts import expert_plan_entries
             from lightning_scale.tensor_parallel.hf import _matches
 
             plan = _own_plan(model)
-            plan.update(expert_plan_entries(model, lambda n: any(_matches(p, n) for p in plan), 2)[0])  # as built in
+            plan.update(expert_plan_entries(model, lambda n: any(_matches(p, n) for p in plan), 2,
+                                            placed=system == "ls_tp2_ep")[0])  # as built in
             kwargs["plan"] = {**plan, "lm_head": "vocab_colwise"}
 
             def loss_fn(logits, targets):

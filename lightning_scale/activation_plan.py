@@ -208,17 +208,21 @@ def _expert_weights(unit) -> list:
 def _expert_matmuls(unit, tp: int) -> list:
     """(in, out) features per token of each stacked expert weight of ``unit``, as one rank runs it: a transformers
     experts module of an unsplit unit at ``tp`` > 1 is split by the ``experts`` style (every expert's intermediate
-    width over tp, :mod:`lightning_scale.tensor_parallel.experts`); a split one is counted at its local shapes."""
+    width over tp, :mod:`lightning_scale.tensor_parallel.experts`); a split one is counted at its local shapes, a
+    placed one (style ``expert_parallel``) at full width for 1 / tp of the routes."""
     from lightning_scale.tensor_parallel.experts import expert_specs, is_experts
     from lightning_scale.tensor_parallel.sharding import tp_spec
 
     shapes = {id(p): tuple(p.shape) for p in _expert_weights(unit)}
-    transposed = set()
+    transposed, placed = set(), {}
     for m in unit.modules():
         if not is_experts(m):
             continue
         if m.is_transposed:
             transposed.update(id(p) for p in m.parameters(recurse=False))
+        # placed whole by style expert_parallel: full widths, k / tp of each token's routes on this rank (in
+        # expectation; split experts run all k routes at I / tp, reading the whole hidden state on each)
+        placed.update({id(p): getattr(m, "_tp_expert_parallel", 1) for p in m.parameters(recurse=False)})
         if tp > 1 and not any(tp_spec(p) is not None for p in m.parameters(recurse=False)):
             try:
                 specs = expert_specs("", m, tp)
@@ -227,7 +231,8 @@ def _expert_matmuls(unit, tp: int) -> list:
             for pname, spec in specs.items():
                 shapes[id(getattr(m, pname))] = spec.local_shape(getattr(m, pname).shape)
     # (experts, out, in); transposed layouts store (experts, in, out)
-    return [(s[1], s[2]) if i in transposed else (s[2], s[1]) for i, s in shapes.items()]
+    pairs = {i: (s[1], s[2]) if i in transposed else (s[2], s[1]) for i, s in shapes.items()}
+    return [(a / placed.get(i, 1), b / placed.get(i, 1)) for i, (a, b) in pairs.items()]
 
 
 def _counted_profile(unit, hidden: int, tp: int) -> Dict[str, float]:

@@ -175,13 +175,21 @@ class PipelineConfig:
 class TensorParallelConfig:
     """plan: {pattern: style} over the built-in plan. sequence_parallel: split activations between layers along
     the sequence. overlap_chunks: each row-parallel layer's forward in this many row chunks, chunk i's all-reduce
-    in flight during chunk i+1's matmul (lightning_scale.tensor_parallel.overlap; 1: off)."""
+    in flight during chunk i+1's matmul (lightning_scale.tensor_parallel.overlap; 1: off). expert_parallel: the
+    mixture-of-experts layers' experts placed whole on the tp ranks (E / tp each) instead of every expert split
+    (lightning_scale.tensor_parallel.expert_parallel)."""
 
     plan: Optional[Dict[str, str]] = None
     sequence_parallel: bool = False
     overlap_chunks: int = 1
+    expert_parallel: bool = False
 
     def validate(self, tp: int) -> "TensorParallelConfig":
+        if not isinstance(self.expert_parallel, bool):
+            raise ConfigError(f"tensor.expert_parallel={self.expert_parallel!r} must be True or False")
+        if self.expert_parallel and tp == 1:
+            raise ConfigError("tensor.expert_parallel=True needs tp > 1 (the experts are placed on the tp ranks)",
+                              settings=("tp",))
         if self.sequence_parallel and tp == 1:
             raise ConfigError("tensor.sequence_parallel=True needs tp > 1", settings=("tp",))
         n = self.overlap_chunks

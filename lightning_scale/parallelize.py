@@ -212,7 +212,8 @@ def apply_tp(pm: ParallelModel) -> None:
         if plan is None:
             raise
         pm.tp_name, pm.tp_model = "", pm.module
-    apply_tensor_parallel(pm.tp_model, plan, pm.topology.tp_group, sequence_parallel=pm.config.tensor.sequence_parallel)
+    apply_tensor_parallel(pm.tp_model, plan, pm.topology.tp_group, sequence_parallel=pm.config.tensor.sequence_parallel,
+                          expert_parallel=pm.config.tensor.expert_parallel)
     from lightning_scale.tensor_parallel.plan import split_summary
 
     pm.tp_summary = split_summary(pm.tp_model, pm.config.tp)

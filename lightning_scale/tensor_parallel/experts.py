@@ -257,10 +257,14 @@ def _gated_mlp(module: nn.Module) -> bool:
     return all(isinstance(getattr(module, n, None), nn.Linear) for n in ("gate_proj", "up_proj", "down_proj"))
 
 
-def expert_plan_entries(model: nn.Module, covered, tp: int) -> Tuple[Dict[str, str], Dict[str, str]]:
+def expert_plan_entries(model: nn.Module, covered, tp: int,
+                        placed: bool = False) -> Tuple[Dict[str, str], Dict[str, str]]:
     """(entries to add to a Hugging Face model's built-in plan, experts modules left whole -> why). ``covered``:
-    whether a module name is matched by the plan already. Every experts module tp can split gets ``experts``; a
-    gated MLP beside it in the same MoE block (a shared expert), unplanned, gets colwise / colwise / rowwise."""
+    whether a module name is matched by the plan already. Every experts module tp can split gets ``experts``
+    (``placed``: every one tp can place whole experts of gets ``expert_parallel``,
+    :mod:`~lightning_scale.tensor_parallel.expert_parallel`); a gated MLP beside it in the same MoE block (a shared
+    expert), unplanned, gets colwise / colwise / rowwise."""
+    from lightning_scale.tensor_parallel.expert_parallel import placed_specs
     from lightning_scale.tensor_parallel.plan import _generic  # one naming of layer patterns
 
     add: Dict[str, str] = {}
@@ -270,11 +274,11 @@ def expert_plan_entries(model: nn.Module, covered, tp: int) -> Tuple[Dict[str, s
         if not name or covered(name) or not is_experts(module):
             continue
         try:
-            expert_specs(name, module, tp)
+            (placed_specs if placed else expert_specs)(name, module, tp)
         except ValueError as err:
             whole.setdefault(_generic(name), str(err))
             continue
-        add[_generic(name)] = "experts"
+        add[_generic(name)] = "expert_parallel" if placed else "experts"
         parent = name.rsplit(".", 1)[0] if "." in name else ""
         for child, sub in modules[parent].named_children() if parent in modules else ():
             full = f"{parent}.{child}" if parent else child

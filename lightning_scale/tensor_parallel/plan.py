@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 
 from lightning_scale.config import ConfigError
+from lightning_scale.tensor_parallel import expert_parallel as expert_parallel_style
 from lightning_scale.tensor_parallel import experts, grads, mla
 from lightning_scale.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from lightning_scale.tensor_parallel.hf import LocalHeadsConfig, default_plan, is_hf_model
@@ -153,6 +154,8 @@ def _check_module(name: str, module: nn.Module, style: Style) -> None:
         raise ConfigError(f"tensor.plan: style {style.name!r} needs nn.Linear; {name!r} is {type(module).__name__}")
     if style.kind == "experts" and (why := experts.unsupported(module)) is not None:
         raise ConfigError(f"tensor.plan: style {style.name!r} on {name!r}: {why}")
+    if style.kind == "expert_parallel" and (why := expert_parallel_style.unsupported(module)) is not None:
+        raise ConfigError(f"tensor.plan: style {style.name!r} on {name!r}: {why}")
 
 
 def _is_kv(attr: str) -> bool:
@@ -213,6 +216,9 @@ def _resolve(name: str, module: nn.Module, style: Style, parent: Optional[nn.Mod
             return Action(name, module, style, make_spec(0, module.num_embeddings, tp, pad=True, what=name))
         if style.kind == "experts":
             specs = experts.expert_specs(name, module, tp)
+            return Action(name, module, style, next(iter(specs.values())), specs)
+        if style.kind == "expert_parallel":
+            specs = expert_parallel_style.placed_specs(name, module, tp)
             return Action(name, module, style, next(iter(specs.values())), specs)
         if style.kind == "mla_kv_a":
             mla.rope_width(name, module, parent)  # checked now: a missing width is a ConfigError before anything moves
@@ -350,8 +356,10 @@ def _split_gathered_pairs(model: nn.Module, plan: Dict[str, object], tp: int) ->
 
 
 def plan_tensor_parallel(model: nn.Module, plan: Optional[Dict[str, object]], tp: int, *,
-                         sequence_parallel: bool = False) -> TensorParallelPlan:
-    """Validate ``plan`` against ``model`` for a tp group of size ``tp``; changes nothing (pure)."""
+                         sequence_parallel: bool = False, expert_parallel: bool = False) -> TensorParallelPlan:
+    """Validate ``plan`` against ``model`` for a tp group of size ``tp``; changes nothing (pure).
+    ``expert_parallel``: the experts modules the plan gives style ``experts`` (the built-in plans do) get
+    ``expert_parallel`` instead: whole experts placed on the tp ranks."""
     if getattr(model, "_tp_state", None) is not None:
         raise ConfigError("tensor.plan: tensor parallelism is already applied to this model (plan applied twice)")
     if not isinstance(tp, int) or tp < 1:
@@ -364,18 +372,27 @@ def plan_tensor_parallel(model: nn.Module, plan: Optional[Dict[str, object]], tp
         if is_hf_model(model) and tp > 1:
             plan, views = _split_gathered_pairs(model, plan, tp)
             patterns = [_pattern_regex(p) for p in plan]
-            add, whole = experts.expert_plan_entries(model, lambda n: any(rx.match(n) for rx in patterns), tp)
+            add, whole = experts.expert_plan_entries(model, lambda n: any(rx.match(n) for rx in patterns), tp,
+                                                     placed=expert_parallel)
             plan.update(add)
     if sequence_parallel and is_hf_model(model):
         raise ConfigError("tensor.sequence_parallel=True is supported for the project GPT only: Hugging Face "
                           "models derive positions and masks from the hidden states' sequence length")
     actions = []
     for name, module, style in _match(model, plan, strict):
+        if expert_parallel and style.kind == "experts":
+            if not experts.is_experts(module):
+                raise ConfigError(f"tensor.expert_parallel=True: {name!r}: {expert_parallel_style.unsupported(module)}")
+            style = parse_style("expert_parallel")
         _check_module(name, module, style)
         parent = model.get_submodule(_parent_name(name)) if "." in name else model
         actions.append(_resolve(name, module, style, parent, tp))
     if not any(a.weight_spec is not None for a in actions):
         raise ConfigError(f"tensor.plan: no module of {type(model).__name__} is split by the plan")
+    if expert_parallel and not any(a.style.kind == "expert_parallel" for a in actions):
+        why = "; ".join(f"{p}: {w}" for p, w in whole.items()) or "it has no transformers experts module"
+        raise ConfigError(f"tensor.expert_parallel=True: no experts of {type(model).__name__} can be placed on the "
+                          f"tp ranks ({why})")
     if sequence_parallel:
         _check_sequence_parallel(model, actions)
     fixes = _parent_fixes(model, actions, tp)
@@ -501,7 +518,8 @@ def split_summary(model: nn.Module, tp: int, top: int = 3) -> Dict[str, object]:
 
 
 def apply_tensor_parallel(model: nn.Module, plan: Optional[Dict[str, object]] = None, group=None, *,
-                          sequence_parallel: bool = False, share_inputs: bool = True) -> nn.Module:
+                          sequence_parallel: bool = False, share_inputs: bool = True,
+                          expert_parallel: bool = False) -> nn.Module:
     """Split ``model`` in place over the tp process ``group`` following ``plan`` (None: built-in plan).
 
     Every rank of ``group`` must call it on an identical model (same seed or same checkpoint); each
@@ -511,7 +529,7 @@ def apply_tensor_parallel(model: nn.Module, plan: Optional[Dict[str, object]] = 
     :func:`~lightning_scale.tensor_parallel.state.tensor_parallel_state` describes what was done.
     """
     tp = tp_size(group)
-    p = plan_tensor_parallel(model, plan, tp, sequence_parallel=sequence_parallel)
+    p = plan_tensor_parallel(model, plan, tp, sequence_parallel=sequence_parallel, expert_parallel=expert_parallel)
     state = TensorParallelState(group=group, tp=tp, rank=tp_rank(group), sequence_parallel=sequence_parallel,
                                 styles=p.styles)
     split_modules = set()
@@ -531,6 +549,8 @@ def apply_tensor_parallel(model: nn.Module, plan: Optional[Dict[str, object]] = 
             state.hooks.append(act.module.register_forward_pre_hook(hook))
         elif act.style.kind == "experts":
             state.hooks.extend(experts.split_experts(act.name, act.module, act.param_specs, group))
+        elif act.style.kind == "expert_parallel":
+            state.hooks.extend(expert_parallel_style.place_experts(act.name, act.module, act.param_specs, group))
         elif act.style.kind == "mla_kv_a":
             parent = model.get_submodule(_parent_name(act.name)) if "." in act.name else None
             rope = mla.rope_width(act.name, act.module, parent)

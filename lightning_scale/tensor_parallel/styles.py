@@ -58,8 +58,9 @@ from lightning_scale.config import ConfigError
 
 @dataclass(frozen=True)
 class Style:
-    kind: str  # colwise | rowwise | vocab | experts | mla_kv_a | sequence_split | sequence_gather | replicate |
+    # colwise | rowwise | vocab | experts | expert_parallel | mla_kv_a | sequence_split | sequence_gather | replicate |
     # grad_allreduce
+    kind: str
     sections: int = 0  # 0: detect (colwise on an attention's fused qkv), else fixed
     gather_output: bool = False
     pad: bool = False  # pad out_features to a multiple of tp (vocabulary heads)
@@ -81,6 +82,7 @@ _STYLES = {
     "packed_rowwise": Style("rowwise", sections=2),
     "vocab": Style("vocab"),
     "experts": Style("experts"),
+    "expert_parallel": Style("expert_parallel"),
     "vocab_colwise": Style("colwise", sections=1, pad=True),
     "sequence_split": Style("sequence_split"),
     "sequence_gather": Style("sequence_gather"),
@@ -130,6 +132,7 @@ def parse_style(value: Union[str, Style], pattern: str = "") -> Style:
     if value in _NOT_IMPLEMENTED:
         raise ConfigError(f"tensor.plan: transformers' style {value!r}{where} (mixture-of-experts / expert "
                           f"parallel / MLA / local parameters / per-unit splits) is not implemented here; pass a "
-                          f"plan without it, e.g. leaving those modules replicated ('replicate'), or split a "
-                          f"transformers experts module's every expert with 'experts'")
+                          f"plan without it, e.g. leaving those modules replicated ('replicate'), split a "
+                          f"transformers experts module's every expert with 'experts', or place its experts whole "
+                          f"on the tp ranks with 'expert_parallel'")
     raise ConfigError(f"tensor.plan: unknown style {value!r}{where}; known styles: {', '.join(STYLE_NAMES)}")

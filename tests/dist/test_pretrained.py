@@ -8,7 +8,8 @@ init is told apart. Each rank builds the model on meta with ``lightning_scale.fr
 * zero3 (dp=2), tp=2 (stage 1), pp=2 at stages 1 and 3 (Llama; GPT-2 at stage 1, through its pipeline adapter; Phi3
   with one kv head at tp=2: fused projections read by parts, the kv rows by both ranks; Mixtral at tp=2 and zero3 and
   Qwen2-MoE at tp=2: the files keep each expert's own tensors, the model fuses them (transformers' conversion mapping,
-  ``checkpoint.hf_conversions``), each rank reads its rows of every expert) and
+  ``checkpoint.hf_conversions``), each rank reads its rows of every expert; with ``expert_parallel=True`` each
+  rank reads its half of the experts, whole) and
   the ``from_config`` + ``load_pretrained`` form at zero3, and a frozen base (only the last layer and the head
   train) at zero3 and tp=2: 3 SGD steps of
   losses equal one process that called ``AutoModelForCausalLM.from_pretrained`` on the same directory (float64,
@@ -42,7 +43,8 @@ transformers = pytest.importorskip("transformers")
 STEPS, LR, BATCH, SEQ = 3, 0.5, 4, 12
 CASES = [("llama", "zero3"), ("gpt2", "zero3"), ("llama", "tp2"), ("gpt2", "tp2"), ("llama", "pp2"), ("gpt2", "pp2"),
          ("llama", "pp2_zero3"), ("llama", "zero3_config"), ("llama", "zero3_frozen"), ("llama", "tp2_frozen"),
-         ("phi3", "tp2"), ("mixtral", "tp2"), ("mixtral", "zero3"), ("qwen2_moe", "tp2")]
+         ("phi3", "tp2"), ("mixtral", "tp2"), ("mixtral", "zero3"), ("qwen2_moe", "tp2"), ("mixtral", "tp2_ep"),
+         ("qwen2_moe", "tp2_ep")]
 # mixture of experts: the files keep every expert's own tensors (Mixtral: block_sparse_moe.experts.{e}.w1 / w3 / w2;
 # Qwen2-MoE: mlp.experts.{e}.gate_proj / up_proj / down_proj), the model holds them fused (gate_up_proj (E, 2I, H),
 # down_proj (E, H, I)); transformers' conversion mapping says how, and each rank reads its slice of every expert.
@@ -53,6 +55,7 @@ MOE = {"mixtral": {"experts_implementation": "eager"}, "qwen2_moe": {"experts_im
 GRID_CASES = {4: [("llama", "dp2_tp2_zero3"), ("gpt2", "dp2_tp2_zero3"), ("llama", "dp2_pp2_zero3")],
               8: [("llama", "3d"), ("gpt2", "3d")]}
 MODES = {"zero3": dict(stage=3), "zero3_config": dict(stage=3), "tp2": dict(stage=1, tp=2),
+         "tp2_ep": dict(stage=1, tp=2, expert_parallel=True),
          "pp2": dict(stage=1, pp=2, microbatches=2), "pp2_zero3": dict(stage=3, pp=2, microbatches=2),
          "zero3_frozen": dict(stage=3), "tp2_frozen": dict(stage=1, tp=2), "dp2_tp2_zero3": dict(stage=3, tp=2),
          "dp2_pp2_zero3": dict(stage=3, pp=2, microbatches=2),

@@ -45,7 +45,7 @@ VALUES = {
     "dp": 2, "tp": 2, "pp": 2, "sp": 2, "stage": 3, "bucket_mb": 5.0, "overlap_comm": False, "prefetch_depth": 2,
     "persistent_threshold": 100, "unit_modules": ("Block",), "pin_memory": False, "microbatches": 4,
     "schedule": "gpipe", "virtual_stages": 2, "partition": "uniform", "plan": {"lm_head": "colwise_gather"},
-    "sequence_parallel": True, "overlap_chunks": 2, "initial_scale": 1024.0, "growth_factor": 4.0,
+    "sequence_parallel": True, "overlap_chunks": 2, "expert_parallel": True, "initial_scale": 1024.0, "growth_factor": 4.0,
     "backoff_factor": 0.25, "growth_interval": 10, "min_scale": 2.0, "hysteresis": 2, "meta_init": False,
     "offload": "all", "checkpoint_format": "universal", "checkpoint_async": True,
     "activation_checkpointing": "selective", "activation_checkpointing_units": ("Block",), "offload_activations": True,
@@ -205,6 +205,8 @@ DOORS = [
      "strategy.sequence_parallel=True needs strategy.tp > 1"),
     (dict(tp=2, overlap_chunks=0), ["strategy=tensor", "strategy.overlap_chunks=0"], "overlap_chunks=0 must be",
      "strategy.overlap_chunks=0 must be"),
+    (dict(expert_parallel=True), ["strategy.expert_parallel=true"], "expert_parallel=True needs tp > 1",
+     "strategy.expert_parallel=True needs strategy.tp > 1"),
 ]
 
 
