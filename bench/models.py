@@ -85,9 +85,10 @@ def build_llama(kw: dict):
 
         h = kw["hidden"]
         config = DeepseekV3Config(vocab_size=kw["vocab"], hidden_size=h, intermediate_size=h * 2,
-                                  moe_intermediate_size=h, num_hidden_layers=kw["layers"],
+                                  moe_intermediate_size=kw.get("expert_width") or h, num_hidden_layers=kw["layers"],
                                   num_attention_heads=kw["heads"], num_key_value_heads=kw["heads"],
-                                  n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=1,
+                                  n_routed_experts=kw.get("experts", 8), num_experts_per_tok=kw.get("top_k", 2),
+                                  n_shared_experts=1, n_group=1,
                                   topk_group=1, first_k_dense_replace=1, q_lora_rank=h // 2, kv_lora_rank=h // 4,
                                   qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
                                   max_position_embeddings=kw["seq"], tie_word_embeddings=False,
@@ -97,10 +98,12 @@ def build_llama(kw: dict):
     if kw.get("model") == "mixtral":
         from transformers import MixtralConfig, MixtralForCausalLM
 
-        config = MixtralConfig(vocab_size=kw["vocab"], hidden_size=kw["hidden"], intermediate_size=kw["hidden"] * 2,
+        config = MixtralConfig(vocab_size=kw["vocab"], hidden_size=kw["hidden"],
+                               intermediate_size=kw.get("expert_width") or kw["hidden"] * 2,
                                num_hidden_layers=kw["layers"], num_attention_heads=kw["heads"],
                                num_key_value_heads=kw["kv_heads"], max_position_embeddings=kw["seq"],
-                               num_local_experts=8, num_experts_per_tok=2, tie_word_embeddings=False,
+                               num_local_experts=kw.get("experts", 8), num_experts_per_tok=kw.get("top_k", 2),
+                               tie_word_embeddings=False,
                                attn_implementation="sdpa")
         torch.manual_seed(0)
         return MixtralForCausalLM(config)
@@ -339,6 +342,10 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--model", choices=["llama", "mixtral", "deepseek_v3"], default="llama")
+    ap.add_argument("--experts", type=int, default=8, help="MoE models: routed experts per layer")
+    ap.add_argument("--top-k", type=int, default=2, help="MoE models: experts per token")
+    ap.add_argument("--expert-width", type=int, default=None,
+                    help="MoE models: each expert's intermediate width (default: Mixtral 2 x hidden, DeepSeek-V3 hidden)")
     ap.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated rows; ddp is always added")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per (round, system) run")
     ap.add_argument("--plot", default=None, metavar="PATH", help="also write the ratios vs DDP as a bar chart (PNG)")
@@ -350,7 +357,8 @@ def main() -> None:
     if "ddp" not in systems:
         systems.insert(0, "ddp")
     kw = dict(vocab=args.vocab, hidden=args.hidden, mlp=args.hidden * 11 // 4, layers=args.layers,
-              heads=8, kv_heads=4, seq=args.seq, model=args.model)
+              heads=8, kv_heads=4, seq=args.seq, model=args.model, experts=args.experts, top_k=args.top_k,
+              expert_width=args.expert_width)
     kw["mlp"] = -(-kw["mlp"] // 64) * 64  # 512 -> 1408, Llama's rounding
     from lightning_scale.testing import run_distributed
 
@@ -381,6 +389,9 @@ def main() -> None:
     ok = [s for s in systems if s not in failed]
     rounds = [{k: r[k] for k in ok if k in r} for r in rounds]
     name = f"HF {args.model.capitalize()} {_params_m(kw):.1f}M"
+    if args.model != "llama":
+        width = args.expert_width or (args.hidden * 2 if args.model == "mixtral" else args.hidden)
+        name += f" ({args.experts} experts of width {width}, top-{args.top_k})"
     print(f"\n## {name} ({datetime.date.today()}, 2 CPU ranks, {tokens} tokens/step, "
           f"{args.rounds} rounds x {args.steps} timed steps)\n")
     print(ratio_table(rounds, "ddp", extra=("peak_rss_mb",)))

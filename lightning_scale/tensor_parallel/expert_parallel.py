@@ -5,24 +5,25 @@ Hugging Face model's built-in plan) is the other way to share a transformers exp
 ``Qwen2MoeExperts``, ... : 3-D ``gate_up_proj`` / ``down_proj``, optional per-expert biases) over tp than style
 ``experts`` (:mod:`lightning_scale.tensor_parallel.experts`, every expert's intermediate width cut over tp): rank
 ``r`` keeps experts ``[r * E / tp, (r + 1) * E / tp)`` whole (every per-expert parameter cut along dim 0, the expert
-axis). The ranks of a tp group hold the same tokens, so no token moves: each rank runs the routes to its own
-experts (the router stays whole and routes alike on every rank), the routes to other ranks' experts are masked with
-the local sentinel id ``E / tp`` (which transformers' experts forwards skip: its own expert-parallel layer uses the
-same contract) and weight 0, and one all-reduce of the module's output sums the ranks' partial outputs, as style
-``experts`` does. Backward: the gradients of the hidden states and of the routing weights are partial on each rank
-(only its routes) and are all-reduced (``copy_to_region``).
+axis). The ranks of a tp group hold the same tokens, so no token moves between ranks: the router stays whole and
+routes alike on every rank, and each rank hands its experts only the routes to them, one per row (the hidden state
+of a token once per local route, ``(R, 1)`` local expert ids and routing weights), so no route to another rank's
+experts is computed or masked. Each route's weighted output is added to its token's row, and one all-reduce of the
+module's output sums the ranks' rows, as style ``experts`` does. Backward: the gradients of the hidden states and of
+the routing weights are partial on each rank (only its routes) and are all-reduced (``copy_to_region``). Any
+``experts_implementation`` runs (eager, ``batched_mm``, ``grouped_mm``): they see a plain call with top-1 routing.
 
 Why a user picks it over ``experts``: each expert's matmuls keep their full width (``I`` instead of ``I / tp``:
 larger, more efficient GEMMs, the reason Megatron prefers expert parallelism for many small experts), a rank loops
 over ``E / tp`` experts instead of ``E``, and experts ``experts`` cannot split are placed (per-expert biases: each
 bias lives on one rank and is added once; a norm after each expert; an intermediate width tp does not divide).
 The cost: a rank's work follows the router (imbalanced routing makes the busiest rank set the pace), and ``E`` must
-be a multiple of tp. With top-2 routing the sum is exact (each token's two expert outputs meet once, in the same
-order as one process); with more routes per token, up to the order of the sum.
+be a multiple of tp. With top-2 routing the sum is exact (a token's two expert outputs meet once, as in one
+process); with more routes per token, up to the order of the sum.
 
 Not placed (ConfigError at plan time): a MoE *block* of ``nn.Linear`` experts (litgpt's ``LLaMAMoE``, a user's
-``experts`` ModuleList: its parameters are named per expert and there is no sentinel to skip a route; split it with
-``experts``), and an experts module without an integer ``num_experts`` (the count its forward masks by).
+``experts`` ModuleList: its parameters are named per expert; split it with ``experts``), and an experts module
+without an integer ``num_experts`` (the count its forward reads expert ids by).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import torch
 import torch.nn as nn
 
 from lightning_scale.tensor_parallel import experts as split_style
-from lightning_scale.tensor_parallel.mappings import copy_to_region, tp_rank
+from lightning_scale.tensor_parallel.mappings import copy_to_region, reduce_from_region, tp_rank
 from lightning_scale.tensor_parallel.sharding import ShardSpec, make_spec, mark_sharded, shard_tensor
 
 
@@ -48,31 +49,8 @@ def unsupported(module: nn.Module) -> Optional[str]:
         return (f"{kind} is not a transformers experts module (3-D gate_up_proj / down_proj weights with the layout "
                 f"use_experts_implementation records)")
     if not isinstance(getattr(module, "num_experts", None), int) or isinstance(module.num_experts, bool):
-        return f"{kind} has no integer num_experts (the expert count its forward masks routes by)"
-    if _eager(module) and not _eager_skips_sentinel(module):
-        return (f"{kind}'s own (eager) forward cannot skip the routes to other ranks' experts (its one-hot spans "
-                f"num_experts only); set the model config's experts_implementation='batched_mm' (or 'grouped_mm'), "
-                f"which transformers' expert parallelism uses, or split the experts with style 'experts'")
+        return f"{kind} has no integer num_experts (the expert count its forward reads expert ids by)"
     return None
-
-
-def _eager(module: nn.Module) -> bool:
-    impl = getattr(getattr(module, "config", None), "_experts_implementation", None)
-    return impl in (None, "eager")
-
-
-def _eager_skips_sentinel(module: nn.Module) -> bool:
-    """Whether the experts class's own forward skips the sentinel id ``num_experts`` (a one-hot over
-    ``num_experts + 1`` classes, as transformers' MoE template writes it; GPT-OSS's spans ``num_experts``)."""
-    import inspect
-
-    forward = type(module).forward
-    forward = getattr(forward, "__wrapped__", forward)
-    try:
-        source = inspect.getsource(forward)
-    except (OSError, TypeError):
-        return True  # no source to read: trust the contract (a wrong guess fails at the first step, loudly)
-    return "one_hot" not in source or "num_experts + 1" in source
 
 
 def placed_specs(name: str, module: nn.Module, tp: int) -> Dict[str, ShardSpec]:
@@ -94,26 +72,37 @@ def placed_specs(name: str, module: nn.Module, tp: int) -> Dict[str, ShardSpec]:
 
 
 def _routing(args, kwargs, name: str):
-    """(position or key of the expert ids, of the routing weights) among a call's arguments: the one integer tensor,
-    and the floating tensor of the same shape."""
+    """(key of the expert ids, keys of the routing weights, keys of the per-token inputs) among a call's arguments
+    (a position or a keyword): the one integer tensor ``(T, k)``, the floating tensors of its shape, and the other
+    floating tensors with ``T`` rows (the hidden states)."""
     items = [(i, a) for i, a in enumerate(args)] + list(kwargs.items())
     ids = [k for k, t in items if isinstance(t, torch.Tensor) and not t.is_floating_point() and not t.is_complex()]
     if len(ids) != 1:
         raise ValueError(f"expert-parallel experts {name!r}: expected one integer tensor of expert ids among its "
                          f"arguments, found {len(ids)}")
     index = dict(items)[ids[0]]
-    weights = [k for k, t in items if isinstance(t, torch.Tensor) and t.is_floating_point() and t.shape == index.shape]
-    return ids[0], weights
+    floats = [(k, t) for k, t in items if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    weights = [k for k, t in floats if t.shape == index.shape]
+    rows = [k for k, t in floats if k not in weights and t.dim() >= 1 and t.shape[0] == index.shape[0]]
+    if index.dim() != 2 or not weights or not rows:
+        raise ValueError(f"expert-parallel experts {name!r}: expected (hidden states (T, H), expert ids (T, k), "
+                         f"routing weights (T, k)), got shapes {[tuple(t.shape) for _, t in items]}")
+    return ids[0], weights, rows
 
 
 def local_routes(index: torch.Tensor, first: int, local: int):
-    """(this rank's expert ids, the routes to other ranks): the global ids of experts ``[first, first + local)`` as
-    local ids, every other route as the sentinel ``local`` (which the experts forward skips)."""
-    off = (index < first) | (index >= first + local)
-    return torch.where(off, torch.full_like(index, local), index - first), off
+    """(token, slot) of every route of ``index`` (T, k) to experts ``[first, first + local)``, and those routes'
+    local expert ids (R,)."""
+    mine = (index >= first) & (index < first + local)
+    token, slot = mine.nonzero(as_tuple=True)
+    return token, slot, index[token, slot] - first
 
 
 def _enter(group, tag: str, name: str, first: int, local: int):
+    """The experts see only this rank's routes, one per row: ``(R, H)`` hidden states (a token's row once per local
+    route), ``(R, 1)`` local expert ids and weights. No route to another rank's experts reaches them, so none is
+    computed or masked (transformers' sentinel ids are not used)."""
+
     def hook(module, args, kwargs):
         args = list(args)
 
@@ -127,17 +116,41 @@ def _enter(group, tag: str, name: str, first: int, local: int):
                 kwargs[k] = v
 
         # every floating input that carries a gradient (hidden states, routing weights): partial here (this rank's
-        # routes only), summed over tp; entered before the masking below, so the sum sees every rank's routes
+        # routes only), summed over tp; entered before the routes are picked, so the sum sees every rank's routes
         for k in list(range(len(args))) + list(kwargs):
             t = get(k)
             if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad:
                 put(k, copy_to_region(t, group, tag=tag))
-        id_key, weight_keys = _routing(args, kwargs, name)
-        index, off = local_routes(get(id_key), first, local)
-        put(id_key, index)
+        id_key, weight_keys, row_keys = _routing(args, kwargs, name)
+        index = get(id_key)
+        token, slot, ids = local_routes(index, first, local)
+        put(id_key, ids.unsqueeze(1))
         for k in weight_keys:
-            put(k, get(k).masked_fill(off, 0.0))
+            put(k, get(k)[token, slot].unsqueeze(1))
+        for k in row_keys:
+            put(k, get(k)[token])
+        # no route to this rank's experts: the experts may return zeros outside autograd, and this rank would skip
+        # the backward all-reduces of its inputs that the other ranks run (a hang); keep the inputs in the graph
+        keep = [get(k) for k in (*weight_keys, *row_keys)] if token.numel() == 0 else []
+        module._ep_routes.append((token, index.shape[0], keep))
         return tuple(args), kwargs
+
+    return hook
+
+
+def _leave(group, tag: str, name: str):
+    """Each local route's weighted output added to its token's row (tokens with no local route: zero), then the
+    all-reduce over tp sums the ranks' rows."""
+
+    def hook(module, args, kwargs, output):
+        if not isinstance(output, torch.Tensor):
+            raise TypeError(f"expert-parallel experts {name!r} must return one tensor, got {type(output).__name__}")
+        token, tokens, keep = module._ep_routes.pop()
+        out = output.new_zeros((tokens, *output.shape[1:])).index_add(0, token, output)
+        for t in keep:  # empty tensors: adds 0, carries their (zero) gradients to the region's entry
+            if t.requires_grad:
+                out = out + t.sum().to(out.dtype)
+        return reduce_from_region(out, group, tag=tag)
 
     return hook
 
@@ -162,10 +175,10 @@ def place_experts(name: str, module: nn.Module, specs: Dict[str, ShardSpec], gro
         setattr(module, pname, param)
     local = total // tp
     module.num_experts = local
-    module._is_expert_parallel = True  # transformers' batched_mm / grouped_mm forwards mask the sentinel routes then
+    module._ep_routes = []  # (tokens of the local routes, token count) from the entry to the exit of each call
     module._tp_expert_specs = dict(specs)
     module._tp_expert_parallel = tp  # the memory plan: a rank runs k / tp routes per token at full width
     module._apply = types.MethodType(split_style._apply, module)
     tag = f"tp/{name}"
     return [module.register_forward_pre_hook(_enter(group, tag, name, rank * local, local), with_kwargs=True),
-            module.register_forward_hook(split_style._leave(group, tag, name), with_kwargs=True)]
+            module.register_forward_hook(_leave(group, tag, name), with_kwargs=True)]

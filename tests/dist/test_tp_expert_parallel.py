@@ -2,13 +2,13 @@
 the experts of every mixture-of-experts layer, whole, and the model equals one process.
 
 One 2-rank launch, float64. (1) Forward and backward of unchanged Hugging Face MoE models built from their config
-classes (Mixtral, Qwen2-MoE with its shared expert, DeepSeek-V3 with multi-head latent attention, GPT-OSS with
-per-expert biases, which style ``experts`` cannot split, through transformers' ``batched_mm`` experts): every expert
+classes (Mixtral, Qwen2-MoE with its shared expert through transformers' ``batched_mm`` experts, DeepSeek-V3 with
+multi-head latent attention, GPT-OSS with per-expert biases, which style ``experts`` cannot split): every expert
 weight keeps its full shape but for the expert axis (E / 2 per rank), the loss and every consolidated gradient equal
 one process's within 1e-12 relative (top-2 routing: each token's two expert outputs meet once, so the all-reduce
-adds what one process adds; measured ~1e-15). A rank that masked the routing weights before entering the region
-(their gradient summed after the mask) gives the router half its gradient; one that skipped the masking of other
-ranks' routes adds every expert twice: both fail here. (2) Training and the universal checkpoint: Qwen2-MoE trains 2
+adds what one process adds; measured ~1e-15). A rank that picked its routes before entering the region (the
+routing weights' gradient summed after the pick) gives the router half its gradient; one that ran other ranks'
+routes on its own experts is off by 1e-3: both fail here. (2) Training and the universal checkpoint: Qwen2-MoE trains 2
 AdamW steps at tp=2 with every expert split (style ``experts``, ZeRO-1), saves the layout-free checkpoint, and the
 same ranks load it at tp=2 with the experts placed (``expert_parallel``) and train step 3: the resumed losses equal
 one process's (1e-10), so a run can switch between the two layouts. Bad input: tests/unit/test_tp_expert_parallel_plan.py.
@@ -23,8 +23,12 @@ import torch
 
 from lightning_scale.testing import HF_RANK_PRELOAD, run_distributed
 
-FAMILIES = ("mixtral", "qwen2_moe", "deepseek_v3", "gpt_oss")
-IMPLEMENTATION = {"gpt_oss": "batched_mm"}  # GPT-OSS's eager experts cannot skip other ranks' routes (refused)
+# mixtral_idle: Mixtral with its routers zeroed (GPT-OSS initializes its routers so): every token picks the same two
+# experts (torch.topk's tie order), both on one rank, so the other rank gets no route at all; its experts' output
+# was outside autograd and its backward skipped the all-reduces the busy rank ran (a hang, seen in a Trainer run of
+# GPT-OSS)
+FAMILIES = ("mixtral", "qwen2_moe", "deepseek_v3", "gpt_oss", "mixtral_idle")
+IMPLEMENTATION = {"qwen2_moe": "batched_mm"}  # transformers' batched_mm experts for one family (the others: eager)
 STEPS, SAVE_AT, LR = 3, 2, 1e-2
 # the resume: Qwen2-MoE (its router's softmax in float64: the split layout is exact too; Mixtral's float32 router
 # moves the split layout's losses by ~1e-8, tests/dist/test_tp_experts_dist.py)
@@ -34,7 +38,11 @@ RESUME = "qwen2_moe"
 def _build(family: str):
     from lightning_scale.models import hf_families as F
 
-    model = F.build(family, "eager")
+    model = F.build(family.replace("_idle", ""), "eager")
+    if family.endswith("_idle"):
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.mlp.gate.weight.zero_()
     impl = IMPLEMENTATION.get(family)
     if impl:
         for m in model.modules():
@@ -125,6 +133,9 @@ def test_experts_placed_at_tp2_equal_one_process(runs, family):
     loss = _loss(ref(input_ids=x).logits, y)
     loss.backward()
     grads = _grads(ref)
+    if family.endswith("_idle"):  # the case it stands for: every route goes to one rank's experts, none to the other
+        idx = ref.model.layers[0].mlp.gate(ref.model.embed_tokens(x))[2]
+        assert set(idx.flatten().tolist()) in ({0, 1}, {2, 3}), idx
     for rank, run in enumerate(runs):
         r = run[family]
         assert r["full_shapes"], "no expert weights found"

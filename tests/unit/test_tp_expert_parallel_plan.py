@@ -3,9 +3,10 @@ experts per rank, and the refusals.
 
 Every expert layout transformers records, with per-expert biases (which style ``experts`` refuses), placed over tp
 ranks by :func:`placed_specs` and run through transformers' own ``batched_mm`` experts on each rank's experts with
-the routes to other ranks masked (:func:`local_routes`, the module's ``num_experts`` the local count): the ranks'
-outputs sum to the whole module's output (what the region's all-reduce does), in float64. Without the masking each
-rank runs other ranks' routes on its own experts and the check fails. The 2-rank runs of real models, gradients and
+only the routes to them, one per row (:func:`local_routes`, the module's ``num_experts`` the local count): the
+ranks' outputs, each route added to its token's row, sum to the whole module's output (what the region's all-reduce
+does), in float64. Run with every route instead, each rank computes other ranks' routes on its own experts and the
+check fails. The 2-rank runs of real models, gradients and
 the checkpoint are tests/dist/test_tp_expert_parallel.py.
 """
 
@@ -26,7 +27,7 @@ E, H, I, TOKENS, TOP_K = 4, 8, 6, 10, 2
 
 
 def _experts(*, is_transposed=False, has_gate=True, is_concatenated=True, has_bias=False, impl="batched_mm",
-             experts=E):
+             experts=E, width=I):
     moe = pytest.importorskip("transformers.integrations.moe")
 
     @moe.use_experts_implementation(is_transposed=is_transposed, has_gate=has_gate, is_concatenated=is_concatenated,
@@ -35,11 +36,11 @@ def _experts(*, is_transposed=False, has_gate=True, is_concatenated=True, has_bi
         def __init__(self, config):
             super().__init__()
             self.num_experts = experts
-            rows = 2 * I if has_gate else I
+            rows = 2 * width if has_gate else width
             up = (experts, H, rows) if is_transposed else (experts, rows, H)
             name = "gate_up_proj" if has_gate else "up_proj"
             setattr(self, name, nn.Parameter(torch.randn(up, dtype=torch.float64)))
-            self.down_proj = nn.Parameter(torch.randn((experts, I, H) if is_transposed else (experts, H, I),
+            self.down_proj = nn.Parameter(torch.randn((experts, width, H) if is_transposed else (experts, H, width),
                                                       dtype=torch.float64))
             if has_bias:
                 setattr(self, f"{name}_bias", nn.Parameter(torch.randn(experts, rows, dtype=torch.float64)))
@@ -67,15 +68,18 @@ def _inputs():
 
 def _sum_of_ranks(module, specs, tp, mask=True):
     h, idx, w = _inputs()
+    dtype = next(module.parameters()).dtype
+    h, w = h.to(dtype), w.to(dtype)
     total, local_n = 0, module.num_experts // tp
     for rank in range(tp):
         local = copy.deepcopy(module)
         for pname, spec in specs.items():
             setattr(local, pname, nn.Parameter(shard_tensor(getattr(module, pname).detach(), spec, rank)))
-        local.num_experts, local._is_expert_parallel = local_n, True
+        local.num_experts = local_n
         if mask:
-            ids, off = local_routes(idx, rank * local_n, local_n)
-            total = total + local(h, ids, w.masked_fill(off, 0.0))
+            token, slot, ids = local_routes(idx, rank * local_n, local_n)
+            out = local(h[token], ids.unsqueeze(1), w[token, slot].unsqueeze(1))
+            total = total + torch.zeros_like(h).index_add(0, token, out)
         else:
             total = total + local(h, idx % local_n, w)
     return total, module(h, idx, w)
@@ -109,9 +113,45 @@ def test_unmasked_routes_are_caught():
 
 def test_local_routes():
     idx = torch.tensor([[0, 3], [2, 1], [5, 4]])
-    ids, off = local_routes(idx, 2, 2)  # experts 2 and 3 of 6 on this rank
-    assert ids.tolist() == [[2, 1], [0, 2], [2, 2]]
-    assert off.tolist() == [[True, False], [False, True], [True, True]]
+    token, slot, ids = local_routes(idx, 2, 2)  # experts 2 and 3 of 6 on this rank
+    assert (token.tolist(), slot.tolist(), ids.tolist()) == ([0, 1], [1, 0], [1, 0])
+
+
+@pytest.mark.parametrize("impl", ["eager_template", "batched_mm", "grouped_mm"])
+def test_every_implementation_runs_the_local_routes_and_none(impl):
+    """transformers' batched_mm / grouped_mm and an eager loop of transformers' template run the local routes (one per
+    row); a rank with no route to its experts gets an empty call and adds nothing."""
+    moe = pytest.importorskip("transformers.integrations.moe")
+    module = _experts(impl="eager" if impl == "eager_template" else impl)
+    if impl == "eager_template":  # transformers' MoE template (Mixtral's eager forward), on this module
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            out = torch.zeros_like(hidden_states)
+            mask = torch.nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
+            for e in torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero():
+                e = e[0]
+                if e == self.num_experts:
+                    continue
+                pos, tok = torch.where(mask[e])
+                gate, up = nn.functional.linear(hidden_states[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
+                y = nn.functional.linear(self.act_fn(gate) * up, self.down_proj[e]) * top_k_weights[tok, pos, None]
+                out.index_add_(0, tok, y)
+            return out
+
+        module.forward = types.MethodType(forward, module)
+    if impl == "grouped_mm":  # float32 / bfloat16 only, 16-byte strides: 4 float32 per row at least
+        module = _experts(impl=impl, width=8).float()
+    del moe
+    dtype = next(module.parameters()).dtype
+    specs = placed_specs("e", module, 2)
+    got, want = _sum_of_ranks(module, specs, 2)
+    tol = 1e-12 if dtype == torch.float64 else 1e-4 * want.abs().max().item()
+    assert (got - want).abs().max().item() < tol
+    local = copy.deepcopy(module)
+    local.num_experts = E // 2
+    for pname, spec in specs.items():
+        setattr(local, pname, nn.Parameter(shard_tensor(getattr(module, pname).detach(), spec, 0)))
+    empty = local(torch.zeros(0, H, dtype=dtype), torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, 1, dtype=dtype))
+    assert empty.shape == (0, H)
 
 
 def _wrap(module):
@@ -168,9 +208,9 @@ def test_builtin_plan_places_hugging_face_experts_and_refuses_what_it_cannot():
                              expert_parallel=True)
     with pytest.raises(ConfigError, match="no experts of LlamaForCausalLM can be placed.*no transformers experts"):
         plan_tensor_parallel(F.build("llama", "eager"), None, 2, expert_parallel=True)
-    # GPT-OSS's eager experts one-hot over num_experts only: refused, naming the setting that makes it work
-    with pytest.raises(ConfigError, match="experts_implementation='batched_mm'"):
-        plan_tensor_parallel(F.build("gpt_oss", "eager"), None, 2, expert_parallel=True)
+    # GPT-OSS: per-expert biases (the split refuses them) placed whole; its eager forward gets the local routes only
+    gpt_oss = plan_tensor_parallel(F.build("gpt_oss", "eager"), None, 2, expert_parallel=True).styles
+    assert gpt_oss["model.layers.0.mlp.experts"] == "expert_parallel"
 
 
 def test_the_memory_plan_counts_placed_experts_per_rank():
