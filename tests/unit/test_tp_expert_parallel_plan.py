@@ -215,7 +215,8 @@ def test_builtin_plan_places_hugging_face_experts_and_refuses_what_it_cannot():
 
 def test_the_memory_plan_counts_placed_experts_per_rank():
     """A placed unit: full-width experts, each rank runs 1 / tp of the routes: every expert matmul's input and output
-    counted at 1 / tp of the whole unit's (split experts read the whole hidden state on each of the k routes)."""
+    counted at 1 / tp of the whole unit's (split experts read the whole hidden state on each of the k routes), and
+    the hidden rows gathered for the local routes."""
     pytest.importorskip("transformers")
     from lightning_scale.activation_plan import _expert_matmuls, _units
     from lightning_scale.models import hf_families as F
@@ -228,4 +229,5 @@ def test_the_memory_plan_counts_placed_experts_per_rank():
     for hook in place_experts("e", experts, placed_specs("e", experts, 2), None):  # a group of one: identities
         hook.remove()
     assert experts.num_experts == E // 2 and experts.gate_up_proj.shape[0] == E // 2
-    assert _expert_matmuls(unit, 2) == [(i / 2, o / 2) for i, o in whole]
+    hidden = experts.gate_up_proj.shape[2]  # + the gathered hidden rows of the local routes
+    assert _expert_matmuls(unit, 2) == [(i / 2, o / 2) for i, o in whole] + [(hidden / 2, 0.0)]
