@@ -58,7 +58,11 @@ def find_model(root, setting: str = "--module"):
             tied = bool(getattr(cfg, "tie_word_embeddings", False))
             out = 0 if (head is None or tied) else sum(p.numel() for p in head.parameters())
             heads = getattr(cfg, "num_attention_heads", None)
-            return m, Shape(n_head=heads, n_layer=int(cfg.num_hidden_layers),
+            from lightning_scale.tensor_parallel.experts import is_experts
+
+            experts = [e.num_experts for e in m.modules() if is_experts(e) and isinstance(getattr(e, "num_experts",
+                                                                                                  None), int)]
+            return m, Shape(n_head=heads, n_layer=int(cfg.num_hidden_layers), n_experts=min(experts, default=0),
                             seq_len=int(getattr(cfg, "max_position_embeddings", 128) or 128),
                             vocab_size=int(cfg.vocab_size), d_model=int(getattr(cfg, "hidden_size", 0) or 0),
                             n_kv_head=getattr(cfg, "num_key_value_heads", heads), embed_params=embed,

@@ -40,6 +40,8 @@ class Candidate:
     tiled_mlp: int = 0
     tiled_attention: int = 0
     act_offload: bool = False
+    # mixture of experts at tp > 1: the experts placed whole on the tp ranks instead of every expert split
+    expert_parallel: bool = False
 
     @property
     def world(self) -> int:
@@ -47,7 +49,8 @@ class Candidate:
 
     @property
     def split(self) -> str:
-        return f"dp{self.dp}tp{self.tp}pp{self.pp}" + (f"sp{self.sp}" if self.sp > 1 else "")
+        return (f"dp{self.dp}tp{self.tp}pp{self.pp}" + (f"sp{self.sp}" if self.sp > 1 else "")
+                + ("ep" if self.expert_parallel else ""))
 
     @property
     def relief(self) -> str:
@@ -64,7 +67,7 @@ class Candidate:
     @property
     def family(self) -> str:
         return (f"stage {self.stage} offload={self.offload} dp{self.dp} tp{self.tp} pp{self.pp}"
-                + (f" sp{self.sp}" if self.sp > 1 else ""))
+                + (f" sp{self.sp}" if self.sp > 1 else "") + (" expert_parallel" if self.expert_parallel else ""))
 
     def strategy_kwargs(self) -> Dict:
         kw = dict(stage=self.stage, offload=self.offload, tp=self.tp, pp=self.pp, bucket_mb=self.bucket_mb,
@@ -79,6 +82,8 @@ class Candidate:
             kw["tiled_attention"] = self.tiled_attention
         if self.act_offload:
             kw["offload_activations"] = True
+        if self.expert_parallel:
+            kw["expert_parallel"] = True
         return kw
 
     def overrides(self, precision: str = "32-true") -> List[str]:
@@ -103,6 +108,8 @@ class Candidate:
             line.append("strategy.offload_activations=true")
         if self.compile:
             line.append("strategy.compile=true")
+        if self.expert_parallel:
+            line.append("strategy.expert_parallel=true")
         group = {"32-true": "fp32", "bf16-mixed": "bf16", "16-mixed": "fp16", "bf16-true": "bf16_true"}
         if precision not in group:
             raise ConfigError(f"--precision={precision!r}: conf/precision has {', '.join(group)}")
@@ -138,6 +145,7 @@ class Shape:
     module: Optional[str] = None
     name: str = "model"
     sys_path: Tuple[str, ...] = ()
+    n_experts: int = 0  # routed experts per mixture-of-experts layer (0: none): tp > 1 also tries expert_parallel
 
 
 def _embed_head(gpt) -> Tuple[float, float]:
@@ -198,9 +206,17 @@ def enumerate_candidates(gpt, devices: int, global_batch: int, *, stages=(0, 1, 
                         for bucket in (buckets if stage in (0, 1, 2) else (25.0,)):
                             for ac in acs:
                                 for comp in compile_options:
-                                    cands.append(Candidate(stage, offload, dp, tp, pp, mb, accum, float(bucket), ac,
-                                                           bool(comp), sp))
+                                    for ep in _expert_options(gpt, tp):
+                                        cands.append(Candidate(stage, offload, dp, tp, pp, mb, accum, float(bucket),
+                                                               ac, bool(comp), sp, expert_parallel=ep))
     return cands, rejected
+
+
+def _expert_options(gpt, tp: int) -> Tuple[bool, ...]:
+    """A mixture of experts at tp > 1 is tried both ways (every expert split, the experts placed whole) where tp
+    divides its expert count."""
+    n = getattr(gpt, "n_experts", 0) or 0
+    return (False, True) if tp > 1 and n and n % tp == 0 else (False,)
 
 
 def _split_problem(gpt, dp: int, tp: int, pp: int, sp: int, global_batch: int) -> str:

@@ -494,8 +494,10 @@ def run(strategy, trainer, value: Any, given: Optional[Sequence[str]]) -> Dict[s
 
 def settings(c, compiled: Any = True) -> Dict[str, Any]:
     """The strategy settings of candidate ``c`` (``compiled``: the compile setting of a compiled candidate)."""
-    # the candidate's own keywords; sp always (a winner at sp=1 replaces a user's launch-time sp), compile as set
-    return dict(c.strategy_kwargs(), sp=c.sp, compile=compiled if c.compile else False)
+    # the candidate's own keywords; sp and expert_parallel always (a winner at sp=1 / with the experts split replaces
+    # a user's launch-time setting), compile as set
+    return dict(c.strategy_kwargs(), sp=c.sp, expert_parallel=c.expert_parallel,
+                compile=compiled if c.compile else False)
 
 
 def settings_config(config: ParallelConfig, c, world: int, compiled: Any = True) -> ParallelConfig:

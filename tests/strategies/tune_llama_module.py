@@ -57,3 +57,17 @@ class TinyLlama(pl.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+class TinyMixtral(TinyLlama):
+    """The same shape as a ``MixtralForCausalLM``: 4 experts of width ``intermediate_size``, 2 per token (the tuner
+    tries tp > 1 with the experts split and placed, ``expert_parallel``)."""
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        transformers = _transformers()
+
+        cfg = transformers.MixtralConfig(**self.shape, num_local_experts=4, num_experts_per_tok=2)
+        cfg._attn_implementation = "sdpa"
+        self.model = transformers.MixtralForCausalLM(cfg)

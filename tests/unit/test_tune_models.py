@@ -130,3 +130,28 @@ def test_repeated_blocks_with_unknown_heads_plan_without_tp_or_sp():
     why = {r.candidate.split: r.reason for r in rows if r.reason}
     assert "the head count of Blocks is unknown" in why["dp1tp2pp1"]
     assert "sp=2: the head count of Blocks is unknown" in why["dp1tp1pp1sp2"]
+
+
+def test_mixture_of_experts_tries_its_experts_placed_at_tp():
+    """A Mixtral module: its expert count comes from the experts modules; every tp > 1 layout is tried with the experts
+    split and placed (expert_parallel, where tp divides the 4 experts), the placed one's settings and Hydra line say
+    so; the dense Llama gets no such candidate."""
+    lm = build_module("tune_llama_module:TinyMixtral", meta=True)
+    model, shape = find_model(lm)
+    assert shape.n_experts == 4
+    rows = plan(model, dataclasses.replace(shape, seq_len=32), 4, 8, 1e12, stages=(1,), acs=(None,), buckets=(25,))
+    ok = [r.candidate for r in rows if not r.reason]
+    assert {(c.tp, c.expert_parallel) for c in ok} >= {(1, False), (2, False), (2, True)}
+    assert not any(c.expert_parallel and c.tp == 1 for c in ok)
+    placed = next(c for c in ok if c.expert_parallel)
+    assert placed.strategy_kwargs()["expert_parallel"] is True and "ep" in placed.key
+    assert "strategy.expert_parallel=true" in placed.overrides()
+    from lightning_scale.strategies.autotune import settings
+
+    split = next(c for c in ok if c.tp == 2 and not c.expert_parallel)
+    assert settings(split)["expert_parallel"] is False  # a split winner replaces a launch-time expert_parallel=True
+    llama_model, llama = find_model(build_module(LLAMA, meta=True))
+    assert llama.n_experts == 0
+    rows = plan(llama_model, dataclasses.replace(llama, seq_len=32), 2, 8, 1e12, stages=(1,), acs=(None,),
+                buckets=(25,))
+    assert not any(r.candidate.expert_parallel for r in rows)
