@@ -11,7 +11,11 @@ export OUT PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
 if ! python -c "import lightning_scale.kernels" 2>/dev/null; then  # not installed: run from the tree
     [ -e lightning_scale/kernels ] || ln -s ../kernels lightning_scale/kernels
-    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    # the package alone on the path, not the repository root: the root's kernels/ would shadow the PyPI package
+    # `kernels` that transformers imports, and every Hugging Face model of the benches would fail to build
+    PKG_PATH="$(mktemp -d)"
+    ln -s "$PWD/lightning_scale" "$PKG_PATH/lightning_scale"
+    export PYTHONPATH="$PKG_PATH${PYTHONPATH:+:$PYTHONPATH}"
 fi
 step() {  # step NAME SECONDS CMD...: run with a hard limit, log to $OUT/NAME.log, never stop the whole script
     local name=$1 limit=$2; shift 2
@@ -38,5 +42,7 @@ step gpu_sparse_attention 60 python bench/gpu_sparse_attention.py --rounds 1 --l
 step gpu_long_sequence 80 python bench/gpu_long_sequence.py --systems dense,ac_offload_chunked_tiled_heads,rotary_ac_offload_chunked_tiled_heads --out "$OUT/gpu_long_sequence"
 step gpu_models 80 python bench/gpu_models.py --rounds 1 --steps 5 --out "$OUT/gpu_models"
 step gpu_checkpoint 50 python bench/gpu_checkpoint.py --rounds 1 --out "$OUT/gpu_checkpoint"
+# one tp rank's mixture-of-experts work, every expert split vs the experts placed (expert_parallel), tp 2 / 4 / 8
+step gpu_experts 40 python bench/gpu_experts.py --reps 3
 # bench/gpu_tensor_parallel.py needs 2 or more GPUs (torchrun --nproc-per-node N); not run on one device.
 echo "done; see $OUT/summary.txt"

@@ -1,0 +1,132 @@
+"""One tp rank's mixture-of-experts work on one GPU: every expert split over tp vs the experts placed whole.
+
+    python bench/gpu_experts.py                        # Mixtral-8x7B and DeepSeek-V3 layer shapes, tp 2 / 4 / 8, bf16
+    python bench/gpu_experts.py --device cpu --preset tiny --reps 2   # the same code on CPU (a smoke run)
+
+At tp = N a rank of ``Zero3DStrategy(tp=N)`` holds 1 / N of every expert (style ``experts``: all E experts at width
+I / N, every route of every token), and with ``expert_parallel=True`` N-th of the experts whole (E / N experts at
+width I, the routes to them: about k / N per token, gathered one per row). The FLOPs are the same; the difference is
+the GEMM shapes (I / N-wide slices against whole experts), the loop or grouped launch over E vs E / N experts, and the
+routing's gather. Both layouts end in one all-reduce of the layer's output, the same size, so one GPU measures what
+differs: this script runs rank 0's share of one experts layer through the package's own code paths
+(``tensor_parallel.experts.split_experts`` and ``tensor_parallel.expert_parallel.place_experts`` with a group of one,
+so their region entry / exit are identities) and transformers' ``grouped_mm`` experts (``--impl``), forward +
+backward, tokens routed uniformly at random (top-k of a random router's logits; the busiest rank of a real router
+sets the pace, not modelled here). Prints ms per layer for each, the ratio split / placed (> 1: placing is faster)
+and the achieved TFLOP/s (6 x routes x 3 x H x I per rank / time). Needs no process group; nothing asserts on time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+# (hidden H, expert width I, experts E, routes per token k, tokens T)
+PRESETS = {"mixtral_8x7b": (4096, 14336, 8, 2, 8192), "deepseek_v3": (7168, 2048, 256, 8, 8192),
+           "tiny": (64, 96, 8, 2, 256)}
+
+
+def _experts(h: int, i: int, e: int, impl: str):
+    import torch
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    cfg = MixtralConfig(hidden_size=h, intermediate_size=i, num_local_experts=e)
+    cfg._experts_implementation = impl
+    with torch.device("meta"):
+        module = MixtralExperts(cfg)
+    return module
+
+
+def _materialize(module, dtype, device):
+    import torch
+
+    module.to_empty(device=device)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(0, 0.02)
+    return module.to(dtype)
+
+
+def _layout(kind: str, h, i, e, tp, impl, dtype, device):
+    from lightning_scale.tensor_parallel import expert_parallel, experts
+
+    module = _experts(h, i, e, impl)
+    if kind == "split":
+        handles = experts.split_experts("e", module, experts.expert_specs("e", module, tp), None)
+    else:
+        handles = expert_parallel.place_experts("e", module, expert_parallel.placed_specs("e", module, tp), None)
+    return _materialize(module, dtype, device), handles
+
+
+def _time(module, hidden, index, weights, reps: int, sync) -> float:
+    times = []
+    for r in range(reps + 1):  # the first: warm-up
+        x = hidden.detach().requires_grad_(True)
+        w = weights.detach().requires_grad_(True)
+        sync()
+        t0 = time.perf_counter()
+        out = module(x, index, w)
+        out.float().square().mean().backward()
+        sync()
+        if r:
+            times.append(time.perf_counter() - t0)
+        module.zero_grad(set_to_none=True)
+    return statistics.median(times)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", nargs="+", default=["mixtral_8x7b", "deepseek_v3"], choices=sorted(PRESETS))
+    ap.add_argument("--tp", nargs="+", type=int, default=[2, 4, 8])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--impl", default="grouped_mm", choices=["grouped_mm", "batched_mm", "eager"])
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--tokens", type=int, default=None, help="tokens per layer call (default: the preset's)")
+    args = ap.parse_args(argv)
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("error: no CUDA device; use --device cpu --preset tiny for a smoke run", file=sys.stderr)
+        return 2
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    torch.manual_seed(0)
+    print(f"| layer (H, I, E, top-k, tokens) | tp | split ms | placed ms | split / placed | split TFLOP/s | "
+          f"placed TFLOP/s |")
+    print("|---|---|---|---|---|---|---|")
+    for name in args.preset:
+        h, i, e, k, t = PRESETS[name]
+        t = args.tokens or t
+        hidden = torch.randn(t, h, device=device, dtype=dtype)
+        logits = torch.randn(t, e, device=device)
+        weights, index = torch.topk(logits.softmax(-1), k)
+        weights = weights.to(dtype)
+        for tp in args.tp:
+            if e % tp or i % tp:
+                print(f"| {name} ({h}, {i}, {e}, {k}, {t}) | {tp} | tp does not divide E or I | | | | |")
+                continue
+            row = {}
+            for kind in ("split", "placed"):
+                module, _ = _layout(kind, h, i, e, tp, args.impl, dtype, device)
+                try:
+                    row[kind] = _time(module, hidden, index, weights, args.reps, sync)
+                except Exception as err:  # noqa: BLE001 - an OOM or a kernel refusal: report, keep going
+                    row[kind] = float("nan")
+                    print(f"  {name} tp={tp} {kind}: {type(err).__name__}: {str(err).splitlines()[0][:160]}")
+                del module
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            flops = 6.0 * t * k * 3 * h * i / tp  # forward + backward of this rank's share of the routes' GEMMs
+            tf = {kk: flops / v / 1e12 for kk, v in row.items()}
+            print(f"| {name} ({h}, {i}, {e}, {k}, {t}) | {tp} | {row['split'] * 1e3:.2f} | "
+                  f"{row['placed'] * 1e3:.2f} | {row['split'] / row['placed']:.2f} | {tf['split']:.1f} | "
+                  f"{tf['placed']:.1f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
