@@ -233,6 +233,10 @@ def tensor_parallel_row(summary: Optional[Dict[str, Any]]) -> Optional[Tuple[str
     text = f"{summary['fraction']:.0%} of {summary['total']:,} parameters split over tp={summary['tp']}"
     if summary["replicated"]:
         text += "; replicated on every tp rank: " + ", ".join(f"{k} ({n:,})" for k, n in summary["replicated"])
+    if summary.get("experts_placed"):
+        modules, local, total = summary["experts_placed"]
+        text += (f"; experts placed whole (expert_parallel) in {modules} layer{'s' if modules > 1 else ''}: "
+                 f"{local} of {total} per rank")
     for pattern, why in (summary.get("experts_whole") or {}).items():
         text += f"; experts {pattern} left whole: {why}"
     if summary["fraction"] < TP_MOSTLY_REPLICATED:

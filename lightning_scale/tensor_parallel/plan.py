@@ -513,8 +513,12 @@ def split_summary(model: nn.Module, tp: int, top: int = 3) -> Dict[str, object]:
     total = split + replicated
     largest = sorted(groups.items(), key=lambda kv: -kv[1])[:top]
     state = getattr(model, "_tp_state", None)
+    # experts placed whole by style expert_parallel: (modules, experts per rank, experts per module)
+    placed = [(m.num_experts, m.num_experts * m._tp_expert_parallel) for m in model.modules()
+              if getattr(m, "_tp_expert_parallel", 1) > 1]
     return {"tp": tp, "split": split, "total": total, "fraction": split / total if total else 0.0,
-            "replicated": largest, "experts_whole": dict(getattr(state, "experts_whole", {}) or {})}
+            "replicated": largest, "experts_whole": dict(getattr(state, "experts_whole", {}) or {}),
+            "experts_placed": (len(placed), *placed[0]) if placed else None}
 
 
 def apply_tensor_parallel(model: nn.Module, plan: Optional[Dict[str, object]] = None, group=None, *,

@@ -101,8 +101,9 @@ def worker(rank: int, world_size: int, root: str) -> dict:
             loss = _loss(model(input_ids=x).logits, y)
             loss.backward()
         experts = [m for n, m in model.named_modules() if n.endswith(".experts")]
+        summary = split_summary(model, 2)
         out[family] = dict(loss=loss.item(), grads=consolidate_state_dict(model, values=_grads(model)),
-                           full_shapes=shapes, fraction=split_summary(model, 2)["fraction"],
+                           full_shapes=shapes, fraction=summary["fraction"], placed=summary["experts_placed"],
                            local_shapes={n: tuple(p.shape) for n, p in model.named_parameters() if n in shapes},
                            num_experts=sorted({m.num_experts for m in experts}),
                            experts_tags=sorted(t for t in counter.by_tag if t.endswith(".experts")))
@@ -143,6 +144,7 @@ def test_experts_placed_at_tp2_equal_one_process(runs, family):
             assert r["local_shapes"][name] == (full[0] // 2, *full[1:]), (name, r["local_shapes"][name], full)
         assert r["num_experts"] == [2], r["num_experts"]  # 4 experts, 2 per rank: the forward's local count
         assert r["fraction"] > 0.85, r["fraction"]
+        assert r["placed"] == (ref.config.num_hidden_layers - (family == "deepseek_v3"), 2, 4), r["placed"]
         assert r["experts_tags"], "no all-reduce tagged by an experts module"
         assert abs(r["loss"] - loss.item()) <= 1e-12 * abs(loss.item()), (rank, r["loss"], loss.item())
         worst = {n: ((r["grads"][n] - g).abs().max() / g.abs().max().clamp_min(1e-300)).item()

@@ -231,3 +231,11 @@ def test_the_memory_plan_counts_placed_experts_per_rank():
     assert experts.num_experts == E // 2 and experts.gate_up_proj.shape[0] == E // 2
     hidden = experts.gate_up_proj.shape[2]  # + the gathered hidden rows of the local routes
     assert _expert_matmuls(unit, 2) == [(i / 2, o / 2) for i, o in whole] + [(hidden / 2, 0.0)]
+
+
+def test_the_startup_table_says_the_experts_are_placed():
+    from lightning_scale.strategies.report import tensor_parallel_row
+
+    row = tensor_parallel_row({"tp": 2, "split": 99, "total": 100, "fraction": 0.99, "replicated": [],
+                               "experts_placed": (4, 2, 4)})
+    assert "experts placed whole (expert_parallel) in 4 layers: 2 of 4 per rank" in row[1]
