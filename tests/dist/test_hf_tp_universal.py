@@ -7,7 +7,8 @@ training it was meant to keep; a resume of a stage-3 checkpoint onto tp=2 failed
 
 One 2-rank launch, float64, AdamW: each family of ``FAMILIES`` (GPT-2's Conv1D, Phi-3's gathered fused projections,
 GPT-NeoX's per-head interleaved qkv, Llama's grouped-query heads, Qwen2-MoE's 3-D expert weights split inside every
-expert, ``[gate | up]`` in two sections along dim 1 and ``down_proj`` along dim 2) trains 2 steps at tp=2 (ZeRO-1)
+expert, ``[gate | up]`` in two sections along dim 1 and ``down_proj`` along dim 2; and with its experts placed whole,
+``expert_parallel``: 2 of 4 per rank, cut along the expert axis) trains 2 steps at tp=2 (ZeRO-1)
 and saves with ``save_engines`` (what ``checkpoint_format="universal"`` writes); the same ranks then load it at dp=2
 ZeRO-2 (the flat shards cut the fused weights mid-row) and train step 3. Against one process that trained the same 3
 batches: the checkpoint's weights and Adam moments read whole (1e-10), and the resumed step-3 loss (1e-10).
@@ -22,7 +23,9 @@ import torch
 
 from lightning_scale.testing import HF_RANK_PRELOAD, run_distributed
 
-FAMILIES = ["gpt2", "phi3", "gpt_neox", "llama", "qwen2_moe"]
+# qwen2_moe_ep: the same Qwen2-MoE with its experts placed whole at tp=2 (expert_parallel: 2 of 4 per rank, cut along
+# the expert axis), resumed at dp=2 as one whole model
+FAMILIES = ["gpt2", "phi3", "gpt_neox", "llama", "qwen2_moe", "qwen2_moe_ep"]
 STEPS, SAVE_AT, LR = 3, 2, 1e-2
 
 
@@ -39,7 +42,7 @@ def _loss(logits, targets):
 def _reference(family: str):
     from lightning_scale.models import hf_families as F
 
-    model = F.build(family, "eager")
+    model = F.build(family.removesuffix("_ep"), "eager")
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses, at_save = [], None
     for step in range(STEPS):
@@ -63,7 +66,7 @@ def _layout(family: str, layout: dict, rank: int, world_size: int):
 
     config = from_flat_kwargs(**layout)
     topo = local_topology(config, world_size, rank)
-    model = F.build(family, "eager")
+    model = F.build(family.removesuffix("_ep"), "eager")
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     pm = parallelize(model, config, topo, "cpu", optimizers=[opt])
     (engine,) = pm.make_engines()
@@ -86,7 +89,8 @@ def worker(rank: int, world_size: int, root: str) -> dict:
     out = {}
     for family in FAMILIES:
         path = os.path.join(root, family)
-        model, opt, engine, topo = _layout(family, dict(tp=2, stage=1), rank, world_size)
+        placed = dict(expert_parallel=True) if family.endswith("_ep") else {}
+        model, opt, engine, topo = _layout(family, dict(tp=2, stage=1, **placed), rank, world_size)
         saved = _train(model, opt, topo, range(SAVE_AT))
         save_engines(path, model, [engine], tp_rank=topo.tp_rank)
         model, opt, engine, topo = _layout(family, dict(stage=2), rank, world_size)
