@@ -54,6 +54,7 @@ def main() -> None:
     ap.add_argument("--devices", type=int, default=2)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--option", action="append", default=[])
+    ap.add_argument("--precision", default="32-true")
     args = ap.parse_args()
     torch.manual_seed(0)
     module = HFModule(args.family, args.attn)
@@ -65,6 +66,7 @@ def main() -> None:
     strategy = "auto" if args.strategy == "single" else Zero3DStrategy(**opts)
     rec = Losses()
     trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.steps,
+                         precision=args.precision,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, callbacks=[rec], num_sanity_val_steps=0,
                          use_distributed_sampler=False)  # dp=1: every tp / pp peer reads every batch, in order
