@@ -95,8 +95,8 @@ def main(argv=None) -> int:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     torch.manual_seed(0)
-    print(f"| layer (H, I, E, top-k, tokens) | tp | split ms | placed ms | split / placed | split TFLOP/s | "
-          f"placed TFLOP/s |")
+    print("| layer (H, I, E, top-k, tokens) | tp | split ms | placed ms | split / placed | split TFLOP/s | "
+          "placed TFLOP/s |")
     print("|---|---|---|---|---|---|---|")
     for name in args.preset:
         h, i, e, k, t = PRESETS[name]

@@ -35,7 +35,7 @@ import torch.nn as nn
 
 from lightning_scale.tensor_parallel import experts as split_style
 from lightning_scale.tensor_parallel.mappings import copy_to_region, reduce_from_region, tp_rank
-from lightning_scale.tensor_parallel.sharding import ShardSpec, make_spec, mark_sharded, shard_tensor
+from lightning_scale.tensor_parallel.sharding import ShardSpec, make_spec
 
 
 def unsupported(module: nn.Module) -> Optional[str]:
@@ -165,17 +165,10 @@ def place_experts(name: str, module: nn.Module, specs: Dict[str, ShardSpec], gro
     rank, tp = tp_rank(group), next(iter(specs.values())).tp
     total = module.num_experts
     for pname, spec in specs.items():
-        full = getattr(module, pname)
-        if full.is_meta:
-            local = torch.empty(spec.local_shape(full.shape), device="meta", dtype=full.dtype)
-        else:
-            local = shard_tensor(full.detach(), spec, rank)
-        param = nn.Parameter(local, requires_grad=full.requires_grad)
-        mark_sharded(param, spec)
-        setattr(module, pname, param)
+        split_style.keep_local(module, pname, spec, rank)
     local = total // tp
     module.num_experts = local
-    module._ep_routes = []  # (tokens of the local routes, token count) from the entry to the exit of each call
+    module._ep_routes = []  # (tokens of the local routes, token count, kept inputs) from each call's entry to exit
     module._tp_expert_specs = dict(specs)
     module._tp_expert_parallel = tp  # the memory plan: a rank runs k / tp routes per token at full width
     module._apply = types.MethodType(split_style._apply, module)

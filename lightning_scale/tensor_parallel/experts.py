@@ -226,6 +226,20 @@ def _gate_hooks(gate: nn.Module, group, tag: str) -> List[object]:
 
 
 @torch.no_grad()
+def keep_local(owner: nn.Module, leaf: str, spec: ShardSpec, rank: int) -> torch.Tensor:
+    """Replace ``owner.<leaf>`` by this rank's piece of it under ``spec``, a marked Parameter (meta stays meta)."""
+    full = getattr(owner, leaf)
+    if full.is_meta:
+        local = torch.empty(spec.local_shape(full.shape), device="meta", dtype=full.dtype)
+    else:
+        local = shard_tensor(full.detach(), spec, rank)
+    param = nn.Parameter(local, requires_grad=full.requires_grad)
+    mark_sharded(param, spec)
+    setattr(owner, leaf, param)
+    return local
+
+
+@torch.no_grad()
 def split_experts(name: str, module: nn.Module, specs: Dict[str, ShardSpec], group) -> List[object]:
     """Keep this rank's slice of every expert weight of ``module`` (in place: same module, same parameter names;
     meta stays meta) and install the region hooks. Returns the hook handles."""
@@ -233,14 +247,7 @@ def split_experts(name: str, module: nn.Module, specs: Dict[str, ShardSpec], gro
     for pname, spec in specs.items():
         owner_name, _, leaf = pname.rpartition(".")
         owner = module.get_submodule(owner_name) if owner_name else module
-        full = getattr(owner, leaf)
-        if full.is_meta:
-            local = torch.empty(spec.local_shape(full.shape), device="meta", dtype=full.dtype)
-        else:
-            local = shard_tensor(full.detach(), spec, rank)
-        param = nn.Parameter(local, requires_grad=full.requires_grad)
-        mark_sharded(param, spec)
-        setattr(owner, leaf, param)
+        local = keep_local(owner, leaf, spec, rank)
         if isinstance(owner, nn.Linear) and leaf == "weight":  # the local widths, as the parallel linears keep them
             owner.out_features, owner.in_features = local.shape
     module._tp_expert_specs = dict(specs)

@@ -16,8 +16,6 @@ one process's (1e-10), so a run can switch between the two layouts. Bad input: t
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
