@@ -98,6 +98,15 @@ def local_routes(index: torch.Tensor, first: int, local: int):
     return token, slot, index[token, slot] - first
 
 
+@torch.compiler.disable
+@torch.no_grad()
+def _count(module: nn.Module, index: torch.Tensor, local: int) -> None:
+    """Routes per tp rank, added on the ids' device (read by :func:`route_load`; every rank routes alike, so each
+    counts them all, no message)."""
+    load = torch.bincount(index.flatten() // local, minlength=module._tp_expert_parallel)
+    module._ep_load = load if module._ep_load is None else module._ep_load + load
+
+
 def _enter(group, tag: str, name: str, first: int, local: int):
     """The experts see only this rank's routes, one per row: ``(R, H)`` hidden states (a token's row once per local
     route), ``(R, 1)`` local expert ids and weights. No route to another rank's experts reaches them, so none is
@@ -123,6 +132,7 @@ def _enter(group, tag: str, name: str, first: int, local: int):
                 put(k, copy_to_region(t, group, tag=tag))
         id_key, weight_keys, row_keys = _routing(args, kwargs, name)
         index = get(id_key)
+        _count(module, index, local)
         token, slot, ids = local_routes(index, first, local)
         put(id_key, ids.unsqueeze(1))
         for k in weight_keys:
@@ -169,9 +179,26 @@ def place_experts(name: str, module: nn.Module, specs: Dict[str, ShardSpec], gro
     local = total // tp
     module.num_experts = local
     module._ep_routes = []  # (tokens of the local routes, token count, kept inputs) from each call's entry to exit
+    module._ep_load = None  # routes per tp rank since the last route_load(reset=True), on the routes' device
     module._tp_expert_specs = dict(specs)
     module._tp_expert_parallel = tp  # the memory plan: a rank runs k / tp routes per token at full width
     module._apply = types.MethodType(split_style._apply, module)
     tag = f"tp/{name}"
     return [module.register_forward_pre_hook(_enter(group, tag, name, rank * local, local), with_kwargs=True),
             module.register_forward_hook(_leave(group, tag, name), with_kwargs=True)]
+
+
+def route_load(model: nn.Module, reset: bool = True) -> Optional[List[int]]:
+    """Routes per tp rank counted by ``model``'s placed experts modules since the last reset (summed over them);
+    None when nothing is placed. Every rank of a tp group routes the same tokens alike, so each holds the whole
+    count: the busiest rank's share x tp is how much longer than an even split its experts run (the step's pace)."""
+    mods = [m for m in model.modules() if getattr(m, "_tp_expert_parallel", 1) > 1 and hasattr(m, "_ep_load")]
+    if not mods:
+        return None
+    total = [0] * mods[0]._tp_expert_parallel
+    for m in mods:
+        if m._ep_load is not None:
+            total = [a + int(b) for a, b in zip(total, m._ep_load.tolist())]
+        if reset:
+            m._ep_load = None
+    return total

@@ -75,7 +75,8 @@ def main() -> None:
         with open(args.out, "w") as f:
             report = getattr(trainer.strategy, "compile_report", {})  # compile=...: Dynamo's counters at the end
             json.dump({"losses": rec.losses, "world": trainer.world_size, "compile": report.get("end"),
-                       "eager_units": report.get("eager_units")}, f)
+                       "eager_units": report.get("eager_units"),
+                       "expert_load": getattr(trainer.strategy, "expert_load", None)}, f)
 
 
 if __name__ == "__main__":

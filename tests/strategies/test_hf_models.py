@@ -34,7 +34,7 @@ def reference(tmp_path_factory):
     pytest.importorskip("transformers")
     tmp = tmp_path_factory.mktemp("hf_single")
     return {f: _fit(tmp, f, "--family", f, "--strategy", "single", "--devices", "1")["losses"]
-            for f in ("llama", "gemma3")}
+            for f in ("llama", "gemma3", "mixtral")}
 
 
 def _close(run, ref):
@@ -50,13 +50,18 @@ def _close(run, ref):
     # compiled per decoder layer: one graph for the 4 layers (the KV cache off; it made one graph per layer), inside
     # activation checkpointing (the layout table's memory profile had left them eager: 0 graphs, nothing said)
     ("llama", ["stage=2", "activation_checkpointing=full", "compile={backend: aot_eager}"]),
-], ids=["llama-pp2", "gemma3-tp2", "llama-zero3", "llama-zero2-ac-compile"])
+    # the experts placed whole, 2 of 4 per tp rank; the routes' spread over the tp ranks checked after step 1
+    ("mixtral", ["tp=2", "expert_parallel=true"]),
+], ids=["llama-pp2", "gemma3-tp2", "llama-zero3", "llama-zero2-ac-compile", "mixtral-tp2-expert-parallel"])
 def test_unchanged_hf_model_matches_single_process(tmp_path, reference, family, options):
     args = ["--family", family]
     for o in options:
         args += ["--option", o]
     run = _fit(tmp_path, "run", *args)
     _close(run, reference[family])
+    if "expert_parallel=true" in options:  # 48 tokens x 2 routes x 4 layers in step 1, spread over the 2 tp ranks
+        (rec,) = run["expert_load"]
+        assert rec["steps"] == [1, 1] and sum(rec["routes"]) == 384 and rec["ratio"] < 1.25, rec
     if any(o.startswith("compile=") for o in options):
         assert run["compile"]["graphs"] == 1 and run["compile"]["eager_fallbacks"] == 0, run["compile"]
         assert run["eager_units"] == [], run["eager_units"]  # every compiled layer ran compiled code

@@ -239,3 +239,45 @@ def test_the_startup_table_says_the_experts_are_placed():
     row = tensor_parallel_row({"tp": 2, "split": 99, "total": 100, "fraction": 0.99, "replicated": [],
                                "experts_placed": (4, 2, 4)})
     assert "experts placed whole (expert_parallel) in 4 layers: 2 of 4 per rank" in row[1]
+
+
+def test_uneven_routes_over_the_tp_ranks_warn():
+    """The placed experts count the routes per tp rank as they run (every rank routes alike); the Trainer's check after
+    step 1 prints them and warns when the busiest rank runs > 1.25x an even share. A Mixtral whose routers are zero
+    (GPT-OSS starts so) sends every token to the same two experts, both on one rank: 2.0x, a warning naming the cause
+    and expert_parallel=False; the same model with its own routers: no warning."""
+    import types as pytypes
+    import warnings
+
+    pytest.importorskip("transformers")
+    from lightning_scale.models import hf_families as F
+    from lightning_scale.strategies.expert_load import ExpertLoad
+    from lightning_scale.tensor_parallel.expert_parallel import place_experts, route_load
+
+    def run(zero_routers):
+        model = F.build("mixtral", "eager")
+        for layer in model.model.layers:
+            if zero_routers:
+                with torch.no_grad():
+                    layer.mlp.gate.weight.zero_()
+            e = layer.mlp.experts
+            place_experts("e", e, placed_specs("e", e, 2), None)  # a group of one: rank 0 of tp=2, its hooks count
+        strategy = pytypes.SimpleNamespace(lightning_module=model, topology=pytypes.SimpleNamespace(
+            coords=lambda: pytypes.SimpleNamespace(dp=0, sp=0, tp=0)))
+        callback = ExpertLoad(strategy)
+        x, _ = F.batch(4, 12, seed=0)
+        model(input_ids=x)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            callback.on_train_batch_end(pytypes.SimpleNamespace(global_step=1), model, None, None, 0)
+        return strategy, [str(w.message) for w in caught]
+
+    strategy, warned = run(zero_routers=True)
+    (rec,) = strategy.expert_load
+    assert sum(rec["routes"]) == 4 * 12 * 2 * 4 and max(rec["routes"]) == sum(rec["routes"]), rec  # all on one rank
+    assert rec["ratio"] == 2.0 and len(warned) == 1, (rec, warned)
+    assert "2.00x an even share" in warned[0] and "expert_parallel=False" in warned[0], warned
+    strategy, warned = run(zero_routers=False)
+    assert strategy.expert_load[0]["ratio"] < 1.25 and not warned, (strategy.expert_load, warned)
+    model = F.build("mixtral", "eager")
+    assert route_load(model) is None  # nothing placed: nothing counted

@@ -1,0 +1,82 @@
+"""How evenly the router spreads the routes over the tp ranks when the experts are placed whole (``expert_parallel``).
+
+With ``Zero3DStrategy(tp=N, expert_parallel=True)`` each tp rank runs the routes to its own experts, so the rank
+whose experts get the most routes sets every step's pace (an even spread: 1 / N of them each). Nothing else would say
+so: a router at its initial values (GPT-OSS starts its routers at zero: every token picks the same experts) or one
+that collapsed onto a few experts just makes training slower. The placed experts modules count the routes per tp
+rank as they run (every rank of a tp group routes the same tokens alike, so each counts them all; no message,
+:func:`~lightning_scale.tensor_parallel.expert_parallel.route_load`); after optimizer steps 1, 10, 100, 1000 and
+10000 this callback reads the counts since the previous check. The first check prints one line; a check where the
+busiest rank ran more than ``UNEVEN`` x an even share warns (rank 0 of the tp group's first pipeline rank; at pp > 1
+the first rank of each stage holding placed experts). ``strategy.expert_load`` keeps every check's record.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Dict, List
+
+import lightning.pytorch as pl
+
+from lightning_scale.strategies.report import _module
+
+LOAD_PREFIX = "[lightning_scale experts]"
+UNEVEN = 1.25  # the busiest tp rank's routes over an even share: above it warns
+CHECKS = (1, 10, 100, 1000, 10000)
+
+
+def load_record(load: List[int], step: int, since: int) -> Dict[str, Any]:
+    total = sum(load)
+    busiest = max(range(len(load)), key=load.__getitem__)
+    ratio = load[busiest] * len(load) / total if total else 1.0
+    return dict(steps=(since, step), routes=list(load), busiest=busiest, ratio=ratio)
+
+
+def load_line(rec: Dict[str, Any]) -> str:
+    since, step = rec["steps"]
+    share = 100.0 * rec["routes"][rec["busiest"]] / max(1, sum(rec["routes"]))
+    return (f"{LOAD_PREFIX} steps {since}-{step}: routes per tp rank {rec['routes']} (busiest: tp rank "
+            f"{rec['busiest']}, {share:.0f}% of them, {rec['ratio']:.2f}x an even share)")
+
+
+class ExpertLoad(pl.Callback):
+    def __init__(self, strategy: Any) -> None:
+        self.strategy = strategy
+        self.history: List[Dict[str, Any]] = []
+        self._last = 0
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        step = trainer.global_step
+        if step not in CHECKS or step == self._last:
+            return
+        from lightning_scale.tensor_parallel.expert_parallel import route_load
+
+        load = route_load(_module(self.strategy), reset=True)
+        since, self._last = self._last + 1, step
+        if load is None or not sum(load):
+            return
+        rec = load_record(load, step, since)
+        self.history.append(rec)
+        self.strategy.expert_load = self.history
+        if not self._reports():
+            return
+        line = load_line(rec)
+        if len(self.history) == 1:
+            print(line, flush=True)
+        if rec["ratio"] > UNEVEN:
+            warnings.warn(f"{line}: the busiest rank sets every step's pace ({rec['ratio']:.2f}x the time of an even "
+                          f"spread). The router sends most tokens to that rank's experts (a router still at its "
+                          f"initial values, or collapsed onto a few experts: a load-balancing loss, e.g. "
+                          f"output_router_logits=True, evens it); expert_parallel=False splits every expert over tp "
+                          f"instead, even by construction", stacklevel=2)
+
+    def _reports(self) -> bool:
+        c = self.strategy.topology.coords()
+        return c.dp == 0 and c.sp == 0 and c.tp == 0
+
+
+def install_expert_load(strategy: Any, trainer: Any) -> None:
+    """Add the route-balance check (a Lightning callback) to a fitting Trainer when experts are placed, once."""
+    if getattr(strategy.config.tensor, "expert_parallel", False) and not any(
+            isinstance(cb, ExpertLoad) for cb in trainer.callbacks):
+        trainer.callbacks.append(ExpertLoad(strategy))
