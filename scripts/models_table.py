@@ -131,7 +131,8 @@ def main() -> None:
              f"3 SGD steps; a cell is `ok` when every per-step loss is within {TOL:g} of one process (the largest "
              "difference in brackets). The model is unchanged: zero3 shards it over dp=2 with one unit per decoder "
              "layer (found automatically, each rank half of every batch), tp uses its own `tp_plan` (and splits a "
-             "mixture of experts' experts, style `experts`), pp the "
+             "mixture of experts' experts, style `experts`; tp2_ep places them whole instead, half of them per rank, "
+             "`expert_parallel=True`, mixture-of-experts families only), pp the "
              "automatic adapter (`lightning_scale.models.hf_pipeline`).", "",
              "| family | model_type | exercises | attention | " + " | ".join(modes) + " |",
              "|---|---|---|---|" + "---|" * len(modes)]

@@ -66,7 +66,7 @@ FAMILIES: Dict[str, Tuple[str, dict, str]] = {
                      "mixture of experts with shared experts, interleaved rotary"),
     "gpt_oss": ("gpt_oss", dict(num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
                                 experts_implementation="eager", layer_types=["full_attention"] * 4),
-                "attention sinks, experts with biases (tp leaves them whole), no sdpa in transformers"),
+                "attention sinks, experts with biases (split: left whole; placed: whole per rank), no sdpa in transformers"),
     "exaone4": ("exaone4", dict(num_key_value_heads=2, head_dim=8), "post-norms, per-head q/k norms"),
     "olmo3": ("olmo3", dict(num_key_value_heads=2, sliding_window=5), "sliding / full layers, q/k norms over all heads"),
     "seed_oss": ("seed_oss", dict(num_key_value_heads=2, head_dim=8), "q/k/v biases, rotary"),
@@ -91,6 +91,10 @@ FAMILIES: Dict[str, Tuple[str, dict, str]] = {
 
 # families transformers runs with eager attention only (it refuses sdpa for them)
 NO_SDPA = ("gemma2", "gpt_oss")
+# families whose layers hold transformers experts modules (3-D expert weights): the matrix also runs them with the
+# experts placed whole at tp=2 (expert_parallel); tests/unit/test_hf_pipeline.py checks the list against the models
+MOE = ("mixtral", "qwen2_moe", "deepseek_v3", "granitemoe", "qwen3_moe", "glm4_moe", "ernie4_5_moe", "gpt_oss",
+       "olmoe", "phimoe", "hunyuan_v1_moe")
 
 
 def build(name: str, attn: str = "eager", dtype: torch.dtype = torch.float64, seed: int = 0,

@@ -27,7 +27,8 @@ FAST = ["mistral", "gemma3", "phi3", "gpt_neox", "gpt2"]  # Llama runs in tests/
 # dp2 x tp2 x pp2 (8 ranks, slow): Llama and the other layouts (GPT-2's learned positions, Conv1D c_attn and tied
 # head; Qwen2's q/k/v biases; Phi3's gathered fused projections; GPT-NeoX's interleaved qkv; Mistral's window)
 GRID = ["llama", "gpt2", "qwen2", "phi3", "gpt_neox", "mistral"]
-MODES = ("zero3", "tp2", "pp2", "pp2_padded")
+# tp2_ep: the experts placed whole at tp=2 (expert_parallel), for the families of hf_families.MOE only
+MODES = ("zero3", "tp2", "tp2_ep", "pp2", "pp2_padded")
 
 
 def _loss(logits, targets):
@@ -63,11 +64,11 @@ def _reference(name: str, attn: str, padded: bool):
     return losses
 
 
-def _tp(name: str, attn: str, group):
+def _tp(name: str, attn: str, group, expert_parallel: bool = False):
     from lightning_scale.models import hf_families as F
     from lightning_scale.tensor_parallel import apply_tensor_parallel, sync_tp_grads
 
-    model = apply_tensor_parallel(F.build(name, attn), None, group)
+    model = apply_tensor_parallel(F.build(name, attn), None, group, expert_parallel=expert_parallel)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
     for x, y, _ in _batches(False):
@@ -136,7 +137,8 @@ def _cases(families):
             if name in F.NO_SDPA and attn == "sdpa":
                 continue  # transformers itself refuses sdpa for these (Gemma2: soft-capping; GPT-OSS: sinks)
             for mode in MODES:
-                yield name, attn, mode
+                if mode != "tp2_ep" or name in F.MOE:
+                    yield name, attn, mode
     del F
 
 
@@ -151,8 +153,8 @@ def matrix_worker(rank: int, world_size: int, families) -> dict:
         try:
             if mode == "zero3":
                 got = _zero3(name, attn, world_size, rank)
-            elif mode == "tp2":
-                got = _tp(name, attn, group)
+            elif mode in ("tp2", "tp2_ep"):
+                got = _tp(name, attn, group, expert_parallel=mode == "tp2_ep")
             else:
                 got = _pp(name, attn, mode == "pp2_padded", group, rank)
             ref = _reference(name, attn, mode == "pp2_padded")
