@@ -163,9 +163,10 @@ def _divisors(n: int) -> List[int]:
 # ------------------------------------------------------------------------------------------------ candidates
 def enumerate_candidates(gpt, devices: int, global_batch: int, *, stages=(0, 1, 2, 3), offloads=None,
                          tps=None, pps=None, buckets=(5.0, 25.0), acs=(None, "full"), compile_options=(False,),
-                         micro_batches=None, sps=(1,)) -> Tuple[List[Candidate], List[Row]]:
+                         micro_batches=None, sps=(1,), eps=None) -> Tuple[List[Candidate], List[Row]]:
     """Every layout of ``devices`` for the GPTConfig (or :class:`Shape`) ``gpt``; (candidates, rows rejected by
-    arithmetic). ``sps``: Ulysses degrees to try (None: every divisor; the default 1: none)."""
+    arithmetic). ``sps``: Ulysses degrees to try (None: every divisor; the default 1: none). ``eps``: the
+    ``expert_parallel`` values to try (None: both where the model has experts tp places, else False)."""
     from lightning_scale.estimate import CHOICES
 
     if not isinstance(devices, int) or devices < 1:
@@ -186,6 +187,10 @@ def enumerate_candidates(gpt, devices: int, global_batch: int, *, stages=(0, 1, 
                 dp = devices // (tp * pp * sp)
                 probe = Candidate(stage=0, offload="none", dp=dp, tp=tp, pp=pp, sp=sp)
                 why = _split_problem(gpt, dp, tp, pp, sp, global_batch)
+                experts = _expert_options(gpt, tp, eps)
+                if not why and not experts:
+                    why = (f"expert_parallel=True: tp={tp} places no experts (tp > 1 dividing the "
+                           f"{getattr(gpt, 'n_experts', 0) or 0} experts per layer needed)")
                 if why:
                     rejected.append(Row(probe, reason=why))
                     continue
@@ -206,17 +211,18 @@ def enumerate_candidates(gpt, devices: int, global_batch: int, *, stages=(0, 1, 
                         for bucket in (buckets if stage in (0, 1, 2) else (25.0,)):
                             for ac in acs:
                                 for comp in compile_options:
-                                    for ep in _expert_options(gpt, tp):
+                                    for ep in experts:
                                         cands.append(Candidate(stage, offload, dp, tp, pp, mb, accum, float(bucket),
                                                                ac, bool(comp), sp, expert_parallel=ep))
     return cands, rejected
 
 
-def _expert_options(gpt, tp: int) -> Tuple[bool, ...]:
+def _expert_options(gpt, tp: int, eps=None) -> Tuple[bool, ...]:
     """A mixture of experts at tp > 1 is tried both ways (every expert split, the experts placed whole) where tp
-    divides its expert count."""
+    divides its expert count; ``eps`` (a user's fixed setting) keeps only those values."""
     n = getattr(gpt, "n_experts", 0) or 0
-    return (False, True) if tp > 1 and n and n % tp == 0 else (False,)
+    valid = (False, True) if tp > 1 and n and n % tp == 0 else (False,)
+    return valid if eps is None else tuple(v for v in valid if v in eps)
 
 
 def _split_problem(gpt, dp: int, tp: int, pp: int, sp: int, global_batch: int) -> str:

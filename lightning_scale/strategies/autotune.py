@@ -47,7 +47,7 @@ KNOWN = {"budget_s": 60.0, "memory": None, "steps": 2, "warmup": 1, "max_probes"
          "offloads": None, "tp": None, "pp": None, "ac": None, "buckets": (5.0, 25.0), "microbatches": None,
          "compile": None, "probe_timeout_s": 300.0, "sp": None, "relief": None}
 SEARCHED = ("stage", "offload", "tp", "pp", "sp", "dp", "bucket_mb", "activation_checkpointing", "microbatches",
-            "compile", "tiled_mlp", "tiled_attention", "offload_activations")
+            "compile", "tiled_mlp", "tiled_attention", "offload_activations", "expert_parallel")
 RELIEF_KEYS = {"tiled_mlp": "tiled_mlp", "tiled_attention": "tiled_attention", "offload_activations": "act_offload"}
 
 
@@ -160,6 +160,7 @@ def search_space(opts: Dict[str, Any], fixed: Dict[str, Any], world: int, n_head
     fixed_relief = {RELIEF_KEYS[k]: fixed[k] for k in RELIEF_KEYS if fixed.get(k)}
     space["relief"] = () if fixed_relief else tuple(opts["relief"] if opts["relief"] is not None else RELIEF)
     space["fixed_relief"] = fixed_relief
+    space["eps"] = (fixed["expert_parallel"],) if "expert_parallel" in fixed else None  # a user's choice is kept
     tps, pps = pick("tp", "tp", _divisors(world)), pick("pp", "pp", _divisors(world))
     sps = pick("sp", "sp", (1,))
     splits = [(world // (t * p * q), t, p, q) for t in tps for p in pps for q in sps if world % (t * p * q) == 0]

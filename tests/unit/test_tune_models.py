@@ -150,6 +150,15 @@ def test_mixture_of_experts_tries_its_experts_placed_at_tp():
 
     split = next(c for c in ok if c.tp == 2 and not c.expert_parallel)
     assert settings(split)["expert_parallel"] is False  # a split winner replaces a launch-time expert_parallel=True
+    # a user's Zero3DStrategy(expert_parallel=True, autotune=True): kept; tp=1 layouts rejected with the reason
+    from lightning_scale.strategies.autotune import options, search_space
+
+    space, _ = search_space(options(True), {"expert_parallel": True}, 4, shape.n_head, shape.n_layer)
+    assert space["eps"] == (True,)
+    rows = plan(model, dataclasses.replace(shape, seq_len=32), 4, 8, 1e12, stages=(1,), acs=(None,), buckets=(25,),
+                eps=(True,))
+    assert {r.candidate.expert_parallel for r in rows if not r.reason} == {True}
+    assert any("expert_parallel=True: tp=1 places no experts" in r.reason for r in rows if r.candidate.tp == 1)
     llama_model, llama = find_model(build_module(LLAMA, meta=True))
     assert llama.n_experts == 0
     rows = plan(llama_model, dataclasses.replace(llama, seq_len=32), 2, 8, 1e12, stages=(1,), acs=(None,),
