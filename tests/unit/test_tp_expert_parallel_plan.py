@@ -201,6 +201,10 @@ def test_builtin_plan_places_hugging_face_experts_and_refuses_what_it_cannot():
     assert [qwen[f"model.layers.1.mlp.{n}"] for n in ("experts", "shared_expert.gate_proj", "shared_expert.down_proj")
             ] == ["expert_parallel", "colwise", "rowwise"]  # the shared expert (dense) is split as before
     assert "model.layers.1.mlp.gate" not in qwen  # the router stays whole
+    # a plan of one's own naming the experts with 'experts' places them under expert_parallel=True
+    own = plan_tensor_parallel(F.build("mixtral", "eager"), {"model.layers.*.mlp.experts": "experts"}, 2,
+                               expert_parallel=True).styles
+    assert own == {f"model.layers.{i}.mlp.experts": "expert_parallel" for i in range(4)}, own
     # 3 experts over tp=2: left whole and named, and expert parallelism asked for has nothing to place
     with pytest.raises(ConfigError, match=r"tensor.expert_parallel=True: no experts of MixtralForCausalLM can be "
                                           r"placed.*tp=2 does not divide the number of experts"):
