@@ -67,7 +67,7 @@ class ParallelModel:
     device: torch.device
     tp_name: str = ""  # the split submodule's name inside ``module`` ("" = the module itself)
     tp_model: Optional[nn.Module] = None
-    tp_summary: Optional[Dict[str, Any]] = None  # tensor_parallel.plan.split_summary: what tp split / replicated
+    tp_summary: Optional[Dict[str, Any]] = None  # tensor_parallel.state.split_summary: what tp split / replicated
     pipeline: Any = None  # lightning_scale.pipeline.placement.PipelinePlacement at pp > 1
     sharded: Any = None  # lightning_scale.zero.param_shard.ShardedParameters at zero.stage=3
     optimizers: List[torch.optim.Optimizer] = field(default_factory=list)
@@ -214,7 +214,7 @@ def apply_tp(pm: ParallelModel) -> None:
         pm.tp_name, pm.tp_model = "", pm.module
     apply_tensor_parallel(pm.tp_model, plan, pm.topology.tp_group, sequence_parallel=pm.config.tensor.sequence_parallel,
                           expert_parallel=pm.config.tensor.expert_parallel)
-    from lightning_scale.tensor_parallel.plan import split_summary
+    from lightning_scale.tensor_parallel.state import split_summary
 
     pm.tp_summary = split_summary(pm.tp_model, pm.config.tp)
     if pm.config.tensor.overlap_chunks > 1:  # row-parallel forward all-reduce overlapped chunk by chunk (overlap.py)

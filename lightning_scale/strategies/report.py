@@ -224,7 +224,7 @@ TP_MOSTLY_REPLICATED = 0.5  # below this fraction of the parameters split over t
 
 
 def tensor_parallel_row(summary: Optional[Dict[str, Any]]) -> Optional[Tuple[str, str]]:
-    """The startup table's "tensor parallel" row from :func:`~lightning_scale.tensor_parallel.plan.split_summary`:
+    """The startup table's "tensor parallel" row from :func:`~lightning_scale.tensor_parallel.state.split_summary`:
     the share of the parameters tp split and the largest groups it left whole on every tp rank (a model's own
     ``tp_plan`` may cover its attention only; the built-in plan adds the experts of a mixture-of-experts layer where
     it can, and the row names those it left whole and why)."""

@@ -493,34 +493,6 @@ def local_linears(model: nn.Module) -> Iterator[None]:
             model.set_submodule(name, m)
 
 
-def split_summary(model: nn.Module, tp: int, top: int = 3) -> Dict[str, object]:
-    """After :func:`apply_tensor_parallel`: how much of ``model`` tp split. ``split`` / ``total``: parameters of the
-    whole model (a split one counted at its global size), ``replicated``: the largest replicated parameter groups
-    as (pattern with layer indices as ``*``, parameters over all layers), largest first. A model's own ``tp_plan``
-    may cover its attention only (Mixtral's and Qwen2-MoE's in transformers 5); the built-in plan adds their
-    experts (:mod:`~lightning_scale.tensor_parallel.experts`) where tp can split them: ``experts_whole`` names the
-    experts modules it left whole and why. The startup table prints all of it."""
-    split = replicated = 0
-    groups: Dict[str, int] = {}
-    for name, prm in model.named_parameters():
-        spec = tp_spec(prm)
-        if spec is not None:
-            split += prm.numel() // max(1, spec.local_size) * spec.size
-        else:
-            replicated += prm.numel()
-            key = _generic(name)
-            groups[key] = groups.get(key, 0) + prm.numel()
-    total = split + replicated
-    largest = sorted(groups.items(), key=lambda kv: -kv[1])[:top]
-    state = getattr(model, "_tp_state", None)
-    # experts placed whole by style expert_parallel: (modules, experts per rank, experts per module)
-    placed = [(m.num_experts, m.num_experts * m._tp_expert_parallel) for m in model.modules()
-              if getattr(m, "_tp_expert_parallel", 1) > 1]
-    return {"tp": tp, "split": split, "total": total, "fraction": split / total if total else 0.0,
-            "replicated": largest, "experts_whole": dict(getattr(state, "experts_whole", {}) or {}),
-            "experts_placed": (len(placed), *placed[0]) if placed else None}
-
-
 def apply_tensor_parallel(model: nn.Module, plan: Optional[Dict[str, object]] = None, group=None, *,
                           sequence_parallel: bool = False, share_inputs: bool = True,
                           expert_parallel: bool = False) -> nn.Module:

@@ -84,7 +84,7 @@ def worker(rank: int, world_size: int, root: str) -> dict:
     from lightning_scale.checkpoint.engine_pieces import load_engines, save_engines
     from lightning_scale.comm.accounting import CommCounter
     from lightning_scale.tensor_parallel import apply_tensor_parallel, consolidate_state_dict
-    from lightning_scale.tensor_parallel.plan import split_summary
+    from lightning_scale.tensor_parallel.state import split_summary
     from lightning_scale.testing import dp_step
 
     warnings.filterwarnings("ignore")

@@ -44,7 +44,7 @@ def worker(rank: int, world_size: int) -> dict:
     from lightning_scale.comm.accounting import CommCounter
     from lightning_scale.models import hf_families as F
     from lightning_scale.tensor_parallel import apply_tensor_parallel, consolidate_state_dict
-    from lightning_scale.tensor_parallel.plan import split_summary
+    from lightning_scale.tensor_parallel.state import split_summary
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)

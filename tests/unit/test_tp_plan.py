@@ -309,7 +309,7 @@ def test_split_summary_and_the_startup_row_name_what_tp_left_whole():
     whose own tp_plan covers attention only: its 3-D expert weights stay whole on every rank, Mixtral at tp=2: 16%)
     gets a WARNING in that row."""
     from lightning_scale.strategies.report import tensor_parallel_row
-    from lightning_scale.tensor_parallel.plan import split_summary
+    from lightning_scale.tensor_parallel.state import split_summary
 
     def model(expert_size: int) -> nn.Module:
         m = nn.Module()
