@@ -29,7 +29,7 @@ CASES = {  # name: (family, Zero3DStrategy kwargs)
     "llama_tp2": ("llama", {"tp": 2}),
     "mixtral_tp2": ("mixtral", {"tp": 2}),
     "mixtral_tp2_ac": ("mixtral", {"tp": 2, "activation_checkpointing": "full"}),  # experts split, recomputed
-    "mixtral_tp2_ep": ("mixtral", {"tp": 2, "expert_parallel": True}),  # 2 whole experts per rank, 1 / 2 of the routes
+    "qwen2_moe_tp2_ep": ("qwen2_moe", {"tp": 2, "expert_parallel": True}),  # 2 whole experts per rank, ~1/2 the routes
     "mistral_tp2": ("mistral", {"tp": 2}),  # sliding window: sdpa keeps per-head scores with the explicit mask
     "gemma3_tp2": ("gemma3", {"tp": 2}),
     # litgpt's LLaMAMoE: a block holding its router and a list of nn.Linear experts (4, 2 per token, a shared one)
