@@ -277,6 +277,10 @@ class ParallelConfig:
     # Ulysses sequence parallelism (lightning_scale.sequence_parallel; docs/long_sequences.md): each of sp ranks holds
     # 1/sp of every sequence; attention all-to-alls to heads/sp over the full sequence. ZeRO shards over dp x sp.
     sp: int = 1
+    # Expert parallelism over data-parallel ranks (lightning_scale.tensor_parallel.expert_alltoall, docs/tensor_parallel
+    # .md): each of ep ranks reads its own batch and holds E / ep whole experts of every mixture-of-experts layer;
+    # routes travel by all-to-all. The grid carries it on the tp axis (tp must be 1): data-parallel ranks = dp x ep.
+    ep: int = 1
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
@@ -334,7 +338,7 @@ class ParallelConfig:
                                   "compile in a few graphs each)", settings=("compile", name))
 
     def validate(self, world_size: Optional[int] = None) -> "ParallelConfig":
-        for name in ("tp", "pp", "sp"):
+        for name in ("tp", "pp", "sp", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name}={value!r} must be a positive integer")
@@ -394,22 +398,52 @@ class ParallelConfig:
                               settings=("tiled_attention", "tp"))
         _check_compile(self.compile)
         self._check_fullgraph()
+        self._check_ep()
         if world_size is not None:
             spx = f" x sp={self.sp}" if self.sp > 1 else ""
-            if world_size % (self.tp * self.pp * self.sp):
+            epx = f" x ep={self.ep}" if self.ep > 1 else ""
+            if world_size % (self.tp_axis * self.pp * self.sp):
                 raise ConfigError(
-                    f"tp={self.tp} x pp={self.pp}{spx} does not divide the world size {world_size} (devices x nodes)"
-                )
+                    f"tp={self.tp}{epx} x pp={self.pp}{spx} does not divide the world size {world_size} (devices x "
+                    "nodes)")
             dp = self.resolved_dp(world_size)
-            if dp * self.tp * self.pp * self.sp != world_size:
+            if dp * self.tp_axis * self.pp * self.sp != world_size:
                 raise ConfigError(
-                    f"dp={dp} x tp={self.tp} x pp={self.pp}{spx} = {dp * self.tp * self.pp * self.sp} does not equal "
-                    f"the world size {world_size} (devices x nodes)"
+                    f"dp={dp} x tp={self.tp}{epx} x pp={self.pp}{spx} = {dp * self.tp_axis * self.pp * self.sp} does "
+                    f"not equal the world size {world_size} (devices x nodes)"
                 )
         return self
 
+    def _check_ep(self) -> None:
+        """What expert parallelism over data-parallel ranks composes with today (each named before training)."""
+        if self.ep == 1:
+            return
+        if self.tensor.expert_parallel:
+            raise ConfigError(f"ep={self.ep} with tensor.expert_parallel=True: the experts are placed on the ep ranks "
+                              "already (expert_parallel places them on tp ranks); use one of them",
+                              settings=("ep", "tensor.expert_parallel"))
+        others = (("tp", self.tp, "tensor parallelism (expert_parallel=True places experts on the tp ranks instead)"),
+                  ("pp", self.pp, "pipeline parallelism"), ("sp", self.sp, "Ulysses sequence parallelism"))
+        for name, value, what in others:
+            if value > 1:
+                raise ConfigError(f"ep={self.ep} with {name}={value}: expert parallelism over data-parallel ranks does "
+                                  f"not compose with {what} yet; use one of them", settings=("ep", name))
+
+    @property
+    def partial_grads(self) -> bool:
+        """Whether whole parameters get per-rank partial gradients summed over the tp axis before the dp reduction
+        (tensor.sequence_parallel, or ep > 1): the engines then reduce at the step, not during the backward."""
+        return bool(self.tensor.sequence_parallel) or self.ep > 1
+
+    @property
+    def tp_axis(self) -> int:
+        """The grid's tp axis: tensor-parallel ranks, or (``ep > 1``) the expert-parallel ranks it carries."""
+        return self.tp * self.ep
+
     def resolved_dp(self, world_size: int) -> int:
-        return self.dp if self.dp is not None else max(1, world_size // (self.tp * self.pp * self.sp))
+        """The ZeRO axis (each parameter sharded / replicated over it); with ``ep > 1`` the data-parallel ranks are
+        ``dp x ep``."""
+        return self.dp if self.dp is not None else max(1, world_size // (self.tp_axis * self.pp * self.sp))
 
 
 # ---------------------------------------------------------------------------------------------- the flat schema

@@ -74,7 +74,7 @@ class ParallelModel:
 
     @property
     def model_parallel(self) -> bool:
-        return self.config.tp > 1 or self.config.pp > 1
+        return self.config.tp_axis > 1 or self.config.pp > 1
 
     # ------------------------------------------------------------------ engines
     def cross_axis(self) -> Optional[CrossAxis]:
@@ -82,7 +82,8 @@ class ParallelModel:
         if not self.model_parallel:
             return None
         return cross_axis_for(self.tp_model, self.topology.tp_group, self.topology.pp_group,
-                              exclude=self.pipeline.norm_exclude if self.pipeline is not None else ())
+                              exclude=self.pipeline.norm_exclude if self.pipeline is not None else (),
+                              grad_scale=1.0 / self.config.ep)
 
     def make_engines(self, *, precision=None, loss_scaler=None, overlap_comm: Optional[bool] = None
                      ) -> List[ZeroEngine]:
@@ -143,7 +144,8 @@ class ParallelModel:
         return self.pipeline.materialized(self.module) if self.pipeline is not None else contextlib.nullcontext()
 
 
-def cross_axis_for(tp_model: Optional[nn.Module], tp_group=None, pp_group=None, exclude=()) -> CrossAxis:
+def cross_axis_for(tp_model: Optional[nn.Module], tp_group=None, pp_group=None, exclude=(),
+                   grad_scale: float = 1.0) -> CrossAxis:
     """The :class:`CrossAxis` of engines over a tp-split ``tp_model`` (None: no tp) and a pipeline (``pp_group``;
     ``exclude``: tied copies another stage counts): the tensor-parallel package's marks as predicates."""
     from lightning_scale.tensor_parallel import sync_tp_grads, tp_replicated
@@ -156,7 +158,7 @@ def cross_axis_for(tp_model: Optional[nn.Module], tp_group=None, pp_group=None, 
             state.partial_grad_params(tp_model)  # (re)marks them on the current parameter objects
     return CrossAxis(tp_group=tp_group, pp_group=pp_group, replicated=tp_replicated, partial=tp_partial_grad,
                      exclude=exclude, before_reduce=(lambda: sync_tp_grads(tp_model)) if tp_model is not None else None,
-                     counted=tp_counted_mask)
+                     counted=tp_counted_mask, grad_scale=grad_scale)
 
 
 # ---------------------------------------------------------------------------------------------------- checks
@@ -199,7 +201,10 @@ def broadcast_from_rank0(module: nn.Module, group=None) -> None:
 
 
 def apply_tp(pm: ParallelModel) -> None:
-    """Split the module over the tp group with its plan (``tensor.plan`` or the model's built-in one)."""
+    """Split the module over the tp group with its plan (``tensor.plan`` or the model's built-in one); with ``ep > 1``
+    place every experts module's experts on the ep ranks the tp axis carries (:func:`apply_ep`)."""
+    if pm.config.ep > 1:
+        return apply_ep(pm)
     if pm.config.tp <= 1:
         return
     import lightning_scale.models  # noqa: F401  (registers the model adapters: litgpt, Hugging Face)
@@ -221,6 +226,23 @@ def apply_tp(pm: ParallelModel) -> None:
         from lightning_scale.tensor_parallel.overlap import set_overlap
 
         set_overlap(pm.tp_model, pm.config.tensor.overlap_chunks)
+
+
+def apply_ep(pm: ParallelModel) -> None:
+    """Expert parallelism over data-parallel ranks: every transformers experts module's experts placed whole on the ep
+    ranks, routes exchanged by all-to-all (:mod:`lightning_scale.tensor_parallel.expert_alltoall`); every other
+    parameter stays whole, its gradient summed over ep."""
+    from lightning_scale.tensor_parallel import apply_tensor_parallel
+    from lightning_scale.tensor_parallel.expert_alltoall import expert_data_parallel_plan
+    from lightning_scale.tensor_parallel.state import split_summary
+
+    if pm.config.tensor.plan is not None:
+        raise ConfigError(f"tensor.plan with ep={pm.config.ep}: the ep layout places every experts module and keeps "
+                          "the rest whole; a tensor-parallel plan has nothing to split (tp=1)",
+                          settings=("tensor.plan", "ep"))
+    pm.tp_name, pm.tp_model = "", pm.module
+    apply_tensor_parallel(pm.module, expert_data_parallel_plan(pm.module, pm.config.ep), pm.topology.tp_group)
+    pm.tp_summary = split_summary(pm.module, pm.config.ep)
 
 
 def apply_pipeline(pm: ParallelModel, loss_fn: Optional[Callable] = None, timeout=None) -> None:
@@ -419,11 +441,11 @@ def tp_shard_full_state_dict(full: Dict[str, torch.Tensor], name: str, target: n
 def local_topology(config: ParallelConfig, world_size: int, rank: int) -> Topology:
     """The Topology for ``config`` on ``world_size`` ranks, groups built (a collective)."""
     config.validate(world_size)
-    topo = Topology(dp=config.resolved_dp(world_size), pp=config.pp, tp=config.tp, sp=config.sp, rank=rank)
+    topo = Topology.of(config, world_size, rank)
     topo.build_groups()
     return topo
 
 
-__all__ = ["ParallelModel", "parallelize", "cross_axis_for", "apply_tp", "apply_pipeline", "apply_sp", "apply_ac",
+__all__ = ["ParallelModel", "parallelize", "cross_axis_for", "apply_tp", "apply_ep", "apply_pipeline", "apply_sp", "apply_ac",
            "materialize_local", "apply_zero3", "broadcast_from_rank0", "check_config", "local_topology",
            "tp_full_state_dict", "tp_shard_full_state_dict"]

@@ -391,15 +391,18 @@ def live_rss_bytes() -> int:
 
 def dp_step(model, opt, topo, x, y, loss_fn, *, device=None, before_step=None) -> float:
     """One training step of a causal LM over the data-parallel axis of ``topo`` (tests and benches): this rank's
-    ``1 / dp`` of the rows of ``(x, y)`` (tp / pp peers: the same rows), ``loss_fn(model(input_ids=x).logits, y)``,
+    ``1 / dp`` of the rows of ``(x, y)`` (``1 / (dp x ep)`` with expert parallelism; tp / pp peers: the same rows),
+    ``loss_fn(model(input_ids=x).logits, y)``,
     backward, ``before_step()`` (e.g. a clip), ``opt.step()``; returns the loss averaged over dp (each rank holds
     an equal share, so it is the whole batch's mean)."""
     import torch.distributed as dist
 
     if device is not None:
         x, y = x.to(device), y.to(device)
-    if topo.dp > 1:
-        x, y = x.chunk(topo.dp)[topo.dp_rank], y.chunk(topo.dp)[topo.dp_rank]
+    n = getattr(topo, "data_size", topo.dp)  # ep ranks (ParallelConfig.ep) read their own rows too
+    if n > 1:
+        i = getattr(topo, "data_rank", topo.dp_rank)
+        x, y = x.chunk(n)[i], y.chunk(n)[i]
     loss = loss_fn(model(input_ids=x).logits, y)
     loss.backward()
     if before_step is not None:
@@ -409,5 +412,6 @@ def dp_step(model, opt, topo, x, y, loss_fn, *, device=None, before_step=None) -
     loss = loss.detach().clone()
     if topo.dp > 1:
         dist.all_reduce(loss, group=topo.dp_group)
-        loss /= topo.dp
-    return float(loss)
+    if n > topo.dp:
+        dist.all_reduce(loss, group=topo.tp_group)
+    return float(loss / n)

@@ -45,6 +45,9 @@ class Topology:
     tp: int = 1
     sp: int = 1
     rank: int = 0
+    # 1, or tp: the tp axis carries expert parallelism over data-parallel ranks (ParallelConfig.ep): its ranks read
+    # different batches (data_size / data_rank), every parameter but the experts is whole on them
+    ep: int = 1
     _groups: Dict[str, object] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -52,6 +55,8 @@ class Topology:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r}: each axis size must be a positive integer")
+        if self.ep not in (1, self.tp):
+            raise ValueError(f"ep={self.ep!r}: the tp axis carries expert parallelism whole (ep == tp) or not (ep=1)")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank={self.rank} is outside world_size={self.world_size} (dp*pp*sp*tp)")
 
@@ -109,9 +114,26 @@ class Topology:
         self._check_axis(axis)
         return getattr(self.coords(rank), axis)
 
+    @classmethod
+    def of(cls, config, world_size: int, rank: int) -> "Topology":
+        """The grid of a :class:`~lightning_scale.config.ParallelConfig` on ``world_size`` ranks (no groups yet)."""
+        return cls(dp=config.resolved_dp(world_size), pp=config.pp, tp=config.tp_axis, sp=config.sp, rank=rank,
+                   ep=config.ep)
+
     @property
     def dp_rank(self) -> int:
         return self.coords().dp
+
+    @property
+    def data_size(self) -> int:
+        """How many different batches the grid reads at once: dp, times ep (its ranks are data-parallel too)."""
+        return self.dp * self.ep
+
+    @property
+    def data_rank(self) -> int:
+        """Which of them this rank reads (a sampler's ``rank``): dp-major, then the ep index."""
+        c = self.coords()
+        return c.dp * self.ep + (c.tp if self.ep > 1 else 0)
 
     @property
     def pp_rank(self) -> int:

@@ -213,6 +213,24 @@ def all_to_all(out: torch.Tensor, inp: torch.Tensor, group=None, *, async_op: bo
 
 
 @_eager
+def all_to_all_v(out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits, group=None, *, tag: str = ""):
+    """Uneven all-to-all along dim 0: the first ``in_splits[0]`` rows of ``inp`` go to rank 0, the next
+    ``in_splits[1]`` to rank 1...; ``out`` receives ``out_splits[i]`` rows from rank i, in rank order. Blocking.
+    Accounted as the rows this rank sends (mixture-of-experts token exchange)."""
+    n = group_size(group)
+    if n == 1:
+        out.copy_(inp)
+        return None
+    row = _nbytes(inp) // max(1, inp.shape[0]) if inp.dim() else 0
+    others = (sum(in_splits) - in_splits[group_rank(group)]) * row  # the rows kept here do not move
+    record("all_to_all", others * n // (n - 1), n, tag)
+    seq = _trace.enter("all_to_all", _nbytes(inp), group, tag, True)
+    work = dist.all_to_all_single(out, inp, output_split_sizes=list(out_splits), input_split_sizes=list(in_splits),
+                                  group=group, async_op=False)
+    return _result(work, False, seq=seq)
+
+
+@_eager
 def broadcast(buf: torch.Tensor, src: int, group=None, *, async_op: bool = False, tag: str = ""):
     """Broadcast ``buf`` from global rank ``src``."""
     n = group_size(group)

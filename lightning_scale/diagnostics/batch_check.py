@@ -83,7 +83,7 @@ def _hex(row: List[int]) -> str:
 def check_same_batch(batch: Any, topology: Any, *, where: str, device: torch.device) -> None:
     """Raise :class:`BatchMismatchError` on every rank when the peers of a tp, sp or pp group hold different
     batches. A collective over the world: every rank calls it for the same batch. No-op without tp / sp / pp."""
-    axes = [a for a in _AXES if getattr(topology, a, 1) > 1]
+    axes = [a for a in _AXES if getattr(topology, a, 1) > 1 and not (a == "tp" and getattr(topology, "ep", 1) > 1)]
     if not axes or not (dist.is_available() and dist.is_initialized()):
         return
     from lightning_scale.comm import collectives as C  # comm imports diagnostics.trace: not at import time

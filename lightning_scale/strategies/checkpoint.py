@@ -99,12 +99,12 @@ def module_pieces(module, engines, tp_rank: int, names_only=None) -> List[Any]:
 def _layout(strategy) -> Dict[str, Any]:
     cfg = strategy.config
     return {"world_size": strategy.world_size, "dp": cfg.resolved_dp(strategy.world_size), "tp": cfg.tp,
-            "pp": cfg.pp, "sp": cfg.sp, "stage": cfg.zero.stage, "offload": cfg.offload.optimizer,
+            "ep": cfg.ep, "pp": cfg.pp, "sp": cfg.sp, "stage": cfg.zero.stage, "offload": cfg.offload.optimizer,
             "precision": getattr(strategy.precision_plugin, "precision", None)}
 
 
 def _tp_rank(strategy) -> int:
-    return strategy.topology.tp_rank if strategy.topology is not None and strategy.config.tp > 1 else 0
+    return strategy.topology.tp_rank if strategy.topology is not None and strategy.config.tp_axis > 1 else 0
 
 
 def _check_engines(strategy) -> None:

@@ -39,24 +39,25 @@ class GridStrategyMixin:
 
     @property
     def distributed_sampler_kwargs(self) -> Dict[str, Any]:
-        """Tensor- and pipeline-parallel peers read the same batch: only the dp axis splits data."""
+        """Tensor- and pipeline-parallel peers read the same batch: only the dp axis (and ep, whose ranks are
+        data-parallel too) splits data."""
         topo = self.topology
         if topo is None:
             return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
-        return {"num_replicas": topo.dp, "rank": topo.dp_rank}
+        return {"num_replicas": topo.data_size, "rank": topo.data_rank}
 
     # ---------------------------------------------------------------- the grid (for users who shard data by hand)
     # A sampler splits over dp only: DistributedSampler(ds, num_replicas=strategy.dp_size, rank=strategy.dp_rank).
     # Tensor-, sequence- and pipeline-parallel peers read the same batch; check_batch verifies it (docs/models.md).
     @property
     def dp_rank(self) -> int:
-        """This rank's index on the data-parallel axis (what a sampler splits over)."""
-        return self.topology.dp_rank if self.topology is not None else self.global_rank
+        """This rank's index on the data-parallel axis (what a sampler splits over; with ep > 1, dp x ep)."""
+        return self.topology.data_rank if self.topology is not None else self.global_rank
 
     @property
     def dp_size(self) -> int:
-        """The number of data-parallel replicas (world size / (tp * pp))."""
-        return self.topology.dp if self.topology is not None else self.world_size
+        """The number of data-parallel ranks, each reading its own batches (world size / (tp * pp * sp))."""
+        return self.topology.data_size if self.topology is not None else self.world_size
 
     @property
     def tp_rank(self) -> int:
@@ -99,7 +100,7 @@ class GridStrategyMixin:
         from lightning_scale.diagnostics import check_same_batch, trace
 
         topo = self.topology
-        if topo is None or (topo.tp == 1 and topo.pp == 1 and getattr(topo, "sp", 1) == 1):
+        if topo is None or (topo.tp == getattr(topo, "ep", 1) and topo.pp == 1 and getattr(topo, "sp", 1) == 1):
             return
         trainer = getattr(getattr(self, "lightning_module", None), "_trainer", None)
         if stage is None:

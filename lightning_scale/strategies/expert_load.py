@@ -1,4 +1,5 @@
-"""How evenly the router spreads the routes over the tp ranks when the experts are placed whole (``expert_parallel``).
+"""How evenly the router spreads the routes over the tp ranks when the experts are placed whole (``expert_parallel``),
+or over the ep ranks (``ep > 1``: each routes its own tokens, the counts are summed over the group at each check).
 
 With ``Zero3DStrategy(tp=N, expert_parallel=True)`` each tp rank runs the routes to its own experts, so the rank
 whose experts get the most routes sets every step's pace (an even spread: 1 / N of them each). Nothing else would say
@@ -23,6 +24,8 @@ from lightning_scale.strategies.report import _module
 LOAD_PREFIX = "[lightning_scale experts]"
 UNEVEN = 1.25  # the busiest tp rank's routes over an even share: above it warns
 CHECKS = (1, 10, 100, 1000, 10000)
+REMEDY = {"tp": "expert_parallel=False splits every expert over tp instead, even by construction",
+          "ep": "ep=1 with zero.stage=3 shards every expert over the ranks instead, even by construction"}
 
 
 def load_record(load: List[int], step: int, since: int) -> Dict[str, Any]:
@@ -35,7 +38,8 @@ def load_record(load: List[int], step: int, since: int) -> Dict[str, Any]:
 def load_line(rec: Dict[str, Any]) -> str:
     since, step = rec["steps"]
     share = 100.0 * rec["routes"][rec["busiest"]] / max(1, sum(rec["routes"]))
-    return (f"{LOAD_PREFIX} steps {since}-{step}: routes per tp rank {rec['routes']} (busiest: tp rank "
+    axis = rec.get("axis", "tp")
+    return (f"{LOAD_PREFIX} steps {since}-{step}: routes per {axis} rank {rec['routes']} (busiest: {axis} rank "
             f"{rec['busiest']}, {share:.0f}% of them, {rec['ratio']:.2f}x an even share)")
 
 
@@ -52,10 +56,13 @@ class ExpertLoad(pl.Callback):
         from lightning_scale.tensor_parallel.expert_parallel import route_load
 
         load = route_load(_module(self.strategy), reset=True)
+        if load is not None and self.strategy.config.ep > 1:  # ep ranks route their own tokens: add them up
+            load = _summed(load, self.strategy.topology.tp_group)
         since, self._last = self._last + 1, step
         if load is None or not sum(load):
             return
         rec = load_record(load, step, since)
+        rec["axis"] = "ep" if self.strategy.config.ep > 1 else "tp"
         self.history.append(rec)
         self.strategy.expert_load = self.history
         if not self._reports():
@@ -67,16 +74,26 @@ class ExpertLoad(pl.Callback):
             warnings.warn(f"{line}: the busiest rank sets every step's pace ({rec['ratio']:.2f}x the time of an even "
                           f"spread). The router sends most tokens to that rank's experts (a router still at its "
                           f"initial values, or collapsed onto a few experts: a load-balancing loss, e.g. "
-                          f"output_router_logits=True, evens it); expert_parallel=False splits every expert over tp "
-                          f"instead, even by construction", stacklevel=2)
+                          f"output_router_logits=True, evens it); {REMEDY[rec['axis']]}", stacklevel=2)
 
     def _reports(self) -> bool:
         c = self.strategy.topology.coords()
         return c.dp == 0 and c.sp == 0 and c.tp == 0
 
 
+def _summed(load: List[int], group) -> List[int]:
+    import torch
+
+    from lightning_scale.comm import collectives as C
+
+    t = torch.tensor(load, dtype=torch.float64)  # gloo and nccl both reduce it (a host tensor: counts are small)
+    C.all_reduce(t, group, tag="expert_load")
+    return [int(v) for v in t.tolist()]
+
+
 def install_expert_load(strategy: Any, trainer: Any) -> None:
     """Add the route-balance check (a Lightning callback) to a fitting Trainer when experts are placed, once."""
-    if getattr(strategy.config.tensor, "expert_parallel", False) and not any(
+    placed = getattr(strategy.config.tensor, "expert_parallel", False) or strategy.config.ep > 1
+    if placed and not any(
             isinstance(cb, ExpertLoad) for cb in trainer.callbacks):
         trainer.callbacks.append(ExpertLoad(strategy))

@@ -194,8 +194,7 @@ class Zero3DFabricStrategy(GridStrategyMixin, ParallelStrategy):
         _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout,
                               **({} if store is None else {"store": store}))
         cfg = self.config
-        self.topology = Topology(dp=cfg.resolved_dp(self.world_size), pp=cfg.pp, tp=cfg.tp, sp=cfg.sp,
-                                 rank=self.global_rank)
+        self.topology = Topology.of(cfg, self.world_size, self.global_rank)
         self.topology.build_groups()
         check_config(cfg)
         _stage3.check_offload(self)
@@ -204,7 +203,7 @@ class Zero3DFabricStrategy(GridStrategyMixin, ParallelStrategy):
     def module_init_context(self, empty_init: Optional[bool] = None) -> contextlib.AbstractContextManager:
         """``empty_init=True`` where the layout materializes pieces (stage 3, tp): the meta device, rank 0's RNG."""
         cfg = self.config
-        if empty_init and cfg.meta_init and (cfg.zero.stage == 3 or cfg.tp > 1):
+        if empty_init and cfg.meta_init and (cfg.zero.stage == 3 or cfg.tp_axis > 1):
             return _stage3.meta_init_context(self.root_device)
         return super().module_init_context(empty_init)
 
@@ -248,7 +247,7 @@ class Zero3DFabricStrategy(GridStrategyMixin, ParallelStrategy):
         plugin, cfg = self.precision, self.config
         every = pm.make_engines(precision=plugin.policy, loss_scaler=plugin.loss_scaler,
                                 overlap_comm=cfg.zero.overlap_comm and len(pm.optimizers) == 1
-                                and not cfg.tensor.sequence_parallel)
+                                and not cfg.partial_grads)
         by_id = {id(o): e for o, e in zip(pm.optimizers, every)}
         for opt in optimizers:
             plugin.engines[id(opt)] = by_id[id(opt)]

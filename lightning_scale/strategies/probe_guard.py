@@ -26,7 +26,7 @@ def probe_groups(config: ParallelConfig, world: int, rank: int, timeout_s: float
     from lightning_scale.topology import AXES, Topology
 
     config.validate(world)
-    topo = Topology(dp=config.resolved_dp(world), pp=config.pp, tp=config.tp, sp=config.sp, rank=rank)
+    topo = Topology.of(config, world, rank)
     timeout = datetime.timedelta(seconds=float(timeout_s))
     mine: List[Any] = []
 

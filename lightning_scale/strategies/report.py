@@ -230,6 +230,12 @@ def tensor_parallel_row(summary: Optional[Dict[str, Any]]) -> Optional[Tuple[str
     it can, and the row names those it left whole and why)."""
     if not summary:
         return None
+    if summary.get("exchanged"):  # ep > 1: the experts are the only split parameters
+        modules, local, total = summary["experts_placed"]
+        return ("expert parallel", f"experts placed whole over ep={summary['tp']} in {modules} layer"
+                f"{'s' if modules > 1 else ''}: {local} of {total} per rank ({summary['fraction']:.0%} of "
+                f"{summary['total']:,} parameters), routes exchanged by all-to-all; every other parameter whole, "
+                "its gradient summed over ep")
     text = f"{summary['fraction']:.0%} of {summary['total']:,} parameters split over tp={summary['tp']}"
     if summary["replicated"]:
         text += "; replicated on every tp rank: " + ", ".join(f"{k} ({n:,})" for k, n in summary["replicated"])
@@ -248,7 +254,8 @@ def tensor_parallel_row(summary: Optional[Dict[str, Any]]) -> Optional[Tuple[str
 def layout_table(strategy: Any) -> str:
     topo, cfg = strategy.topology, strategy.config
     module = _module(strategy)
-    rows = [("layout", f"dp={topo.dp} x pp={topo.pp} x tp={topo.tp}{_sp(topo)} (world {topo.world_size})"),
+    axes = f"ep={topo.ep}" if getattr(topo, "ep", 1) > 1 else f"tp={topo.tp}"
+    rows = [("layout", f"dp={topo.dp} x pp={topo.pp} x {axes}{_sp(topo)} (world {topo.world_size})"),
             ("ZeRO stage", str(cfg.zero.stage) + (f", offload {_offload_choice(cfg.offload)}"
                                                   if _offload_choice(cfg.offload) != "none" else "")),
             ("precision", precision_in_effect(strategy))]

@@ -74,6 +74,11 @@ class Zero3DStrategy(GridStrategyMixin, ParallelStrategy):
             from lightning_scale.strategies.autotune import options as autotune_options
 
             autotune_options(autotune)  # bad keys: a ConfigError now, not after the launch
+            if self.config.ep > 1:  # (a config= from the Hydra door: that door names the settings)
+                with speaking(self._namer) if config is None else contextlib.nullcontext():
+                    raise ConfigError(f"ep={self.config.ep} with autotune: the autotuner does not search expert "
+                                      "parallelism over data-parallel ranks yet; set the layout by hand",
+                                      settings=("ep",))
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
@@ -130,8 +135,7 @@ class Zero3DStrategy(GridStrategyMixin, ParallelStrategy):
             kwargs.update({} if store is None else {"store": store})
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
         cfg = self.config
-        self.topology = Topology(dp=cfg.resolved_dp(self.world_size), pp=cfg.pp, tp=cfg.tp, sp=cfg.sp,
-                                 rank=self.global_rank)
+        self.topology = Topology.of(cfg, self.world_size, self.global_rank)
         self.topology.build_groups()
         self._check_supported()
 
@@ -174,7 +178,7 @@ class Zero3DStrategy(GridStrategyMixin, ParallelStrategy):
         materializes only its slices, initialized as slices of the full layers). ``meta_init=False`` turns it off
         (a ``configure_model`` that loads pretrained weights needs real tensors)."""
         cfg = self.config
-        return cfg.meta_init and (cfg.zero.stage == 3 or cfg.pp > 1 or cfg.tp > 1)
+        return cfg.meta_init and (cfg.zero.stage == 3 or cfg.pp > 1 or cfg.tp_axis > 1)
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -279,7 +283,7 @@ class Zero3DStrategy(GridStrategyMixin, ParallelStrategy):
             # Manual optimization may run several backwards per step: reduce at step() instead. Sequence
             # parallel's partial gradients are summed over tp before any bucket is reduced.
             overlap_comm=cfg.zero.overlap_comm and automatic and len(self.optimizers) == 1
-            and not cfg.tensor.sequence_parallel)
+            and not cfg.partial_grads)
         for opt, engine in zip(self.optimizers, self.engines):
             plugin.register_engine(opt, engine)
 

@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 
 from lightning_scale.config import ConfigError
+from lightning_scale.tensor_parallel import expert_alltoall
 from lightning_scale.tensor_parallel import expert_parallel as expert_parallel_style
 from lightning_scale.tensor_parallel import experts, grads, mla
 from lightning_scale.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -154,7 +155,8 @@ def _check_module(name: str, module: nn.Module, style: Style) -> None:
         raise ConfigError(f"tensor.plan: style {style.name!r} needs nn.Linear; {name!r} is {type(module).__name__}")
     if style.kind == "experts" and (why := experts.unsupported(module)) is not None:
         raise ConfigError(f"tensor.plan: style {style.name!r} on {name!r}: {why}")
-    if style.kind == "expert_parallel" and (why := expert_parallel_style.unsupported(module)) is not None:
+    if style.kind in ("expert_parallel", "expert_data_parallel") and (
+            why := expert_parallel_style.unsupported(module)) is not None:
         raise ConfigError(f"tensor.plan: style {style.name!r} on {name!r}: {why}")
 
 
@@ -217,7 +219,7 @@ def _resolve(name: str, module: nn.Module, style: Style, parent: Optional[nn.Mod
         if style.kind == "experts":
             specs = experts.expert_specs(name, module, tp)
             return Action(name, module, style, next(iter(specs.values())), specs)
-        if style.kind == "expert_parallel":
+        if style.kind in ("expert_parallel", "expert_data_parallel"):
             specs = expert_parallel_style.placed_specs(name, module, tp)
             return Action(name, module, style, next(iter(specs.values())), specs)
         if style.kind == "mla_kv_a":
@@ -527,6 +529,8 @@ def apply_tensor_parallel(model: nn.Module, plan: Optional[Dict[str, object]] = 
             state.hooks.extend(experts.split_experts(act.name, act.module, act.param_specs, group))
         elif act.style.kind == "expert_parallel":
             state.hooks.extend(expert_parallel_style.place_experts(act.name, act.module, act.param_specs, group))
+        elif act.style.kind == "expert_data_parallel":
+            state.hooks.extend(expert_alltoall.place_experts_exchanged(act.name, act.module, act.param_specs, group))
         elif act.style.kind == "mla_kv_a":
             parent = model.get_submodule(_parent_name(act.name)) if "." in act.name else None
             rope = mla.rope_width(act.name, act.module, parent)
@@ -549,6 +553,10 @@ def apply_tensor_parallel(model: nn.Module, plan: Optional[Dict[str, object]] = 
         _share_sibling_inputs(model, state, group, sequence_parallel)
     if sequence_parallel:
         _mark_sequence_parallel_partials(model, split_modules, replicated_in_region)
+    if any(a.style.kind == "expert_data_parallel" for a in p.actions):
+        for prm in model.parameters():  # the group's ranks hold different tokens: every whole parameter's gradient
+            if tp_spec(prm) is None:  # is this rank's share, summed over the group before the dp reduction
+                mark_partial_grad(prm)
     state.partial_grad_names = [n for n, prm in model.named_parameters() if tp_partial_grad(prm)]
     state.experts_whole = dict(p.experts_whole)
     model._tp_state = state

@@ -150,4 +150,6 @@ def split_summary(model: nn.Module, tp: int, top: int = 3) -> Dict[str, object]:
               if getattr(m, "_tp_expert_parallel", 1) > 1]
     return {"tp": tp, "split": split, "total": total, "fraction": split / total if total else 0.0,
             "replicated": largest, "experts_whole": dict(getattr(state, "experts_whole", {}) or {}),
-            "experts_placed": (len(placed), *placed[0]) if placed else None}
+            "experts_placed": (len(placed), *placed[0]) if placed else None,
+            # ep > 1 (expert_alltoall): the ranks hold different tokens, routes exchanged by all-to-all
+            "exchanged": any(getattr(m, "_ep_exchange", False) for m in model.modules())}

@@ -26,6 +26,10 @@ style                           effect
                                 every expert's intermediate width split, gate / up column-wise, down
                                 row-wise, one all-reduce of the layer's output
                                 (:mod:`~lightning_scale.tensor_parallel.experts`)
+``expert_data_parallel``        (``ep=N``; the plan :mod:`~lightning_scale.tensor_parallel.expert_alltoall` builds) a
+                                transformers experts module's experts placed whole on the group's ranks, which hold
+                                different tokens: routes exchanged by all-to-all; every other parameter's gradient
+                                is then a partial sum over the group
 ``mla_kv_a_proj``               (multi-head latent attention, DeepSeek-V2/V3) the shared key / value down-projection
                                 stays whole; the rotary part of its output ``[latent | k_rot]`` (the last
                                 ``qk_rope_head_dim`` features) goes to this rank's heads only, so its gradient is
@@ -83,6 +87,7 @@ _STYLES = {
     "vocab": Style("vocab"),
     "experts": Style("experts"),
     "expert_parallel": Style("expert_parallel"),
+    "expert_data_parallel": Style("expert_data_parallel"),
     "vocab_colwise": Style("colwise", sections=1, pad=True),
     "sequence_split": Style("sequence_split"),
     "sequence_gather": Style("sequence_gather"),

@@ -85,12 +85,15 @@ class CrossAxis:
     ``replicated(p)``: p is the same on every tp rank (counts once in the norm). ``partial(p)``: p's gradient
     is a per-tp-rank partial sum (sequence parallel). ``exclude``: parameters another rank counts in the
     norm (a tied embedding / head on its second pipeline holder). ``before_reduce``: called once per step
-    before stage 0-2 engines read gradients (sums partial gradients over tp).
+    before stage 0-2 engines read gradients (sums partial gradients over tp). ``grad_scale``: every reduced gradient
+    is multiplied by it (``1 / ep`` when the tp axis carries expert parallelism: its ranks' losses are the means of
+    different batches, so the sums over it must become a mean, as the dp reduction's are).
     """
 
     def __init__(self, *, tp_group=None, pp_group=None, replicated: Predicate = _never, partial: Predicate = _never,
                  exclude: Iterable[torch.Tensor] = (), before_reduce: Optional[Callable[[], None]] = None,
-                 counted=None) -> None:
+                 counted=None, grad_scale: float = 1.0) -> None:
+        self.grad_scale = float(grad_scale)
         # None means "no such axis" here, not the default (world) group
         self.tp_group = tp_group if tp_group is not None and C.group_size(tp_group) > 1 else None
         self.pp_group = pp_group if pp_group is not None and C.group_size(pp_group) > 1 else None

@@ -155,7 +155,7 @@ class ShardEngine:
         if self.stage < 3 and self.cross.before_reduce is not None:
             self.cross.before_reduce()  # sequence parallel: partial sums over tp, before the buckets read them
         self.reducer.reduce()
-        inv_scale = 1.0 / self.loss_scaler.scale
+        inv_scale = self.cross.grad_scale / self.loss_scaler.scale  # 1 / ep: each ep rank's own batch's mean
         local_inf = torch.zeros((), dtype=torch.float32, device=self.masters[0].device)
         for st, master, aliased in zip(self.reducer.states, self.masters, self._aliased):
             grad = st.reduced_grad()

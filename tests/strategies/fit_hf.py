@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import warnings
 
 import lightning.pytorch as pl
@@ -59,17 +60,23 @@ def main() -> None:
     torch.manual_seed(0)
     module = HFModule(args.family, args.attn)
     batches = [F.batch(4, 12, seed=s) for s in range(args.steps)]
-    data = torch.utils.data.DataLoader(list(zip(*[torch.cat(t) for t in zip(*batches)])), batch_size=4)
     import yaml  # "stage=3" -> 3, "compile=true" -> True, "compile={backend: aot_eager}" -> a dict
 
     opts = {k: yaml.safe_load(v) for k, v in (o.split("=", 1) for o in args.option)}
+    # with ep, every rank is data-parallel (dp x ep = the devices): rank r reads rows r, r + devices, ... of every
+    # step's 4, together the one-device batch (Lightning's own DistributedSampler would shuffle); every other layout
+    # here has dp=1, its peers read every batch, in order
+    split = args.devices if opts.get("ep", 1) > 1 else 1
+    rank = int(os.environ.get("LOCAL_RANK", 0))
+    rows = [(x[i], y[i]) for x, y in batches for i in range(rank % split, 4, split)]
+    data = torch.utils.data.DataLoader(rows, batch_size=4 // split)
     strategy = "auto" if args.strategy == "single" else Zero3DStrategy(**opts)
     rec = Losses()
     trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.steps,
                          precision=args.precision,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, callbacks=[rec], num_sanity_val_steps=0,
-                         use_distributed_sampler=False)  # dp=1: every tp / pp peer reads every batch, in order
+                         use_distributed_sampler=False)
     trainer.fit(module, train_dataloaders=data)
     if trainer.is_global_zero:
         with open(args.out, "w") as f:

@@ -52,14 +52,19 @@ def _close(run, ref):
     ("llama", ["stage=2", "activation_checkpointing=full", "compile={backend: aot_eager}"]),
     # the experts placed whole, 2 of 4 per tp rank; the routes' spread over the tp ranks checked after step 1
     ("mixtral", ["tp=2", "expert_parallel=true"]),
-], ids=["llama-pp2", "gemma3-tp2", "llama-zero3", "llama-zero2-ac-compile", "mixtral-tp2-expert-parallel"])
+    # expert parallelism over data-parallel ranks: each rank reads 2 of every step's 4 rows, holds 2 of 4 experts
+    # whole, routes exchanged by all-to-all; ZeRO-3 shards the rest over dp=1 (the whole parameters' gradients summed
+    # over ep); the routes counted on both ranks and added up
+    ("mixtral", ["ep=2", "stage=3"]),
+], ids=["llama-pp2", "gemma3-tp2", "llama-zero3", "llama-zero2-ac-compile", "mixtral-tp2-expert-parallel",
+        "mixtral-ep2-zero3"])
 def test_unchanged_hf_model_matches_single_process(tmp_path, reference, family, options):
     args = ["--family", family]
     for o in options:
         args += ["--option", o]
     run = _fit(tmp_path, "run", *args)
     _close(run, reference[family])
-    if "expert_parallel=true" in options:  # 48 tokens x 2 routes x 4 layers in step 1, spread over the 2 tp ranks
+    if "expert_parallel=true" in options or "ep=2" in options:  # 48 tokens x 2 routes x 4 layers in step 1
         (rec,) = run["expert_load"]
         assert rec["steps"] == [1, 1] and sum(rec["routes"]) == 384 and rec["ratio"] < 1.25, rec
     if any(o.startswith("compile=") for o in options):

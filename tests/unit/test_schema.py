@@ -42,7 +42,7 @@ INTERNAL = re.compile(r"(?<![\w.])(zero|pipeline|tensor|loss_scale|offload|spars
 # A valid non-default value for every flat key, and what it sets (path -> value). A new ParallelConfig field
 # must be added here: test_every_field_is_reachable_from_kwargs_and_hydra fails until it is.
 VALUES = {
-    "dp": 2, "tp": 2, "pp": 2, "sp": 2, "stage": 3, "bucket_mb": 5.0, "overlap_comm": False, "prefetch_depth": 2,
+    "dp": 2, "tp": 2, "pp": 2, "sp": 2, "ep": 2, "stage": 3, "bucket_mb": 5.0, "overlap_comm": False, "prefetch_depth": 2,
     "persistent_threshold": 100, "unit_modules": ("Block",), "pin_memory": False, "microbatches": 4,
     "schedule": "gpipe", "virtual_stages": 2, "partition": "uniform", "plan": {"lm_head": "colwise_gather"},
     "sequence_parallel": True, "overlap_chunks": 2, "expert_parallel": True, "initial_scale": 1024.0, "growth_factor": 4.0,
@@ -207,6 +207,11 @@ DOORS = [
      "strategy.overlap_chunks=0 must be"),
     (dict(expert_parallel=True), ["strategy.expert_parallel=true"], "expert_parallel=True needs tp > 1",
      "strategy.expert_parallel=True needs strategy.tp > 1"),
+    (dict(tp=2, ep=2), ["strategy=tensor", "strategy.ep=2"], "ep=2 with tp=2: expert parallelism over data-parallel",
+     "strategy.ep=2 with strategy.tp=2: expert parallelism over data-parallel"),
+    (dict(ep=0), ["strategy.ep=0"], "ep=0 must be a positive integer", "strategy.ep=0 must be a positive integer"),
+    (dict(ep=2, autotune=True), ["strategy.ep=2", "strategy.autotune=true"], "ep=2 with autotune",
+     "strategy.ep=2 with autotune"),
 ]
 
 
