@@ -265,6 +265,10 @@ def _check_layout(config: ParallelConfig, model: GPTConfig, cfg: DictConfig) -> 
     split the per-rank batch."""
     if model.n_head % config.tp:
         raise ConfigError(f"tp={config.tp} does not divide model.n_head={model.n_head}")
+    if config.ep > 1:
+        raise ConfigError(f"ep={config.ep}: the project GPT has no mixture-of-experts layer (expert parallelism places "
+                          "the experts of a Hugging Face mixture-of-experts model held by a LightningModule)",
+                          settings=("ep",))
     if model.n_head % config.sp or model.seq_len % config.sp:  # Ulysses: heads / sp per rank, seq_len / sp positions
         what = f"model.n_head={model.n_head}" if model.n_head % config.sp else f"model.seq_len={model.seq_len}"
         raise ConfigError(f"sp={config.sp} does not divide {what}")
