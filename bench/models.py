@@ -40,7 +40,10 @@ transformers' default experts implementation), and one more row, ``ls_tp2_own``:
 and what transformers' own tp gives). dtensor_tp / lightning_tp then split attention, embedding and head (torch's
 plans have no style for 3-D expert weights); ls_tp2 / ls_tp2_vp split every expert's width as well. ``ls_tp2_ep``
 (MoE models): ls_tp2_vp with the experts placed whole instead, half of them per rank
-(``Zero3DStrategy(tp=2, expert_parallel=True)``; ratios against ls_tp2_vp and ls_tp2_own).
+(``Zero3DStrategy(tp=2, expert_parallel=True)``; ratios against ls_tp2_vp and ls_tp2_own). ``ls_ep2`` (MoE models):
+expert parallelism over the 2 data-parallel ranks (``Zero3DStrategy(ep=2, stage=2)``): each rank its own half of the
+batch and half of the experts whole, routes exchanged by all-to-all; ratios against ddp, fsdp2 and ls_z2 / ls_z3
+(every expert on every rank, or sharded and gathered before each use).
 
 Peers (targets from issue 14): ls_z3 vs lightning_fsdp2 and fsdp2 (>= 1.05x), ls_tp2 vs lightning_tp and
 dtensor_tp (>= 1.3x); ls_z2 and ls_pp2 are compared with ddp. Each (round, system) runs in fresh processes
@@ -61,16 +64,17 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import peak_rss_mb, peer_table, ratio_table, round_ratios, write_plot  # noqa: E402
 
 SYSTEMS = ["ddp", "ls_z2", "ls_z3", "ls_tp2", "ls_tp2_vp", "ls_tp2_vp_unshared", "ls_pp2", "fsdp2", "dtensor_tp",
-           "lightning_fsdp2", "lightning_tp", "ls_tp2_own", "ls_tp2_ep"]
+           "lightning_fsdp2", "lightning_tp", "ls_tp2_own", "ls_tp2_ep", "ls_ep2"]
 PEERS = {"ls_z3": [("lightning_fsdp2", 1.05), ("fsdp2", 1.05)], "ls_tp2": [("lightning_tp", 1.3),
          ("dtensor_tp", 1.3)], "ls_tp2_vp": [("lightning_tp", 1.3), ("dtensor_tp", 1.3), ("ls_tp2", None),
                                              ("ls_tp2_vp_unshared", None)],
          "ls_tp2_vp_unshared": [("dtensor_tp", 1.3)],
          "ls_z2": [("ddp", None)], "ls_pp2": [("ddp", None)], "ls_tp2_own": [("dtensor_tp", None)],
-         "ls_tp2_ep": [("ls_tp2_vp", None), ("ls_tp2_own", None)]}
+         "ls_tp2_ep": [("ls_tp2_vp", None), ("ls_tp2_own", None)],
+         "ls_ep2": [("ddp", None), ("ls_z2", None), ("ls_z3", None), ("fsdp2", None)]}
 LS = {"ls_z2": dict(stage=2), "ls_z3": dict(stage=3), "ls_tp2": dict(tp=2, stage=1), "ls_tp2_vp": dict(tp=2, stage=1),
       "ls_tp2_vp_unshared": dict(tp=2, stage=1), "ls_pp2": dict(pp=2, stage=1, microbatches=2),
-      "ls_tp2_own": dict(tp=2, stage=1), "ls_tp2_ep": dict(tp=2, stage=1)}
+      "ls_tp2_own": dict(tp=2, stage=1), "ls_tp2_ep": dict(tp=2, stage=1), "ls_ep2": dict(ep=2, stage=2)}
 
 
 def build_llama(kw: dict):
@@ -197,14 +201,17 @@ def _plain_step(system: str, model, rank: int, world: int):
             if pm.pipeline is not None:
                 with engine.no_sync():
                     loss = pm.pipeline.runtime.train_step(x, y)
-            else:
-                x, y = x.chunk(topo.dp)[topo.dp_rank], y.chunk(topo.dp)[topo.dp_rank]
+            else:  # this rank's rows: 1 / dp of them (1 / (dp x ep) with ep: its ranks read their own rows too)
+                n = topo.data_size
+                x, y = x.chunk(n)[topo.data_rank], y.chunk(n)[topo.data_rank]
                 loss = loss_fn(model(input_ids=x).logits, y)
                 loss.backward()
                 loss = loss.detach().clone()
                 if topo.dp > 1:  # the global batch's loss, as every row reports
                     dist.all_reduce(loss, group=topo.dp_group)
-                    loss /= topo.dp
+                if n > topo.dp:
+                    dist.all_reduce(loss, group=topo.tp_group)
+                loss /= n
             opt.step()
             opt.zero_grad()
             return loss.detach()

@@ -422,12 +422,10 @@ class ParallelConfig:
             raise ConfigError(f"ep={self.ep} with tensor.expert_parallel=True: the experts are placed on the ep ranks "
                               "already (expert_parallel places them on tp ranks); use one of them",
                               settings=("ep", "tensor.expert_parallel"))
-        others = (("tp", self.tp, "tensor parallelism (expert_parallel=True places experts on the tp ranks instead)"),
-                  ("pp", self.pp, "pipeline parallelism"), ("sp", self.sp, "Ulysses sequence parallelism"))
-        for name, value, what in others:
-            if value > 1:
-                raise ConfigError(f"ep={self.ep} with {name}={value}: expert parallelism over data-parallel ranks does "
-                                  f"not compose with {what} yet; use one of them", settings=("ep", name))
+        if self.tp > 1:  # the grid carries ep on its tp axis
+            raise ConfigError(f"ep={self.ep} with tp={self.tp}: expert parallelism over data-parallel ranks does not "
+                              "compose with tensor parallelism yet (expert_parallel=True places the experts on the tp "
+                              "ranks instead); use one of them", settings=("ep", "tp"))
 
     @property
     def partial_grads(self) -> bool:
@@ -668,6 +666,10 @@ def check_trainer_flags(config: ParallelConfig, *, optimizer: Optional[str] = No
     if stage == 3:
         raise ConfigError("zero.stage=3: OneBitAdam supports ZeRO stages 0, 1, 2 (stage 3 keeps no full local "
                           "gradient to compress); use zero.stage <= 2, or another optimizer with stage 3")
+    if config.ep > 1:
+        raise ConfigError(f"ep={config.ep}: OneBitAdam reduces its own gradients over dp only (the experts' and the "
+                          "whole parameters' gradients need their ep sums first); use an optimizer the ZeRO engine "
+                          "wraps (e.g. AdamW)", settings=("ep",))
     if config.tp > 1 or config.pp > 1:
         raise ConfigError(f"tp={config.tp}, pp={config.pp}: OneBitAdam reduces its own gradients over dp only; "
                           "with tensor / pipeline parallelism use an optimizer the ZeRO engine wraps (e.g. AdamW)")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
-from typing import Any, Callable, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -52,7 +52,17 @@ def save_sharded(checkpoint: Dict[str, Any], path: str, rank: int, world_size: i
     broadcast(None)  # nobody returns (and, e.g., loads or removes it) before the folder is in place
 
 
-def load_sharded(path: str, rank: int, world_size: int) -> Dict[str, Any]:
+LAYOUT_KEY = "lightning_scale_grid"  # in a sharded checkpoint's checkpoint.pt: the dp x tp x ep x pp x sp it was cut for
+_GRID = ("dp", "tp", "ep", "pp", "sp")
+
+
+def grid(strategy) -> Dict[str, int]:
+    """The axes a sharded checkpoint's per-rank files are cut for (every one but the world size too)."""
+    layout = _layout(strategy)
+    return {k: int(layout[k]) for k in _GRID}
+
+
+def load_sharded(path: str, rank: int, world_size: int, expect: Optional[Dict[str, int]] = None) -> Dict[str, Any]:
     path = folder.resolve(path)
     meta = folder.read_manifest(path)
     folder.verify(path, meta)  # every listed file present, with its size: names a missing / truncated shard
@@ -66,6 +76,16 @@ def load_sharded(path: str, rank: int, world_size: int) -> Dict[str, Any]:
             "consolidate` (optimizer state is not carried over)"
         )
     checkpoint = folder.load_file(path, "checkpoint.pt", meta)
+    saved = checkpoint.pop(LAYOUT_KEY, None)
+    if expect is not None and saved is not None and {k: saved.get(k, 1) for k in _GRID} != expect:
+        def axes(g):
+            return " x ".join(f"{k}={g.get(k, 1)}" for k in _GRID if g.get(k, 1) > 1 or k == "dp")
+
+        raise CheckpointError(
+            f"checkpoint {path} was cut for {axes(saved)}; this run is {axes(expect)} (the same {world_size} ranks, "
+            "another layout). A checkpoint of the default checkpoint_format='sharded' resumes on its own layout only: "
+            f"resume with {axes(saved)} (and save from there with Zero3DStrategy(checkpoint_format='universal'), which "
+            "resumes on any layout), or take its weights with `python -m lightning_scale.checkpoint consolidate`")
     shard = folder.load_file(path, f"optim_rank{rank}.pt", meta)
     checkpoint.update(shard)  # optimizer_states (+ zero3_model_shard at stage 3)
     return checkpoint

@@ -392,6 +392,9 @@ class Zero3DStrategy(GridStrategyMixin, ParallelStrategy):
             return
         if self.sharded is not None:
             checkpoint[_stage3.SHARD_KEY] = _stage3.shard_checkpoint(self._parallel)
+        from lightning_scale.strategies.checkpoint import LAYOUT_KEY, grid
+
+        checkpoint[LAYOUT_KEY] = grid(self)  # resumed on another layout of the same world size: refused by name
         save_sharded(checkpoint, str(filepath), self.global_rank, self.world_size, self.broadcast,
                      self._gather_object, per_rank_keys=("optimizer_states", _stage3.SHARD_KEY))
 
@@ -416,7 +419,10 @@ class Zero3DStrategy(GridStrategyMixin, ParallelStrategy):
                 # load_model_state_dict once the layout exists.
                 self._universal_pending = path
                 return dict(read_lightning_state(path), **{UNIVERSAL_KEY: None})
-            return load_sharded(path, self.global_rank, self.world_size)
+            from lightning_scale.strategies.checkpoint import grid
+
+            return load_sharded(path, self.global_rank, self.world_size,
+                                expect=grid(self) if self.topology is not None else None)
         return self.checkpoint_io.load_checkpoint(path, weights_only=False)
 
     def wait_checkpoint_snapshot(self) -> None:

@@ -17,7 +17,9 @@ and the engines divide every gradient by ``ep`` as well as ``dp`` (each rank's l
 carries ``ep`` on its tp axis (``Topology(tp=ep, ep=ep)``): the engines shard every parameter over dp only, so an
 expert is replicated over the dp ranks holding the same experts (DeepSpeed's expert-data-parallel group) and whole
 on its ``ep`` rank; universal checkpoints record each expert parameter's ``ShardSpec`` (dim 0 over ``ep``) and
-resume at any other layout.
+resume at any other layout. With pipeline parallelism each stage's experts exchange routes with the other ep ranks of
+that stage (every rank runs the same schedule, so they meet at the same micro-batch); with Ulysses sp, with the other
+ep ranks of the same sp index (their chunks of the sequences). Not with tp (it would need a grid axis of its own).
 
 Compared with ZeRO-3 over the same ranks (experts sharded, gathered whole before every use): no expert weight
 moves, only routes (``2 x T x k x H`` elements per layer and step, each way); the cost is imbalance (the rank whose

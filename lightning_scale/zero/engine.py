@@ -196,7 +196,8 @@ def make_engine(optimizer: torch.optim.Optimizer, config, topology=None, sharded
     ``group``: the dp group (default ``topology.dp_group``). ``sharded``: the ``ShardedParameters`` at stage 3
     (``parallelize`` builds it), with ``group_offset`` = where this optimizer's param groups start in the
     group list it was built from. ``cross_axis``: the tp / pp agreement (default: none). ``overlap_comm``
-    overrides ``config.zero.overlap_comm`` (the front door turns it off where hooks must not reduce early).
+    overrides ``config.zero.overlap_comm`` (the front door turns it off where hooks must not reduce early); by default
+    it is off where whole parameters get partial gradients (sequence parallel, ep > 1: ``config.partial_grads``).
     """
     stage = config.zero.stage
     if group is None and topology is not None:
@@ -216,5 +217,6 @@ def make_engine(optimizer: torch.optim.Optimizer, config, topology=None, sharded
                                pin_memory=config.offload.pin_memory, cross_axis=cross_axis)
     return ZeroOptimizer(optimizer, stage=stage, group=group, precision=precision, loss_scaler=loss_scaler,
                          bucket_mb=config.zero.bucket_mb,
-                         overlap_comm=config.zero.overlap_comm if overlap_comm is None else overlap_comm,
+                         overlap_comm=(config.zero.overlap_comm and not config.partial_grads) if overlap_comm is None
+                         else overlap_comm,
                          offload_optimizer=offload, pin_memory=config.offload.pin_memory, cross_axis=cross_axis)

@@ -375,9 +375,9 @@ class ZeroOptimizer(ShardEngine):
         if overlap_comm and partial:
             reducer.remove_hooks()
             raise ConfigError(
-                "zero.overlap_comm=True with tensor.sequence_parallel=True: the engine would reduce "
-                f"{len(partial)} partial LayerNorm / bias gradients before they are summed over tp; build the "
-                "engine with overlap_comm=False")
+                "zero.overlap_comm=True with tensor.sequence_parallel=True or ep > 1: the engine would reduce "
+                f"{len(partial)} partial gradients (of whole parameters) before they are summed over the tp axis; "
+                "build the engine with overlap_comm=False")
         inner_groups = [dict(g, params=[]) for g in optimizer.param_groups]
         for st in reducer.states:
             inner_groups[st.bucket.group_index]["params"].append(st.master)

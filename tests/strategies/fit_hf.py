@@ -63,12 +63,14 @@ def main() -> None:
     import yaml  # "stage=3" -> 3, "compile=true" -> True, "compile={backend: aot_eager}" -> a dict
 
     opts = {k: yaml.safe_load(v) for k, v in (o.split("=", 1) for o in args.option)}
-    # with ep, every rank is data-parallel (dp x ep = the devices): rank r reads rows r, r + devices, ... of every
-    # step's 4, together the one-device batch (Lightning's own DistributedSampler would shuffle); every other layout
-    # here has dp=1, its peers read every batch, in order
-    split = args.devices if opts.get("ep", 1) > 1 else 1
-    rank = int(os.environ.get("LOCAL_RANK", 0))
-    rows = [(x[i], y[i]) for x, y in batches for i in range(rank % split, 4, split)]
+    # with ep, the dp x ep ranks are data-parallel (devices / (pp x sp) of them): rank r reads rows r, r + dp x ep, ...
+    # of every step's 4 (r: its index among them; pipeline stages and sp peers read the same rows), the one-device batch
+    # (Lightning's own DistributedSampler would shuffle); every other layout here has dp=1, its peers read every batch
+    ep, sp, pp = opts.get("ep", 1), opts.get("sp", 1), opts.get("pp", 1)
+    split = args.devices // (pp * sp) if ep > 1 else 1
+    rank = int(os.environ.get("LOCAL_RANK", 0))  # ((pp_i x dp + dp_i) x sp + sp_i) x ep + ep_i (topology.py)
+    rank = (rank // (ep * sp)) % (split // ep) * ep + rank % ep if ep > 1 else 0  # dp_i x ep + ep_i
+    rows = [(x[i], y[i]) for x, y in batches for i in range(rank, 4, split)]
     data = torch.utils.data.DataLoader(rows, batch_size=4 // split)
     strategy = "auto" if args.strategy == "single" else Zero3DStrategy(**opts)
     rec = Losses()

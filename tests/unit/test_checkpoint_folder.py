@@ -25,7 +25,7 @@ class Crash(Exception):
     pass
 
 
-def _save(path, step, *, crash_at=None, crash_rank=0, monkeypatch=None):
+def _save(path, step, *, crash_at=None, crash_rank=0, monkeypatch=None, extra=None):
     """Every rank saves a checkpoint whose every tensor holds `step`; `crash_at` stops rank `crash_rank` there."""
     barrier = threading.Barrier(WORLD, timeout=20)
     box = {}
@@ -63,7 +63,7 @@ def _save(path, step, *, crash_at=None, crash_rank=0, monkeypatch=None):
 
     def run(rank):
         ckpt = {"global_step": step, "state_dict": {"w": torch.full((64,), float(step))},
-                "optimizer_states": [{"shard": torch.full((1000 + rank,), float(step))}]}
+                "optimizer_states": [{"shard": torch.full((1000 + rank,), float(step))}], **(extra or {})}
         try:
             save_sharded(ckpt, str(path), rank, WORLD, broadcast_for(rank), gather_for(rank))
         except (Crash, threading.BrokenBarrierError) as exc:
@@ -216,3 +216,19 @@ def test_remove_takes_staging_along(tmp_path, monkeypatch):
     _save(path, 2, crash_at="before_swap", monkeypatch=monkeypatch)
     remove_sharded(str(path))
     assert os.listdir(tmp_path) == []
+
+
+def test_a_sharded_checkpoint_resumed_on_another_layout_of_the_same_world_size_is_refused(tmp_path):
+    """Same world size, another grid (ep=2 vs dp=2, tp=2 vs dp=2): the per-rank files are cut for the grid they were
+    written by; loading them elsewhere is refused by name, not left to a shape error deep in a load_state_dict."""
+    from lightning_scale.strategies.checkpoint import LAYOUT_KEY
+
+    path = tmp_path / "last.ckpt"
+    _save(path, 1, extra={LAYOUT_KEY: {"dp": 1, "tp": 1, "ep": 2, "pp": 1, "sp": 1}})
+    same = load_sharded(str(path), 0, WORLD, expect={"dp": 1, "tp": 1, "ep": 2, "pp": 1, "sp": 1})
+    assert same["global_step"] == 1 and LAYOUT_KEY not in same
+    with pytest.raises(CheckpointError, match=r"was cut for dp=1 x ep=2; this run is dp=2 \(the same 2 ranks"):
+        load_sharded(str(path), 0, WORLD, expect={"dp": 2, "tp": 1, "ep": 1, "pp": 1, "sp": 1})
+    old = tmp_path / "old.ckpt"  # written before the grid was recorded: loads as before
+    _save(old, 1)
+    assert load_sharded(str(old), 0, WORLD, expect={"dp": 2, "tp": 1, "ep": 1, "pp": 1, "sp": 1})["global_step"] == 1

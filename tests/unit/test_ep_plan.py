@@ -28,8 +28,6 @@ def test_the_grid_carries_ep_on_its_tp_axis_and_every_rank_reads_its_own_rows():
 
 @pytest.mark.parametrize("kwargs,message", [
     (dict(ep=2, tp=2), r"^ep=2 with tp=2: expert parallelism over data-parallel ranks does not compose with tensor"),
-    (dict(ep=2, pp=2), r"^ep=2 with pp=2: .*pipeline parallelism"),
-    (dict(ep=2, sp=2), r"^ep=2 with sp=2: .*Ulysses"),
     (dict(ep=2, tp=2, expert_parallel=True), r"^ep=2 with expert_parallel=True"),
     (dict(ep=1.5), r"^ep=1.5 must be a positive integer"),
 ])
@@ -38,6 +36,23 @@ def test_what_ep_does_not_compose_with_is_named_before_training(kwargs, message)
 
     with pytest.raises(ConfigError, match=message):
         Zero3DStrategy(**kwargs)
+
+
+def test_ep_composes_with_pipeline_stages():
+    config = from_flat_kwargs(ep=2, pp=2, stage=1).validate(8)
+    grid = [Topology.of(config, 8, r) for r in range(8)]
+    assert (grid[0].dp, grid[0].pp, grid[0].tp, grid[0].data_size) == (2, 2, 2, 4)
+    # the two stages of a data-parallel rank read the same rows; the ep ranks of a stage are neighbours
+    assert [t.data_rank for t in grid] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert [t.pp_rank for t in grid] == [0, 0, 0, 0, 1, 1, 1, 1]
+
+
+def test_ep_composes_with_ulysses_sequence_parallelism():
+    config = from_flat_kwargs(ep=2, sp=2, stage=3).validate(8)
+    grid = [Topology.of(config, 8, r) for r in range(8)]
+    assert (grid[0].dp, grid[0].sp, grid[0].tp, grid[0].data_size) == (2, 2, 2, 4)
+    assert [t.data_rank for t in grid] == [0, 1, 0, 1, 2, 3, 2, 3]  # sp peers read the same rows
+    assert [t.sp_rank for t in grid] == [0, 0, 1, 1, 0, 0, 1, 1]
 
 
 def test_the_world_size_must_hold_ep():
@@ -90,3 +105,10 @@ def test_the_startup_table_names_the_exchange():
                                "experts_placed": (4, 2, 4), "exchanged": True})
     assert row[0] == "expert parallel" and "placed whole over ep=2 in 4 layers: 2 of 4 per rank" in row[1]
     assert "routes exchanged by all-to-all" in row[1]
+
+
+def test_onebit_adam_with_ep_is_refused_by_name():
+    from lightning_scale.config import check_trainer_flags
+
+    with pytest.raises(ConfigError, match=r"^ep=2: OneBitAdam reduces its own gradients over dp only"):
+        check_trainer_flags(from_flat_kwargs(ep=2, stage=1), optimizer="OneBitAdam")

@@ -266,8 +266,9 @@ def test_uneven_routes_over_the_tp_ranks_warn():
                     layer.mlp.gate.weight.zero_()
             e = layer.mlp.experts
             place_experts("e", e, placed_specs("e", e, 2), None)  # a group of one: rank 0 of tp=2, its hooks count
-        strategy = pytypes.SimpleNamespace(lightning_module=model, topology=pytypes.SimpleNamespace(
-            coords=lambda: pytypes.SimpleNamespace(dp=0, sp=0, tp=0)))
+        strategy = pytypes.SimpleNamespace(lightning_module=model, config=pytypes.SimpleNamespace(ep=1),
+                                           topology=pytypes.SimpleNamespace(
+                                               coords=lambda: pytypes.SimpleNamespace(dp=0, sp=0, tp=0)))
         callback = ExpertLoad(strategy)
         x, _ = F.batch(4, 12, seed=0)
         model(input_ids=x)
