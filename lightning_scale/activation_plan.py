@@ -222,7 +222,10 @@ def _expert_matmuls(unit, tp: int) -> list:
             transposed.update(id(p) for p in m.parameters(recurse=False))
         # placed whole by style expert_parallel: full widths, k / tp of each token's routes on this rank (in
         # expectation; split experts run all k routes at I / tp, reading the whole hidden state on each)
-        placed.update({id(p): getattr(m, "_tp_expert_parallel", 1) for p in m.parameters(recurse=False)})
+        # (ep > 1, expert_alltoall: the ranks hold different tokens and each runs the routes of every rank to its
+        # experts, k per local token in expectation: no division)
+        share = 1 if getattr(m, "_ep_exchange", False) else getattr(m, "_tp_expert_parallel", 1)
+        placed.update({id(p): share for p in m.parameters(recurse=False)})
         if tp > 1 and not any(tp_spec(p) is not None for p in m.parameters(recurse=False)):
             try:
                 specs = expert_specs("", m, tp)
@@ -238,7 +241,11 @@ def _expert_matmuls(unit, tp: int) -> list:
         # width H for k / tp routes per token
         if is_experts(m) and getattr(m, "_tp_expert_parallel", 1) > 1:
             weight = next(p for p in m.parameters(recurse=False) if p.dim() == 3)
-            out.append((pairs[id(weight)][0] / m._tp_expert_parallel, 0.0))
+            hidden = pairs[id(weight)][0]
+            if getattr(m, "_ep_exchange", False):  # ep: the received rows (the experts' input) and the outputs sent
+                out.append((hidden, hidden))  # back (kept by the routing-weight product), k per local token
+            else:
+                out.append((hidden / m._tp_expert_parallel, 0.0))
     return out
 
 

@@ -30,6 +30,9 @@ CASES = {  # name: (family, Zero3DStrategy kwargs)
     "mixtral_tp2": ("mixtral", {"tp": 2}),
     "mixtral_tp2_ac": ("mixtral", {"tp": 2, "activation_checkpointing": "full"}),  # experts split, recomputed
     "qwen2_moe_tp2_ep": ("qwen2_moe", {"tp": 2, "expert_parallel": True}),  # 2 whole experts per rank, ~1/2 the routes
+    # ep=2: each rank its own rows, 2 whole experts, the routes to them from both ranks (all-to-all)
+    "qwen2_moe_ep2": ("qwen2_moe", {"ep": 2}),
+    "mixtral_ep2": ("mixtral", {"ep": 2}),
     "mistral_tp2": ("mistral", {"tp": 2}),  # sliding window: sdpa keeps per-head scores with the explicit mask
     "gemma3_tp2": ("gemma3", {"tp": 2}),
     # litgpt's LLaMAMoE: a block holding its router and a list of nn.Linear experts (4, 2 per token, a shared one)
