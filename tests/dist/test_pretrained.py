@@ -44,7 +44,7 @@ STEPS, LR, BATCH, SEQ = 3, 0.5, 4, 12
 CASES = [("llama", "zero3"), ("gpt2", "zero3"), ("llama", "tp2"), ("gpt2", "tp2"), ("llama", "pp2"), ("gpt2", "pp2"),
          ("llama", "pp2_zero3"), ("llama", "zero3_config"), ("llama", "zero3_frozen"), ("llama", "tp2_frozen"),
          ("phi3", "tp2"), ("mixtral", "tp2"), ("mixtral", "zero3"), ("qwen2_moe", "tp2"), ("mixtral", "tp2_ep"),
-         ("qwen2_moe", "tp2_ep")]
+         ("qwen2_moe", "tp2_ep"), ("mixtral", "ep2"), ("qwen2_moe", "ep2")]
 # mixture of experts: the files keep every expert's own tensors (Mixtral: block_sparse_moe.experts.{e}.w1 / w3 / w2;
 # Qwen2-MoE: mlp.experts.{e}.gate_proj / up_proj / down_proj), the model holds them fused (gate_up_proj (E, 2I, H),
 # down_proj (E, H, I)); transformers' conversion mapping says how, and each rank reads its slice of every expert.
@@ -56,6 +56,7 @@ GRID_CASES = {4: [("llama", "dp2_tp2_zero3"), ("gpt2", "dp2_tp2_zero3"), ("llama
               8: [("llama", "3d"), ("gpt2", "3d")]}
 MODES = {"zero3": dict(stage=3), "zero3_config": dict(stage=3), "tp2": dict(stage=1, tp=2),
          "tp2_ep": dict(stage=1, tp=2, expert_parallel=True),
+         "ep2": dict(stage=1, ep=2),  # each rank its own rows and its 2 experts (read whole), routes exchanged
          "pp2": dict(stage=1, pp=2, microbatches=2), "pp2_zero3": dict(stage=3, pp=2, microbatches=2),
          "zero3_frozen": dict(stage=3), "tp2_frozen": dict(stage=1, tp=2), "dp2_tp2_zero3": dict(stage=3, tp=2),
          "dp2_pp2_zero3": dict(stage=3, pp=2, microbatches=2),
@@ -209,7 +210,8 @@ def _run_case(rank, world, root, arch, mode):
     pm.make_engines(overlap_comm=False)
     losses = []
     for x, y in _batches(model.config.vocab_size):
-        xs, ys = x.chunk(topo.dp)[topo.dp_rank], y.chunk(topo.dp)[topo.dp_rank]  # tp / pp peers: the same rows
+        # tp / pp peers: the same rows; ep ranks (data-parallel too): their own
+        xs, ys = x.chunk(topo.data_size)[topo.data_rank], y.chunk(topo.data_size)[topo.data_rank]
         if pm.pipeline is not None:
             loss = pm.pipeline.runtime.train_step(xs, ys)
         else:
@@ -219,7 +221,9 @@ def _run_case(rank, world, root, arch, mode):
         opt.zero_grad()
         mean = loss.detach().clone().double()
         C.all_reduce(mean, topo.dp_group)
-        losses.append(mean.item() / topo.dp)
+        if topo.ep > 1:
+            C.all_reduce(mean, topo.tp_group)
+        losses.append(mean.item() / topo.data_size)
     return {"losses": losses, "read": counter["bytes"], "file": _file_bytes(directory)}
 
 
@@ -301,8 +305,10 @@ def test_pretrained_under_zero3_tp_pp_equals_from_pretrained(hf_dirs, results):
             assert diff < TOLERANCE.get(arch, 1e-10), (rank, arch, mode, got["losses"], ref)
             # each rank read its share of the files, not the model (replicated norms / biases count whole; ZeRO-3
             # keeps frozen parameters whole on every rank: rank 0 reads them and broadcasts)
-            if not mode.endswith("_frozen"):
-                assert got["read"] < 0.62 * got["file"], (rank, arch, mode, got["read"], got["file"])
+            if not mode.endswith("_frozen"):  # (ep: every dense parameter whole on each rank, half the experts:
+                # 0.64 of the Mixtral files, 0.77 of the Qwen2-MoE ones with its shared experts; all: 1.0)
+                bound = 0.8 if mode == "ep2" else 0.62
+                assert got["read"] < bound * got["file"], (rank, arch, mode, got["read"], got["file"])
         assert abs(res[("llama", "zero3")]["losses"][0] - refs["fresh_llama"]) > 1e-3  # a fresh init is told apart
         bad = res["bad"]
         assert bad["missing_dir"].startswith("ConfigError") and "nowhere" in bad["missing_dir"], bad
