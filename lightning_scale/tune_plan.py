@@ -42,15 +42,23 @@ class Candidate:
     act_offload: bool = False
     # mixture of experts at tp > 1: the experts placed whole on the tp ranks instead of every expert split
     expert_parallel: bool = False
+    # mixture of experts at tp = 1: the experts placed whole on ep data-parallel ranks, routes exchanged by all-to-all
+    # (data-parallel ranks: dp x ep)
+    ep: int = 1
 
     @property
     def world(self) -> int:
-        return self.dp * self.sp * self.tp * self.pp
+        return self.dp * self.sp * self.tp * self.pp * self.ep
+
+    @property
+    def data_ranks(self) -> int:
+        """The ranks that read different rows: dp x ep."""
+        return self.dp * self.ep
 
     @property
     def split(self) -> str:
         return (f"dp{self.dp}tp{self.tp}pp{self.pp}" + (f"sp{self.sp}" if self.sp > 1 else "")
-                + ("ep" if self.expert_parallel else ""))
+                + ("ep" if self.expert_parallel else "") + (f"ep{self.ep}" if self.ep > 1 else ""))
 
     @property
     def relief(self) -> str:
@@ -67,7 +75,8 @@ class Candidate:
     @property
     def family(self) -> str:
         return (f"stage {self.stage} offload={self.offload} dp{self.dp} tp{self.tp} pp{self.pp}"
-                + (f" sp{self.sp}" if self.sp > 1 else "") + (" expert_parallel" if self.expert_parallel else ""))
+                + (f" sp{self.sp}" if self.sp > 1 else "") + (" expert_parallel" if self.expert_parallel else "")
+                + (f" ep{self.ep}" if self.ep > 1 else ""))
 
     def strategy_kwargs(self) -> Dict:
         kw = dict(stage=self.stage, offload=self.offload, tp=self.tp, pp=self.pp, bucket_mb=self.bucket_mb,
@@ -84,6 +93,8 @@ class Candidate:
             kw["offload_activations"] = True
         if self.expert_parallel:
             kw["expert_parallel"] = True
+        if self.ep > 1:
+            kw["ep"] = self.ep
         return kw
 
     def overrides(self, precision: str = "32-true") -> List[str]:
@@ -110,6 +121,8 @@ class Candidate:
             line.append("strategy.compile=true")
         if self.expert_parallel:
             line.append("strategy.expert_parallel=true")
+        if self.ep > 1:
+            line.append(f"strategy.ep={self.ep}")
         group = {"32-true": "fp32", "bf16-mixed": "bf16", "16-mixed": "fp16", "bf16-true": "bf16_true"}
         if precision not in group:
             raise ConfigError(f"--precision={precision!r}: conf/precision has {', '.join(group)}")
@@ -145,7 +158,8 @@ class Shape:
     module: Optional[str] = None
     name: str = "model"
     sys_path: Tuple[str, ...] = ()
-    n_experts: int = 0  # routed experts per mixture-of-experts layer (0: none): tp > 1 also tries expert_parallel
+    n_experts: int = 0  # routed experts per mixture-of-experts layer (0: none): tp > 1 also tries expert_parallel,
+    # tp = 1 also ep > 1
 
 
 def _embed_head(gpt) -> Tuple[float, float]:
@@ -163,12 +177,11 @@ def _divisors(n: int) -> List[int]:
 # ------------------------------------------------------------------------------------------------ candidates
 def enumerate_candidates(gpt, devices: int, global_batch: int, *, stages=(0, 1, 2, 3), offloads=None,
                          tps=None, pps=None, buckets=(5.0, 25.0), acs=(None, "full"), compile_options=(False,),
-                         micro_batches=None, sps=(1,), eps=None) -> Tuple[List[Candidate], List[Row]]:
+                         micro_batches=None, sps=(1,), eps=None, eds=None) -> Tuple[List[Candidate], List[Row]]:
     """Every layout of ``devices`` for the GPTConfig (or :class:`Shape`) ``gpt``; (candidates, rows rejected by
     arithmetic). ``sps``: Ulysses degrees to try (None: every divisor; the default 1: none). ``eps``: the
-    ``expert_parallel`` values to try (None: both where the model has experts tp places, else False)."""
-    from lightning_scale.estimate import CHOICES
-
+    ``expert_parallel`` values to try (None: both where the model has experts tp places, else False). ``eds``: the ``ep``
+    sizes to try at tp = 1 (None: 1 and every divisor of the data-parallel ranks that divides the expert count)."""
     if not isinstance(devices, int) or devices < 1:
         raise ConfigError(f"--devices={devices!r} must be a positive integer")
     for name, values in (("--tp", tps), ("--pp", pps), ("--sp", sps)):
@@ -184,9 +197,9 @@ def enumerate_candidates(gpt, devices: int, global_batch: int, *, stages=(0, 1, 
             for sp in (sps or _divisors(devices // (tp * pp))):
                 if devices % (tp * pp * sp):
                     continue
-                dp = devices // (tp * pp * sp)
-                probe = Candidate(stage=0, offload="none", dp=dp, tp=tp, pp=pp, sp=sp)
-                why = _split_problem(gpt, dp, tp, pp, sp, global_batch)
+                data = devices // (tp * pp * sp)  # the data-parallel ranks: dp x ep
+                probe = Candidate(stage=0, offload="none", dp=data, tp=tp, pp=pp, sp=sp)
+                why = _split_problem(gpt, data, tp, pp, sp, global_batch)
                 experts = _expert_options(gpt, tp, eps)
                 if not why and not experts:
                     why = (f"expert_parallel=True: tp={tp} places no experts (tp > 1 dividing the "
@@ -194,27 +207,51 @@ def enumerate_candidates(gpt, devices: int, global_batch: int, *, stages=(0, 1, 
                 if why:
                     rejected.append(Row(probe, reason=why))
                     continue
-                per_rank = global_batch // dp
-                for stage, offload in CHOICES:
-                    if stage not in stages or (offloads and offload not in offloads):
-                        continue
-                    if stage == 3 and tp > 1 and pp > 1:
-                        rejected.append(Row(dataclasses.replace(probe, stage=3, offload=offload),
-                                            reason="zero.stage=3 composes with tp or pp, not both"))
-                        continue
-                    for mb in (micro_batches or _divisors(per_rank)):
-                        if per_rank % mb:
-                            continue
-                        accum = per_rank // mb
-                        if pp > 1 and accum < pp:  # fewer micro-batches than stages: mostly bubble
-                            continue
-                        for bucket in (buckets if stage in (0, 1, 2) else (25.0,)):
-                            for ac in acs:
-                                for comp in compile_options:
-                                    for ep in experts:
-                                        cands.append(Candidate(stage, offload, dp, tp, pp, mb, accum, float(bucket),
-                                                               ac, bool(comp), sp, expert_parallel=ep))
+                per_rank = global_batch // data
+                for ep_size in _ep_options(gpt, tp, data, eds):
+                    probe = dataclasses.replace(probe, dp=data // ep_size, ep=ep_size)
+                    cands += _split_candidates(probe, per_rank, experts, rejected, stages=stages, offloads=offloads,
+                                               micro_batches=micro_batches, buckets=buckets, acs=acs,
+                                               compile_options=compile_options)
     return cands, rejected
+
+
+def _split_candidates(probe: Candidate, per_rank: int, experts, rejected: List[Row], *, stages, offloads,
+                      micro_batches, buckets, acs, compile_options) -> List[Candidate]:
+    """Every stage x offload x micro-batch x bucket x checkpointing x compile x expert placement of one split
+    (``probe``'s dp, tp, pp, sp, ep); what the split cannot run goes to ``rejected``."""
+    from lightning_scale.estimate import CHOICES
+
+    out: List[Candidate] = []
+    for stage, offload in CHOICES:
+        if stage not in stages or (offloads and offload not in offloads):
+            continue
+        if stage == 3 and probe.tp > 1 and probe.pp > 1:
+            rejected.append(Row(dataclasses.replace(probe, stage=3, offload=offload),
+                                reason="zero.stage=3 composes with tp or pp, not both"))
+            continue
+        for mb in (micro_batches or _divisors(per_rank)):
+            if per_rank % mb:
+                continue
+            accum = per_rank // mb
+            if probe.pp > 1 and accum < probe.pp:  # fewer micro-batches than stages: mostly bubble
+                continue
+            for bucket in (buckets if stage in (0, 1, 2) else (25.0,)):
+                for ac in acs:
+                    for comp in compile_options:
+                        for placed in experts:
+                            out.append(dataclasses.replace(
+                                probe, stage=stage, offload=offload, micro_batch=mb, accum=accum,
+                                bucket_mb=float(bucket), ac=ac, compile=bool(comp), expert_parallel=placed))
+    return out
+
+
+def _ep_options(gpt, tp: int, data: int, eds=None) -> Tuple[int, ...]:
+    """The ``ep`` sizes of a split with ``data`` data-parallel ranks: 1, and at tp = 1 every divisor of ``data`` that
+    divides the expert count of a mixture of experts; ``eds`` (a user's fixed setting) keeps only those values."""
+    n = getattr(gpt, "n_experts", 0) or 0
+    valid = (1,) + tuple(e for e in _divisors(data) if e > 1 and tp == 1 and n and n % e == 0)
+    return valid if eds is None else tuple(v for v in valid if v in eds)
 
 
 def _expert_options(gpt, tp: int, eps=None) -> Tuple[bool, ...]:
@@ -320,6 +357,10 @@ def predict_bytes(model, gpt, c: Candidate, precision: str = "32-true") -> Tuple
     params = counts["params"] if c.pp == 1 else blocks / c.pp + max(embed, head)  # the heaviest stage
     params /= c.tp
     unit = counts["largest_unit_params"] / c.tp
+    if c.ep > 1:  # every expert on one of the ep ranks, the rest whole: the experts' share of the blocks / ep
+        share = expert_share(model) * (1 - 1 / c.ep)
+        params -= share * (blocks if c.pp == 1 else blocks / c.pp)
+        unit -= share * counts["largest_unit_params"]
     shards = c.dp * c.sp  # ZeRO shards over dp x sp (every sp rank of a replica holds the same parameters)
     est = E.estimate(max(1.0, params), dp=shards, stage=c.stage, offload=c.offload, precision=precision,
                      largest_unit_params=min(unit, params), bucket_mb=c.bucket_mb, optimizer="adamw")
@@ -348,6 +389,23 @@ def predict_bytes(model, gpt, c: Candidate, precision: str = "32-true") -> Tuple
         c.stage in (1, 2) and c.accum > 1) else 0.0
     device = est.device.total + est.activation_bytes + est.step_scratch + accumulated
     return device, one_memory_bytes(est, accumulated)
+
+
+_EXPERT_SHARE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def expert_share(model) -> float:
+    """The fraction of ``model``'s repeated units' parameters in transformers experts modules (what ep places)."""
+    if model not in _EXPERT_SHARE:
+        from lightning_scale.activation_plan import _units
+        from lightning_scale.tensor_parallel.experts import is_experts
+
+        units = [u for u in _units(model) if any(True for _ in u.parameters())]
+        total = sum(p.numel() for u in units for p in u.parameters())
+        experts = sum(p.numel() for u in units for m in u.modules() if is_experts(m)
+                      for p in m.parameters(recurse=False))
+        _EXPERT_SHARE[model] = experts / total if total else 0.0
+    return _EXPERT_SHARE[model]
 
 
 def one_memory_bytes(est, accumulated: float = 0.0) -> float:
@@ -390,6 +448,9 @@ def prior(c: Candidate) -> float:
     t = {0: 1.0, 1: 1.04, 2: 1.06, 3: 1.14}[c.stage]
     t *= {"none": 1.0, "optimizer": 1.12, "params": 1.08, "all": 1.2}[c.offload]
     t *= 1.0 + 0.2 * (c.tp > 1)
+    # ep: two all-to-alls per MoE layer each way, the whole parameters' gradients summed at the step (2 CPU ranks,
+    # HF Mixtral: 0.96x of ZeRO-2 over the same ranks, bench/RESULTS.md 2026-12-06)
+    t *= 1.04 if c.ep > 1 else 1.0
     # measured at L=2048 on the bench GPT (2 ranks, docs/tune.md "Long sequences"): sp=2 1.06, the tiled MLP 1.11,
     # + head tiling 1.17, activation offload + 0.015 over full AC (a CPU: no copy across a bus)
     t *= 1.0 + 0.08 * (c.sp > 1)  # two all-to-alls per attention, forward and backward

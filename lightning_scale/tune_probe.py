@@ -79,8 +79,8 @@ def probe_worker(rank: int, world_size: int, gpt_fields: Dict, cand: Dict, steps
     local = c.micro_batch * c.accum
 
     def step(i: int) -> None:
-        x, y = make_batch(gpt, local * topo.dp, seed=i)
-        x, y = x.chunk(topo.dp)[topo.dp_rank].to(dev), y.chunk(topo.dp)[topo.dp_rank].to(dev)
+        x, y = make_batch(gpt, local * topo.data_size, seed=i)  # data_size: dp (x ep, whose ranks read their own rows)
+        x, y = x.chunk(topo.data_size)[topo.data_rank].to(dev), y.chunk(topo.data_size)[topo.data_rank].to(dev)
         if topo.sp > 1:  # this rank's L / sp positions of every sequence (the Trainer's batch_to_device)
             x, y = shard_sequence((x, y), topo.sp_rank, topo.sp)
         scale = float(scaler.scale) if policy is not None and policy.loss_scaling else 1.0
@@ -154,15 +154,15 @@ def module_worker(rank: int, world_size: int, shape: Dict, cand: Dict, steps: in
     torch.manual_seed(0)
     dev = _rank_device(rank, device)
     base = _live_bytes(_space(dev))
-    lm = build_module(shape["module"], meta=config.meta_init and (c.stage == 3 or c.tp > 1 or c.pp > 1))
+    lm = build_module(shape["module"], meta=config.meta_init and (c.stage == 3 or c.tp > 1 or c.pp > 1 or c.ep > 1))
     from lightning_scale.materialize import has_meta
 
     if dev.type != "cpu" and not has_meta(lm, recurse=True) and not (c.stage == 3 and c.tp == 1 and c.pp == 1):
         lm.to(dev)  # as the strategy places it (ZeRO-3 alone places its shards itself)
     g = torch.Generator().manual_seed(1)
     local = c.micro_batch * c.accum
-    ids = torch.randint(0, shape["vocab_size"], (local * topo.dp, shape["seq_len"] + 1), generator=g)
-    ids = ids.chunk(topo.dp)[topo.dp_rank]
+    ids = torch.randint(0, shape["vocab_size"], (local * topo.data_size, shape["seq_len"] + 1), generator=g)
+    ids = ids.chunk(topo.data_size)[topo.data_rank]  # this data-parallel rank's rows (dp, x ep)
     batch = (ids[:, :-1].contiguous().to(dev), ids[:, 1:].contiguous().to(dev))
     if topo.sp > 1:  # this rank's L / sp positions of every sequence (the Trainer's batch_to_device)
         from lightning_scale.sequence_parallel import shard_sequence
@@ -217,7 +217,7 @@ def measure(gpt, c: "Candidate", *, steps: int = 4, warmup: int = 2, precision: 
                             steps, warmup, precision, compile_setting, device), timeout=timeout,
                             backend="nccl" if device == "cuda" else "gloo")
     step_s = max(r["step_s"] for r in ranks)
-    tokens = c.dp * c.micro_batch * c.accum * gpt.seq_len
+    tokens = c.data_ranks * c.micro_batch * c.accum * gpt.seq_len
     return {"tokens_per_s": tokens / step_s, "step_s": step_s,
             "measured_bytes": max(r["measured_bytes"] for r in ranks),
             "compile_s": max(r.get("compile_s", 0.0) for r in ranks),

@@ -161,6 +161,7 @@ def search_space(opts: Dict[str, Any], fixed: Dict[str, Any], world: int, n_head
     space["relief"] = () if fixed_relief else tuple(opts["relief"] if opts["relief"] is not None else RELIEF)
     space["fixed_relief"] = fixed_relief
     space["eps"] = (fixed["expert_parallel"],) if "expert_parallel" in fixed else None  # a user's choice is kept
+    space["eds"] = (1,)  # ep (expert parallelism over data-parallel ranks) is not searched here yet: the CLI does
     tps, pps = pick("tp", "tp", _divisors(world)), pick("pp", "pp", _divisors(world))
     sps = pick("sp", "sp", (1,))
     splits = [(world // (t * p * q), t, p, q) for t in tps for p in pps for q in sps if world % (t * p * q) == 0]

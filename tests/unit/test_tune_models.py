@@ -164,3 +164,33 @@ def test_mixture_of_experts_tries_its_experts_placed_at_tp():
     rows = plan(llama_model, dataclasses.replace(llama, seq_len=32), 2, 8, 1e12, stages=(1,), acs=(None,),
                 buckets=(25,))
     assert not any(r.candidate.expert_parallel for r in rows)
+
+
+def test_mixture_of_experts_tries_ep_over_data_parallel_ranks():
+    """At tp = 1 a mixture of experts is also tried with its experts on ep data-parallel ranks (every divisor of the
+    data-parallel ranks that divides the 4 experts): the ranks read dp x ep different rows, each holds E / ep experts
+    (the prediction drops by the experts' share), the settings and the Hydra line carry ep. The in-Trainer
+    ``autotune=True`` keeps ep at 1 (its sampler is built for the launch's layout); a dense model gets none."""
+    lm = build_module("tune_llama_module:TinyMixtral", meta=True)
+    model, shape = find_model(lm)
+    shape = dataclasses.replace(shape, seq_len=32)
+    rows = plan(model, shape, 4, 8, 1e12, stages=(1,), acs=(None,), buckets=(25,), pps=(1,))
+    ok = [r for r in rows if not r.reason]
+    eps = {(r.candidate.dp, r.candidate.tp, r.candidate.ep) for r in ok}
+    assert {(4, 1, 1), (2, 1, 2), (1, 1, 4)} <= eps and not any(tp > 1 and ep > 1 for _, tp, ep in eps), eps
+    by = {(r.candidate.ep, r.candidate.micro_batch): r for r in ok if r.candidate.tp == 1}
+    ep2, ep1 = by[(2, 2)], by[(1, 2)]  # the same 2 sequences per data-parallel rank
+    assert ep2.candidate.data_ranks == 4 and ep2.candidate.world == 4 and "ep2" in ep2.candidate.key
+    assert ep2.candidate.strategy_kwargs()["ep"] == 2 and "strategy.ep=2" in ep2.candidate.overrides()
+    assert ep2.predicted < ep1.predicted  # half the experts per rank
+    from lightning_scale.tune_plan import expert_share
+
+    assert 0.5 < expert_share(model) < 1.0  # the experts are most of this Mixtral's layers
+    from lightning_scale.strategies.autotune import options, search_space
+
+    space, _ = search_space(options(True), {}, 4, shape.n_head, shape.n_layer)
+    assert space["eds"] == (1,)
+    llama_model, llama = find_model(build_module(LLAMA, meta=True))
+    rows = plan(llama_model, dataclasses.replace(llama, seq_len=32), 4, 8, 1e12, stages=(1,), acs=(None,),
+                buckets=(25,))
+    assert not any(r.candidate.ep > 1 for r in rows)
