@@ -36,7 +36,7 @@ import torch.nn as nn
 
 from lightning_scale.comm import collectives as C
 from lightning_scale.tensor_parallel import experts as split_style
-from lightning_scale.tensor_parallel.expert_parallel import _routing
+from lightning_scale.tensor_parallel.expert_parallel import CallArgs, _routing
 from lightning_scale.tensor_parallel.mappings import tp_rank
 from lightning_scale.tensor_parallel.sharding import ShardSpec
 
@@ -81,18 +81,9 @@ def _dispatch(group, tag: str, name: str, ep: int, local: int):
     routes they received, one per row (``(R, H)`` rows, ``(R, 1)`` local ids, weight 1)."""
 
     def hook(module, args, kwargs):
-        args = list(args)
-
-        def get(k):
-            return args[k] if isinstance(k, int) else kwargs[k]
-
-        def put(k, v):
-            if isinstance(k, int):
-                args[k] = v
-            else:
-                kwargs[k] = v
-
-        id_key, weight_keys, row_keys = _routing(args, kwargs, name)
+        call = CallArgs(args, kwargs)
+        get, put = call.get, call.put
+        id_key, weight_keys, row_keys = _routing(call.args, kwargs, name)
         if len(weight_keys) != 1 or len(row_keys) != 1:
             raise ValueError(f"ep experts {name!r}: expected one hidden-states and one routing-weights argument, got "
                              f"{len(row_keys)} and {len(weight_keys)}")
@@ -111,7 +102,7 @@ def _dispatch(group, tag: str, name: str, ep: int, local: int):
         put(id_key, ids.unsqueeze(1))
         put(weight_keys[0], torch.ones((ids.shape[0], 1), dtype=weights.dtype, device=weights.device))
         module._ep_routes.append((token, weights[token, slot], recv, send, rows.shape[0], rows.dtype, received))
-        return tuple(args), kwargs
+        return tuple(call.args), kwargs
 
     return hook
 

@@ -71,6 +71,22 @@ def placed_specs(name: str, module: nn.Module, tp: int) -> Dict[str, ShardSpec]:
     return specs
 
 
+class CallArgs:
+    """A forward pre-hook's positional and keyword arguments, each read and replaced by its position or name."""
+
+    def __init__(self, args, kwargs) -> None:
+        self.args, self.kwargs = list(args), kwargs
+
+    def get(self, key):
+        return self.args[key] if isinstance(key, int) else self.kwargs[key]
+
+    def put(self, key, value) -> None:
+        if isinstance(key, int):
+            self.args[key] = value
+        else:
+            self.kwargs[key] = value
+
+
 def _routing(args, kwargs, name: str):
     """(key of the expert ids, keys of the routing weights, keys of the per-token inputs) among a call's arguments
     (a position or a keyword): the one integer tensor ``(T, k)``, the floating tensors of its shape, and the other
@@ -113,16 +129,8 @@ def _enter(group, tag: str, name: str, first: int, local: int):
     computed or masked (transformers' sentinel ids are not used)."""
 
     def hook(module, args, kwargs):
-        args = list(args)
-
-        def get(k):
-            return args[k] if isinstance(k, int) else kwargs[k]
-
-        def put(k, v):
-            if isinstance(k, int):
-                args[k] = v
-            else:
-                kwargs[k] = v
+        call = CallArgs(args, kwargs)
+        get, put, args = call.get, call.put, call.args
 
         # every floating input that carries a gradient (hidden states, routing weights): partial here (this rank's
         # routes only), summed over tp; entered before the routes are picked, so the sum sees every rank's routes

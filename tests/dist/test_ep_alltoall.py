@@ -20,43 +20,15 @@ import torch
 
 from lightning_scale.testing import HF_RANK_PRELOAD, run_distributed
 
-FAMILIES = ("mixtral", "qwen2_moe", "deepseek_v3", "gpt_oss", "mixtral_idle")
-IMPLEMENTATION = {"qwen2_moe": "batched_mm"}
+# the families, their builders and the reference loss / gradients of the tp-placed experts' test (one process's
+# forward + backward of the same models and batches)
+from test_tp_expert_parallel import FAMILIES, _batch, _build, _grads, _loss
+
 STEPS, SAVE_AT, LR = 4, 2, 1e-2
 # DeepSeek-V3's router computes its logits in float32 (a cast inside the model): its weight's gradient is a float32
 # sum over the tokens, which two half batches add in another order (any data-parallel split does: 1e-7 here)
 FLOAT32_PARTS = {("deepseek_v3", "gate"): 1e-6}
 TRAIN = "qwen2_moe"  # its router's softmax runs in float64 here: exact to 1e-10 over steps
-
-
-def _build(family: str):
-    from lightning_scale.models import hf_families as F
-
-    model = F.build(family.replace("_idle", ""), "eager")
-    if family.endswith("_idle"):
-        with torch.no_grad():
-            for layer in model.model.layers:
-                layer.mlp.gate.weight.zero_()
-    impl = IMPLEMENTATION.get(family)
-    if impl:
-        for m in model.modules():
-            if hasattr(getattr(m, "config", None), "_experts_implementation"):
-                m.config._experts_implementation = impl
-    return model
-
-
-def _batch(step: int = 0):
-    from lightning_scale.models import hf_families as F
-
-    return F.batch(4, 12, seed=step)
-
-
-def _loss(logits, targets):
-    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-
-def _grads(model) -> dict:
-    return {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in model.named_parameters()}
 
 
 def _layout(layout: dict, rank: int, world_size: int):
