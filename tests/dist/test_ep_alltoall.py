@@ -9,8 +9,9 @@ losses is one process's loss on the whole batch, and every gradient, after the e
 division by ep the engines do, equals one process's (1e-12 relative; DeepSeek-V3's float32 router 1e-6). Mutations
 checked by hand: without the partial-gradient marks or without the engines' 1 / ep, these tests fail.
 (2) Training through ``parallelize`` at ZeRO stages 1 and 3 (ep=2, AdamW, 4 steps): the losses equal one process
-stepping on the whole batch (1e-10). (3) A universal checkpoint written at ep=2 (stage 1, after 2 steps) resumes at
-dp=2 without ep (experts whole on every rank) and steps 3-4 equal one process; one written at dp=2 resumes at ep=2.
+stepping on the whole batch (1e-10); clipped by the global norm as well (every step's norm and loss 1e-10).
+(3) A universal checkpoint written at ep=2 (stage 1, after 2 steps) resumes at dp=2 without ep (experts whole on
+every rank) and steps 3-4 equal one process; one written at dp=2 resumes at ep=2.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ STEPS, SAVE_AT, LR = 4, 2, 1e-2
 # sum over the tokens, which two half batches add in another order (any data-parallel split does: 1e-7 here)
 FLOAT32_PARTS = {("deepseek_v3", "gate"): 1e-6}
 TRAIN = "qwen2_moe"  # its router's softmax runs in float64 here: exact to 1e-10 over steps
+CLIP = 0.05  # below every step's global norm: the clip acts
 
 
 def _layout(layout: dict, rank: int, world_size: int):
@@ -76,6 +78,13 @@ def worker(rank: int, world_size: int, root: str) -> dict:
     for stage in (1, 3):
         model, opt, engine, topo = _layout(dict(ep=2, stage=stage), rank, world_size)
         out[f"stage{stage}"] = [dp_step(model, opt, topo, *_batch(step), _loss) for step in range(STEPS)]
+        # clipped by the global norm: the whole parameters counted once, each rank's experts once
+        model, opt, engine, topo = _layout(dict(ep=2, stage=stage), rank, world_size)
+        norms = []
+        out[f"clip{stage}"] = [dp_step(model, opt, topo, *_batch(step), _loss,
+                                       before_step=lambda: norms.append(float(engine.clip_grad_norm_(CLIP))))
+                               for step in range(STEPS)]
+        out[f"clip{stage}_norms"] = norms
     # ep=2 -> universal checkpoint -> dp=2 (experts whole), and back
     for first, second, name in ((dict(ep=2, stage=1), dict(stage=1), "ep_to_dp"),
                                 (dict(stage=1), dict(ep=2, stage=1), "dp_to_ep")):
@@ -98,19 +107,25 @@ def runs(tmp_path_factory):
     return run_distributed(worker, 2, (root,), timeout=300, preload=HF_RANK_PRELOAD)
 
 
-@pytest.fixture(scope="module")
-def reference_losses():
+def _reference(clip=None):
     model = _build(TRAIN)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    want = []
+    want, norms = [], []
     for step in range(STEPS):
         x, y = _batch(step)
         loss = _loss(model(input_ids=x).logits, y)
         loss.backward()
+        if clip is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
         opt.step()
         opt.zero_grad()
         want.append(loss.item())
-    return want
+    return want, norms
+
+
+@pytest.fixture(scope="module")
+def reference_losses():
+    return _reference()[0]
 
 
 @pytest.mark.timeout(400)
@@ -142,3 +157,14 @@ def test_ep2_training_equals_one_process(runs, reference_losses, what):
     for rank, run in enumerate(runs):
         diff = max(abs(a - b) for a, b in zip(run[what], reference_losses))
         assert diff <= 1e-10, (what, rank, run[what], reference_losses)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("stage", [1, 3])
+def test_ep2_global_norm_clipping_equals_one_process(runs, stage):
+    want, norms = _reference(CLIP)
+    assert min(norms) > CLIP, norms  # every step clipped
+    for rank, run in enumerate(runs):
+        got = run[f"clip{stage}_norms"]
+        assert max(abs(a - b) / b for a, b in zip(got, norms)) <= 1e-10, (rank, got, norms)
+        assert max(abs(a - b) for a, b in zip(run[f"clip{stage}"], want)) <= 1e-10, (rank, run[f"clip{stage}"], want)
