@@ -83,7 +83,7 @@ class ParallelModel:
             return None
         return cross_axis_for(self.tp_model, self.topology.tp_group, self.topology.pp_group,
                               exclude=self.pipeline.norm_exclude if self.pipeline is not None else (),
-                              grad_scale=1.0 / self.config.ep)
+                              grad_scale=1.0 / self.config.ep, grad_group=getattr(self.topology, "tp_grad_group", None))
 
     def make_engines(self, *, precision=None, loss_scaler=None, overlap_comm: Optional[bool] = None
                      ) -> List[ZeroEngine]:
@@ -145,7 +145,7 @@ class ParallelModel:
 
 
 def cross_axis_for(tp_model: Optional[nn.Module], tp_group=None, pp_group=None, exclude=(),
-                   grad_scale: float = 1.0) -> CrossAxis:
+                   grad_scale: float = 1.0, grad_group=None) -> CrossAxis:
     """The :class:`CrossAxis` of engines over a tp-split ``tp_model`` (None: no tp) and a pipeline (``pp_group``;
     ``exclude``: tied copies another stage counts): the tensor-parallel package's marks as predicates."""
     from lightning_scale.tensor_parallel import sync_tp_grads, tp_replicated
@@ -158,7 +158,7 @@ def cross_axis_for(tp_model: Optional[nn.Module], tp_group=None, pp_group=None, 
             state.partial_grad_params(tp_model)  # (re)marks them on the current parameter objects
     return CrossAxis(tp_group=tp_group, pp_group=pp_group, replicated=tp_replicated, partial=tp_partial_grad,
                      exclude=exclude, before_reduce=(lambda: sync_tp_grads(tp_model)) if tp_model is not None else None,
-                     counted=tp_counted_mask, grad_scale=grad_scale)
+                     counted=tp_counted_mask, grad_scale=grad_scale, grad_group=grad_group)
 
 
 # ---------------------------------------------------------------------------------------------------- checks

@@ -198,6 +198,11 @@ class Topology:
                 if self.rank in ranks:
                     self._groups[axis] = group
         self.build_pp_twin(backend or dist.get_backend(), lambda ranks: dist.new_group(ranks, backend=backend))
+        if self.tp > 1:  # the tp group's twin: partial gradients summed inside the backward (zero.reducer)
+            for ranks in self.all_axis_ranks("tp"):
+                group = dist.new_group(ranks, backend=backend)
+                if self.rank in ranks:
+                    self._groups["tp_grad"] = group
         if self.sp > 1:
             if self.dp == 1:
                 self._groups["dp_sp"] = self._groups["sp"]
@@ -261,6 +266,12 @@ class Topology:
     @property
     def tp_group(self):
         return self.group("tp")
+
+    @property
+    def tp_grad_group(self):
+        """A twin of the tp group (same ranks) that carries only the gradient sums of the ZeRO reducers, so they never
+        interleave with the model's own tp collectives inside the backward; None before build_groups / at tp=1."""
+        return self._groups.get("tp_grad")
 
     @property
     def sp_group(self):

@@ -247,7 +247,7 @@ class Zero3DFabricStrategy(GridStrategyMixin, ParallelStrategy):
         plugin, cfg = self.precision, self.config
         every = pm.make_engines(precision=plugin.policy, loss_scaler=plugin.loss_scaler,
                                 overlap_comm=cfg.zero.overlap_comm and len(pm.optimizers) == 1
-                                and not cfg.partial_grads)
+                                and (not cfg.partial_grads or self.topology.tp_grad_group is not None))
         by_id = {id(o): e for o, e in zip(pm.optimizers, every)}
         for opt in optimizers:
             plugin.engines[id(opt)] = by_id[id(opt)]

@@ -283,7 +283,7 @@ class Zero3DStrategy(GridStrategyMixin, ParallelStrategy):
             # Manual optimization may run several backwards per step: reduce at step() instead. Sequence
             # parallel's partial gradients are summed over tp before any bucket is reduced.
             overlap_comm=cfg.zero.overlap_comm and automatic and len(self.optimizers) == 1
-            and not cfg.partial_grads)
+            and (not cfg.partial_grads or self.topology.tp_grad_group is not None))
         for opt, engine in zip(self.optimizers, self.engines):
             plugin.register_engine(opt, engine)
 

@@ -12,7 +12,8 @@ exchanges the other way; the experts' gradients collect every rank's routes to t
 
 Every other parameter (attention, norms, router, embeddings, a shared expert) stays whole on the ``ep`` ranks and sees
 only its rank's tokens: its gradient is a partial sum over the group (``mark_partial_grad``), added up over ``ep``
-before the dp reduction as sequence parallelism's LayerNorm gradients are (:mod:`lightning_scale.zero.model_parallel`),
+before the dp reduction as sequence parallelism's LayerNorm gradients are, bucket by bucket inside the backward
+(:mod:`lightning_scale.zero.reducer`, on the tp group's twin),
 and the engines divide every gradient by ``ep`` as well as ``dp`` (each rank's loss is its own batch's mean). The grid
 carries ``ep`` on its tp axis (``Topology(tp=ep, ep=ep)``): the engines shard every parameter over dp only, so an
 expert is replicated over the dp ranks holding the same experts (DeepSpeed's expert-data-parallel group) and whole

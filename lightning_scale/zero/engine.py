@@ -197,7 +197,8 @@ def make_engine(optimizer: torch.optim.Optimizer, config, topology=None, sharded
     (``parallelize`` builds it), with ``group_offset`` = where this optimizer's param groups start in the
     group list it was built from. ``cross_axis``: the tp / pp agreement (default: none). ``overlap_comm``
     overrides ``config.zero.overlap_comm`` (the front door turns it off where hooks must not reduce early); by default
-    it is off where whole parameters get partial gradients (sequence parallel, ep > 1: ``config.partial_grads``).
+    it is off where whole parameters get partial gradients (sequence parallel, ep > 1: ``config.partial_grads``) and
+    no twin tp group sums them inside the backward (``cross_axis.grad_group``).
     """
     stage = config.zero.stage
     if group is None and topology is not None:
@@ -217,6 +218,7 @@ def make_engine(optimizer: torch.optim.Optimizer, config, topology=None, sharded
                                pin_memory=config.offload.pin_memory, cross_axis=cross_axis)
     return ZeroOptimizer(optimizer, stage=stage, group=group, precision=precision, loss_scaler=loss_scaler,
                          bucket_mb=config.zero.bucket_mb,
-                         overlap_comm=(config.zero.overlap_comm and not config.partial_grads) if overlap_comm is None
-                         else overlap_comm,
+                         overlap_comm=(config.zero.overlap_comm and (not config.partial_grads or (
+                             cross_axis is not None and cross_axis.grad_group is not None)))
+                         if overlap_comm is None else overlap_comm,
                          offload_optimizer=offload, pin_memory=config.offload.pin_memory, cross_axis=cross_axis)

@@ -5,9 +5,11 @@ pipeline parallelism each rank's engine holds only its local tp slices of its ow
 things must span the other axes too. Every engine (stages 0-3, offload; the Trainer strategy, the Fabric
 strategy and plain scripts alike) takes one :class:`CrossAxis` and asks it:
 
-* **Partial gradients first** (sequence parallelism): replicated LayerNorm weights and row-parallel biases
-  hold per-tp-rank partial sums. At stages 0-2 ``before_reduce`` (the tensor-parallel package's
-  ``sync_tp_grads``) adds them up before the engine copies gradients into its buckets (such engines are
+* **Partial gradients first** (sequence parallelism; every parameter but the experts under ep): replicated LayerNorm
+  weights and row-parallel biases hold per-tp-rank partial sums. At stages 0-2 the reducer adds them up over
+  ``grad_group`` (the tp group's twin) bucket by bucket before each bucket's dp reduction, inside the backward
+  (:mod:`lightning_scale.zero.reducer`); without a twin ``before_reduce`` (the tensor-parallel package's
+  ``sync_tp_grads``) adds them up at the step, before the engine copies gradients into its buckets (such engines are
   built with ``overlap_comm=False``). At stage 3 the backward hooks have already reduce-scattered them
   over dp; both reductions are sums, so :meth:`CrossAxis.sum_partial` adds those shard elements over tp.
 * **The global norm** (gradient clipping): every element of the model counts once. An element of this
@@ -87,13 +89,16 @@ class CrossAxis:
     norm (a tied embedding / head on its second pipeline holder). ``before_reduce``: called once per step
     before stage 0-2 engines read gradients (sums partial gradients over tp). ``grad_scale``: every reduced gradient
     is multiplied by it (``1 / ep`` when the tp axis carries expert parallelism: its ranks' losses are the means of
-    different batches, so the sums over it must become a mean, as the dp reduction's are).
+    different batches, so the sums over it must become a mean, as the dp reduction's are). ``grad_group``: a twin of
+    the tp group for the partial sums inside the backward (None: summed at the step by ``before_reduce``).
     """
 
     def __init__(self, *, tp_group=None, pp_group=None, replicated: Predicate = _never, partial: Predicate = _never,
                  exclude: Iterable[torch.Tensor] = (), before_reduce: Optional[Callable[[], None]] = None,
-                 counted=None, grad_scale: float = 1.0) -> None:
+                 counted=None, grad_scale: float = 1.0, grad_group=None) -> None:
         self.grad_scale = float(grad_scale)
+        # the tp group's twin (same ranks) the stage 0-2 reducers sum partial gradients on during the backward
+        self.grad_group = grad_group if grad_group is not None and C.group_size(grad_group) > 1 else None
         # None means "no such axis" here, not the default (world) group
         self.tp_group = tp_group if tp_group is not None and C.group_size(tp_group) > 1 else None
         self.pp_group = pp_group if pp_group is not None and C.group_size(pp_group) > 1 else None

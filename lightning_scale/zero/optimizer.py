@@ -152,8 +152,9 @@ class ShardEngine:
         """Finish gradient reduction and prepare unscaled master gradients; returns found_inf."""
         if self._prepared:
             return self._found_inf
-        if self.stage < 3 and self.cross.before_reduce is not None:
-            self.cross.before_reduce()  # sequence parallel: partial sums over tp, before the buckets read them
+        if self.stage < 3 and self.cross.before_reduce is not None and not getattr(self, "_reducer_sums_partials",
+                                                                                     False):
+            self.cross.before_reduce()  # sequence parallel / ep: partial sums over tp, before the buckets read them
         self.reducer.reduce()
         inv_scale = self.cross.grad_scale / self.loss_scaler.scale  # 1 / ep: each ep rank's own batch's mean
         local_inf = torch.zeros((), dtype=torch.float32, device=self.masters[0].device)
@@ -366,13 +367,19 @@ class ZeroOptimizer(ShardEngine):
         if offload_optimizer and stage == 0:
             raise ValueError("offload.optimizer='cpu' needs zero.stage >= 1")
         master_device = torch.device("cpu") if offload_optimizer else device
+        # partial gradients (sequence parallel's norms, every whole parameter under ep): summed over the tp axis by the
+        # reducer, bucket by bucket, on the tp group's twin (overlapped with the backward); without a twin (a group
+        # set built by hand) the engine sums them at the step (cross_axis.before_reduce) and cannot overlap
+        twin = cross_axis.grad_group if cross_axis is not None else None
         reducer = GradientReducer(self.buckets, stage, group, device, overlap_comm=overlap_comm,
                                        param_dtype=param_dtype, master_dtype=master_dtype,
                                        master_device=master_device, pin_memory=pin_memory,
-                                       stream_grads=offload_optimizer)
+                                       stream_grads=offload_optimizer,
+                                       partial=cross_axis.partial if twin is not None else None, partial_group=twin)
+        self._reducer_sums_partials = reducer.partial_group is not None
         partial = [p for b in self.buckets for p in (slot.param for slot in b.slots)
                    if cross_axis is not None and cross_axis.before_reduce is not None and cross_axis.partial(p)]
-        if overlap_comm and partial:
+        if overlap_comm and partial and not self._reducer_sums_partials:
             reducer.remove_hooks()
             raise ConfigError(
                 "zero.overlap_comm=True with tensor.sequence_parallel=True or ep > 1: the engine would reduce "

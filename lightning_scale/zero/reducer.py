@@ -13,6 +13,13 @@ Per bucket, once every parameter in it has its gradient (``register_post_accumul
 
 Buckets are launched strictly in index order on every rank (a bucket that is ready early waits for
 the ones before it), so collectives always match across ranks even when ranks see different graphs.
+
+Partial gradients (``partial_group``): the whole parameters of a tp-axis layout whose gradient on each rank is its
+share only (sequence parallelism's norms and row biases; every parameter but the experts under ``ep``) are summed over
+that axis when their bucket is launched: their elements gathered and all-reduced (asynchronously, on a process group
+of their own, a twin of the tp group: the tp group itself carries the model's collectives inside the backward, in an
+order two ranks need not share with the gradient hooks), and the bucket's own dp reduction runs once that sum is in,
+when its handle is waited (the next bucket's staging window, or the step).
 Inside ``no_sync()`` (gradient accumulation) nothing is communicated: gradients accumulate locally.
 """
 
@@ -146,7 +153,10 @@ class GradientReducer:
     def __init__(self, buckets: List[Bucket], stage: int, group, device: torch.device,
                  overlap_comm: bool = True, param_dtype: Optional[torch.dtype] = None,
                  master_dtype: Optional[torch.dtype] = None, master_device: Optional[torch.device] = None,
-                 pin_memory: bool = True, stream_grads: bool = False) -> None:
+                 pin_memory: bool = True, stream_grads: bool = False,
+                 partial: Optional[Callable[[torch.Tensor], bool]] = None, partial_group=None) -> None:
+        """``partial(param)`` / ``partial_group``: parameters whose gradients are summed over ``partial_group`` before
+        the dp reduction (module docstring); None: none."""
         self.stage = stage
         self.group = group
         self.world = C.group_size(group)
@@ -167,6 +177,13 @@ class GradientReducer:
         self._next_launch = 0
         self._ready = [0] * len(self.states)
         self._inflight: List[BucketState] = []
+        self.partial_group = partial_group if partial is not None and C.group_size(partial_group) > 1 else None
+        self._partial: List[Optional[torch.Tensor]] = []  # per bucket: the flat indices of partial elements
+        self._index = {id(st): i for i, st in enumerate(self.states)}
+        for st in self.states:
+            idx = [torch.arange(slot.offset, slot.offset + slot.numel) for slot in st.bucket.slots
+                   if self.partial_group is not None and partial(slot.param)]
+            self._partial.append(torch.cat(idx).to(device) if idx else None)
         for st in self.states:
             st.attach_grad_views()
 
@@ -220,15 +237,43 @@ class GradientReducer:
         for si, done in enumerate(st.consumed):
             if not done:
                 self._consume(st, si)
+        idx = self._partial[self._index[id(st)]] if self.partial_group is not None else None
+        if idx is not None:  # the partial elements summed over the tp axis first (module docstring)
+            buf = st.staging if self.stage == 2 else st.grad_buffer
+            part = buf[idx]
+            summing = C.all_reduce(part, self.partial_group, async_op=True, tag="tp/partial_grads")
+
+            def then(st=st, buf=buf, part=part, idx=idx, summing=summing) -> None:
+                summing.wait()
+                buf[idx] = part
+                handle = self._reduce_over_dp(st, window=False)
+                if handle is not None:  # the bucket's dp reduction, waited here (this is its handle's wait)
+                    handle.wait()
+
+            st.handle = C.Handle(None, then)
+            if self.stage == 2:  # its staging buffer counts in the window like any other in flight
+                self._inflight.append(st)
+                while len(self._inflight) > _MAX_INFLIGHT:
+                    oldest = self._inflight.pop(0)
+                    if oldest.handle is not None:
+                        oldest.handle.wait()
+            st.launched = True
+            return
+        st.handle = self._reduce_over_dp(st)
+        st.launched = True
+
+    def _reduce_over_dp(self, st: BucketState, window: bool = True) -> Optional[C.Handle]:
+        """Start the bucket's reduction over dp; its handle. ``window``: a stage-2 bucket joins the staging window
+        (False: the caller waits for it at once)."""
         finish: Optional[Callable[[], None]] = None
         if self.stage == 0:
             st.grad_buffer.div_(self.world)
-            st.handle = C.all_reduce(st.grad_buffer, self.group, async_op=True, tag="grad")
+            return C.all_reduce(st.grad_buffer, self.group, async_op=True, tag="grad")
         elif st.local_only:
-            pass  # one rank: the accumulated gradients are the reduced ones
+            return None  # one rank: the accumulated gradients are the reduced ones
         elif self.stage == 1:
             st.grad_buffer.div_(self.world)
-            st.handle = pairwise.reduce_scatter(st.shard_grad, st.grad_buffer, self.group, async_op=True, tag="grad")
+            return pairwise.reduce_scatter(st.shard_grad, st.grad_buffer, self.group, async_op=True, tag="grad")
         else:
             st.staging.div_(self.world)
             out = st.shard_grad if not st.stream_grads else torch.empty(
@@ -241,14 +286,16 @@ class GradientReducer:
                 if st.stream_grads:
                     st.host_grad = out.to(device=st.master_device, dtype=st.master_dtype)
 
-            st.handle = C.Handle(None, finish)
-            # Bound the full-size staging buffers alive during backward: at most _MAX_INFLIGHT buckets in flight.
-            self._inflight.append(st)
-            while len(self._inflight) > _MAX_INFLIGHT:
-                oldest = self._inflight.pop(0)
-                if oldest.handle is not None:
-                    oldest.handle.wait()
-        st.launched = True
+            handle = C.Handle(None, finish)
+            if window:
+                # Bound the full-size staging buffers alive during backward: at most _MAX_INFLIGHT buckets in flight.
+                st.handle = handle
+                self._inflight.append(st)
+                while len(self._inflight) > _MAX_INFLIGHT:
+                    oldest = self._inflight.pop(0)
+                    if oldest.handle is not None:
+                        oldest.handle.wait()
+            return handle
 
     # ------------------------------------------------------------------ public
     def reduce(self) -> None:

@@ -33,7 +33,7 @@ TRAIN = "qwen2_moe"  # its router's softmax runs in float64 here: exact to 1e-10
 CLIP = 0.05  # below every step's global norm: the clip acts
 
 
-def _layout(layout: dict, rank: int, world_size: int):
+def _layout(layout: dict, rank: int, world_size: int, overlap: bool = False):
     from lightning_scale.config import from_flat_kwargs
     from lightning_scale.parallelize import local_topology, parallelize
 
@@ -42,7 +42,7 @@ def _layout(layout: dict, rank: int, world_size: int):
     model = _build(TRAIN)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     pm = parallelize(model, config, topo, "cpu", optimizers=[opt])
-    (engine,) = pm.make_engines(overlap_comm=False)
+    (engine,) = pm.make_engines(overlap_comm=None if overlap else False)  # None: the config's default
     return model, opt, engine, topo
 
 
@@ -85,6 +85,29 @@ def worker(rank: int, world_size: int, root: str) -> dict:
                                        before_step=lambda: norms.append(float(engine.clip_grad_norm_(CLIP))))
                                for step in range(STEPS)]
         out[f"clip{stage}_norms"] = norms
+    # ZeRO 0 and 2 with the default overlap: the whole parameters' gradients are summed over ep bucket by bucket inside
+    # the backward (on the tp group's twin), each bucket's dp reduction after its sum
+    for stage in (0, 2):
+        model, opt, engine, topo = _layout(dict(ep=2, stage=stage, bucket_mb=0.05), rank, world_size, overlap=True)
+        inside = []
+
+        def step(x, y):
+            with CommCounter() as counter:
+                loss = _loss(model(input_ids=x).logits, y)
+                loss.backward()
+            inside.append(counter.by_tag.get("tp/partial_grads", 0))
+            return loss
+
+        losses = []
+        for i in range(STEPS):
+            x, y = (t.chunk(2)[rank] for t in _batch(i))
+            loss = step(x, y).detach().clone()
+            opt.step()
+            opt.zero_grad()
+            dist.all_reduce(loss)
+            losses.append(float(loss / 2))
+        out[f"overlap{stage}"] = dict(losses=losses, inside=inside, overlap=engine.reducer.overlap_comm,
+                                      buckets=len(engine.reducer.states))
     # ep=2 -> universal checkpoint -> dp=2 (experts whole), and back
     for first, second, name in ((dict(ep=2, stage=1), dict(stage=1), "ep_to_dp"),
                                 (dict(stage=1), dict(ep=2, stage=1), "dp_to_ep")):
@@ -168,3 +191,15 @@ def test_ep2_global_norm_clipping_equals_one_process(runs, stage):
         got = run[f"clip{stage}_norms"]
         assert max(abs(a - b) / b for a, b in zip(got, norms)) <= 1e-10, (rank, got, norms)
         assert max(abs(a - b) for a, b in zip(run[f"clip{stage}"], want)) <= 1e-10, (rank, run[f"clip{stage}"], want)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("stage", [0, 2])
+def test_ep2_gradient_sums_run_inside_the_backward(runs, reference_losses, stage):
+    """The default engine overlaps: every step's ep sums of the whole parameters' gradients left during the backward
+    (bytes on the twin group's tag before any optimizer call), over many small buckets, and training = one process."""
+    for rank, run in enumerate(runs):
+        r = run[f"overlap{stage}"]
+        assert r["overlap"] is True and r["buckets"] > 4, r
+        assert all(b > 0 for b in r["inside"]), r["inside"]
+        assert max(abs(a - b) for a, b in zip(r["losses"], reference_losses)) <= 1e-10, (rank, r, reference_losses)
