@@ -218,11 +218,13 @@ def _backward_chunk(blocks: _Blocks, masks: _Masks, lse, delta, dout, dq, dk, dv
     scores = torch.bmm(q, blocks.gather_t(blocks.kt, chunk))  # (R, bs, c * bs)
     masks.apply(scores, chunk)
     probs = scores.sub_(blocks.rows(lse, chunk).unsqueeze(-1)).exp_()
-    dv.index_add_(0, chunk.cols, torch.bmm(probs.transpose(1, 2), do).view(-1, bs, D))
+    # (a backward run inside autocast, as the pipeline runtime's is, makes the matmuls half: the accumulators keep
+    # the inputs' dtype)
+    dv.index_add_(0, chunk.cols, torch.bmm(probs.transpose(1, 2), do).view(-1, bs, D).to(dv.dtype))
     dscores = torch.bmm(do, blocks.gather_t(blocks.vt, chunk))  # dP (R, bs, c * bs)
     dscores.sub_(blocks.rows(delta, chunk).unsqueeze(-1)).mul_(probs)  # dS = P * (dP - delta)
     _write(dq, chunk, torch.bmm(dscores, blocks.gather(blocks.kb, chunk)).mul_(blocks.scale))
-    dk.index_add_(0, chunk.cols, torch.bmm(dscores.transpose(1, 2), q).view(-1, bs, D))
+    dk.index_add_(0, chunk.cols, torch.bmm(dscores.transpose(1, 2), q).view(-1, bs, D).to(dk.dtype))
 
 
 def _backward(blocks: _Blocks, out, lse, dout, plan: GatherPlan, masks: _Masks):

@@ -151,6 +151,24 @@ def test_half_inputs_on_cpu_and_functional_form():
     torch.testing.assert_close(out, dense_reference(q, k, v, layout, 16, causal=True, scale=0.5), atol=1e-12, rtol=0)
 
 
+def test_backward_inside_autocast_float16():
+    """The pipeline runtime runs a micro-batch's backward inside the autocast context of precision=fp16: the backward's
+    matmuls then make half tensors, which the float32 gradient accumulators took as an error (index_add_: self Float,
+    source Half; seen in the Hydra app with strategy=pipeline precision=fp16 attention=fixed)."""
+    B, H, L, D = 1, 2, 64, 16
+    layout = FixedSparsityConfig(H, 16).make_layout(L)
+    plan = build_gather_plan(layout, 16, B, D, False)
+    q, k, v = qkv(B, H, L, D)
+    with torch.autocast("cpu", dtype=torch.float16):
+        out = block_gather_attention(q, k, v, plan, scale=D**-0.5)
+        out.float().sum().backward()
+    assert all(t.grad is not None and t.grad.dtype == torch.float32 for t in (q, k, v))
+    ref = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    block_gather_attention(*ref, plan, scale=D**-0.5).sum().backward()
+    for t, r in zip((q, k, v), ref):
+        torch.testing.assert_close(t.grad, r.grad, atol=5e-2, rtol=5e-2)
+
+
 def test_dense_config_equals_sdpa():
     q, k, v = qkv(2, 2, 64, 16)
     for causal in (False, True):
