@@ -272,8 +272,7 @@ def measure_module(module, config: ParallelConfig, topo, device, batch, steps: i
                      loss_fn=PipelineGlue.loss_fn(module) if pp > 1 else None, timeout=timeout,
                      param_dtype=plugin.policy.param_dtype if stage3 else None)
     engines = pm.make_engines(precision=plugin.policy, loss_scaler=plugin.loss_scaler,
-                              overlap_comm=config.zero.overlap_comm and len(pm.optimizers) == 1
-                              and not config.partial_grads)
+                              overlap_comm=None if len(pm.optimizers) == 1 else False)
     if not stage3:
         plugin.convert_module(module)
     glue = PipelineGlue(pm.pipeline) if pp > 1 else None

@@ -244,10 +244,9 @@ class Zero3DFabricStrategy(GridStrategyMixin, ParallelStrategy):
             module.to(self.precision.policy.param_dtype)  # what the engines did not own (buffers, frozen params)
 
     def _make_engines(self, pm: ParallelModel, optimizers: List[torch.optim.Optimizer]) -> None:
-        plugin, cfg = self.precision, self.config
+        plugin = self.precision
         every = pm.make_engines(precision=plugin.policy, loss_scaler=plugin.loss_scaler,
-                                overlap_comm=cfg.zero.overlap_comm and len(pm.optimizers) == 1
-                                and (not cfg.partial_grads or self.topology.tp_grad_group is not None))
+                                overlap_comm=None if len(pm.optimizers) == 1 else False)
         by_id = {id(o): e for o, e in zip(pm.optimizers, every)}
         for opt in optimizers:
             plugin.engines[id(opt)] = by_id[id(opt)]

@@ -280,10 +280,9 @@ class Zero3DStrategy(GridStrategyMixin, ParallelStrategy):
         automatic = self.lightning_module.automatic_optimization
         self.engines = self._parallel.make_engines(
             precision=plugin.policy, loss_scaler=plugin.loss_scaler if isinstance(plugin, ZeroPrecision) else None,
-            # Manual optimization may run several backwards per step: reduce at step() instead. Sequence
-            # parallel's partial gradients are summed over tp before any bucket is reduced.
-            overlap_comm=cfg.zero.overlap_comm and automatic and len(self.optimizers) == 1
-            and (not cfg.partial_grads or self.topology.tp_grad_group is not None))
+            # Manual optimization may run several backwards per step: reduce at step() instead. Otherwise the
+            # engines' default (zero.overlap_comm, unless partial gradients have no twin group to be summed on).
+            overlap_comm=None if automatic and len(self.optimizers) == 1 else False)
         for opt, engine in zip(self.optimizers, self.engines):
             plugin.register_engine(opt, engine)
 

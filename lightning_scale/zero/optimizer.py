@@ -83,6 +83,8 @@ class ShardEngine:
     is what the tp and pp axes agree on: the norm mask, the overflow vote, partial gradients.
     """
 
+    _reducer_sums_partials = False  # True: the reducer sums partial gradients itself (no before_reduce at the step)
+
     def __init__(self, optimizer: torch.optim.Optimizer, *, stage: int, group, reducer, masters: List[torch.Tensor],
                  aliased: List[bool], inner: torch.optim.Optimizer, precision: Optional[PrecisionPolicy] = None,
                  loss_scaler=None, offload_optimizer: bool = False, cross_axis: Optional[CrossAxis] = None,
@@ -152,8 +154,7 @@ class ShardEngine:
         """Finish gradient reduction and prepare unscaled master gradients; returns found_inf."""
         if self._prepared:
             return self._found_inf
-        if self.stage < 3 and self.cross.before_reduce is not None and not getattr(self, "_reducer_sums_partials",
-                                                                                     False):
+        if self.stage < 3 and self.cross.before_reduce is not None and not self._reducer_sums_partials:
             self.cross.before_reduce()  # sequence parallel / ep: partial sums over tp, before the buckets read them
         self.reducer.reduce()
         inv_scale = self.cross.grad_scale / self.loss_scaler.scale  # 1 / ep: each ep rank's own batch's mean

@@ -252,11 +252,7 @@ class GradientReducer:
 
             st.handle = C.Handle(None, then)
             if self.stage == 2:  # its staging buffer counts in the window like any other in flight
-                self._inflight.append(st)
-                while len(self._inflight) > _MAX_INFLIGHT:
-                    oldest = self._inflight.pop(0)
-                    if oldest.handle is not None:
-                        oldest.handle.wait()
+                self._join_window(st)
             st.launched = True
             return
         st.handle = self._reduce_over_dp(st)
@@ -265,37 +261,39 @@ class GradientReducer:
     def _reduce_over_dp(self, st: BucketState, window: bool = True) -> Optional[C.Handle]:
         """Start the bucket's reduction over dp; its handle. ``window``: a stage-2 bucket joins the staging window
         (False: the caller waits for it at once)."""
-        finish: Optional[Callable[[], None]] = None
         if self.stage == 0:
             st.grad_buffer.div_(self.world)
             return C.all_reduce(st.grad_buffer, self.group, async_op=True, tag="grad")
-        elif st.local_only:
+        if st.local_only:
             return None  # one rank: the accumulated gradients are the reduced ones
-        elif self.stage == 1:
+        if self.stage == 1:
             st.grad_buffer.div_(self.world)
             return pairwise.reduce_scatter(st.shard_grad, st.grad_buffer, self.group, async_op=True, tag="grad")
-        else:
-            st.staging.div_(self.world)
-            out = st.shard_grad if not st.stream_grads else torch.empty(
-                st.shard.stop - st.shard.start, dtype=st.staging.dtype, device=st.staging.device)
-            handle = pairwise.reduce_scatter(out, st.staging, self.group, async_op=True, tag="grad")
+        # stage 2
+        st.staging.div_(self.world)
+        out = st.shard_grad if not st.stream_grads else torch.empty(
+            st.shard.stop - st.shard.start, dtype=st.staging.dtype, device=st.staging.device)
+        handle = pairwise.reduce_scatter(out, st.staging, self.group, async_op=True, tag="grad")
 
-            def finish(st=st, handle=handle, out=out) -> None:
-                handle.wait()
-                st.staging = None  # transient: freed as soon as the shard is reduced
-                if st.stream_grads:
-                    st.host_grad = out.to(device=st.master_device, dtype=st.master_dtype)
+        def finish(st=st, handle=handle, out=out) -> None:
+            handle.wait()
+            st.staging = None  # transient: freed as soon as the shard is reduced
+            if st.stream_grads:
+                st.host_grad = out.to(device=st.master_device, dtype=st.master_dtype)
 
-            handle = C.Handle(None, finish)
-            if window:
-                # Bound the full-size staging buffers alive during backward: at most _MAX_INFLIGHT buckets in flight.
-                st.handle = handle
-                self._inflight.append(st)
-                while len(self._inflight) > _MAX_INFLIGHT:
-                    oldest = self._inflight.pop(0)
-                    if oldest.handle is not None:
-                        oldest.handle.wait()
-            return handle
+        handle = C.Handle(None, finish)
+        if window:
+            st.handle = handle
+            self._join_window(st)
+        return handle
+
+    def _join_window(self, st: BucketState) -> None:
+        """Bound the full-size staging buffers alive during backward: at most _MAX_INFLIGHT buckets in flight."""
+        self._inflight.append(st)
+        while len(self._inflight) > _MAX_INFLIGHT:
+            oldest = self._inflight.pop(0)
+            if oldest.handle is not None:
+                oldest.handle.wait()
 
     # ------------------------------------------------------------------ public
     def reduce(self) -> None:
