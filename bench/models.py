@@ -34,6 +34,12 @@ width ``--hidden``, top-2, a shared expert, the first layer dense): ls_tp2 / ls_
 the routed experts whole); torch's plans have no style for MLA (its shared rotary key needs its gradient summed over
 tp), so the dtensor_tp / lightning_tp rows are not run for it.
 
+``--model llama4``: an unchanged ``Llama4ForCausalLM`` (text; Scout's shape in small: every layer a MoE of
+``--experts`` experts of width ``--hidden * 2``, top ``--top-k``, a shared expert). transformers runs every expert on
+every token (the router's score zeroes the unpicked ones), which the ddp / fsdp2 rows do; lightning_scale routes them
+(``tensor_parallel/routed_experts.py``, the same math): ``ddp_routed`` is DDP over the routed model, so ls_z2 vs
+ddp_routed shows the engine and ls_z2 vs ddp what a user gets. Use ``--experts 16 --top-k 1`` (Scout's).
+
 ``--model mixtral``: an unchanged ``MixtralForCausalLM`` instead (8 experts of MLP width ``--hidden * 2``, top-2,
 transformers' default experts implementation), and one more row, ``ls_tp2_own``: tp=2 with the model's own
 ``tp_plan`` (attention only, the experts whole on every rank: what lightning_scale did before its ``experts`` style
@@ -64,12 +70,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import peak_rss_mb, peer_table, ratio_table, round_ratios, write_plot  # noqa: E402
 
 SYSTEMS = ["ddp", "ls_z2", "ls_z3", "ls_tp2", "ls_tp2_vp", "ls_tp2_vp_unshared", "ls_pp2", "fsdp2", "dtensor_tp",
-           "lightning_fsdp2", "lightning_tp", "ls_tp2_own", "ls_tp2_ep", "ls_ep2"]
+           "lightning_fsdp2", "lightning_tp", "ls_tp2_own", "ls_tp2_ep", "ls_ep2", "ddp_routed"]
 PEERS = {"ls_z3": [("lightning_fsdp2", 1.05), ("fsdp2", 1.05)], "ls_tp2": [("lightning_tp", 1.3),
          ("dtensor_tp", 1.3)], "ls_tp2_vp": [("lightning_tp", 1.3), ("dtensor_tp", 1.3), ("ls_tp2", None),
                                              ("ls_tp2_vp_unshared", None)],
          "ls_tp2_vp_unshared": [("dtensor_tp", 1.3)],
-         "ls_z2": [("ddp", None)], "ls_pp2": [("ddp", None)], "ls_tp2_own": [("dtensor_tp", None)],
+         "ls_z2": [("ddp", None), ("ddp_routed", None)], "ls_pp2": [("ddp", None)], "ls_tp2_own": [("dtensor_tp", None)],
          "ls_tp2_ep": [("ls_tp2_vp", None), ("ls_tp2_own", None)],
          "ls_ep2": [("ddp", None), ("ls_z2", None), ("ls_z3", None), ("fsdp2", None)]}
 LS = {"ls_z2": dict(stage=2), "ls_z3": dict(stage=3), "ls_tp2": dict(tp=2, stage=1), "ls_tp2_vp": dict(tp=2, stage=1),
@@ -99,6 +105,18 @@ def build_llama(kw: dict):
                                   attn_implementation="sdpa")
         torch.manual_seed(0)
         return DeepseekV3ForCausalLM(config)
+    if kw.get("model") == "llama4":  # Scout's shape in small: every layer MoE, top-1, a shared expert
+        from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+        width = kw.get("expert_width") or kw["hidden"] * 2
+        config = Llama4TextConfig(vocab_size=kw["vocab"], hidden_size=kw["hidden"], intermediate_size=width,
+                                  intermediate_size_mlp=width, num_hidden_layers=kw["layers"],
+                                  num_attention_heads=kw["heads"], num_key_value_heads=kw["kv_heads"],
+                                  head_dim=kw["hidden"] // kw["heads"], max_position_embeddings=kw["seq"],
+                                  num_local_experts=kw.get("experts", 16), num_experts_per_tok=kw.get("top_k", 1),
+                                  interleave_moe_layer_step=1, tie_word_embeddings=False, attn_implementation="sdpa")
+        torch.manual_seed(0)
+        return Llama4ForCausalLM(config)
     if kw.get("model") == "mixtral":
         from transformers import MixtralConfig, MixtralForCausalLM
 
@@ -231,7 +249,11 @@ def _plain_step(system: str, model, rank: int, world: int):
             opt.zero_grad()
             return loss.full_tensor().detach()
         return step
-    if system == "ddp":
+    if system in ("ddp", "ddp_routed"):
+        if system == "ddp_routed":  # Llama 4's experts routed as lightning_scale routes them, then plain DDP
+            from lightning_scale.tensor_parallel.routed_experts import route_experts
+
+            route_experts(model)
         module = torch.nn.parallel.DistributedDataParallel(model)
     elif system == "fsdp2":
         _fsdp2(model)
@@ -348,12 +370,13 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--model", choices=["llama", "mixtral", "deepseek_v3"], default="llama")
+    ap.add_argument("--model", choices=["llama", "mixtral", "deepseek_v3", "llama4"], default="llama")
     ap.add_argument("--experts", type=int, default=8, help="MoE models: routed experts per layer")
     ap.add_argument("--top-k", type=int, default=2, help="MoE models: experts per token")
     ap.add_argument("--expert-width", type=int, default=None,
                     help="MoE models: each expert's intermediate width (default: Mixtral 2 x hidden, DeepSeek-V3 hidden)")
-    ap.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated rows; ddp is always added")
+    ap.add_argument("--systems", default=",".join(s for s in SYSTEMS if s != "ddp_routed"),
+                    help="comma-separated rows; ddp is always added (ddp_routed: --model llama4 only)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per (round, system) run")
     ap.add_argument("--plot", default=None, metavar="PATH", help="also write the ratios vs DDP as a bar chart (PNG)")
     args = ap.parse_args()
@@ -397,7 +420,7 @@ def main() -> None:
     rounds = [{k: r[k] for k in ok if k in r} for r in rounds]
     name = f"HF {args.model.capitalize()} {_params_m(kw):.1f}M"
     if args.model != "llama":
-        width = args.expert_width or (args.hidden * 2 if args.model == "mixtral" else args.hidden)
+        width = args.expert_width or (args.hidden if args.model == "deepseek_v3" else args.hidden * 2)
         name += f" ({args.experts} experts of width {width}, top-{args.top_k})"
     print(f"\n## {name} ({datetime.date.today()}, 2 CPU ranks, {tokens} tokens/step, "
           f"{args.rounds} rounds x {args.steps} timed steps)\n")

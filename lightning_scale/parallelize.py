@@ -71,6 +71,7 @@ class ParallelModel:
     pipeline: Any = None  # lightning_scale.pipeline.placement.PipelinePlacement at pp > 1
     sharded: Any = None  # lightning_scale.zero.param_shard.ShardedParameters at zero.stage=3
     optimizers: List[torch.optim.Optimizer] = field(default_factory=list)
+    routed: List[str] = field(default_factory=list)  # dense MoE layers made routed (tensor_parallel/routed_experts.py)
 
     @property
     def model_parallel(self) -> bool:
@@ -382,7 +383,10 @@ def parallelize(module: nn.Module, config: ParallelConfig, topology: Topology, d
     from lightning_scale.compile import unwrap_compiled
 
     user_compile = unwrap_compiled(module)  # a user's torch.compile(submodule): compiled per unit at the end instead
+    from lightning_scale.tensor_parallel.routed_experts import route_experts
+
     pm = ParallelModel(module, config, topology, torch.device(device))
+    pm.routed = route_experts(module)  # Llama 4's dense experts routed (same math): they split, place and exchange
     names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
     stage3 = config.zero.stage == 3
     if not has_meta(module, recurse=True) and (not stage3 or pm.model_parallel):

@@ -44,8 +44,12 @@ MiB, GiB = 2**20, 2**30
 def find_model(root, setting: str = "--module"):
     """(model, Shape or the GPT's config) inside a LightningModule (or a model): the package GPT, else a Hugging Face
     ``PreTrainedModel`` (its config gives heads, layers, vocabulary), else ``root`` itself if the estimator finds
-    repeated units in it (a ModuleList of one class, or ``layer_modules()``)."""
+    repeated units in it (a ModuleList of one class, or ``layer_modules()``). Llama 4's dense experts are made routed
+    first, as :func:`~lightning_scale.parallelize.parallelize` will (:mod:`.tensor_parallel.routed_experts`)."""
     from lightning_scale.estimate import _units
+    from lightning_scale.tensor_parallel.routed_experts import route_experts
+
+    route_experts(root)
 
     gpts = [m for m in root.modules() if type(m).__name__ == "GPT" and hasattr(m, "cfg")]
     if gpts:

@@ -82,6 +82,10 @@ FAMILIES: Dict[str, Tuple[str, dict, str]] = {
                        "mixture of experts, q/k norms after rotary (pp: the Llama pattern)"),
     "nemotron": ("nemotron", dict(num_key_value_heads=2, head_dim=8),
                  "LayerNorm1P, squared-ReLU MLP without gate, partial rotary (pp: the Llama pattern)"),
+    "llama4": ("llama4_text", dict(num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=1,
+                                   intermediate_size_mlp=64, interleave_moe_layer_step=2, attention_chunk_size=8),
+               "Llama 4: dense experts module of its own, top-1 sigmoid router, shared expert, MoE every 2nd layer, "
+               "chunked attention and layers without rotary"),
     "stablelm": ("stablelm", dict(num_key_value_heads=2), "partial rotary, LayerNorm (pp: the Llama pattern; no tp "
                                                           "plan of its own: tp refused by name)"),
     "bitnet": ("bitnet", dict(num_key_value_heads=2), "sub-layer norms, ReLU^2 (pp: the Llama pattern; no tp plan of "
@@ -94,7 +98,7 @@ NO_SDPA = ("gemma2", "gpt_oss")
 # families whose layers hold transformers experts modules (3-D expert weights): the matrix also runs them with the
 # experts placed whole at tp=2 (expert_parallel); tests/unit/test_hf_pipeline.py checks the list against the models
 MOE = ("mixtral", "qwen2_moe", "deepseek_v3", "granitemoe", "qwen3_moe", "glm4_moe", "ernie4_5_moe", "gpt_oss",
-       "olmoe", "phimoe", "hunyuan_v1_moe")
+       "olmoe", "phimoe", "hunyuan_v1_moe", "llama4")
 
 
 def build(name: str, attn: str = "eager", dtype: torch.dtype = torch.float64, seed: int = 0,

@@ -12,7 +12,8 @@ they are the ones the unsplit model uses:
 * the structure comes from transformers itself: ``config.base_model_pp_plan`` names the embedding
   module(s), the layer list and the final norm of the base model; the CausalLM's ``_pp_plan`` names the
   head (``lm_head`` / ``embed_out``); ``base.rotary_emb`` gives cos/sin;
-* the mask type of layer ``i`` is ``config.layer_types[i]`` when the config has it, else sliding-window
+* the mask type of layer ``i`` is ``config.layer_types[i]`` when the config has it (full, sliding-window or Llama 4's
+  chunked attention; another type is refused by name), else sliding-window
   when ``config.sliding_window`` is set (Mistral, Phi3), else full causal; the head applies
   ``config.final_logit_softcapping`` (Gemma2/3) like the CausalLM's forward;
 * a padding ``attention_mask`` travels with the micro-batch: the inputs may be ``(B, 2, T)`` =
@@ -30,9 +31,9 @@ forward does more than this (e.g. ``embedding_multiplier``, ``logit_scale`` outs
 adapter applies: Granite, Cohere, ``_SCALES``) get a ``ConfigError`` that
 names them and says to define ``pipeline_layers()``; a few families whose config lacks the plan although their base
 model is the Llama pattern (``_LLAMA_PATTERN``: OLMoE, PhiMoE, HunYuan dense and MoE, Nemotron, StableLM, BitNet,
-GraniteMoE; each checked by the test matrix) use that pattern. Nothing here imports ``transformers`` at import
-time (duck typing on ``config.model_type`` / ``base_model_prefix``); the mask functions are imported
-when a layer first runs.
+GraniteMoE, Llama 4's text model; each checked by the test matrix) use that pattern. Nothing here imports
+``transformers`` at import time (duck typing on ``config.model_type`` / ``base_model_prefix``); the mask functions
+are imported when a layer first runs.
 """
 
 from __future__ import annotations
@@ -137,12 +138,16 @@ class HFDecoderLayer(nn.Module):
             self.layer_type = types[index]
         else:
             self.layer_type = "sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"
+        if self.layer_type not in _MASKS:
+            raise ConfigError(f"pipeline: decoder layer {index} is of type {self.layer_type!r} "
+                              f"(config.layer_types), whose mask the built-in adapter does not build (it knows "
+                              f"{', '.join(_MASKS)}); define pipeline_layers() on your LightningModule")
         self._rotary_by_type = rotary is not None and "layer_type" in inspect.signature(rotary.forward).parameters
 
     def _mask(self, h: torch.Tensor, padding: Optional[torch.Tensor], position_ids: torch.Tensor):
-        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+        import transformers.masking_utils as masks
 
-        fn = create_sliding_window_causal_mask if self.layer_type == "sliding_attention" else create_causal_mask
+        fn = getattr(masks, _MASKS[self.layer_type])
         return fn(config=self.config, inputs_embeds=h, attention_mask=padding, cache=None, position_ids=position_ids)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C [+1]) -> same
@@ -186,7 +191,10 @@ class HFHead(nn.Module):
 # the rotary table, every decoder layer, norm; the head lm_head): each is a family of hf_families, so the layer chain
 # is checked equal to the model (tests/unit/test_hf_pipeline.py) and pp=2 to one process (tests/dist/test_hf_matrix.py).
 _LLAMA_PATTERN = ("olmoe", "phimoe", "hunyuan_v1_dense", "hunyuan_v1_moe", "nemotron", "stablelm", "bitnet",
-                  "granitemoe")
+                  "granitemoe", "llama4_text")
+# the mask function (transformers.masking_utils) of each layer type; another type is refused by name
+_MASKS = {"full_attention": "create_causal_mask", "sliding_attention": "create_sliding_window_causal_mask",
+          "chunked_attention": "create_chunked_causal_mask"}
 # Families whose forward adds to that pattern only a scaling by a config value, which the adapter applies (model type
 # -> those attributes): Granite's embeddings * embedding_multiplier and logits / logits_scaling, Cohere's logits *
 # logit_scale. Another family with such an attribute is refused (its forward may use it otherwise).
@@ -200,7 +208,9 @@ def _structure(model: nn.Module):
     base = getattr(model, "base_model", None)
     plan = getattr(config, "base_model_pp_plan", None) or getattr(base, "_pp_plan", None)
     head_plan = getattr(type(model), "_pp_plan", None) or {}  # the class' own: the instance's adds the base's
-    if not plan and config.model_type in _LLAMA_PATTERN and base is not None and base is not model:
+    if not plan and config.model_type in _LLAMA_PATTERN:
+        if base is None or base is model:  # Llama 4's CausalLM names its base `language_model` yet holds `model`
+            base = getattr(model, "model", None)
         plan, head_plan = {"embed_tokens": None, "layers": None, "norm": None}, {"lm_head": None}
     family = f"{type(model).__name__} (model_type {config.model_type!r})"
     if base is None or base is model or not plan or len(head_plan) != 1:

@@ -263,6 +263,10 @@ def layout_table(strategy: Any) -> str:
     if attention is not None:
         rows.append(("attention", attention))
     rows += compile_and_checkpointing(strategy, module)
+    routed = getattr(getattr(strategy, "_parallel", None), "routed", None)
+    if routed:  # Llama 4: tensor_parallel/routed_experts.py
+        rows.append(("experts", f"{len(routed)} dense MoE layers routed: each token runs its k experts, not all "
+                                "(transformers' every-expert path; same math)"))
     tp_row = tensor_parallel_row(getattr(getattr(strategy, "_parallel", None), "tp_summary", None))
     if tp_row is not None:
         rows.append(tp_row)

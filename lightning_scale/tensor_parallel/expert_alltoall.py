@@ -6,7 +6,9 @@ ranks) and each holds ``E / ep`` whole experts of every transformers experts mod
 the expert axis). The router runs on every rank over its own tokens; each route (a token's hidden state, once per
 expert it picked) travels to the rank holding that expert in one all-to-all, the experts there run every route they
 received (from every rank, top-1 with weight 1), the outputs travel back in a second all-to-all, and the sender
-multiplies each by its routing weight and adds it to its token's row: the module's result is what one process gives
+multiplies each by its routing weight and adds it to its token's row (experts that take the weight on their input,
+Llama 4's, :mod:`~lightning_scale.tensor_parallel.routed_experts`: the sender scales each route's row before it
+leaves and adds the outputs as they come back): the module's result is what one process gives
 for the same tokens (top-2: exact; more routes per token: up to the order of the sum). Backward runs the two
 exchanges the other way; the experts' gradients collect every rank's routes to them.
 
@@ -98,11 +100,14 @@ def _dispatch(group, tag: str, name: str, ep: int, local: int):
         send = send_t.tolist()
         recv = _counts(send_t, group, tag)
         ids = exchange(index.flatten()[order] - dest[order] * local, recv, send, group, tag)
-        received = exchange(rows[token], recv, send, group, tag)
+        routed, weight = rows[token], weights[token, slot]
+        if getattr(module, "_scales_input", False):  # Llama 4 (routed_experts.py): expert(x * w), scaled here
+            routed, weight = routed * weight.unsqueeze(-1).to(routed.dtype), None
+        received = exchange(routed, recv, send, group, tag)
         put(row_keys[0], received)
         put(id_key, ids.unsqueeze(1))
         put(weight_keys[0], torch.ones((ids.shape[0], 1), dtype=weights.dtype, device=weights.device))
-        module._ep_routes.append((token, weights[token, slot], recv, send, rows.shape[0], rows.dtype, received))
+        module._ep_routes.append((token, weight, recv, send, rows.shape[0], rows.dtype, received))
         return tuple(call.args), kwargs
 
     return hook
@@ -121,8 +126,12 @@ def _combine(group, tag: str, name: str):
             # graph, or this rank would skip the backward all-to-alls the other ranks run (a hang)
             output = output + received.sum().to(output.dtype)
         back = exchange(output, send, recv, group, tag)
-        weighted = back * weight.unsqueeze(-1).to(back.dtype) if back.dtype != weight.dtype else \
-            back * weight.unsqueeze(-1)
+        if weight is None:  # the routing weight scaled the input already
+            weighted = back
+        elif back.dtype != weight.dtype:
+            weighted = back * weight.unsqueeze(-1).to(back.dtype)
+        else:
+            weighted = back * weight.unsqueeze(-1)
         return weighted.new_zeros((tokens, *back.shape[1:])).index_add(0, token, weighted).to(dtype)
 
     return hook
@@ -157,11 +166,14 @@ def place_experts_exchanged(name: str, module: nn.Module, specs: Dict[str, Shard
 
 
 def expert_data_parallel_plan(model: nn.Module, ep: int) -> Dict[str, str]:
-    """``{name: 'expert_data_parallel'}`` for every transformers experts module of ``model``; a ConfigError naming
-    ``ep`` when there is none or one cannot be placed."""
+    """``{name: 'expert_data_parallel'}`` for every transformers experts module of ``model`` (Llama 4's dense ones made
+    routed in place first); a ConfigError naming ``ep`` when there is none or one cannot be placed."""
     from lightning_scale.config import ConfigError
     from lightning_scale.tensor_parallel.expert_parallel import unsupported
 
+    from lightning_scale.tensor_parallel.routed_experts import route_experts
+
+    route_experts(model)  # Llama 4's dense experts routed first (same math): then they place and exchange
     plan, refused = {}, []
     for name, module in model.named_modules():
         if split_style.is_moe_block(module):

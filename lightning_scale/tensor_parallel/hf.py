@@ -108,6 +108,15 @@ def _matches(pattern: str, name: str) -> bool:
     return re.fullmatch(re.escape(pattern).replace(r"\*", r"[^.]+"), name) is not None
 
 
+def _own_experts(plan: Dict[str, str]) -> Dict[str, str]:
+    """A declared plan without transformers' ``moe_tp_experts`` entries (Llama 4's experts module: every expert's
+    width split, the output all-reduced): the built-in plan gives each experts module tp can split this package's
+    own ``experts`` (the same split) or, with ``expert_parallel``, places its experts
+    (:func:`~lightning_scale.tensor_parallel.experts.expert_plan_entries`); the entries naming its 3-D parameters
+    match no module and are skipped."""
+    return {k: v for k, v in plan.items() if v != "moe_tp_experts"}
+
+
 def hf_plan(model: nn.Module) -> Dict[str, str]:
     """The plan of a Hugging Face model: GPT-2's built-in one, else the model's declared ``tp_plan``."""
     prefix = _base_prefix(model)
@@ -118,10 +127,10 @@ def hf_plan(model: nn.Module) -> Dict[str, str]:
         return plan
     declared = getattr(model, "tp_plan", None) or getattr(model, "_tp_plan", None)
     if declared:
-        return _untie_head({k: hf_style(v, k) for k, v in dict(declared).items()}, model)
+        return _untie_head({k: hf_style(v, k) for k, v in _own_experts(dict(declared)).items()}, model)
     base = getattr(model.config, "base_model_tp_plan", None)
     if base:
-        return _untie_head({prefix + k: hf_style(v, k) for k, v in base.items()}, model)
+        return _untie_head({prefix + k: hf_style(v, k) for k, v in _own_experts(base).items()}, model)
     raise ConfigError(f"tensor.plan: {type(model).__name__} declares no tp_plan (base_model_tp_plan); "
                       f"pass plan={{pattern: style}}")
 

@@ -45,6 +45,7 @@ from lightning_scale.tensor_parallel.mappings import (
     tp_rank,
     tp_size,
 )
+from lightning_scale.tensor_parallel.routed_experts import route_experts
 from lightning_scale.tensor_parallel.sharding import ShardSpec, make_spec, mark_partial_grad, tp_partial_grad, tp_spec
 from lightning_scale.tensor_parallel.state import TensorParallelState
 from lightning_scale.tensor_parallel.styles import Style, parse_style
@@ -506,6 +507,7 @@ def apply_tensor_parallel(model: nn.Module, plan: Optional[Dict[str, object]] = 
     tensor-parallel, the project GPT's ``model.loss`` uses the vocabulary-parallel cross-entropy, and
     :func:`~lightning_scale.tensor_parallel.state.tensor_parallel_state` describes what was done.
     """
+    route_experts(model)  # Llama 4's dense experts routed (same math), so they split or place like Mixtral's
     tp = tp_size(group)
     p = plan_tensor_parallel(model, plan, tp, sequence_parallel=sequence_parallel, expert_parallel=expert_parallel)
     state = TensorParallelState(group=group, tp=tp, rank=tp_rank(group), sequence_parallel=sequence_parallel,

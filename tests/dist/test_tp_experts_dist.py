@@ -21,9 +21,12 @@ from lightning_scale.testing import HF_RANK_PRELOAD, run_distributed
 
 # DeepSeek-V3: its router scores in float32 like Mixtral's; its attention is multi-head latent attention (the shared
 # k_rot of kv_a_proj_with_mqa feeds this rank's heads only: style mla_kv_a_proj all-reduces its gradient)
-FAMILIES = {"mixtral": 1e-6, "qwen2_moe": 1e-12, "deepseek_v3": 1e-6}
+# Llama 4: its dense experts routed (tensor_parallel/routed_experts.py; transposed layout, gate_up_proj (E, H, 2I)), the
+# router score scaling each route's input; built without rotary layers (its rotary runs in complex float32)
+FAMILIES = {"mixtral": 1e-6, "qwen2_moe": 1e-12, "deepseek_v3": 1e-6, "llama4": 1e-12}
+OVERRIDES = {"llama4": dict(no_rope_layers=[0] * 4, layer_types=["chunked_attention", "full_attention"] * 2)}
 # the share of parameters split at tp=2 (DeepSeek-V3: the latent projections kv_a / q_a and the routers stay whole)
-SPLIT = {"mixtral": 0.95, "qwen2_moe": 0.95, "deepseek_v3": 0.9}
+SPLIT = {"mixtral": 0.95, "qwen2_moe": 0.95, "deepseek_v3": 0.9, "llama4": 0.95}
 
 
 def _batch():
@@ -50,7 +53,7 @@ def worker(rank: int, world_size: int) -> dict:
     torch.set_num_threads(1)
     out = {}
     for family in FAMILIES:
-        whole = F.build(family, "eager")
+        whole = F.build(family, "eager", overrides=OVERRIDES.get(family))
         shapes = {n: tuple(p.shape) for n, p in whole.named_parameters() if ".experts." in n}
         model = apply_tensor_parallel(whole, None, dist.group.WORLD)
         x, y = _batch()
@@ -76,7 +79,7 @@ def runs():
 def test_moe_at_tp2_splits_the_experts_and_equals_one_process(runs, family):
     from lightning_scale.models import hf_families as F
 
-    ref = F.build(family, "eager")
+    ref = F.build(family, "eager", overrides=OVERRIDES.get(family))
     x, y = _batch()
     loss = _loss(ref(input_ids=x).logits, y)
     loss.backward()
@@ -86,6 +89,8 @@ def test_moe_at_tp2_splits_the_experts_and_equals_one_process(runs, family):
         assert r["full_shapes"], "no expert weights found"
         for name, full in r["full_shapes"].items():  # (E, 2I, H) -> (E, I, H); (E, H, I) -> (E, H, I / 2)
             dim = 1 if name.endswith("gate_up_proj") else 2
+            if family == "llama4":  # transposed: (E, H, 2I) -> (E, H, I); (E, I, H) -> (E, I / 2, H)
+                dim = 3 - dim
             want = tuple(n // 2 if d == dim else n for d, n in enumerate(full))
             assert r["local_shapes"][name] == want, (name, r["local_shapes"][name], want)
         assert r["fraction"] > SPLIT[family], r["fraction"]  # was 0.16 for this Mixtral with its own plan

@@ -34,7 +34,7 @@ def reference(tmp_path_factory):
     pytest.importorskip("transformers")
     tmp = tmp_path_factory.mktemp("hf_single")
     return {f: _fit(tmp, f, "--family", f, "--strategy", "single", "--devices", "1")["losses"]
-            for f in ("llama", "gemma3", "mixtral")}
+            for f in ("llama", "gemma3", "mixtral", "llama4")}
 
 
 def _close(run, ref, world=2):
@@ -60,8 +60,13 @@ def _close(run, ref, world=2):
     pytest.param("mixtral", ["ep=2", "pp=2", "microbatches=2", "devices=4"], marks=pytest.mark.slow),
     # ep x Ulysses sp on 4 ranks: the sp peers read the same rows, each its half of every sequence, ZeRO-3 over dp x sp
     pytest.param("mixtral", ["ep=2", "sp=2", "stage=3", "devices=4"], marks=pytest.mark.slow),
+    # Llama 4 (its dense experts routed, tensor_parallel/routed_experts.py): ep=2, each route's row scaled by its
+    # router score before it travels; and tp=2 (every expert's width split) x pp=2 (its chunked-attention masks
+    # rebuilt per stage) on 4 ranks
+    ("llama4", ["ep=2"]),
+    pytest.param("llama4", ["tp=2", "pp=2", "microbatches=2", "devices=4"], marks=pytest.mark.slow),
 ], ids=["llama-pp2", "gemma3-tp2", "llama-zero3", "llama-zero2-ac-compile", "mixtral-tp2-expert-parallel",
-        "mixtral-ep2-zero3", "mixtral-ep2-pp2", "mixtral-ep2-sp2-zero3"])
+        "mixtral-ep2-zero3", "mixtral-ep2-pp2", "mixtral-ep2-sp2-zero3", "llama4-ep2", "llama4-tp2-pp2"])
 def test_unchanged_hf_model_matches_single_process(tmp_path, reference, family, options):
     args = ["--family", family]
     for o in options:
@@ -69,9 +74,10 @@ def test_unchanged_hf_model_matches_single_process(tmp_path, reference, family, 
     run = _fit(tmp_path, "run", *args)
     _close(run, reference[family], world=script_ranks(args))
     if "expert_parallel=true" in options or "ep=2" in options:  # 48 tokens x 2 routes x 4 layers in step 1
-        # (under pp: the first stage's 2 layers; under sp: each rank's half of every sequence; 192 routes)
+        # (under pp: the first stage's 2 layers; under sp: each rank's half of every sequence; 192 routes; Llama 4:
+        # top-1 in 2 MoE layers, 96)
         (rec,) = run["expert_load"]
-        routes = 384 // (2 if "pp=2" in options or "sp=2" in options else 1)
+        routes = (96 if family == "llama4" else 384) // (2 if "pp=2" in options or "sp=2" in options else 1)
         assert rec["steps"] == [1, 1] and sum(rec["routes"]) == routes and rec["ratio"] < 1.25, rec
     if any(o.startswith("compile=") for o in options):
         assert run["compile"]["graphs"] == 1 and run["compile"]["eager_fallbacks"] == 0, run["compile"]

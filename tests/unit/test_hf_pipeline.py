@@ -31,8 +31,11 @@ def test_chain_equals_model_with_and_without_padding(name, attn):
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
     torch.testing.assert_close(out_pad, ref_pad, rtol=0, atol=0)
     from lightning_scale.tensor_parallel.experts import is_experts
+    from lightning_scale.tensor_parallel.routed_experts import route_experts
 
-    # hf_families.MOE (the matrix's expert-parallel column) lists exactly the families with experts modules
+    # hf_families.MOE (the matrix's expert-parallel column) lists exactly the families with experts modules (Llama 4's
+    # once its dense experts are routed, as parallelize() does)
+    route_experts(model)
     assert any(is_experts(m) for m in model.modules()) == (name in F.MOE), name
     assert (ref_pad[1] - ref[1]).abs().max() == 0  # the unpadded row is untouched
     assert (ref_pad[0, -3:] - ref[0, -3:]).abs().max() > 1e-4  # the padding mask matters (pad queries)
