@@ -36,9 +36,10 @@ def _hand_written(path: str) -> list:
 PRETRAINED = ("Pretrained weights: `AutoModelForCausalLM.from_pretrained(dir)` inside `configure_model` (or "
               "`lightning_scale.from_pretrained` / `load_pretrained`) under zero3, tp=2 and pp=2 reads each rank's "
               "shard / slices / stage from the safetensors files; tested on Llama (zero3, tp2, pp2) and GPT-2 (zero3, "
-              "tp2, pp2), Phi3 with one kv head at tp2 (fused projections read by parts), Mixtral (tp2, zero3) and "
-              "Qwen2-MoE (tp2), whose files keep each expert's own tensors (read through transformers' conversion "
-              "mapping; Mixtral 1e-8: its float32 routing weights), and Llama / GPT-2 at dp2 x tp2 "
+              "tp2, pp2), Phi3 with one kv head at tp2 (fused projections read by parts), Mixtral (tp2, zero3, "
+              "experts placed at tp2, ep2) and Qwen2-MoE (tp2, placed at tp2, ep2), whose files keep each expert's own "
+              "tensors (read through transformers' conversion mapping; Mixtral 1e-8: its float32 routing weights), "
+              "Llama 4 (tp2, ep2: its fused experts as on disk, run routed), and Llama / GPT-2 at dp2 x tp2 "
               "(ZeRO-3, 4 ranks), Llama at dp2 x pp2 (ZeRO-3, 4 ranks) and both at dp2 x tp2 x pp2 (8 ranks), each "
               "rank reading 25-26% of the file, against one process's `from_pretrained`, float64 1e-10 "
               "(`tests/dist/test_pretrained.py`); under Fabric (`init_module(empty_init=True)`, zero3 and tp2; "
@@ -101,7 +102,7 @@ def _litgpt_lines() -> list:
     return lines
 
 
-MOE = 'Mixtral and Qwen2-MoE (`experts_implementation="eager"` in these configs: transformers\' default grouped matmul has no float64): their own `tp_plan` (transformers 5) covers attention, embedding and head only; the built-in plan adds their experts (style `experts`: every expert\'s intermediate width split over tp, Qwen2-MoE\'s shared expert column / row-wise), so at tp=2 99% of their parameters are split (16% of this Mixtral\'s with its own plan). Mixtral\'s router keeps its routing weights in float32, so its tp2 rows differ from one process by float32 rounding (~1e-9 over 3 steps), not 1e-16 ([tensor_parallel.md](tensor_parallel.md#mixture-of-experts)); so does DeepSeek-V3\'s (its sigmoid router scores in float32), whose multi-head latent attention tp splits by heads with transformers\' own plan (`mla_kv_a_proj`: the shared rotary key\'s gradient summed over tp). OLMoE, PhiMoE, HunYuan dense and MoE, Nemotron, StableLM, BitNet and GraniteMoE declare no pipeline plan in their configs; their base models are the Llama pattern, which pp uses for them (`hf_pipeline._LLAMA_PATTERN`); StableLM and BitNet bring no tp plan (refused by name). Granite\'s embedding / logit multipliers and Cohere\'s logit scale are applied by the adapter\'s embedding and head (`hf_pipeline._SCALES`).'
+MOE = 'Mixtral and Qwen2-MoE (`experts_implementation="eager"` in these configs: transformers\' default grouped matmul has no float64): their own `tp_plan` (transformers 5) covers attention, embedding and head only; the built-in plan adds their experts (style `experts`: every expert\'s intermediate width split over tp, Qwen2-MoE\'s shared expert column / row-wise), so at tp=2 99% of their parameters are split (16% of this Mixtral\'s with its own plan). Mixtral\'s router keeps its routing weights in float32, so its tp2 rows differ from one process by float32 rounding (~1e-9 over 3 steps), not 1e-16 ([tensor_parallel.md](tensor_parallel.md#mixture-of-experts)); so does DeepSeek-V3\'s (its sigmoid router scores in float32), whose multi-head latent attention tp splits by heads with transformers\' own plan (`mla_kv_a_proj`: the shared rotary key\'s gradient summed over tp). OLMoE, PhiMoE, HunYuan dense and MoE, Nemotron, StableLM, BitNet, GraniteMoE and Llama 4 declare no pipeline plan in their configs; their base models are the Llama pattern, which pp uses for them (`hf_pipeline._LLAMA_PATTERN`; Llama 4 with its chunked-attention masks per layer); Llama 4\'s experts, which transformers runs densely (every expert on every token), are made routed first (`tensor_parallel/routed_experts.py`, same math, k / E of the expert work), so tp splits or places them like Mixtral\'s; its rotary runs in complex float32 (its tp rows: ~1e-8); StableLM and BitNet bring no tp plan (refused by name). Granite\'s embedding / logit multipliers and Cohere\'s logit scale are applied by the adapter\'s embedding and head (`hf_pipeline._SCALES`).'
 
 
 def main() -> None:
