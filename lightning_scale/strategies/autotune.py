@@ -47,7 +47,7 @@ KNOWN = {"budget_s": 60.0, "memory": None, "steps": 2, "warmup": 1, "max_probes"
          "offloads": None, "tp": None, "pp": None, "ac": None, "buckets": (5.0, 25.0), "microbatches": None,
          "compile": None, "probe_timeout_s": 300.0, "sp": None, "relief": None}
 SEARCHED = ("stage", "offload", "tp", "pp", "sp", "dp", "bucket_mb", "activation_checkpointing", "microbatches",
-            "compile", "tiled_mlp", "tiled_attention", "offload_activations", "expert_parallel")
+            "compile", "tiled_mlp", "tiled_attention", "offload_activations", "expert_parallel", "ep")
 RELIEF_KEYS = {"tiled_mlp": "tiled_mlp", "tiled_attention": "tiled_attention", "offload_activations": "act_offload"}
 
 
@@ -161,7 +161,9 @@ def search_space(opts: Dict[str, Any], fixed: Dict[str, Any], world: int, n_head
     space["relief"] = () if fixed_relief else tuple(opts["relief"] if opts["relief"] is not None else RELIEF)
     space["fixed_relief"] = fixed_relief
     space["eps"] = (fixed["expert_parallel"],) if "expert_parallel" in fixed else None  # a user's choice is kept
-    space["eds"] = (1,)  # ep (expert parallelism over data-parallel ranks) is not searched here yet: the CLI does
+    # ep (expert parallelism over the data-parallel ranks): at tp = 1, every divisor of dp dividing the expert count
+    # (tune_plan._ep_options); a user's setting is kept
+    space["eds"] = (fixed["ep"],) if "ep" in fixed else None
     tps, pps = pick("tp", "tp", _divisors(world)), pick("pp", "pp", _divisors(world))
     sps = pick("sp", "sp", (1,))
     splits = [(world // (t * p * q), t, p, q) for t in tps for p in pps for q in sps if world % (t * p * q) == 0]
@@ -457,7 +459,7 @@ def run(strategy, trainer, value: Any, given: Optional[Sequence[str]]) -> Dict[s
         result = probe_one(strategy, trainer, c, cfg, batch, opts, f"{run_key}/{i}")
         probes += 1
         if "error" not in result:
-            result["tokens_per_s"] = c.dp * batch_size * seq_len / result["step_s"]
+            result["tokens_per_s"] = c.dp * c.ep * batch_size * seq_len / result["step_s"]  # every data rank
         row.result = result
         speed = f"{result['tokens_per_s']:,.0f} tokens/s" if "error" not in result else "failed: " + result["error"]
         say(f"[lightning_scale autotune] [{i + 1}/{len(survivors)}] {c.key}: {speed} "
@@ -473,8 +475,8 @@ def run(strategy, trainer, value: Any, given: Optional[Sequence[str]]) -> Dict[s
     winner = next(r for r in ranked if r.candidate.key == key)
     c = winner.candidate
     strategy.config = settings_config(strategy.config, c, world, compiled)
-    if (c.dp, c.tp, c.pp, c.sp) != (strategy.topology.dp, strategy.topology.tp, strategy.topology.pp,
-                                    strategy.topology.sp):
+    old = strategy.topology
+    if (c.dp, c.tp * c.ep, c.pp, c.sp, c.ep) != (old.dp, old.tp, old.pp, old.sp, getattr(old, "ep", 1)):
         strategy.topology = local_topology(strategy.config, world, rank)  # the Trainer's groups, not the probe's
     line = ["strategy.autotune=null"] + [o for o in c.overrides(str(precision)) if not o.startswith("precision")]
     if c.compile and compiled is not True:
@@ -495,9 +497,9 @@ def run(strategy, trainer, value: Any, given: Optional[Sequence[str]]) -> Dict[s
 
 def settings(c, compiled: Any = True) -> Dict[str, Any]:
     """The strategy settings of candidate ``c`` (``compiled``: the compile setting of a compiled candidate)."""
-    # the candidate's own keywords; sp and expert_parallel always (a winner at sp=1 / with the experts split replaces
-    # a user's launch-time setting), compile as set
-    return dict(c.strategy_kwargs(), sp=c.sp, expert_parallel=c.expert_parallel,
+    # the candidate's own keywords; sp, ep and expert_parallel always (a winner at sp=1 / ep=1 / with the experts split
+    # replaces a user's launch-time setting), compile as set
+    return dict(c.strategy_kwargs(), sp=c.sp, ep=c.ep, expert_parallel=c.expert_parallel,
                 compile=compiled if c.compile else False)
 
 

@@ -47,6 +47,11 @@ def probe_groups(config: ParallelConfig, world: int, rank: int, timeout_s: float
             group = make(ranks)
             if group is not None:
                 topo._groups["dp_sp"] = group
+    if topo.tp > 1:  # the tp group's twin (partial gradients summed inside the backward: sp, ep), as build_groups
+        for ranks in topo.all_axis_ranks("tp"):
+            group = make(ranks)
+            if group is not None:
+                topo._groups["tp_grad"] = group
     topo.build_pp_twin(dist.get_backend(), make)  # NCCL: the pipeline's twin group, a probe group like the others
     whole = make(range(world))
     return topo, mine, whole

@@ -74,11 +74,6 @@ class Zero3DStrategy(GridStrategyMixin, ParallelStrategy):
             from lightning_scale.strategies.autotune import options as autotune_options
 
             autotune_options(autotune)  # bad keys: a ConfigError now, not after the launch
-            if self.config.ep > 1:  # (a config= from the Hydra door: that door names the settings)
-                with speaking(self._namer) if config is None else contextlib.nullcontext():
-                    raise ConfigError(f"ep={self.config.ep} with autotune: the autotuner does not search expert "
-                                      "parallelism over data-parallel ranks yet; set the layout by hand",
-                                      settings=("ep",))
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)

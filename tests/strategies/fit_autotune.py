@@ -55,6 +55,7 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=16)
     ap.add_argument("--precision", default="32-true")
     ap.add_argument("--llama", action="store_true", help="a Hugging Face LlamaForCausalLM (tune_llama_module)")
+    ap.add_argument("--mixtral", action="store_true", help="a Hugging Face MixtralForCausalLM, 4 experts, top-2")
     ap.add_argument("--option", action="append", default=[], help="strategy option k=v (Python literal)")
     ap.add_argument("--fail-rank", type=int, default=None, help="training_step raises on this rank in --fail-probes")
     ap.add_argument("--fail-probes", default="first", choices=("first", "all"))
@@ -62,10 +63,10 @@ def main() -> None:
     args = ap.parse_args()
     pl.seed_everything(0, verbose=False)
     cfg = gpt_tiny(n_layer=args.layers, vocab_size=args.vocab, seq_len=args.seq_len, d_model=args.d_model)
-    if args.llama:
-        from tune_llama_module import TinyLlama
+    if args.llama or args.mixtral:
+        from tune_llama_module import TinyLlama, TinyMixtral
 
-        model = TinyLlama(vocab_size=args.vocab, num_hidden_layers=args.layers, hidden_size=args.d_model,
+        model = (TinyMixtral if args.mixtral else TinyLlama)(vocab_size=args.vocab, num_hidden_layers=args.layers, hidden_size=args.d_model,
                           intermediate_size=2 * args.d_model, max_position_embeddings=max(64, args.seq_len))
     else:
         cls = GPTLightningModule if args.fail_rank is None else failing_probes(GPTLightningModule, args.fail_rank,
@@ -102,7 +103,7 @@ def main() -> None:
                        "layout": {"stage": c.zero.stage, "offload": [c.offload.optimizer, c.offload.params],
                                   "dp": strategy.topology.dp, "tp": c.tp, "pp": c.pp,
                                   "microbatches": c.pipeline.microbatches, "bucket_mb": c.zero.bucket_mb,
-                                  "ac": c.activation_checkpointing, "sp": strategy.topology.sp,
+                                  "ac": c.activation_checkpointing, "sp": strategy.topology.sp, "ep": c.ep,
                                   "tiled_mlp": c.tiled_mlp, "tiled_attention": c.tiled_attention,
                                   "offload_activations": c.offload_activations}}, f, default=str)
 

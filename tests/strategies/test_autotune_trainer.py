@@ -97,6 +97,35 @@ def test_autotune_takes_a_hugging_face_llama_module(tmp_path):
               f"{row['measured_bytes'] / 2**20:.1f} MiB, {row['tokens_per_s']:,.0f} tokens/s")
 
 
+@pytest.mark.slow  # two Trainer runs of a Hugging Face Mixtral, 2 probes: ~40 s here
+def test_autotune_searches_expert_parallelism_over_the_data_ranks(tmp_path):
+    """A Mixtral LightningModule (4 experts): at tp = 1 the search tries ep=1 (every expert on both ranks) and ep=2
+    (2 experts whole per rank, routes exchanged); the probe's tokens/s counts both data ranks at either; the winner is
+    applied (the sampler splits over dp x ep = 2 either way) and trains like the layout set by hand."""
+    auto = "autotune={'stages': [2], 'offloads': ['none'], 'tp': 1, 'pp': 1, 'ac': ['none'], 'buckets': [25]}"
+    shape = ["--mixtral", "--vocab", "512", "--d-model", "64", "--seq-len", "16", "--batch", "4", "--layers", "2"]
+    tuned, proc = _fit(tmp_path, "moe", "--option", auto, shape=shape)
+    result = tuned["autotune"]
+    keys = sorted(row["key"] for row in result["table"])
+    assert len(keys) == 2 and sum("ep2" in k for k in keys) == 1, keys
+    s = result["settings"]
+    assert tuned["layout"]["ep"] == s["ep"] and tuned["layout"]["dp"] * s["ep"] == 2, (result["winner"], tuned)
+    if s["ep"] == 2:
+        assert "strategy.ep=2" in result["overrides"], result["overrides"]
+    hand_opts = [f"{k}={v!r}" for k, v in s.items() if k != "dp"]
+    hand, _ = _fit(tmp_path, "hand", *[a for o in hand_opts for a in ("--option", o)], shape=shape)
+    assert hand["layout"] == tuned["layout"] and len(hand["losses"]) == len(tuned["losses"]) == 4
+    diff = max(abs(a - b) for a, b in zip(tuned["losses"], hand["losses"]))
+    assert diff < 1e-5, (tuned["losses"], hand["losses"])
+    for row in result["table"]:
+        print(f"{row['key']}: {row['tokens_per_s']:,.0f} tokens/s")
+    # ep set by the user (it was refused with autotune before): kept, the rest searched, the winner trains at ep=2
+    fixed, proc = _fit(tmp_path, "fixed", "--option", "ep=2", "--option", auto, shape=shape)
+    assert [row["key"] for row in fixed["autotune"]["table"]] == [k for k in keys if "ep2" in k]
+    assert fixed["layout"]["ep"] == 2 and fixed["layout"]["dp"] == 1, fixed["layout"]
+    assert "strategy.ep=2" in fixed["autotune"]["overrides"] and len(fixed["losses"]) == 4
+
+
 SMALL = ["--layers", "2", "--vocab", "512", "--d-model", "64", "--seq-len", "16", "--batch", "4"]
 TWO_STAGES = "'stages': [2, 3], 'offloads': ['none'], 'tp': 1, 'pp': 1, 'ac': ['none'], 'buckets': [25]"
 

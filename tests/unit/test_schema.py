@@ -210,8 +210,6 @@ DOORS = [
     (dict(tp=2, ep=2), ["strategy=tensor", "strategy.ep=2"], "ep=2 with tp=2: expert parallelism over data-parallel",
      "strategy.ep=2 with strategy.tp=2: expert parallelism over data-parallel"),
     (dict(ep=0), ["strategy.ep=0"], "ep=0 must be a positive integer", "strategy.ep=0 must be a positive integer"),
-    (dict(ep=2, autotune=True), ["strategy.ep=2", "strategy.autotune=true"], "ep=2 with autotune",
-     "strategy.ep=2 with autotune"),
 ]
 
 

@@ -170,7 +170,8 @@ def test_mixture_of_experts_tries_ep_over_data_parallel_ranks():
     """At tp = 1 a mixture of experts is also tried with its experts on ep data-parallel ranks (every divisor of the
     data-parallel ranks that divides the 4 experts): the ranks read dp x ep different rows, each holds E / ep experts
     (the prediction drops by the experts' share), the settings and the Hydra line carry ep. The in-Trainer
-    ``autotune=True`` keeps ep at 1 (its sampler is built for the launch's layout); a dense model gets none."""
+    ``autotune=True`` searches the same (a user's ``ep`` is kept; tests/strategies/test_autotune_trainer.py trains the
+    winner); a dense model gets none."""
     lm = build_module("tune_llama_module:TinyMixtral", meta=True)
     model, shape = find_model(lm)
     shape = dataclasses.replace(shape, seq_len=32)
@@ -189,7 +190,8 @@ def test_mixture_of_experts_tries_ep_over_data_parallel_ranks():
     from lightning_scale.strategies.autotune import options, search_space
 
     space, _ = search_space(options(True), {}, 4, shape.n_head, shape.n_layer)
-    assert space["eds"] == (1,)
+    assert space["eds"] is None  # every valid ep (tune_plan._ep_options)
+    assert search_space(options(True), {"ep": 2}, 4, shape.n_head, shape.n_layer)[0]["eds"] == (2,)
     llama_model, llama = find_model(build_module(LLAMA, meta=True))
     rows = plan(llama_model, dataclasses.replace(llama, seq_len=32), 4, 8, 1e12, stages=(1,), acs=(None,),
                 buckets=(25,))
