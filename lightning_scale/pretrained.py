@@ -75,12 +75,25 @@ def _dtype(value: Any, config: Any) -> Optional[torch.dtype]:
     return value if isinstance(value, torch.dtype) else None
 
 
-def _file_model_type(directory: str) -> Optional[str]:
+def _file_dtype(directory: str) -> Optional[str]:
     path = os.path.join(directory, "config.json")
     if not os.path.exists(path):
         return None
     with open(path) as f:
-        return json.load(f).get("model_type")
+        config = json.load(f)
+    return config.get("dtype") or config.get("torch_dtype")
+
+
+def _file_model_types(directory: str) -> Tuple[str, ...]:
+    """The ``model_type`` of the directory's ``config.json`` and of its ``text_config`` (a multimodal checkpoint whose
+    text model a causal LM loads alone: Llama 4's ``llama4`` holds a ``llama4_text``); () when there is none."""
+    path = os.path.join(directory, "config.json")
+    if not os.path.exists(path):
+        return ()
+    with open(path) as f:
+        config = json.load(f)
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    return tuple(t for t in (config.get("model_type"), text.get("model_type")) if t)
 
 
 def _build_on_meta(cls: Any, directory: str, args: Sequence[Any], kwargs: Dict[str, Any]) -> nn.Module:
@@ -100,7 +113,12 @@ def _build_on_meta(cls: Any, directory: str, args: Sequence[Any], kwargs: Dict[s
     kwargs.pop("torch_dtype", None)
     attn = kwargs.pop("attn_implementation", None)
     trust = kwargs.pop("trust_remote_code", None)
-    if config is None:
+    own = None if hasattr(cls, "_model_mapping") else getattr(cls, "config_class", None)
+    if config is None and own is not None and getattr(own, "model_type", None) in _file_model_types(directory)[1:]:
+        # a multimodal directory whose text model cls is (Llama4ForCausalLM in Llama 4 Scout's): its text config, as
+        # transformers' cls.from_pretrained reads it
+        config, unused = own.from_pretrained(directory, return_unused_kwargs=True, **kwargs)
+    elif config is None:
         extra = {"trust_remote_code": trust} if trust is not None else {}
         config, unused = AutoConfig.from_pretrained(directory, return_unused_kwargs=True, **extra, **kwargs)
     else:
@@ -114,6 +132,8 @@ def _build_on_meta(cls: Any, directory: str, args: Sequence[Any], kwargs: Dict[s
                           "attn_implementation and trust_remote_code are meaningful on the meta device)")
     build: Dict[str, Any] = {}
     resolved = _dtype(dtype, config)
+    if resolved is None and dtype in (None, "auto"):  # a text config taken from a multimodal checkpoint has none: the
+        resolved = _dtype(_file_dtype(directory), config)  # whole checkpoint's, as transformers reads it
     if resolved is not None:
         build["dtype"] = resolved
     if attn is not None:
@@ -240,8 +260,9 @@ def check_source(module: nn.Module, source: WeightSource, what: str = "pretraine
     """Every parameter and persistent buffer of ``module`` (unsplit) is in the directory with its shape, and the
     directory's ``config.json`` names the module's architecture; ConfigError otherwise (reads headers only)."""
     mine = getattr(getattr(module, "config", None), "model_type", None)
-    theirs = _file_model_type(source.directory)
-    if mine and theirs and mine != theirs:
+    types = _file_model_types(source.directory)
+    theirs = types[0] if types else None
+    if mine and theirs and mine not in types:
         raise ConfigError(f"{what}: {source.directory} holds a {theirs!r} model (config.json), the module is a "
                           f"{mine!r} model ({type(module).__name__})")
     ckpt = _open(source.directory, source.conversions)

@@ -9,7 +9,8 @@ init); :func:`load_hf_pieces_` fills :class:`~.layout.Piece` destinations (what 
 region; :func:`read_region` is the low-level read.
 
 Names: a model key is looked up as given, then through ``rename``, then with the usual prefixes added or removed
-(``transformer.`` for GPT-2 checkpoints saved from ``GPT2Model``, ``model.``), and a tied output head
+(``transformer.`` for GPT-2 checkpoints saved from ``GPT2Model``, ``model.``, ``language_model.`` for the text
+model inside a multimodal checkpoint, e.g. Llama 4's), and a tied output head
 (``lm_head.weight``) absent from the file is read from the input embedding. Values are converted to the
 destination's dtype.
 
@@ -45,7 +46,9 @@ from lightning_scale.checkpoint.layout import Chunk, Piece
 
 SAFETENSORS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-PREFIXES = ("transformer.", "model.")
+# added to or removed from a model key: GPT-2 saved from GPT2Model, a base model saved alone, and the text model of a
+# multimodal checkpoint (Llama 4 Scout / Maverick: language_model.model.layers..., language_model.lm_head)
+PREFIXES = ("transformer.", "model.", "language_model.")
 _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 TIED_HEADS = {"lm_head.weight": ("model.embed_tokens.weight", "transformer.wte.weight", "wte.weight",
                                  "embed_tokens.weight")}

@@ -44,7 +44,8 @@ STEPS, LR, BATCH, SEQ = 3, 0.5, 4, 12
 CASES = [("llama", "zero3"), ("gpt2", "zero3"), ("llama", "tp2"), ("gpt2", "tp2"), ("llama", "pp2"), ("gpt2", "pp2"),
          ("llama", "pp2_zero3"), ("llama", "zero3_config"), ("llama", "zero3_frozen"), ("llama", "tp2_frozen"),
          ("phi3", "tp2"), ("mixtral", "tp2"), ("mixtral", "zero3"), ("qwen2_moe", "tp2"), ("mixtral", "tp2_ep"),
-         ("qwen2_moe", "tp2_ep"), ("mixtral", "ep2"), ("qwen2_moe", "ep2"), ("llama4", "tp2"), ("llama4", "ep2")]
+         ("qwen2_moe", "tp2_ep"), ("mixtral", "ep2"), ("qwen2_moe", "ep2"), ("llama4", "tp2"), ("llama4", "ep2"),
+         ("llama4_mm", "tp2"), ("llama4_mm", "ep2"), ("llama4_mm", "pp2")]
 # mixture of experts: the files keep every expert's own tensors (Mixtral: block_sparse_moe.experts.{e}.w1 / w3 / w2;
 # Qwen2-MoE: mlp.experts.{e}.gate_proj / up_proj / down_proj), the model holds them fused (gate_up_proj (E, 2I, H),
 # down_proj (E, H, I)); transformers' conversion mapping says how, and each rank reads its slice of every expert.
@@ -88,10 +89,18 @@ def _configs():
                                            max_position_embeddings=32, num_local_experts=4, num_experts_per_tok=1,
                                            interleave_moe_layer_step=1, no_rope_layers=[0, 0],
                                            tie_word_embeddings=False)
+    llama4_mm = transformers.Llama4Config(
+        text_config=llama4.to_dict(), vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                         num_attention_heads=4, image_size=28, patch_size=14,
+                                                         vision_output_dim=32, projector_input_dim=32,
+                                                         projector_output_dim=32))
     return {"llama": (transformers.LlamaForCausalLM, llama), "gpt2": (transformers.GPT2LMHeadModel, gpt2),
             "phi3": (transformers.Phi3ForCausalLM, phi3), "mixtral": (transformers.MixtralForCausalLM, mixtral),
             "qwen2_moe": (transformers.Qwen2MoeForCausalLM, qwen2_moe),
-            "llama4": (transformers.Llama4ForCausalLM, llama4)}  # last: the others keep their seeds
+            "llama4": (transformers.Llama4ForCausalLM, llama4),  # last: the others keep their seeds
+            # Llama 4 Scout / Maverick as released: a multimodal checkpoint (vision tower, the text model under
+            # language_model.), its text model loaded alone as a Llama4ForCausalLM, as transformers does
+            "llama4_mm": (transformers.Llama4ForConditionalGeneration, llama4_mm)}
 
 
 def _scaled_(model, seed):
@@ -153,7 +162,8 @@ def hf_dirs(tmp_path_factory):
     del tensors["model.layers.1.mlp.up_proj.weight"]
     save_file(tensors, str(root / "holey" / "model.safetensors"), metadata={"format": "pt"})
     _save_big(root / "big")
-    refs = {name: _reference(str(root / name)) for name in ("llama", "gpt2", "phi3", "mixtral", "qwen2_moe", "llama4")}
+    refs = {name: _reference(str(root / name)) for name in ("llama", "gpt2", "phi3", "mixtral", "qwen2_moe", "llama4",
+                                                            "llama4_mm")}
     refs["llama_frozen"] = _reference(str(root / "llama"), frozen=True)
     torch.manual_seed(0)
     fresh = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(root / "llama"),

@@ -120,3 +120,36 @@ def test_rename_maps_model_keys_to_file_keys(llama_dir, tmp_path):
         materialize_(model, torch.device("cpu"), lambda name, m: True)
         ids = torch.arange(8).view(1, 8)
         assert torch.equal(model.eval()(input_ids=ids).logits, ref(input_ids=ids).logits)
+
+
+def test_multimodal_checkpoint_gives_its_text_model(tmp_path):
+    """Llama 4 Scout / Maverick ship as a multimodal checkpoint (a vision tower; the text model's tensors under
+    ``language_model.``, config.json a 'llama4' with a 'llama4_text' text_config). transformers loads its text model
+    alone as a Llama4ForCausalLM (the whole checkpoint's dtype); on meta, by class or by Auto, the same model is built
+    and recorded, its every tensor found in the files, and materialized to transformers' own values."""
+    transformers = pytest.importorskip("transformers")
+    from lightning_scale.materialize import materialize_
+    from lightning_scale.pretrained import check_weight_sources, meta_from_pretrained
+
+    text = dict(vocab_size=32, hidden_size=16, intermediate_size=16, intermediate_size_mlp=32, num_hidden_layers=2,
+                num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_local_experts=2, num_experts_per_tok=1,
+                max_position_embeddings=16)
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14, vision_output_dim=16, projector_input_dim=16, projector_output_dim=16)
+    torch.manual_seed(0)
+    whole = transformers.Llama4ForConditionalGeneration(transformers.Llama4Config(text_config=text,
+                                                                                  vision_config=vision)).double()
+    whole.save_pretrained(tmp_path / "scout")
+    d = str(tmp_path / "scout")
+    ref = transformers.Llama4ForCausalLM.from_pretrained(d)
+    ids = torch.arange(8).view(1, 8)
+    for cls in (transformers.Llama4ForCausalLM, transformers.AutoModelForCausalLM):
+        with torch.device("meta"), meta_from_pretrained():
+            model = cls.from_pretrained(d)
+        assert type(model).__name__ == "Llama4ForCausalLM" and model.config.model_type == "llama4_text"
+        assert model.dtype == torch.float64, cls  # the checkpoint's, as transformers reads it
+        check_weight_sources(model)  # every tensor found (the text model's, under language_model.)
+        materialize_(model, torch.device("cpu"), lambda name, m: True)
+        assert torch.equal(model.eval()(input_ids=ids).logits, ref(input_ids=ids).logits)
+    with torch.device("meta"), meta_from_pretrained(), pytest.raises(Exception, match="'llama4' model"):
+        transformers.LlamaForCausalLM.from_pretrained(d)  # another architecture: refused by name
