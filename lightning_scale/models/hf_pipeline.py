@@ -145,9 +145,7 @@ class HFDecoderLayer(nn.Module):
         self._rotary_by_type = rotary is not None and "layer_type" in inspect.signature(rotary.forward).parameters
 
     def _mask(self, h: torch.Tensor, padding: Optional[torch.Tensor], position_ids: torch.Tensor):
-        import transformers.masking_utils as masks
-
-        fn = getattr(masks, _MASKS[self.layer_type])
+        fn = mask_function(self.layer_type)
         return fn(config=self.config, inputs_embeds=h, attention_mask=padding, cache=None, position_ids=position_ids)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C [+1]) -> same
@@ -202,15 +200,34 @@ _SCALES = {"cohere": ("logit_scale",), "cohere2": ("logit_scale",),
            "granite": ("embedding_multiplier", "logits_scaling"), "granitemoe": ("embedding_multiplier", "logits_scaling")}
 
 
+def hf_base_model(model: nn.Module) -> Optional[nn.Module]:
+    """The decoder stack of a Hugging Face causal LM: ``model.base_model``, except where that names the model itself
+    although it holds one at ``model.model`` (Llama 4's ``Llama4ForCausalLM``: its ``base_model_prefix`` is the
+    multimodal checkpoint's ``language_model``)."""
+    base = getattr(model, "base_model", None)
+    if base is model and isinstance(getattr(model, "model", None), nn.Module):
+        return model.model
+    return base
+
+
+def mask_function(layer_type: str):
+    """transformers' mask function (``transformers.masking_utils``) of a decoder layer type; ConfigError for a type
+    this package does not know (its mask would be built wrong, silently)."""
+    if layer_type not in _MASKS:
+        raise ConfigError(f"attention layer type {layer_type!r} (config.layer_types): no mask function known for it "
+                          f"here (known: {', '.join(_MASKS)})")
+    import transformers.masking_utils as masks
+
+    return getattr(masks, _MASKS[layer_type])
+
+
 def _structure(model: nn.Module):
     """(base model, embedding names, layers name, post names, head name) from transformers' own pp plans."""
     config = model.config
-    base = getattr(model, "base_model", None)
+    base = hf_base_model(model)
     plan = getattr(config, "base_model_pp_plan", None) or getattr(base, "_pp_plan", None)
     head_plan = getattr(type(model), "_pp_plan", None) or {}  # the class' own: the instance's adds the base's
     if not plan and config.model_type in _LLAMA_PATTERN:
-        if base is None or base is model:  # Llama 4's CausalLM names its base `language_model` yet holds `model`
-            base = getattr(model, "model", None)
         plan, head_plan = {"embed_tokens": None, "layers": None, "norm": None}, {"lm_head": None}
     family = f"{type(model).__name__} (model_type {config.model_type!r})"
     if base is None or base is model or not plan or len(head_plan) != 1:

@@ -101,7 +101,7 @@ def _whole_sequence_mask(group, config, layer_type: str, h: torch.Tensor, paddin
     the whole sequence of ``sp x`` this slice's length (None for a plain causal one: sdpa's ``is_causal``, or the
     causal mask :func:`_hf_attention` builds for eager). Every sp rank of a stage runs the same layers in the same
     order, so the padding gather lines up."""
-    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+    from lightning_scale.models.hf_pipeline import mask_function
 
     if padding is None and layer_type == "full_attention":
         return None
@@ -109,8 +109,8 @@ def _whole_sequence_mask(group, config, layer_type: str, h: torch.Tensor, paddin
     full_padding = _gather_sequence(padding, group) if padding is not None else None
     positions = torch.arange(length, device=h.device).unsqueeze(0)
     embeds = torch.empty((batch, length, 1), dtype=h.dtype, device=h.device)  # only its shape and dtype are read
-    fn = create_sliding_window_causal_mask if layer_type == "sliding_attention" else create_causal_mask
-    return fn(config=config, inputs_embeds=embeds, attention_mask=full_padding, cache=None, position_ids=positions)
+    return mask_function(layer_type)(config=config, inputs_embeds=embeds, attention_mask=full_padding, cache=None,
+                                     position_ids=positions)
 
 
 def _check_heads(sp: int, tp: int, heads: int, name: str) -> int:
@@ -335,8 +335,10 @@ def _sp_hf(model: nn.Module, group, tp: int = 1, stage: Optional[nn.Module] = No
     if stage is not None:
         _sp_hf_pipeline(model, stage, group, inner_name)
     else:
+        from lightning_scale.models.hf_pipeline import hf_base_model
+
         masks = _FullMasks(model, inner_name)
-        model.base_model.register_forward_pre_hook(functools.partial(_global_positions_and_mask, group, masks),
+        hf_base_model(model).register_forward_pre_hook(functools.partial(_global_positions_and_mask, group, masks),
                                                    with_kwargs=True)
     model.loss_function = functools.partial(_hf_causal_lm_loss, group)
 
@@ -378,10 +380,12 @@ class _FullMasks:
         import copy
         import inspect
 
+        from lightning_scale.models.hf_pipeline import hf_base_model
+
         self.config = copy.deepcopy(model.config)  # its sub-configs too: the setter below reaches them
         self.config._attn_implementation = inner_name
         try:
-            source = inspect.getsource(type(model.base_model).forward)
+            source = inspect.getsource(type(hf_base_model(model)).forward)
         except (OSError, TypeError):
             source = ""
         self.by_type = "causal_mask_mapping" in source  # Qwen2, Gemma2/3...: a dict per layer type
@@ -390,20 +394,23 @@ class _FullMasks:
         self.types = types if self.by_type and types else \
             {"sliding_attention" if window is not None and "create_sliding_window_causal_mask" in source
              else "full_attention"}
-        self.sliding = "sliding_attention" in self.types
+        from lightning_scale.models.hf_pipeline import mask_function
+
+        for t in self.types:  # a layer type with no known mask: refused now, not built as a causal mask
+            mask_function(t)
+        self.windowed = bool(self.types - {"full_attention"})  # sliding or chunked layers: never a plain causal mask
         self.embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
 
     def build(self, batch: int, length: int, padding: Optional[torch.Tensor], position_ids: torch.Tensor,
               device) -> object:
-        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+        from lightning_scale.models.hf_pipeline import mask_function
 
         weight = getattr(self.embedding, "weight", None)
         dtype = weight.dtype if weight is not None and weight.is_floating_point() else torch.get_default_dtype()
         embeds = torch.empty((batch, length, 1), dtype=dtype, device=device)  # only its shape and dtype are read
         kwargs = dict(config=self.config, inputs_embeds=embeds, attention_mask=padding, cache=None,
                       position_ids=position_ids)
-        made = {t: (create_sliding_window_causal_mask if t == "sliding_attention" else create_causal_mask)(**kwargs)
-                for t in sorted(self.types)}
+        made = {t: mask_function(t)(**kwargs) for t in sorted(self.types)}  # Llama 4: chunked too
         if self.by_type:
             return made
         return next(iter(made.values()))
@@ -440,7 +447,7 @@ def _global_positions_and_mask(group, masks: _FullMasks, module, args, kwargs):
         start = C.group_rank(group) * length
         positions = torch.arange(start, start + length, device=x.device).unsqueeze(0)
         kwargs["position_ids"] = positions
-    if padding is None and not given and not masks.sliding:
+    if padding is None and not given and not masks.windowed:
         return args, kwargs  # a plain causal mask: the attention builds it (or sdpa's is_causal)
     full_positions = _gather_sequence(positions.expand(batch, -1), group) if given else \
         torch.arange(length * sp, device=x.device).unsqueeze(0).expand(batch, -1)
