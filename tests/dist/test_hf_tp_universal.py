@@ -25,7 +25,11 @@ from lightning_scale.testing import HF_RANK_PRELOAD, run_distributed
 
 # qwen2_moe_ep: the same Qwen2-MoE with its experts placed whole at tp=2 (expert_parallel: 2 of 4 per rank, cut along
 # the expert axis), resumed at dp=2 as one whole model
-FAMILIES = ["gpt2", "phi3", "gpt_neox", "llama", "qwen2_moe", "qwen2_moe_ep"]
+# llama4 / llama4_ep: Llama 4's dense experts routed (tensor_parallel/routed_experts.py), transposed 3-D weights
+# (gate_up_proj (E, H, 2I) split along dim 2 in two sections, down_proj (E, I, H) along dim 1), or placed whole; built
+# without rotary layers (its complex float32 rotary moves split float64 runs by ~1e-8)
+FAMILIES = ["gpt2", "phi3", "gpt_neox", "llama", "qwen2_moe", "qwen2_moe_ep", "llama4", "llama4_ep"]
+OVERRIDES = {"llama4": dict(no_rope_layers=[0] * 4, layer_types=["chunked_attention", "full_attention"] * 2)}
 STEPS, SAVE_AT, LR = 3, 2, 1e-2
 
 
@@ -42,7 +46,8 @@ def _loss(logits, targets):
 def _reference(family: str):
     from lightning_scale.models import hf_families as F
 
-    model = F.build(family.removesuffix("_ep"), "eager")
+    name = family.removesuffix("_ep")
+    model = F.build(name, "eager", overrides=OVERRIDES.get(name))
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses, at_save = [], None
     for step in range(STEPS):
@@ -66,7 +71,8 @@ def _layout(family: str, layout: dict, rank: int, world_size: int):
 
     config = from_flat_kwargs(**layout)
     topo = local_topology(config, world_size, rank)
-    model = F.build(family.removesuffix("_ep"), "eager")
+    name = family.removesuffix("_ep")
+    model = F.build(name, "eager", overrides=OVERRIDES.get(name))
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     pm = parallelize(model, config, topo, "cpu", optimizers=[opt])
     (engine,) = pm.make_engines()
