@@ -2,6 +2,7 @@
 
     python bench/gpu_experts.py                        # Mixtral-8x7B and DeepSeek-V3 layer shapes, tp 2 / 4 / 8, bf16
     python bench/gpu_experts.py --device cpu --preset tiny --reps 2   # the same code on CPU (a smoke run)
+    python bench/gpu_experts.py --llama4 scout          # + Llama 4's MoE layer: transformers' dense path vs routed
 
 At tp = N a rank of ``Zero3DStrategy(tp=N)`` holds 1 / N of every expert (style ``experts``: all E experts at width
 I / N, every route of every token), and with ``expert_parallel=True`` N-th of the experts whole (E / N experts at
@@ -77,6 +78,62 @@ def _time(module, hidden, index, weights, reps: int, sync) -> float:
     return statistics.median(times)
 
 
+# Llama 4 (H, I, E, top-k, tokens): Scout's MoE layer (16 experts, top-1, a shared expert)
+LLAMA4 = {"scout": (5120, 8192, 16, 1, 8192), "tiny": (64, 96, 16, 1, 256)}
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}  # bf16 dense (the issue's anchor); other devices: MFU not printed
+
+
+def llama4(preset: str, device, dtype, reps: int, sync) -> None:
+    """transformers' Llama4TextMoe (every expert on every token) vs the same layer routed by the package
+    (tensor_parallel/routed_experts.py: each token its top-k experts), forward + backward of one layer; the useful
+    FLOPs are the routed ones (k routes per token + the shared expert)."""
+    import copy
+
+    import torch
+    from transformers import Llama4TextConfig
+    from transformers.models.llama4.modeling_llama4 import Llama4TextMoe
+
+    from lightning_scale.tensor_parallel.routed_experts import route_experts
+
+    h, i, e, k, t = LLAMA4[preset]
+    cfg = Llama4TextConfig(hidden_size=h, intermediate_size=i, num_local_experts=e, num_experts_per_tok=k)
+    torch.manual_seed(0)
+    dense = torch.nn.ModuleDict({"moe": Llama4TextMoe(cfg)})
+    with torch.no_grad():
+        for p in dense.parameters():
+            p.normal_(0, 0.02)
+    dense = dense.to(device=device, dtype=dtype)
+    routed = copy.deepcopy(dense)
+    route_experts(routed)
+    x = torch.randn(t, h, device=device, dtype=dtype)
+    row = {}
+    for name, m in (("dense", dense), ("routed", routed)):
+        times = []
+        try:
+            for r in range(reps + 1):
+                xi = x.detach().requires_grad_(True)
+                sync()
+                t0 = time.perf_counter()
+                out, _ = m["moe"](xi)
+                out.float().square().mean().backward()
+                sync()
+                if r:
+                    times.append(time.perf_counter() - t0)
+                m.zero_grad(set_to_none=True)
+            row[name] = statistics.median(times)
+        except Exception as err:  # noqa: BLE001 - an OOM: report, keep going
+            row[name] = float("nan")
+            print(f"  llama4 {preset} {name}: {type(err).__name__}: {str(err).splitlines()[0][:160]}")
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    flops = 6.0 * t * (k + 1) * 3 * h * i  # routed experts + the shared expert, forward + backward
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    peak = next((v for key, v in PEAK_TFLOPS.items() if key in gpu), None)
+    mfu = {n: (f"{flops / v / 1e12 / peak:.1%}" if peak else "-") for n, v in row.items()}
+    print(f"| llama4 {preset} ({h}, {i}, {e}, {k}, {t}) | {row['dense'] * 1e3:.2f} | {row['routed'] * 1e3:.2f} | "
+          f"{row['dense'] / row['routed']:.2f} | {flops / row['routed'] / 1e12:.1f} | {mfu['routed']} |", flush=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", nargs="+", default=["mixtral_8x7b", "deepseek_v3"], choices=sorted(PRESETS))
@@ -86,6 +143,8 @@ def main(argv=None) -> int:
     ap.add_argument("--impl", default="grouped_mm", choices=["grouped_mm", "batched_mm", "eager"])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=None, help="tokens per layer call (default: the preset's)")
+    ap.add_argument("--llama4", nargs="*", default=None, choices=sorted(LLAMA4),
+                    help="also time Llama 4's MoE layer, transformers' dense path vs routed (default preset: scout)")
     args = ap.parse_args(argv)
     import torch
 
@@ -125,6 +184,12 @@ def main(argv=None) -> int:
             print(f"| {name} ({h}, {i}, {e}, {k}, {t}) | {tp} | {row['split'] * 1e3:.2f} | "
                   f"{row['placed'] * 1e3:.2f} | {row['split'] / row['placed']:.2f} | {tf['split']:.1f} | "
                   f"{tf['placed']:.1f} |", flush=True)
+    if args.llama4 is not None:
+        print("\n| Llama 4 MoE layer (H, I, E, top-k, tokens) | dense ms | routed ms | dense / routed | routed TFLOP/s | "
+              "routed MFU |")
+        print("|---|---|---|---|---|---|")
+        for preset in args.llama4 or ["scout"]:
+            llama4(preset, device, dtype, args.reps, sync)
     return 0
 
 

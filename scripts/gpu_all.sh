@@ -42,7 +42,8 @@ step gpu_sparse_attention 60 python bench/gpu_sparse_attention.py --rounds 1 --l
 step gpu_long_sequence 80 python bench/gpu_long_sequence.py --systems dense,ac_offload_chunked_tiled_heads,rotary_ac_offload_chunked_tiled_heads --out "$OUT/gpu_long_sequence"
 step gpu_models 80 python bench/gpu_models.py --rounds 1 --steps 5 --out "$OUT/gpu_models"
 step gpu_checkpoint 50 python bench/gpu_checkpoint.py --rounds 1 --out "$OUT/gpu_checkpoint"
-# one tp rank's mixture-of-experts work, every expert split vs the experts placed (expert_parallel), tp 2 / 4 / 8
-step gpu_experts 40 python bench/gpu_experts.py --reps 3
+# one tp rank's mixture-of-experts work, every expert split vs the experts placed (expert_parallel), tp 2 / 4 / 8;
+# and Llama 4 Scout's MoE layer, transformers' dense path vs routed (tensor_parallel/routed_experts.py)
+step gpu_experts 45 python bench/gpu_experts.py --reps 3 --llama4 scout
 # bench/gpu_tensor_parallel.py needs 2 or more GPUs (torchrun --nproc-per-node N); not run on one device.
 echo "done; see $OUT/summary.txt"
