@@ -43,6 +43,8 @@ Linear layers' sizes instead (``source="counted"``, with a note).
 
 from __future__ import annotations
 
+import contextlib
+
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Sequence, Tuple
 
@@ -249,6 +251,45 @@ def _expert_matmuls(unit, tp: int) -> list:
     return out
 
 
+def _expert_bytes(unit, tp: int) -> Dict[str, float]:
+    """Per-token bytes of a unit's stacked expert matmuls alone, counted as :func:`_counted_profile` counts them
+    (``k`` routes per token through every expert weight, half of every output kept by the elementwise ops)."""
+    experts = _expert_matmuls(unit, tp)
+    if not experts:
+        return {}
+    k = experts_per_token(unit)
+    outs, ins = k * sum(o for _, o in experts), k * sum(i for i, _ in experts)
+    widest = max(o for _, o in experts)
+    return {"saved": 4.0 * (ins + outs + outs / 2), "selective": 4.0 * outs, "backward": 4.0 * 2 * widest}
+
+
+@contextlib.contextmanager
+def _experts_stubbed(unit):
+    """While inside, every transformers experts module of ``unit`` is replaced in its parent by a stand-in that returns
+    zeros of its hidden states' shape (no saved tensor, no hook, no collective): the rest of the unit (attention with
+    its mask, router, shared expert) runs on fake tensors."""
+    import torch
+    import torch.nn as nn
+
+    from lightning_scale.tensor_parallel.experts import is_experts
+
+    class Stub(nn.Module):
+        def forward(self, hidden_states, *args, **kwargs):
+            return torch.zeros_like(hidden_states)
+
+    swapped = []
+    for parent in list(unit.modules()):
+        for name, child in list(parent.named_children()):
+            if is_experts(child):
+                swapped.append((parent, name, child))
+                parent._modules[name] = Stub()
+    try:
+        yield bool(swapped)
+    finally:
+        for parent, name, child in swapped:
+            parent._modules[name] = child
+
+
 def _counted_profile(unit, hidden: int, tp: int) -> Dict[str, float]:
     """The fallback when a unit's forward cannot run alone: Linear layers' input + output sizes (float32). A mixture
     of experts (its routing has data-dependent shapes: no fake-tensor profile) counts its stacked expert weights
@@ -327,13 +368,57 @@ def mix_units(tiled: ActivationEstimate, untiled: Optional[ActivationEstimate]) 
                                     "tiled, each kind profiled",))
 
 
+def _profile_one(unit, hidden: int, tokens: int, sp: int, tp: int, tiled_mlp: int, tiled_attention: int
+                 ) -> Tuple[Dict[str, float], str, list]:
+    """(per-token bytes, "profiled" | "counted", notes) of one unit."""
+    from lightning_scale.activation_profile import _mask_inputs, profile_unit
+    from lightning_scale.tiled_attention import tiled_attention_unit
+    from lightning_scale.tiled_mlp import tiled_unit
+
+    notes: list = []
+    try:
+        if _expert_weights(unit) and _mask_inputs(unit, tokens):
+            # a mixture of experts whose attention runs with an explicit mask (Llama 4's chunks, a sliding window):
+            # the counted path misses what the mask makes (the sdpa mask per layer: 1.5-1.9x under for Llama 4), so
+            # the unit runs on fake tensors with its experts stubbed and the experts are counted on top
+            extra = _expert_bytes(unit, tp)
+            with _experts_stubbed(unit) as stubbed:
+                if not stubbed:
+                    raise RuntimeError("experts outside transformers experts modules")
+                per_token = profile_unit(unit, tokens, tp=tp, hidden=hidden or None, sp=sp)
+            per_token = {key: (max(v, extra.get(key, 0.0)) if key == "backward" else v + extra.get(key, 0.0))
+                         for key, v in per_token.items()}
+            notes.append(f"{type(unit).__name__}: a mixture of experts with masked attention: profiled with its "
+                         f"experts stubbed, and its {len(_expert_weights(unit))} stacked expert weights counted "
+                         f"(each token through {experts_per_token(unit)} experts)")
+            return per_token, "profiled", notes
+        if _expert_weights(unit):  # routing with data-dependent shapes: fake tensors cannot run it (and torch logs
+            raise RuntimeError("a mixture of experts")  # the failure at ERROR level): counted, not tried
+        with tiled_unit(unit, tiled_mlp or 0), tiled_attention_unit(unit, tiled_attention or 0):
+            per_token = profile_unit(unit, tokens, tp=tp, hidden=hidden or None, sp=sp)
+        if tiled_mlp:
+            notes.append(f"tiled_mlp={tiled_mlp}: the unit profiled with its MLP and norms tiled")
+        if tiled_attention:
+            notes.append(f"tiled_attention={tiled_attention}: the unit profiled with its attention head-tiled")
+        return per_token, "profiled", notes
+    except Exception as err:  # a unit that needs more than one tensor (masks, rotary tables): count instead
+        experts = _expert_weights(unit)
+        why = ("is a mixture of experts (routing with data-dependent shapes: no fake-tensor profile)" if experts else
+               f"did not run alone on fake tensors ({type(err).__name__})")
+        notes.append(f"{type(unit).__name__} {why}; activations counted from its Linear sizes" + (
+            f" and its {len(experts)} stacked expert weights (each token through {experts_per_token(unit)} experts)"
+            if experts else ""))
+        return _counted_profile(unit, hidden, tp), "counted", notes
+
+
 def profile_model(module, *, seq_len: int, sp: int = 1, tp: int = 1, chunked_loss=None,
                   tiled_mlp: int = 0, tiled_attention: int = 0) -> UnitProfile:
     """Profile ``module``'s largest unit on fake tensors for ``seq_len / sp`` positions
-    (:func:`lightning_scale.activation_profile.profile_unit`), else count it from its Linear sizes."""
-    from lightning_scale.activation_profile import hidden_size, profile_unit
-    from lightning_scale.tiled_attention import tiled_attention_unit
-    from lightning_scale.tiled_mlp import tiled_unit
+    (:func:`lightning_scale.activation_profile.profile_unit`), else count it from its Linear sizes. A model whose
+    units are of several kinds (Llama 4: mixture-of-experts and dense layers, chunked and full attention) has the
+    largest unit of each kind profiled: the per-token bytes are their mean over the units (the backward's working
+    set: the largest)."""
+    from lightning_scale.activation_profile import _mask_inputs, hidden_size
 
     units = [u for u in _units(module) if any(True for _ in u.parameters())]
     if not units:
@@ -341,26 +426,29 @@ def profile_model(module, *, seq_len: int, sp: int = 1, tp: int = 1, chunked_los
     unit = max(units, key=lambda u: sum(p.numel() for p in u.parameters()))
     hidden = hidden_size(unit) or 0
     vocab, chunk = _vocab_and_chunk(module, chunked_loss)
-    notes, source = [], "profiled"
-    try:
-        if _expert_weights(unit):  # routing with data-dependent shapes: fake tensors cannot run it (and torch logs
-            raise RuntimeError("a mixture of experts")  # the failure at ERROR level): counted, not tried
-        with tiled_unit(unit, tiled_mlp or 0), tiled_attention_unit(unit, tiled_attention or 0):
-            per_token = profile_unit(unit, max(1, seq_len // max(sp, 1)), tp=tp, hidden=hidden or None, sp=sp)
-        if tiled_mlp:
-            notes.append(f"tiled_mlp={tiled_mlp}: the unit profiled with its MLP and norms tiled")
-        if tiled_attention:
-            notes.append(f"tiled_attention={tiled_attention}: the unit profiled with its attention head-tiled")
-    except Exception as err:  # a unit that needs more than one tensor (masks, rotary tables): count instead
-        per_token, source = _counted_profile(unit, hidden, tp), "counted"
-        experts = _expert_weights(unit)
-        why = ("is a mixture of experts (routing with data-dependent shapes: no fake-tensor profile)" if experts else
-               f"did not run alone on fake tensors ({type(err).__name__})")
-        notes.append(f"{type(unit).__name__} {why}; activations counted from its Linear sizes" + (
-            f" and its {len(experts)} stacked expert weights (each token through {experts_per_token(unit)} experts)"
-            if experts else ""))
-    return UnitProfile(per_token=per_token, layers=len(units), hidden=hidden, vocab=vocab, chunk=chunk,
-                       unit_type=type(unit), source=source, notes=tuple(notes))
+    tokens = max(1, seq_len // max(sp, 1))
+    kinds: Dict[Tuple[Any, ...], list] = {}
+    for u in units:  # of a kind: the same class, experts or not, an explicit attention mask or not
+        kinds.setdefault((type(u), bool(_expert_weights(u)), bool(_mask_inputs(u, tokens))), []).append(u)
+    if len(kinds) == 1 or len({k[0] for k in kinds}) > 1:  # one kind (or unrelated classes): the largest unit
+        per_token, source, notes = _profile_one(unit, hidden, tokens, sp, tp, tiled_mlp, tiled_attention)
+        return UnitProfile(per_token=per_token, layers=len(units), hidden=hidden, vocab=vocab, chunk=chunk,
+                           unit_type=type(unit), source=source, notes=tuple(notes))
+    parts, notes, sources = [], [], set()
+    for group in kinds.values():
+        largest = max(group, key=lambda u: sum(p.numel() for p in u.parameters()))
+        per_token, source, more = _profile_one(largest, hidden, tokens, sp, tp, tiled_mlp, tiled_attention)
+        parts.append((per_token, len(group)))
+        notes += [n for n in more if n not in notes]
+        sources.add(source)
+    keys = set().union(*(p for p, _ in parts))
+    mean = {k: sum(p.get(k, 0.0) * n for p, n in parts) / len(units) for k in keys}
+    mean["backward"] = max(p.get("backward", 0.0) for p, _ in parts)
+    notes.append(f"{len(kinds)} kinds of units ({', '.join(str(n) for _, n in parts)} of them): each kind's largest "
+                 "profiled, the per-token bytes their mean")
+    return UnitProfile(per_token=mean, layers=len(units), hidden=hidden, vocab=vocab, chunk=chunk,
+                       unit_type=type(unit), source="counted" if sources == {"counted"} else "profiled",
+                       notes=tuple(notes))
 
 
 def activations_for_model(module, *, seq_len: int, micro_batch: int = 1, precision: str = "bf16-mixed",

@@ -121,12 +121,20 @@ def _rotary_inputs(unit: nn.Module, tokens: int) -> Dict[str, Any]:
     dim = next((int(d) for d in dims if isinstance(d, int)), None)
     if dim is None:
         return {}
+    types = {getattr(getattr(m, "config", None), "model_type", None) for m in unit.modules()}
+    if types & set(_COMPLEX_ROTARY):  # Llama 4: one complex table (1, tokens, head_dim / 2), not (cos, sin)
+        return {"position_embeddings": torch.empty(1, tokens, dim // 2, dtype=torch.complex64)}
     return {"position_embeddings": (torch.empty(1, tokens, dim), torch.empty(1, tokens, dim))}
+
+
+# families whose rotary embedding is one complex tensor (freqs_cis), not a (cos, sin) pair
+_COMPLEX_ROTARY = ("llama4_text",)
 
 
 def _mask_inputs(unit: nn.Module, tokens: int) -> Dict[str, Any]:
     """``attention_mask``: a whole ``(1, 1, tokens, tokens)`` boolean mask for a Hugging Face layer whose attention has a
-    sliding window shorter than ``tokens`` -- the model then builds one explicit mask (the window) instead of plain
+    sliding window (or Llama 4's attention chunk) shorter than ``tokens`` -- the model then builds one explicit mask
+    (the window) instead of plain
     causal attention, and sdpa runs with it (on a CPU its math path: a score matrix per head); else nothing. Called
     inside the fake mode."""
     def window(m: nn.Module):
@@ -136,6 +144,8 @@ def _mask_inputs(unit: nn.Module, tokens: int) -> Dict[str, Any]:
             return own
         types, idx = getattr(cfg, "layer_types", None), getattr(m, "layer_idx", None)
         if types is not None and isinstance(idx, int) and idx < len(types):  # mixed layers: this one's type
+            if types[idx] == "chunked_attention":  # Llama 4: attention within chunks, an explicit mask too
+                return getattr(cfg, "attention_chunk_size", None)
             return getattr(cfg, "sliding_window", None) if types[idx] == "sliding_attention" else None
         return getattr(cfg, "sliding_window", None)  # Mistral: every layer
 
