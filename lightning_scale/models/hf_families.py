@@ -86,8 +86,8 @@ FAMILIES: Dict[str, Tuple[str, dict, str]] = {
                                    intermediate_size_mlp=64, interleave_moe_layer_step=2, attention_chunk_size=8),
                "Llama 4: dense experts module of its own, top-1 sigmoid router, shared expert, MoE every 2nd layer, "
                "chunked attention and layers without rotary"),
-    "stablelm": ("stablelm", dict(num_key_value_heads=2), "partial rotary, LayerNorm (pp: the Llama pattern; no tp "
-                                                          "plan of its own: tp refused by name)"),
+    "stablelm": ("stablelm", dict(num_key_value_heads=2), "partial rotary, LayerNorm (pp: the Llama pattern; tp: "
+                                                          "no plan of its own, the Llama one)"),
     "bitnet": ("bitnet", dict(num_key_value_heads=2), "sub-layer norms, ReLU^2 (pp: the Llama pattern; no tp plan of "
                                                       "its own: tp refused by name)"),
 }

@@ -13,6 +13,8 @@ and ``base_model_prefix`` (duck typing), so the package works without it install
   transformers' semantics (:func:`~lightning_scale.tensor_parallel.styles.hf_style`: its ``colwise`` is a
   contiguous split); patterns of that plan that match no module (optional layers of
   other configurations) are skipped.
+* StableLM declares none either but has the Llama layout: transformers' Llama plan (:data:`LLAMA_LAYOUT_PLAN`; with
+  ``qk_layernorm=True``, per-head norm lists it does not split, refused by name).
 * GPT-2 declares no plan; its fused ``c_attn`` is a ``Conv1D`` (weight stored ``(in, out)``) holding
   ``[q | k | v]``, which the ``colwise`` style detects and splits per head.
 """
@@ -108,6 +110,29 @@ def _matches(pattern: str, name: str) -> bool:
     return re.fullmatch(re.escape(pattern).replace(r"\*", r"[^.]+"), name) is not None
 
 
+# Families whose configs declare no tp plan although their layers have the Llama layout (``q / k / v / o_proj``,
+# ``gate / up / down_proj``): transformers' Llama plan, checked for each against one process by the test matrix
+# (tests/dist/test_hf_matrix.py); model type -> config flags that add layers this plan does not split (refused by name)
+LLAMA_LAYOUT_PLAN: Dict[str, str] = {
+    "embed_tokens": "embedding_rowwise", "layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.k_proj": "colwise",
+    "layers.*.self_attn.v_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise",
+    "layers.*.mlp.gate_proj": "colwise", "layers.*.mlp.up_proj": "colwise", "layers.*.mlp.down_proj": "rowwise",
+}
+_LLAMA_LAYOUT = {"stablelm": ("qk_layernorm",)}
+
+
+def _llama_layout_plan(model: nn.Module, prefix: str) -> Dict[str, object]:
+    flags = [f for f in _LLAMA_LAYOUT[model.config.model_type] if getattr(model.config, f, False)]
+    if flags:
+        raise ConfigError(f"tensor.plan: {type(model).__name__} with config.{flags[0]}=True: the built-in plan (the "
+                          f"Llama layout its config lacks a plan for) does not split those layers; pass "
+                          f"plan={{pattern: style}}")
+    plan = {prefix + k: hf_style(v, k) for k, v in LLAMA_LAYOUT_PLAN.items()}
+    if isinstance(getattr(model, "lm_head", None), nn.Linear):
+        plan["lm_head"] = hf_style("colwise_gather_output", "lm_head")  # as transformers' LlamaForCausalLM
+    return _untie_head(plan, model)
+
+
 def _own_experts(plan: Dict[str, str]) -> Dict[str, str]:
     """A declared plan without transformers' ``moe_tp_experts`` entries (Llama 4's experts module: every expert's
     width split, the output all-reduced): the built-in plan gives each experts module tp can split this package's
@@ -131,6 +156,8 @@ def hf_plan(model: nn.Module) -> Dict[str, str]:
     base = getattr(model.config, "base_model_tp_plan", None)
     if base:
         return _untie_head({prefix + k: hf_style(v, k) for k, v in _own_experts(base).items()}, model)
+    if model.config.model_type in _LLAMA_LAYOUT:
+        return _llama_layout_plan(model, prefix)
     raise ConfigError(f"tensor.plan: {type(model).__name__} declares no tp_plan (base_model_tp_plan); "
                       f"pass plan={{pattern: style}}")
 

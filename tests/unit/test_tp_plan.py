@@ -333,3 +333,19 @@ def test_split_summary_and_the_startup_row_name_what_tp_left_whole():
     assert moe["replicated"][0] == ("layers.*.experts", 1024) and moe["fraction"] < 0.5
     assert "WARNING: most parameters are not split" in tensor_parallel_row(moe)[1]
     assert tensor_parallel_row(None) is None
+
+
+def test_hf_stablelm_gets_the_llama_plan_and_qk_layernorm_is_refused():
+    """StableLM's config declares no tp plan, but its layers have the Llama layout: transformers' Llama plan (the
+    vocabulary-parallel embedding, q/k/v and gate/up column-wise, o/down row-wise, the gathered head); the test matrix
+    checks tp=2 against one process. Its per-head q/k LayerNorm lists (qk_layernorm=True) are not split: refused."""
+    from lightning_scale.models import hf_families as F
+
+    model = F.build("stablelm")
+    styles = plan_tensor_parallel(model, None, 2).styles
+    assert styles["model.layers.0.self_attn.q_proj"] == "colwise" and styles["model.layers.3.mlp.down_proj"] == "rowwise"
+    assert styles["model.embed_tokens"] == "embedding_rowwise" and styles["lm_head"] == "colwise_gather_output"
+    with pytest.raises(ConfigError, match=r"StableLmForCausalLM with config.qk_layernorm=True"):
+        plan_tensor_parallel(F.build("stablelm", overrides=dict(qk_layernorm=True)), None, 2)
+    with pytest.raises(ConfigError, match="BitNetForCausalLM declares no tp_plan"):  # sub-norms across the split
+        plan_tensor_parallel(F.build("bitnet"), None, 2)
