@@ -25,7 +25,8 @@ PLAN_TOLERANCE = 0.15  # step 1's measured peak vs the prediction: a larger gap 
 def _profile_source(strategy: Any, module: Any) -> Tuple[Any, int]:
     """(the model the activations are profiled on, the tp split still to apply to them). The live units run
     collectives at tp / sp > 1 and hold no full parameters at ZeRO-3: the project GPT is rebuilt on meta from its
-    config instead; other models at such layouts are counted from their (live) Linear sizes."""
+    config instead, and so is a Hugging Face model at ZeRO-3 / sp without tp; other models at such layouts are
+    counted from their (live) Linear sizes."""
     topo, cfg = strategy.topology, strategy.config
     gpt_cfg = getattr(module, "cfg", None)
     from lightning_scale.models.gpt import GPT, GPTConfig
@@ -40,7 +41,39 @@ def _profile_source(strategy: Any, module: Any) -> Tuple[Any, int]:
     inner = getattr(module, "model", None) or module
     if topo.tp == 1 and topo.sp == 1 and cfg.zero.stage != 3:
         return inner, 1
+    if topo.tp == 1 and getattr(topo, "ep", 1) == 1:  # ZeRO-3 / sp: a Hugging Face model rebuilt on meta from its
+        rebuilt = _hf_on_meta(inner)  # config (the live one holds flat shards, or attends through the sp exchange)
+        if rebuilt is not None:
+            return rebuilt, 1
     return None, 1
+
+
+def _hf_on_meta(model: Any) -> Any:
+    """A Hugging Face causal LM like ``model``, built on meta from its config (Llama 4's experts routed as
+    ``parallelize()`` routes them); None for another model or one its class cannot build from the config alone."""
+    import torch
+
+    from lightning_scale.models.hf_pipeline import is_hf_causal_lm
+    from lightning_scale.tensor_parallel.routed_experts import route_experts
+
+    import copy
+
+    from lightning_scale.sequence_parallel.models import HF_PREFIX
+
+    build = getattr(type(model), "_from_config", None)
+    if not is_hf_causal_lm(model) or build is None:
+        return None
+    config = copy.deepcopy(model.config)
+    impl = getattr(config, "_attn_implementation", None) or ""
+    if impl.startswith(HF_PREFIX + "_"):  # Ulysses wrapped the attention: the one it wraps (eager / sdpa)
+        config._attn_implementation = impl[len(HF_PREFIX) + 1:].rsplit("_", 1)[0]
+    try:
+        with torch.device("meta"):
+            rebuilt = build(config)
+    except Exception:  # noqa: BLE001 - a class that needs more than its config: counted instead
+        return None
+    route_experts(rebuilt)
+    return rebuilt
 
 
 def _profile(strategy: Any, module: Any, seq_len: int) -> Tuple[Any, int]:
@@ -53,13 +86,16 @@ def _profile(strategy: Any, module: Any, seq_len: int) -> Tuple[Any, int]:
     if source is not None:  # the live units are tiled already; the GPT rebuilt on meta is tiled for its profile
         tiled = int(getattr(strategy.config, "tiled_mlp", 0) or 0)
         heads = int(getattr(strategy.config, "tiled_attention", 0) or 0)
-        prof = profile_model(source, seq_len=seq_len, sp=1, tp=tp, tiled_mlp=tiled, tiled_attention=heads)
+        # Ulysses: ``seq_len`` positions per rank, but each attention runs over all sp x seq_len of them with its
+        # heads / sp under the whole sequence's mask (profile_unit scales what a mask or per-head scores cost)
+        sp = int(getattr(strategy.topology, "sp", 1) or 1)
+        prof = profile_model(source, seq_len=seq_len * sp, sp=sp, tp=tp, tiled_mlp=tiled, tiled_attention=heads)
         inner = getattr(module, "model", None) or module
         flags = [any(getattr(m, "_tiled_tokens", None) is not None for m in u.modules())
                  for u in _units(inner) if any(True for _ in u.parameters())]
         if tiled and source is not inner and 0 < sum(flags) < len(flags):
             # tiled_mlp_modules named only some units' MLPs: the rebuilt unit profiled untiled as well
-            plain = profile_model(source, seq_len=seq_len, sp=1, tp=tp, tiled_mlp=0, tiled_attention=heads)
+            plain = profile_model(source, seq_len=seq_len * sp, sp=sp, tp=tp, tiled_mlp=0, tiled_attention=heads)
             prof = dataclasses.replace(prof, layers=sum(flags), untiled=(plain.per_token, len(flags) - sum(flags)))
         return prof, tp
     inner = getattr(module, "model", None) or module

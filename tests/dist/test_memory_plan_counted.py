@@ -44,6 +44,13 @@ CASES = {  # name: (family, Zero3DStrategy kwargs)
     "llama4_zero2": ("llama4", {"stage": 2}),
     "llama4_ep2": ("llama4", {"ep": 2}),
     "llama4_tp2": ("llama4", {"tp": 2}),
+    # ZeRO-3 and Ulysses sp: the Hugging Face model rebuilt on meta from its config and profiled (the live units hold
+    # flat shards / attend through the exchange); under sp each attention runs over the whole sequence with its heads
+    # / sp under the whole sequence's mask. Counted before: Llama 4 ZeRO-3 2.46x under, Mistral sp=2 2.21x under
+    "llama4_zero3": ("llama4", {"stage": 3}),
+    "mixtral_zero3": ("mixtral", {"stage": 3}),
+    "llama4_sp2": ("llama4", {"sp": 2}),
+    "mistral_sp2": ("mistral", {"sp": 2}),
 }
 SEQ, BATCH = 1024, 2
 
@@ -110,8 +117,8 @@ def test_counted_step1_peak_within_15_percent(tmp_path, name):
     from test_memory_plan_dist import launch_and_check
 
     for r in launch_and_check(__file__, tmp_path, name, timeout=300):
-        if "tp" not in CASES[name][1] and CASES[name][0] != "litgpt_moe":  # the one-unit profile's note (at tp the
-            # live split unit is counted; litgpt's experts are nn.Linear layers, no stacked weights)
+        if "tp" not in CASES[name][1] and CASES[name][0] not in ("litgpt_moe", "mistral"):  # the one-unit profile's
+            # note (at tp the live split unit is counted; litgpt's experts are nn.Linear layers, no stacked weights)
             assert any("stacked expert weights" in n for n in r["notes"]), r["notes"]
 
 
