@@ -41,6 +41,9 @@ import torch.nn as nn
 # class name of the dense MoE layer -> class name of its experts module
 _DENSE_MOE = {"Llama4TextMoe": "Llama4TextExperts"}
 _ROUTED: Dict[type, type] = {}
+# where transformers defines them (a routed class is rebuilt from it when a pickle is read in a fresh process)
+_MODULES = {"Llama4TextMoe": "transformers.models.llama4.modeling_llama4",
+            "Llama4TextExperts": "transformers.models.llama4.modeling_llama4"}
 
 
 def _moe_forward(self, hidden_states: torch.Tensor):
@@ -84,6 +87,18 @@ def _routed_class(cls: type, forward) -> type:
         globals()[name] = new
         _ROUTED[cls] = new
     return _ROUTED[cls]
+
+
+def __getattr__(name: str):
+    """``RoutedLlama4TextMoe`` / ``RoutedLlama4TextExperts`` asked for by name (unpickling a routed model in a process
+    that has not routed one yet): built from transformers' class as :func:`route_experts` builds it."""
+    base = name[len("Routed"):] if name.startswith("Routed") else None
+    if base not in _MODULES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    cls = getattr(importlib.import_module(_MODULES[base]), base)
+    return _routed_class(cls, _moe_forward if base in _DENSE_MOE else _experts_forward)
 
 
 def _is_dense_moe(module: nn.Module) -> bool:

@@ -68,6 +68,26 @@ def test_routed_model_pickles_and_copies():
         assert abs(_loss(clone, x, y).item() - _loss(model, x, y).item()) == 0
 
 
+def test_routed_model_unpickles_in_a_fresh_process(tmp_path):
+    """A routed model pickled here is read in a new interpreter that never routed one (its classes rebuilt by name)."""
+    import subprocess
+    import sys
+
+    model = F.build("llama4")
+    route_experts(model)
+    x, y = F.batch(2, 12, seed=0)
+    torch.save({"model": model, "loss": _loss(model, x, y).item()}, tmp_path / "m.pt")
+    code = ("import torch, warnings; warnings.filterwarnings('ignore')\n"
+            "from lightning_scale.models import hf_families as F\n"
+            f"d = torch.load({str(tmp_path / 'm.pt')!r}, weights_only=False)\n"
+            "x, y = F.batch(2, 12, seed=0)\n"
+            "loss = torch.nn.functional.cross_entropy(d['model'](input_ids=x).logits.flatten(0, 1), y.flatten())\n"
+            "assert type(d['model'].model.layers[1].feed_forward).__name__ == 'RoutedLlama4TextMoe'\n"
+            "print(loss.item() == d['loss'])\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 0 and out.stdout.strip().endswith("True"), out.stdout + out.stderr[-2000:]
+
+
 def test_routed_experts_do_k_of_E_of_the_expert_work():
     """transformers' Llama 4 runs every expert on every token; routed, each token runs its k: counted FLOPs of one
     MoE layer's forward, exactly (T tokens, hidden H, expert and shared widths I, E experts)."""
