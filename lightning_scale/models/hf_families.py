@@ -88,8 +88,8 @@ FAMILIES: Dict[str, Tuple[str, dict, str]] = {
                "chunked attention and layers without rotary"),
     "stablelm": ("stablelm", dict(num_key_value_heads=2), "partial rotary, LayerNorm (pp: the Llama pattern; tp: "
                                                           "no plan of its own, the Llama one)"),
-    "bitnet": ("bitnet", dict(num_key_value_heads=2), "sub-layer norms, ReLU^2 (pp: the Llama pattern; no tp plan of "
-                                                      "its own: tp refused by name)"),
+    "bitnet": ("bitnet", dict(num_key_value_heads=2), "sub-layer norms, ReLU^2 (pp: the Llama pattern; tp: no plan of "
+                                                      "its own, the Llama one, its sub-layer RMSNorms split)"),
 }
 
 

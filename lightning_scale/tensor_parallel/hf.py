@@ -14,7 +14,8 @@ and ``base_model_prefix`` (duck typing), so the package works without it install
   contiguous split); patterns of that plan that match no module (optional layers of
   other configurations) are skipped.
 * StableLM declares none either but has the Llama layout: transformers' Llama plan (:data:`LLAMA_LAYOUT_PLAN`; with
-  ``qk_layernorm=True``, per-head norm lists it does not split, refused by name).
+  ``qk_layernorm=True``, per-head norm lists it does not split, refused by name); so does BitNet, plus its sub-layer
+  RMSNorms over the split features (style ``rmsnorm_split``).
 * GPT-2 declares no plan; its fused ``c_attn`` is a ``Conv1D`` (weight stored ``(in, out)``) holding
   ``[q | k | v]``, which the ``colwise`` style detects and splits per head.
 """
@@ -118,16 +119,22 @@ LLAMA_LAYOUT_PLAN: Dict[str, str] = {
     "layers.*.self_attn.v_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise",
     "layers.*.mlp.gate_proj": "colwise", "layers.*.mlp.up_proj": "colwise", "layers.*.mlp.down_proj": "rowwise",
 }
-_LLAMA_LAYOUT = {"stablelm": ("qk_layernorm",)}
+# model type -> (config flags refused, entries added to the Llama plan)
+_LLAMA_LAYOUT = {"stablelm": (("qk_layernorm",), {}),
+                 # BitNet: an RMSNorm over the attention's output (every head) and over the MLP's intermediate, between
+                 # the column- and the row-parallel layers: kept split, the mean square summed over tp (norms.py)
+                 "bitnet": ((), {"layers.*.self_attn.attn_sub_norm": "rmsnorm_split",
+                                 "layers.*.mlp.ffn_sub_norm": "rmsnorm_split"})}
 
 
 def _llama_layout_plan(model: nn.Module, prefix: str) -> Dict[str, object]:
-    flags = [f for f in _LLAMA_LAYOUT[model.config.model_type] if getattr(model.config, f, False)]
+    refused, extra = _LLAMA_LAYOUT[model.config.model_type]
+    flags = [f for f in refused if getattr(model.config, f, False)]
     if flags:
         raise ConfigError(f"tensor.plan: {type(model).__name__} with config.{flags[0]}=True: the built-in plan (the "
                           f"Llama layout its config lacks a plan for) does not split those layers; pass "
                           f"plan={{pattern: style}}")
-    plan = {prefix + k: hf_style(v, k) for k, v in LLAMA_LAYOUT_PLAN.items()}
+    plan = {prefix + k: hf_style(v, k) for k, v in {**LLAMA_LAYOUT_PLAN, **extra}.items()}
     if isinstance(getattr(model, "lm_head", None), nn.Linear):
         plan["lm_head"] = hf_style("colwise_gather_output", "lm_head")  # as transformers' LlamaForCausalLM
     return _untie_head(plan, model)

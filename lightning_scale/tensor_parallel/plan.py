@@ -28,7 +28,7 @@ import torch.nn as nn
 from lightning_scale.config import ConfigError
 from lightning_scale.tensor_parallel import expert_alltoall
 from lightning_scale.tensor_parallel import expert_parallel as expert_parallel_style
-from lightning_scale.tensor_parallel import experts, grads, mla
+from lightning_scale.tensor_parallel import experts, grads, mla, norms
 from lightning_scale.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from lightning_scale.tensor_parallel.hf import LocalHeadsConfig, default_plan, is_hf_model
 from lightning_scale.tensor_parallel.layers import (
@@ -152,6 +152,8 @@ def _check_module(name: str, module: nn.Module, style: Style) -> None:
                           f"vocabulary-parallel embedding would not run; leave it out of the plan ('replicate')")
     if isinstance(module, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
         raise ConfigError(f"tensor.plan: {name!r} is already tensor-parallel (plan applied twice?)")
+    if style.kind == "norm_split" and (why := norms.unsupported(module)) is not None:
+        raise ConfigError(f"tensor.plan: style {style.name!r} on {name!r}: {why}")
     if style.kind == "mla_kv_a" and not isinstance(module, nn.Linear):
         raise ConfigError(f"tensor.plan: style {style.name!r} needs nn.Linear; {name!r} is {type(module).__name__}")
     if style.kind == "experts" and (why := experts.unsupported(module)) is not None:
@@ -223,6 +225,9 @@ def _resolve(name: str, module: nn.Module, style: Style, parent: Optional[nn.Mod
         if style.kind in ("expert_parallel", "expert_data_parallel"):
             specs = expert_parallel_style.placed_specs(name, module, tp)
             return Action(name, module, style, next(iter(specs.values())), specs)
+        if style.kind == "norm_split":
+            specs = norms.norm_specs(name, module, tp)
+            return Action(name, module, style, specs["weight"], specs)
         if style.kind == "mla_kv_a":
             mla.rope_width(name, module, parent)  # checked now: a missing width is a ConfigError before anything moves
         if not style.shards_linear:
@@ -533,6 +538,8 @@ def apply_tensor_parallel(model: nn.Module, plan: Optional[Dict[str, object]] = 
             state.hooks.extend(expert_parallel_style.place_experts(act.name, act.module, act.param_specs, group))
         elif act.style.kind == "expert_data_parallel":
             state.hooks.extend(expert_alltoall.place_experts_exchanged(act.name, act.module, act.param_specs, group))
+        elif act.style.kind == "norm_split":
+            state.hooks.extend(norms.split_norm(act.name, act.module, act.param_specs, group))
         elif act.style.kind == "mla_kv_a":
             parent = model.get_submodule(_parent_name(act.name)) if "." in act.name else None
             rope = mla.rope_width(act.name, act.module, parent)

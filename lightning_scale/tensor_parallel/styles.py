@@ -35,6 +35,9 @@ style                           effect
                                 ``qk_rope_head_dim`` features) goes to this rank's heads only, so its gradient is
                                 all-reduced over tp in the backward (the latent part's comes back whole through
                                 the column-parallel ``kv_b_proj``)
+``rmsnorm_split``               an RMSNorm between a column- and a row-parallel layer (BitNet's sub-layer norms):
+                                its weight cut along the features, the mean square summed over tp
+                                (:mod:`~lightning_scale.tensor_parallel.norms`)
 ``replicate``                   nothing (documents that the module stays whole)
 ``replicated_with_grad_allreduce``  stays whole, but sits on split activations (per-head q/k norms after a
                                 ``colwise`` q/k projection see only this rank's heads): its gradient is
@@ -62,8 +65,8 @@ from lightning_scale.config import ConfigError
 
 @dataclass(frozen=True)
 class Style:
-    # colwise | rowwise | vocab | experts | expert_parallel | mla_kv_a | sequence_split | sequence_gather | replicate |
-    # grad_allreduce
+    # colwise | rowwise | vocab | experts | expert_parallel | mla_kv_a | norm_split | sequence_split | sequence_gather |
+    # replicate | grad_allreduce
     kind: str
     sections: int = 0  # 0: detect (colwise on an attention's fused qkv), else fixed
     gather_output: bool = False
@@ -92,6 +95,7 @@ _STYLES = {
     "sequence_split": Style("sequence_split"),
     "sequence_gather": Style("sequence_gather"),
     "mla_kv_a_proj": Style("mla_kv_a"),
+    "rmsnorm_split": Style("norm_split"),
     "replicate": Style("replicate"),
     "replicated_with_grad_allreduce": Style("grad_allreduce"),
     "sequence_parallel": Style("replicate"),

@@ -8,8 +8,8 @@ found automatically; each rank half the batch), tp=2 (the model's own ``tp_plan`
 case itself, so the comparison is per step, in float64, tolerance 1e-7 (Gemma keeps some float32
 internals: its eager and sdpa runs differ by 1e-9 in float64). The default run covers the
 families whose layout differs (sliding-window Mistral, Gemma3's q/k norms, Phi3's gathered
-fused projections, GPT-NeoX's interleaved qkv, GPT-2's learned positions and Conv1D); the full matrix is ``slow``,
-and so is the 8-rank dp2 x tp2 x pp2 run of ``GRID``'s families (one launch; one process's losses within 1e-7).
+fused projections, GPT-NeoX's interleaved qkv, GPT-2's learned positions and Conv1D, BitNet's split
+sub-layer RMSNorms); the full matrix is ``slow``, and so is the 8-rank dp2 x tp2 x pp2 run of ``GRID``'s families (one launch; one process's losses within 1e-7).
 ``scripts/models_table.py`` runs the full matrix and writes ``docs/models.md`` from its result.
 """
 
@@ -23,7 +23,7 @@ import torch
 from lightning_scale.testing import HF_RANK_PRELOAD, run_distributed
 
 STEPS, LR, SEQ, BATCH = 3, 0.5, 12, 4
-FAST = ["mistral", "gemma3", "phi3", "gpt_neox", "gpt2"]  # Llama runs in tests/strategies/test_hf_models.py
+FAST = ["mistral", "gemma3", "phi3", "gpt_neox", "gpt2", "bitnet"]  # Llama: tests/strategies/test_hf_models.py
 # dp2 x tp2 x pp2 (8 ranks, slow): Llama and the other layouts (GPT-2's learned positions, Conv1D c_attn and tied
 # head; Qwen2's q/k/v biases; Phi3's gathered fused projections; GPT-NeoX's interleaved qkv; Mistral's window)
 GRID = ["llama", "gpt2", "qwen2", "phi3", "gpt_neox", "mistral"]
@@ -249,9 +249,9 @@ def run_matrix(families, timeout: float = 600.0) -> dict:
     return results[0]
 
 
-# Families that bring no tp plan of their own (and no built-in one here): refused by name at tp=2 (StableLM has the
-# Llama layout: transformers' Llama plan, tensor_parallel.hf.LLAMA_LAYOUT_PLAN)
-REFUSED = {"bitnet": "BitNetForCausalLM declares no tp_plan"}
+# Families that bring no tp plan of their own (and no built-in one here): refused by name at tp=2 (none now: StableLM
+# and BitNet have the Llama layout, tensor_parallel.hf.LLAMA_LAYOUT_PLAN; BitNet's sub-layer norms 'rmsnorm_split')
+REFUSED: dict = {}
 
 
 def _check(result):

@@ -335,10 +335,11 @@ def test_split_summary_and_the_startup_row_name_what_tp_left_whole():
     assert tensor_parallel_row(None) is None
 
 
-def test_hf_stablelm_gets_the_llama_plan_and_qk_layernorm_is_refused():
-    """StableLM's config declares no tp plan, but its layers have the Llama layout: transformers' Llama plan (the
-    vocabulary-parallel embedding, q/k/v and gate/up column-wise, o/down row-wise, the gathered head); the test matrix
-    checks tp=2 against one process. Its per-head q/k LayerNorm lists (qk_layernorm=True) are not split: refused."""
+def test_hf_stablelm_and_bitnet_get_the_llama_plan_and_qk_layernorm_is_refused():
+    """StableLM's and BitNet's configs declare no tp plan, but their layers have the Llama layout: transformers' Llama
+    plan (the vocabulary-parallel embedding, q/k/v and gate/up column-wise, o/down row-wise, the gathered head), and
+    BitNet's sub-layer RMSNorms over the split features kept split (style rmsnorm_split); the test matrix checks tp=2
+    against one process. StableLM's per-head q/k LayerNorm lists (qk_layernorm=True) are not split: refused."""
     from lightning_scale.models import hf_families as F
 
     model = F.build("stablelm")
@@ -347,5 +348,10 @@ def test_hf_stablelm_gets_the_llama_plan_and_qk_layernorm_is_refused():
     assert styles["model.embed_tokens"] == "embedding_rowwise" and styles["lm_head"] == "colwise_gather_output"
     with pytest.raises(ConfigError, match=r"StableLmForCausalLM with config.qk_layernorm=True"):
         plan_tensor_parallel(F.build("stablelm", overrides=dict(qk_layernorm=True)), None, 2)
-    with pytest.raises(ConfigError, match="BitNetForCausalLM declares no tp_plan"):  # sub-norms across the split
-        plan_tensor_parallel(F.build("bitnet"), None, 2)
+    bitnet = plan_tensor_parallel(F.build("bitnet"), None, 2).styles  # + its sub-layer norms over split features
+    assert bitnet["model.layers.0.self_attn.attn_sub_norm"] == bitnet["model.layers.0.mlp.ffn_sub_norm"] == \
+        "rmsnorm_split"
+    with pytest.raises(ConfigError, match=r"'rmsnorm_split' on 'model.layers.0.input_layernorm': Gemma3RMSNorm is not "
+                                          r"a Llama-form RMSNorm"):  # Gemma's (1 + weight): refused by name
+        plan_tensor_parallel(F.build("gemma3"), {"model.layers.*.self_attn.q_proj": "colwise",
+                                                 "model.layers.0.input_layernorm": "rmsnorm_split"}, 2)
