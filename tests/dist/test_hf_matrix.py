@@ -9,7 +9,8 @@ case itself, so the comparison is per step, in float64, tolerance 1e-7 (Gemma ke
 internals: its eager and sdpa runs differ by 1e-9 in float64). The default run covers the
 families whose layout differs (sliding-window Mistral, Gemma3's q/k norms, Phi3's gathered
 fused projections, GPT-NeoX's interleaved qkv, GPT-2's learned positions and Conv1D, BitNet's split
-sub-layer RMSNorms); the full matrix is ``slow``, and so is the 8-rank dp2 x tp2 x pp2 run of ``GRID``'s families (one launch; one process's losses within 1e-7).
+sub-layer RMSNorms); the full matrix is ``slow``, and so is the 8-rank dp2 x tp2 x pp2 run of ``GRID``'s
+families (one launch; one process's losses within 1e-7).
 ``scripts/models_table.py`` runs the full matrix and writes ``docs/models.md`` from its result.
 """
 

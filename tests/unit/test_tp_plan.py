@@ -344,7 +344,8 @@ def test_hf_stablelm_and_bitnet_get_the_llama_plan_and_qk_layernorm_is_refused()
 
     model = F.build("stablelm")
     styles = plan_tensor_parallel(model, None, 2).styles
-    assert styles["model.layers.0.self_attn.q_proj"] == "colwise" and styles["model.layers.3.mlp.down_proj"] == "rowwise"
+    assert styles["model.layers.0.self_attn.q_proj"] == "colwise"
+    assert styles["model.layers.3.mlp.down_proj"] == "rowwise"
     assert styles["model.embed_tokens"] == "embedding_rowwise" and styles["lm_head"] == "colwise_gather_output"
     with pytest.raises(ConfigError, match=r"StableLmForCausalLM with config.qk_layernorm=True"):
         plan_tensor_parallel(F.build("stablelm", overrides=dict(qk_layernorm=True)), None, 2)
