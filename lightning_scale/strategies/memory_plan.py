@@ -41,16 +41,21 @@ def _profile_source(strategy: Any, module: Any) -> Tuple[Any, int]:
     inner = getattr(module, "model", None) or module
     if topo.tp == 1 and topo.sp == 1 and cfg.zero.stage != 3:
         return inner, 1
-    if getattr(topo, "ep", 1) == 1 and (cfg.zero.stage == 3 or topo.sp > 1):
+    if cfg.zero.stage == 3 or topo.sp > 1:
         # ZeRO-3 / sp: a Hugging Face model rebuilt on meta from its config (the live one holds flat shards, or
-        # attends through the sp exchange), at tp > 1 as one tp rank holds it (local linears, expert / norm slices,
-        # local heads); tp alone at ZeRO 0-2 profiles the live units (memory_plan._profile, local_linears)
+        # attends through the sp exchange), at tp > 1 (or ep > 1, on the same axis) as one rank holds it (local
+        # linears, expert / norm slices, local heads); tp alone at ZeRO 0-2 profiles the live units (_profile)
         rebuilt = _hf_on_meta(inner)
         if rebuilt is not None and topo.tp > 1:
+            from lightning_scale.tensor_parallel.expert_alltoall import expert_data_parallel_plan
             from lightning_scale.tensor_parallel.plan import local_on_meta
 
+            ep = getattr(topo, "ep", 1)
             try:
-                local_on_meta(rebuilt, cfg.tensor.plan, topo.tp, expert_parallel=cfg.tensor.expert_parallel)
+                if ep > 1:
+                    local_on_meta(rebuilt, expert_data_parallel_plan(rebuilt, ep), ep)
+                else:
+                    local_on_meta(rebuilt, cfg.tensor.plan, topo.tp, expert_parallel=cfg.tensor.expert_parallel)
             except Exception:  # noqa: BLE001 - a plan it cannot mirror: counted instead
                 rebuilt = None
         if rebuilt is not None:

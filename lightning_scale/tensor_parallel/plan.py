@@ -506,7 +506,8 @@ def local_on_meta(model: nn.Module, plan: Optional[Dict[str, object]], tp: int, 
                   expert_parallel: bool = False) -> nn.Module:
     """``model`` (unsplit, on meta) made, in place, into what one tp rank of ``plan`` holds, with no group, hook or
     collective: every split linear an ``nn.Linear`` of its local shape, every split expert / norm weight its local
-    slice (placed experts: ``E / tp`` of them), the attentions' head counts local. What the memory plan profiles when
+    slice (placed experts: ``E / tp`` of them; ``expert_data_parallel``: the ep layout), the attentions' head counts
+    local. What the memory plan profiles when
     the live units cannot run alone (ZeRO-3's flat shards, the sp exchange); :func:`local_linears` is the same view of
     a live split model."""
     route_experts(model)
@@ -521,13 +522,14 @@ def local_on_meta(model: nn.Module, plan: Optional[Dict[str, object]], tp: int, 
         elif act.style.kind == "vocab" and act.weight_spec is not None:
             emb = act.module
             model.set_submodule(act.name, nn.Embedding(act.weight_spec.local_size, emb.embedding_dim, device="meta"))
-        elif act.style.kind in ("experts", "expert_parallel", "norm_split"):
+        elif act.style.kind in ("experts", "expert_parallel", "expert_data_parallel", "norm_split"):
             for pname, spec in act.param_specs.items():
                 owner_name, _, leaf = pname.rpartition(".")
                 experts.keep_local(act.module.get_submodule(owner_name) if owner_name else act.module, leaf, spec, 0)
-            if act.style.kind == "expert_parallel":
+            if act.style.kind in ("expert_parallel", "expert_data_parallel"):
                 act.module.num_experts //= tp
-                act.module._tp_expert_parallel = tp  # the memory plan: k / tp of the routes at full width
+                act.module._tp_expert_parallel = tp  # the memory plan: k / tp of the routes at full width (placed),
+                act.module._ep_exchange = act.style.kind == "expert_data_parallel"  # every rank's routes (ep)
     for pname, attrs in p.parent_fixes.items():
         for attr, value in attrs.items():
             setattr(model.get_submodule(pname), attr, value)
