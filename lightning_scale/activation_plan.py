@@ -252,8 +252,10 @@ def _expert_matmuls(unit, tp: int) -> list:
 
 
 def _expert_bytes(unit, tp: int) -> Dict[str, float]:
-    """Per-token bytes of a unit's stacked expert matmuls alone, counted as :func:`_counted_profile` counts them
-    (``k`` routes per token through every expert weight, half of every output kept by the elementwise ops)."""
+    """Per-token bytes of a unit's stacked expert matmuls alone: ``k`` routes per token through every expert weight,
+    its input and output, and what the elementwise ops between and after them keep (the gated activation, the
+    routing weight) counted as half of every expert output: with it the step-1 plan of a tiny Mixtral / Qwen2-MoE
+    (1024 tokens, ZeRO-2, with and without full AC) is within 7% of the measured peak (2026-12-05)."""
     experts = _expert_matmuls(unit, tp)
     if not experts:
         return {}
@@ -322,18 +324,10 @@ def _counted_profile(unit, hidden: int, tp: int) -> Dict[str, float]:
         if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
             in_f, out_f = m.local_features
             outs, ins, widest = outs + out_f, ins + in_f, max(widest, out_f)
-    experts, routed = _expert_matmuls(unit, tp), 0.0
-    if experts:
-        k = experts_per_token(unit)
-        outs += k * sum(o for _, o in experts)
-        ins += k * sum(i for i, _ in experts)
-        # what the elementwise ops between and after the expert matmuls keep (the gated activation, the routing
-        # weight), counted as half of every expert output: with it the step-1 plan of a tiny Mixtral / Qwen2-MoE
-        # (1024 tokens, ZeRO-2, with and without full AC) is within 7% of the measured peak (2026-12-05)
-        routed = k * sum(o for _, o in experts) / 2
-        widest = max([widest] + [o for _, o in experts])
-    return {"saved": 4.0 * (ins + outs + routed + 2 * hidden), "input": 4.0 * hidden,
-            "selective": 4.0 * (hidden + outs), "backward": 4.0 * 2 * max(widest, hidden)}
+    extra = _expert_bytes(unit, tp)
+    return {"saved": 4.0 * (ins + outs + 2 * hidden) + extra.get("saved", 0.0), "input": 4.0 * hidden,
+            "selective": 4.0 * (hidden + outs) + extra.get("selective", 0.0),
+            "backward": max(4.0 * 2 * max(widest, hidden), extra.get("backward", 0.0))}
 
 
 @dataclass(frozen=True)

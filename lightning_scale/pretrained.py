@@ -75,23 +75,24 @@ def _dtype(value: Any, config: Any) -> Optional[torch.dtype]:
     return value if isinstance(value, torch.dtype) else None
 
 
-def _file_dtype(directory: str) -> Optional[str]:
+def _file_config(directory: str) -> Dict[str, Any]:
+    """The directory's ``config.json`` ({} when there is none)."""
     path = os.path.join(directory, "config.json")
     if not os.path.exists(path):
-        return None
+        return {}
     with open(path) as f:
-        config = json.load(f)
+        return json.load(f)
+
+
+def _file_dtype(directory: str) -> Optional[str]:
+    config = _file_config(directory)
     return config.get("dtype") or config.get("torch_dtype")
 
 
 def _file_model_types(directory: str) -> Tuple[str, ...]:
     """The ``model_type`` of the directory's ``config.json`` and of its ``text_config`` (a multimodal checkpoint whose
     text model a causal LM loads alone: Llama 4's ``llama4`` holds a ``llama4_text``); () when there is none."""
-    path = os.path.join(directory, "config.json")
-    if not os.path.exists(path):
-        return ()
-    with open(path) as f:
-        config = json.load(f)
+    config = _file_config(directory)
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
     return tuple(t for t in (config.get("model_type"), text.get("model_type")) if t)
 

@@ -41,6 +41,14 @@ from lightning_scale.sequence_parallel.ulysses import (heads_to_sequence, next_t
 HF_PREFIX = "lightning_scale_ulysses"
 
 
+def wrapped_attention(name: str) -> str:
+    """The attention implementation a Ulysses-wrapped one (``{HF_PREFIX}_{inner}_{id}``, :func:`_sp_hf`) wraps;
+    ``name`` itself when it is not one."""
+    if not name.startswith(HF_PREFIX + "_"):
+        return name
+    return name[len(HF_PREFIX) + 1:].rsplit("_", 1)[0]
+
+
 def apply_sequence_parallel(module: nn.Module, group, tp_group=None, stage: Optional[nn.Module] = None) -> nn.Module:
     """Make ``module`` (or the GPT / Hugging Face model inside it) run on this rank's ``1/sp`` of each sequence.
 

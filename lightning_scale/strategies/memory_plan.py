@@ -48,7 +48,7 @@ def _profile_source(strategy: Any, module: Any) -> Tuple[Any, int]:
         rebuilt = _hf_on_meta(inner)
         if rebuilt is not None and topo.tp > 1:
             from lightning_scale.tensor_parallel.expert_alltoall import expert_data_parallel_plan
-            from lightning_scale.tensor_parallel.plan import local_on_meta
+            from lightning_scale.tensor_parallel.local_view import local_on_meta
 
             ep = getattr(topo, "ep", 1)
             try:
@@ -66,22 +66,20 @@ def _profile_source(strategy: Any, module: Any) -> Tuple[Any, int]:
 def _hf_on_meta(model: Any) -> Any:
     """A Hugging Face causal LM like ``model``, built on meta from its config (Llama 4's experts routed as
     ``parallelize()`` routes them); None for another model or one its class cannot build from the config alone."""
+    import copy
+
     import torch
 
     from lightning_scale.models.hf_pipeline import is_hf_causal_lm
+    from lightning_scale.sequence_parallel.models import wrapped_attention
     from lightning_scale.tensor_parallel.routed_experts import route_experts
-
-    import copy
-
-    from lightning_scale.sequence_parallel.models import HF_PREFIX
 
     build = getattr(type(model), "_from_config", None)
     if not is_hf_causal_lm(model) or build is None:
         return None
     config = copy.deepcopy(model.config)
-    impl = getattr(config, "_attn_implementation", None) or ""
-    if impl.startswith(HF_PREFIX + "_"):  # Ulysses wrapped the attention: the one it wraps (eager / sdpa)
-        config._attn_implementation = impl[len(HF_PREFIX) + 1:].rsplit("_", 1)[0]
+    if getattr(config, "_attn_implementation", None):  # under Ulysses: the attention it wraps (eager / sdpa)
+        config._attn_implementation = wrapped_attention(config._attn_implementation)
     try:
         with torch.device("meta"):
             rebuilt = build(config)
@@ -120,7 +118,7 @@ def _profile(strategy: Any, module: Any, seq_len: int) -> Tuple[Any, int]:
         # the live split units profiled at their local sizes (counting their layers missed the per-head scores of
         # sliding-window attention: Mistral / Gemma3 at tp=2 2.8-3.2x under). Tiled units stay counted (profiled
         # this way a tiled Llama + AC came out 1.38x under; counted, 0.87).
-        from lightning_scale.tensor_parallel.plan import local_linears
+        from lightning_scale.tensor_parallel.local_view import local_linears
 
         with local_linears(inner):
             return profile_model(inner, seq_len=seq_len, sp=1, tp=1), 1

@@ -8,7 +8,7 @@ so the autotuner and the estimator would pick layouts that do not fit. The count
 (``activation_plan._counted_profile``). At tp > 1 the live units are split and run collectives: they were counted
 from their ``nn.Linear`` layers, which the tensor-parallel layers are not (an HF Llama's plan at tp=2 was 2.98x
 under, Gemma3's 10.5x); now each unit is profiled with its parallel layers swapped for local-sized ``nn.Linear`` on
-meta (``tensor_parallel.plan.local_linears``), so sliding-window attention's per-head scores are seen too (Mistral, Gemma3), and a
+meta (``tensor_parallel.local_view.local_linears``), so sliding-window attention's per-head scores are seen too (Mistral, Gemma3), and a
 unit that still cannot run (an MoE) is counted with the parallel layers at their local widths. Each case: one Trainer
 launch, float32, 2 x 1024 tokens per rank, the measured step-1 peak (the engines' bytes + ``LiveTensorBytes``)
 within 15% of the plan on every rank, no warning. Run as a script, this file is one rank of that launch.
@@ -51,7 +51,7 @@ CASES = {  # name: (family, Zero3DStrategy kwargs)
     "mixtral_zero3": ("mixtral", {"stage": 3}),
     "llama4_sp2": ("llama4", {"sp": 2}),
     "mistral_sp2": ("mistral", {"sp": 2}),
-    # tp x ZeRO-3: rebuilt on meta as one tp rank holds it (tensor_parallel.plan.local_on_meta); counted before:
+    # tp x ZeRO-3: rebuilt on meta as one tp rank holds it (tensor_parallel.local_view.local_on_meta); counted before:
     # Llama 4 2.58x under, Mistral 2.84x under
     "llama4_tp2_zero3": ("llama4", {"tp": 2, "stage": 3}),
     "mistral_tp2_zero3": ("mistral", {"tp": 2, "stage": 3}),
