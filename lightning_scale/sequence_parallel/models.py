@@ -345,7 +345,10 @@ def _sp_hf(model: nn.Module, group, tp: int = 1, stage: Optional[nn.Module] = No
     else:
         from lightning_scale.models.hf_pipeline import hf_base_model
 
-        masks = _FullMasks(model, inner_name)
+        try:
+            masks = _FullMasks(model, inner_name)
+        except ConfigError as err:  # a layer type with no known mask: named with the setting that needs it
+            raise ConfigError(f"sp={sp}: {err}", settings=("sp",)) from None
         hf_base_model(model).register_forward_pre_hook(functools.partial(_global_positions_and_mask, group, masks),
                                                    with_kwargs=True)
     model.loss_function = functools.partial(_hf_causal_lm_loss, group)
