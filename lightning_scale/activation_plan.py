@@ -301,6 +301,7 @@ def _counted_profile(unit, hidden: int, tp: int) -> Dict[str, float]:
 
     from lightning_scale.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
+    from lightning_scale.tensor_parallel.expert_lists import tp_owned
     from lightning_scale.tensor_parallel.experts import is_moe_block
     from lightning_scale.tensor_parallel.sharding import tp_spec
 
@@ -308,14 +309,24 @@ def _counted_profile(unit, hidden: int, tp: int) -> Dict[str, float]:
     # a MoE block of nn.Linear experts (litgpt's LLaMAMoE): each token visits k of its E experts, so each expert's
     # layers see k / E of the tokens (counting every expert for every token was 1.3x over the measured step)
     share: Dict[int, float] = {}
+    routed = 0.0  # per token: rows of placed experts' routes gathered (tp) or exchanged (ep) beside the linears
     for m in unit.modules():
         if is_moe_block(m):
             k = min(experts_per_token(m), len(m.experts))
-            share.update({id(sub): k / len(m.experts) for e in m.experts for sub in e.modules()})
+            # placed by ownership (expert_lists.py): ep, the local experts run every rank's routes to them (k / E of
+            # each token of every rank: k / local of this rank's); tp, this rank's routes only (k / E)
+            n = getattr(m.experts, "_tp_expert_parallel", 1)
+            exchanged = getattr(m.experts, "_ep_exchange", False)
+            local = len(m.experts) * (1 if exchanged else n)
+            share.update({id(sub): k / local for e in m.experts for sub in e.modules()})
+            if n > 1:  # the routes' rows: received and sent back (ep), or gathered for k / tp routes (tp)
+                routed += 2 * k * hidden if exchanged else k * hidden / n
     # split already by the experts style (nn.Linear at local widths) or not split yet (1 / tp of it per rank)
-    per_rank = {id(m): share.get(id(m), 1.0) / (1 if tp_spec(m.weight) is not None else tp) for m in lin}
+    # (an expert placed by ownership is whole on its rank: its share says how many routes it runs)
+    per_rank = {id(m): share.get(id(m), 1.0) / (1 if tp_spec(m.weight) is not None or tp_owned(m.weight) else tp)
+                for m in lin}
     outs = sum(m.out_features * per_rank[id(m)] for m in lin)
-    ins = sum(m.in_features * per_rank[id(m)] for m in lin)
+    ins = sum(m.in_features * per_rank[id(m)] for m in lin) + routed
     widest = max((m.out_features / (1 if tp_spec(m.weight) is not None else tp) for m in lin), default=hidden / tp)
     # a unit split already (a live tp model): its parallel layers at their local widths (a column-parallel layer
     # makes out / tp, a row-parallel one reads in / tp); they are not nn.Linear, and were missed (a Hugging Face

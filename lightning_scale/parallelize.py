@@ -350,7 +350,10 @@ def _resolve_optimizers(pm: ParallelModel, optimizers: Optimizers, names: Dict[i
         return []
     if callable(optimizers):
         return list(optimizers())
+    from lightning_scale.tensor_parallel.expert_lists import foreign_keys
+
     local = dict(pm.module.named_parameters(remove_duplicate=False))
+    elsewhere = foreign_keys(pm.module, names.values())  # experts another rank holds (placed by ownership)
     for opt in optimizers:
         if opt.state:
             raise ConfigError(f"{type(opt).__name__} has already stepped: set the model up before training")
@@ -360,7 +363,8 @@ def _resolve_optimizers(pm: ParallelModel, optimizers: Optimizers, names: Dict[i
                 name = names.get(id(p))
                 if name is None:
                     raise ConfigError(f"{type(opt).__name__} holds a parameter that is not in the module being set up")
-                remapped.append(local[name])
+                if name not in elsewhere:
+                    remapped.append(local[name])
             group["params"] = remapped
     return list(optimizers)
 

@@ -67,7 +67,7 @@ def _litgpt_lines() -> list:
     from lightning_scale.testing import run_distributed
 
     res = run_distributed(L.litgpt_worker, 2, timeout=600)[0]
-    layouts = ["tp2", "pp2", "zero3"]
+    layouts = ["tp2", "pp2", "zero3", "ep2", "tp2_placed"]
     lines = ["", "## litgpt", "", "litgpt's `GPT` (`lightning_scale.models.litgpt_adapter`: automatic pipeline adapter, built-in "
              "tp plan), tiny `Config`s of `tests/dist/test_litgpt.py`, 2 ranks, 3 AdamW steps; tolerance 1e-10 "
              "(float64) / 1e-5 (float32).", "",
@@ -78,12 +78,14 @@ def _litgpt_lines() -> list:
             "mqa": "one kv group (tp2: replicated, each rank 2 of 4 q heads and the kv group; a user plan gathering "
                    "qkv also works)",
             "moe": "the llama attention with LLaMAMoE: 4 experts, 2 per token, a shared expert (tp: every expert's "
-                   "width split, gate whole; tolerance 1e-7: litgpt routes in float32)"}
+                   "width split, gate whole; ep2 / tp2_placed: 2 whole experts per rank, placed by ownership; "
+                   "tolerance 1e-7: litgpt routes in float32)"}
     for name in L.CONFIGS:
         cells = []
         for layout in layouts:
             case = next(((n, lay, d) for n, lay, d in L.CASES if n == name and lay == layout), None) or next(
-                ((n, lay, d) for n, lay, d in L.CASES if n == name and lay.startswith(layout)), None)
+                ((n, lay, d) for n, lay, d in L.CASES if n == name and lay.startswith(layout)
+                 and lay not in L.PLACED), None)
             if case is None:
                 cells.append("n/a")
                 continue
@@ -99,7 +101,10 @@ def _litgpt_lines() -> list:
               "`LLaMAMoE` computes its routing softmax in float32, so any other reduction order (micro-batches, dp "
               "halves, tp partial sums) moves its losses by ~1e-8 over the 3 steps (parameters within 1e-6); with the "
               "routing in float64 one forward / backward at tp=2 gives every gradient within 1e-12 relative "
-              "(`test_moe_tp2_gradients_equal_one_process`)."]
+              "(`test_moe_tp2_gradients_equal_one_process`), and ep2 gives plain dp2's losses bit for bit "
+              "(`test_moe_ep2_exchange_equals_data_parallel_exactly`). ep2 / tp2_placed: litgpt's experts list "
+              "placed by ownership, each rank 2 of the 4 experts whole under their own names "
+              "([tensor_parallel.md](tensor_parallel.md#expert-parallelism))."]
     return lines
 
 

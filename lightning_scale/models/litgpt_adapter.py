@@ -206,7 +206,7 @@ def litgpt_tp_plan(gpt: nn.Module, sequence_parallel: bool = False) -> Dict[str,
         plan.update({h + "mlp.fc": "colwise", h + "mlp.proj": "rowwise"})
     elif mlp in ("LLaMAMLP", "GemmaMLP"):
         plan.update({h + "mlp.fc_1": "colwise", h + "mlp.fc_2": "colwise", h + "mlp.proj": "rowwise"})
-    elif mlp == "LLaMAMoE":  # every expert's (and the shared expert's) width split, the gate whole
+    elif mlp in ("LLaMAMoE", "RoutedLLaMAMoE"):  # every expert's (and the shared expert's) width split, the gate whole
         plan[h + "mlp"] = "experts"
     else:
         raise ConfigError(f"tensor parallel: litgpt config mlp_class_name={config.mlp_class_name!r} has no built-in "

@@ -31,7 +31,6 @@ experts get most routes sets the pace, :mod:`lightning_scale.strategies.expert_l
 
 from __future__ import annotations
 
-import types
 from typing import Dict, List
 
 import torch
@@ -39,8 +38,7 @@ import torch.nn as nn
 
 from lightning_scale.comm import collectives as C
 from lightning_scale.tensor_parallel import experts as split_style
-from lightning_scale.tensor_parallel.expert_parallel import CallArgs, _routing
-from lightning_scale.tensor_parallel.mappings import tp_rank
+from lightning_scale.tensor_parallel.expert_parallel import CallArgs, _routing, keep_placed
 from lightning_scale.tensor_parallel.sharding import ShardSpec
 
 
@@ -149,17 +147,11 @@ def _count(module: nn.Module, send: torch.Tensor) -> None:
 def place_experts_exchanged(name: str, module: nn.Module, specs: Dict[str, ShardSpec], group) -> List[object]:
     """Keep this rank's ``E / ep`` experts of ``module`` whole (in place; meta stays meta), set its ``num_experts`` to
     the local count, install the exchange hooks. Returns the hook handles."""
-    rank, ep = tp_rank(group), next(iter(specs.values())).tp
-    for pname, spec in specs.items():
-        split_style.keep_local(module, pname, spec, rank)
-    local = module.num_experts // ep
-    module.num_experts = local
+    ep, local = keep_placed(name, module, specs, group)
     module._ep_routes = []
     module._ep_load = None
-    module._tp_expert_specs = dict(specs)
     module._tp_expert_parallel = ep  # the memory plan: a rank runs k / ep routes per token at full width
     module._ep_exchange = True
-    module._apply = types.MethodType(split_style._apply, module)
     tag = f"ep/{name}"
     return [module.register_forward_pre_hook(_dispatch(group, tag, name, ep, local), with_kwargs=True),
             module.register_forward_hook(_combine(group, tag, name), with_kwargs=True)]
@@ -171,12 +163,19 @@ def expert_data_parallel_plan(model: nn.Module, ep: int) -> Dict[str, str]:
     from lightning_scale.config import ConfigError
     from lightning_scale.tensor_parallel.expert_parallel import unsupported
 
+    from lightning_scale.tensor_parallel.expert_lists import is_routable, route_blocks
     from lightning_scale.tensor_parallel.routed_experts import route_experts
 
     route_experts(model)  # Llama 4's dense experts routed first (same math): then they place and exchange
+    route_blocks(model)  # litgpt's MoE blocks call their experts list on routes (expert_lists.py)
     plan, refused = {}, []
     for name, module in model.named_modules():
-        if split_style.is_moe_block(module):
+        if is_routable(module):
+            if len(module.experts) % ep:
+                refused.append(f"{name}.experts: {len(module.experts)} experts do not split over ep={ep} ranks")
+            else:
+                plan[f"{name}.experts"] = "expert_data_parallel"
+        elif split_style.is_moe_block(module):
             refused.append(f"{name}: {unsupported(module)}")
         elif split_style.is_experts(module):
             why = unsupported(module)
@@ -189,6 +188,7 @@ def expert_data_parallel_plan(model: nn.Module, ep: int) -> Dict[str, str]:
     if refused:
         raise ConfigError(f"ep={ep}: {'; '.join(refused[:3])}", settings=("ep",))
     if not plan:
-        raise ConfigError(f"ep={ep}: {type(model).__name__} has no transformers experts module (3-D expert weights) to "
-                          "place: expert parallelism needs a mixture-of-experts model", settings=("ep",))
+        raise ConfigError(f"ep={ep}: {type(model).__name__} has no transformers experts module (3-D expert weights) nor "
+                          "litgpt MoE block to place: expert parallelism needs a mixture-of-experts model",
+                          settings=("ep",))
     return plan

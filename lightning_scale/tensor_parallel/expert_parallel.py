@@ -21,9 +21,11 @@ The cost: a rank's work follows the router (imbalanced routing makes the busiest
 be a multiple of tp. With top-2 routing the sum is exact (a token's two expert outputs meet once, as in one
 process); with more routes per token, up to the order of the sum.
 
-Not placed (ConfigError at plan time): a MoE *block* of ``nn.Linear`` experts (litgpt's ``LLaMAMoE``, a user's
-``experts`` ModuleList: its parameters are named per expert; split it with ``experts``), and an experts module
-without an integer ``num_experts`` (the count its forward reads expert ids by).
+litgpt's ``LLaMAMoE`` (a *block* holding its router and a list of MLP experts, parameters named per expert) is placed
+too, by ownership: its experts list keeps this rank's experts under their own names
+(:mod:`~lightning_scale.tensor_parallel.expert_lists`). Not placed (ConfigError at plan time): another MoE block of
+``nn.Linear`` experts (a user's ``experts`` ModuleList: its forward is not known here; split it with ``experts``), and
+an experts module without an integer ``num_experts`` (the count its forward reads expert ids by).
 """
 
 from __future__ import annotations
@@ -33,18 +35,22 @@ from typing import Dict, List, Optional
 import torch
 import torch.nn as nn
 
+from lightning_scale.tensor_parallel import expert_lists
 from lightning_scale.tensor_parallel import experts as split_style
-from lightning_scale.tensor_parallel.mappings import copy_to_region, reduce_from_region, tp_rank
+from lightning_scale.tensor_parallel.mappings import copy_to_region, reduce_from_region, tp_rank, tp_size
 from lightning_scale.tensor_parallel.sharding import ShardSpec, make_spec
 
 
 def unsupported(module: nn.Module) -> Optional[str]:
     """Why ``expert_parallel`` cannot place ``module``'s experts (None when it can)."""
     kind = type(module).__name__
+    if expert_lists.is_expert_list(module):
+        return None
     if split_style.is_moe_block(module):
         return (f"{kind} is a mixture-of-experts block of nn.Linear experts (an experts list, parameters named per "
-                f"expert): expert_parallel places transformers' experts modules (3-D expert weights); split this "
-                f"block's experts over tp with style 'experts' (tensor.expert_parallel=False)")
+                f"expert) whose forward is not known here (litgpt's LLaMAMoE is placed): expert parallelism places "
+                f"transformers' experts modules (3-D expert weights) and litgpt's blocks; split this block's experts "
+                f"over tp with style 'experts' (tensor.expert_parallel=False)")
     if not split_style.is_experts(module):
         return (f"{kind} is not a transformers experts module (3-D gate_up_proj / down_proj weights with the layout "
                 f"use_experts_implementation records)")
@@ -59,6 +65,8 @@ def placed_specs(name: str, module: nn.Module, tp: int) -> Dict[str, ShardSpec]:
     why = unsupported(module)
     if why is not None:
         raise ValueError(f"style 'expert_parallel' on {name!r}: {why}")
+    if expert_lists.is_expert_list(module):  # placed by ownership: no parameter is cut (the spec is the list's)
+        return {"": make_spec(0, len(module), tp, what=f"the number of experts of {name!r}")}
     n = module.num_experts
     specs: Dict[str, ShardSpec] = {}
     for pname, p in module.named_parameters(recurse=False):
@@ -174,23 +182,36 @@ def _leave(group, tag: str, name: str):
 
 
 @torch.no_grad()
+def keep_placed(name: str, module: nn.Module, specs: Dict[str, ShardSpec], group):
+    """Keep this rank's ``E / n`` experts of ``module`` (a transformers experts module: dim 0 of every per-expert
+    parameter; an :class:`~lightning_scale.tensor_parallel.expert_lists.ExpertList`: its own experts, by ownership)
+    over the ``n`` ranks of ``group``; returns ``(n, local expert count)``."""
+    import types
+
+    rank = tp_rank(group)
+    n = next(iter(specs.values())).tp if specs else tp_size(group)
+    if expert_lists.is_expert_list(module):
+        module._tp_expert_specs = {}
+        return n, expert_lists.keep_local(name, module, n, rank)
+    total = module.num_experts
+    for pname, spec in specs.items():
+        split_style.keep_local(module, pname, spec, rank)
+    module.num_experts = total // n
+    module._tp_expert_specs = dict(specs)
+    module._apply = types.MethodType(split_style._apply, module)
+    return n, total // n
+
+
+@torch.no_grad()
 def place_experts(name: str, module: nn.Module, specs: Dict[str, ShardSpec], group) -> List[object]:
     """Keep this rank's experts of ``module`` (in place: same module, same parameter names, dim 0 = this rank's
     experts; meta stays meta), set its ``num_experts`` to the local count and install the region hooks. Returns
     the hook handles."""
-    import types
-
-    rank, tp = tp_rank(group), next(iter(specs.values())).tp
-    total = module.num_experts
-    for pname, spec in specs.items():
-        split_style.keep_local(module, pname, spec, rank)
-    local = total // tp
-    module.num_experts = local
+    tp, local = keep_placed(name, module, specs, group)
+    rank = tp_rank(group)
     module._ep_routes = []  # (tokens of the local routes, token count, kept inputs) from each call's entry to exit
     module._ep_load = None  # routes per tp rank since the last route_load(reset=True), on the routes' device
-    module._tp_expert_specs = dict(specs)
     module._tp_expert_parallel = tp  # the memory plan: a rank runs k / tp routes per token at full width
-    module._apply = types.MethodType(split_style._apply, module)
     tag = f"tp/{name}"
     return [module.register_forward_pre_hook(_enter(group, tag, name, rank * local, local), with_kwargs=True),
             module.register_forward_hook(_leave(group, tag, name), with_kwargs=True)]

@@ -27,7 +27,7 @@ import torch.nn as nn
 from lightning_scale.config import ConfigError
 from lightning_scale.tensor_parallel import expert_alltoall
 from lightning_scale.tensor_parallel import expert_parallel as expert_parallel_style
-from lightning_scale.tensor_parallel import experts, grads, mla, norms
+from lightning_scale.tensor_parallel import expert_lists, experts, grads, mla, norms
 from lightning_scale.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from lightning_scale.tensor_parallel.hf import LocalHeadsConfig, default_plan, is_hf_model
 from lightning_scale.tensor_parallel.layers import (
@@ -45,7 +45,8 @@ from lightning_scale.tensor_parallel.mappings import (
     tp_size,
 )
 from lightning_scale.tensor_parallel.routed_experts import route_experts
-from lightning_scale.tensor_parallel.sharding import ShardSpec, make_spec, mark_partial_grad, tp_partial_grad, tp_spec
+from lightning_scale.tensor_parallel.sharding import (ShardSpec, make_spec, mark_partial_grad, tp_partial_grad,
+                                                     tp_replicated, tp_spec)
 from lightning_scale.tensor_parallel.state import TensorParallelState
 from lightning_scale.tensor_parallel.styles import Style, parse_style
 
@@ -223,6 +224,8 @@ def _resolve(name: str, module: nn.Module, style: Style, parent: Optional[nn.Mod
             return Action(name, module, style, next(iter(specs.values())), specs)
         if style.kind in ("expert_parallel", "expert_data_parallel"):
             specs = expert_parallel_style.placed_specs(name, module, tp)
+            if expert_lists.is_expert_list(module):  # placed by ownership: no parameter is cut
+                return Action(name, module, style, specs[""], {})
             return Action(name, module, style, next(iter(specs.values())), specs)
         if style.kind == "norm_split":
             specs = norms.norm_specs(name, module, tp)
@@ -387,6 +390,9 @@ def plan_tensor_parallel(model: nn.Module, plan: Optional[Dict[str, object]], tp
                           "models derive positions and masks from the hidden states' sequence length")
     actions = []
     for name, module, style in _match(model, plan, strict):
+        if expert_parallel and style.kind == "experts" and expert_lists.is_routable(module):
+            actions.extend(_placed_block(name, module, tp))
+            continue
         if expert_parallel and style.kind == "experts":
             if not experts.is_experts(module):
                 raise ConfigError(f"tensor.expert_parallel=True: {name!r}: {expert_parallel_style.unsupported(module)}")
@@ -410,6 +416,24 @@ def plan_tensor_parallel(model: nn.Module, plan: Optional[Dict[str, object]], tp
                                             for n, f in fixes.items()},
                               ties=_ties(model, actions), styles={a.name: a.style.name for a in actions},
                               config_views=config_views, experts_whole=whole)
+
+
+def _placed_block(name: str, block: nn.Module, tp: int) -> List[Action]:
+    """litgpt's MoE block under ``tensor.expert_parallel``: its experts list placed by ownership (the block is routed
+    by :func:`apply_tensor_parallel`, :mod:`~lightning_scale.tensor_parallel.expert_lists`), its shared expert split
+    column / row-wise when tp divides its width (else left whole on every rank)."""
+    n = len(block.experts)
+    try:
+        spec = make_spec(0, n, tp, what=f"the number of experts of {name}.experts")
+    except ValueError as err:
+        raise ConfigError(f"tensor.expert_parallel=True: {err}") from None
+    out = [Action(f"{name}.experts", block.experts, parse_style("expert_parallel"), spec, {})]
+    shared = getattr(block, "shared_experts", None)
+    layout = experts._mlp_layout(shared) if shared is not None else None
+    if layout is not None and all(getattr(shared, u).out_features % tp == 0 for u in layout[0]):
+        for attr, kind in [(u, "colwise") for u in layout[0]] + [(layout[1], "rowwise")]:
+            out.append(_resolve(f"{name}.shared_experts.{attr}", getattr(shared, attr), parse_style(kind), shared, tp))
+    return out
 
 
 def _check_sequence_parallel(model: nn.Module, actions: List[Action]) -> None:
@@ -491,6 +515,8 @@ def apply_tensor_parallel(model: nn.Module, plan: Optional[Dict[str, object]] = 
     :func:`~lightning_scale.tensor_parallel.state.tensor_parallel_state` describes what was done.
     """
     route_experts(model)  # Llama 4's dense experts routed (same math), so they split or place like Mixtral's
+    if expert_parallel:
+        expert_lists.route_blocks(model)  # litgpt's MoE blocks call their experts list on routes, placed below
     tp = tp_size(group)
     p = plan_tensor_parallel(model, plan, tp, sequence_parallel=sequence_parallel, expert_parallel=expert_parallel)
     state = TensorParallelState(group=group, tp=tp, rank=tp_rank(group), sequence_parallel=sequence_parallel,
@@ -542,7 +568,7 @@ def apply_tensor_parallel(model: nn.Module, plan: Optional[Dict[str, object]] = 
         _mark_sequence_parallel_partials(model, split_modules, replicated_in_region)
     if any(a.style.kind == "expert_data_parallel" for a in p.actions):
         for prm in model.parameters():  # the group's ranks hold different tokens: every whole parameter's gradient
-            if tp_spec(prm) is None:  # is this rank's share, summed over the group before the dp reduction
+            if tp_replicated(prm):  # is this rank's share, summed over the group before the dp reduction
                 mark_partial_grad(prm)
     state.partial_grad_names = [n for n, prm in model.named_parameters() if tp_partial_grad(prm)]
     state.experts_whole = dict(p.experts_whole)

@@ -176,8 +176,10 @@ def tp_spec(param: torch.Tensor):
 
 def tp_replicated(param: torch.Tensor) -> bool:
     """True when every rank of the tp group holds the same full copy of ``param`` (LayerNorm weights,
-    row-parallel biases, position embeddings...). A global gradient norm counts these once, not tp times."""
-    return tp_spec(param) is None
+    row-parallel biases, position embeddings...). A global gradient norm counts these once, not tp times. A
+    parameter one rank holds whole and the others not at all (an expert placed by ownership,
+    :mod:`~lightning_scale.tensor_parallel.expert_lists`) is not replicated."""
+    return tp_spec(param) is None and not getattr(param, "tp_owned", False)
 
 
 def tp_partial_grad(param: torch.Tensor) -> bool:

@@ -17,6 +17,7 @@ import torch.nn as nn
 
 from lightning_scale.comm import collectives
 from lightning_scale.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from lightning_scale.tensor_parallel.expert_lists import foreign_keys, gather_experts, placed_lists
 from lightning_scale.tensor_parallel.sharding import mark_partial_grad, merge_shards, shard_tensor, tp_spec
 
 
@@ -94,7 +95,30 @@ def consolidate_state_dict(model: nn.Module, group=None, values: Optional[Dict[s
             collectives.all_gather(gathered.view(-1), local.reshape(-1), group, tag="tp/consolidate")
             full = merge_shards(list(gathered.unbind(0)), spec)
         done[id(value)] = out[key] = full
+    lists = placed_lists(model)
+    if lists:  # experts placed by ownership: every rank's, in the list's order
+        out = _with_experts(out, gather_experts(model, group, values), lists)
     return out
+
+
+def _with_experts(out: Dict[str, torch.Tensor], experts: Dict[str, torch.Tensor], lists) -> Dict[str, torch.Tensor]:
+    """``out`` with every placed expert's tensors (``experts``) where the list's local experts stood (the model's
+    order). ``lists``: the placed lists' names."""
+    prefixes = [f"{n}." if n else "" for n in sorted(lists, key=len, reverse=True)]
+
+    def list_of(key: str):
+        return next((p for p in prefixes if key.startswith(p) and key[len(p):].split(".", 1)[0].isdigit()), None)
+
+    merged: Dict[str, torch.Tensor] = {}
+    done = set()
+    for key, value in out.items():
+        prefix = list_of(key)
+        if prefix is None:
+            merged[key] = value
+        elif prefix not in done:
+            done.add(prefix)
+            merged.update({k: v for k, v in experts.items() if list_of(k) == prefix})
+    return merged
 
 
 @torch.no_grad()
@@ -115,8 +139,8 @@ def shard_state_dict(model: nn.Module, full: Dict[str, torch.Tensor], rank: Opti
 def load_full_state_dict(model: nn.Module, full: Dict[str, torch.Tensor], strict: bool = True):
     """Load an unsharded state_dict (e.g. from :func:`consolidate_state_dict`) into the split model."""
     local = shard_state_dict(model, full)
-    if strict:
-        unexpected = sorted(set(full) - set(local))
+    if strict:  # the experts other ranks hold (placed by ownership) are expected, and not loaded here
+        unexpected = sorted(set(full) - set(local) - foreign_keys(model, full))
         if unexpected:
             raise KeyError(f"load_full_state_dict: unexpected keys {unexpected[:10]}")
     return model.load_state_dict(local, strict=strict)
@@ -138,6 +162,8 @@ def split_summary(model: nn.Module, tp: int, top: int = 3) -> Dict[str, object]:
         spec = tp_spec(prm)
         if spec is not None:
             split += prm.numel() // max(1, spec.local_size) * spec.size
+        elif getattr(prm, "tp_owned", False):  # an expert placed by ownership: the other ranks hold the others
+            split += prm.numel() * tp
         else:
             replicated += prm.numel()
             key = _generic(name)

@@ -61,14 +61,19 @@ CASES = [
     ("neox", "pp2", torch.float64), ("llama", "pp2", torch.float64),
     ("neox", "zero3", torch.float64), ("llama", "zero3", torch.float32),
     ("moe", "tp2", torch.float64), ("moe", "pp2", torch.float64), ("moe", "zero3", torch.float64),
+    ("moe", "ep2", torch.float64), ("moe", "tp2_placed", torch.float64), ("moe", "ep2_zero3", torch.float64),
 ]
 GATHERED = {"transformer.h.*.attn.qkv": "colwise_gather", "transformer.h.*.attn.proj": "rowwise_split_input",
             "transformer.h.*.mlp.fc_1": "colwise", "transformer.h.*.mlp.fc_2": "colwise",
             "transformer.h.*.mlp.proj": "rowwise", "transformer.wte": "vocab", "lm_head": "colwise_gather"}
 LAYOUTS = {"tp2": dict(tp=2, stage=1), "pp2": dict(pp=2, stage=1, microbatches=2),
            "zero3": dict(stage=3), "tp2_gather": dict(tp=2, stage=1, plan=GATHERED),
-           "dp2_tp2": dict(tp=2, stage=1)}
+           "dp2_tp2": dict(tp=2, stage=1),
+           # litgpt's experts list placed by ownership: over the data ranks (routes exchanged) or the tp ranks
+           "ep2": dict(ep=2, stage=1), "ep2_zero3": dict(ep=2, stage=3),
+           "tp2_placed": dict(tp=2, stage=1, expert_parallel=True), "dp2": dict(stage=1)}
 CASES_4 = [("llama", "dp2_tp2", torch.float64)]
+PLACED = ("ep2", "ep2_zero3", "tp2_placed")
 
 
 def _build(name: str, dtype: torch.dtype, **overrides):
@@ -94,11 +99,11 @@ def _loss(logits, targets):
 
 
 @functools.lru_cache(maxsize=None)
-def _reference(name: str, dtype: torch.dtype):
+def _reference(name: str, dtype: torch.dtype, steps: int = STEPS):
     model = _build(name, dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []
-    for step in range(STEPS):
+    for step in range(steps):
         x, y = _batch(step)
         loss = _loss(model(x), y)
         loss.backward()
@@ -159,38 +164,78 @@ def _run_case(name, layout, dtype, rank, world_size, ckpt_dir=None):
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     pm = parallelize(model, config, topo, "cpu", optimizers=[opt], loss_fn=_loss)
     (engine,) = pm.make_engines()
-    losses = []
+    losses, norms = [], []
     for step in range(STEPS):
         x, y = _batch(step)
         if layout == "pp2":
             with engine.no_sync():  # gradients accumulate over the micro-batches, reduced once in step()
                 loss = pm.pipeline.runtime.train_step(x, y)  # mean micro-batch loss, on every pp rank
         else:
-            if topo.dp > 1:  # dp: this rank's half of the rows
-                x, y = x.chunk(topo.dp)[topo.dp_rank], y.chunk(topo.dp)[topo.dp_rank]
+            n = topo.data_size  # dp (times ep: its ranks read their own rows too)
+            if n > 1:  # this rank's share of the rows
+                x, y = x.chunk(n)[topo.data_rank], y.chunk(n)[topo.data_rank]
             loss = _loss(model(x), y)
             loss.backward()
             loss = loss.detach().clone()
-            if topo.dp > 1:
-                dist.all_reduce(loss, group=topo.dp_group)
-                loss /= topo.dp
+            if n > 1:
+                dist.all_reduce(loss, group=topo.dp_group if topo.ep == 1 else None)
+                loss /= n
+        if layout in PLACED or layout == "dp2":  # the global gradient norm (each placed expert counted once)
+            norms.append(float(engine.clip_grad_norm_(1e9)))
         opt.step()  # routed to the engine
         opt.zero_grad()
         losses.append(loss.item())
     info = {}
-    if ckpt_dir is not None and layout == "tp2" and name in ("llama", "mqa", "moe"):  # the universal (layout-free) format
+    universal = (layout == "tp2" and name in ("llama", "mqa", "moe")) or (name == "moe" and layout in PLACED)
+    if ckpt_dir is not None and universal:  # the universal (layout-free) format
         from lightning_scale.checkpoint.engine_pieces import save_engines
 
-        save_engines(os.path.join(ckpt_dir, f"{name}_tp2"), model, [engine], tp_rank=topo.tp_rank)
+        save_engines(os.path.join(ckpt_dir, f"{name}_{layout}"), model, [engine], tp_rank=topo.tp_rank)
     if layout == "zero3":  # litgpt's blocks are found as units (gathered one at a time), the rest is the root
         info = {"units": [u.name for u in pm.sharded.units]}
-    if layout.startswith("tp2") or layout == "dp2_tp2":
+    if layout in PLACED:  # which experts each rank holds (by their own names), the shared expert's local width
+        info = {"experts": sorted({n.split(".experts.")[1].split(".")[0] for n, _ in model.named_parameters()
+                                   if ".experts." in n}),
+                "shared_fc_1": tuple(model.transformer.h[0].mlp.shared_experts.fc_1.weight.shape),
+                "state": pm.full_state_dict() if config.zero.stage < 3 else None}
+    elif layout.startswith("tp2") or layout == "dp2_tp2":
         attn = model.transformer.h[0].attn
         info = {"local_heads": (attn.config.n_head, attn.config.n_query_groups),
                 "qkv": type(attn.qkv).__name__, "qkv_out_local": attn.qkv.weight.shape[0],
                 "local_shapes": {n: tuple(p.shape) for n, p in model.named_parameters() if ".mlp." in n},
                 "state": pm.full_state_dict() if rank < 2 else None}
-    return {"losses": losses, **info}
+    return {"losses": losses, "norms": norms, **info}
+
+
+def _resume_case(layout: str, saved: str, rank: int, world_size: int, ckpt_dir: str) -> float:
+    """The ``moe`` model set up at ``layout``, the universal checkpoint ``saved`` (3 steps, another layout) loaded,
+    one more step: its loss (every rank's mean)."""
+    import torch.distributed as dist
+
+    from lightning_scale.checkpoint.engine_pieces import load_engines
+    from lightning_scale.config import from_flat_kwargs
+    from lightning_scale.parallelize import local_topology, parallelize
+
+    config = from_flat_kwargs(**LAYOUTS[layout])
+    topo = local_topology(config, world_size, rank)
+    model = _build("moe", torch.float64)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    pm = parallelize(model, config, topo, "cpu", optimizers=[opt], loss_fn=_loss)
+    (engine,) = pm.make_engines()
+    load_engines(os.path.join(ckpt_dir, saved), model, [engine], tp_rank=topo.tp_rank)
+    x, y = _batch(STEPS)
+    n = topo.data_size
+    if n > 1:
+        x, y = x.chunk(n)[topo.data_rank], y.chunk(n)[topo.data_rank]
+    loss = _loss(model(x), y)
+    loss.backward()
+    opt.step()
+    loss = loss.detach().clone()
+    dist.all_reduce(loss)
+    return loss.item() / world_size
+
+
+RESUMES = [("ep2", "moe_tp2"), ("tp2", "moe_ep2"), ("tp2_placed", "moe_ep2_zero3")]
 
 
 def _refusal(overrides: dict, layout: dict, rank: int, world_size: int) -> str:
@@ -231,6 +276,11 @@ def litgpt_worker(rank: int, world_size: int, ckpt_dir=None) -> dict:
     from lightning_scale.tensor_parallel import apply_tensor_parallel
 
     out["moe_grads"] = _moe_grads(apply_tensor_parallel(_build("moe", torch.float64), None, dist.group.WORLD))
+    with _float64_routing():  # the ep exchange exactly: litgpt's float32 routing softmax in float64
+        out["moe_ep2_f64"] = _run_case("moe", "ep2", torch.float64, rank, world_size)
+        out["moe_dp2_f64"] = _run_case("moe", "dp2", torch.float64, rank, world_size)
+    for layout, saved in RESUMES:  # the checkpoints written above, read at another layout
+        out[("resume", layout, saved)] = _resume_case(layout, saved, rank, world_size, ckpt_dir)
     return out
 
 
@@ -369,6 +419,80 @@ def test_moe_tp2_gradients_equal_one_process(results):
         for n, want in ref_grads.items():
             assert grads[n].shape == want.shape, n
             assert (grads[n] - want).abs().max().item() <= 1e-12 * want.abs().max().item(), n
+
+
+@pytest.mark.timeout(500)
+@pytest.mark.parametrize("layout", PLACED)
+def test_moe_placed_experts_are_held_whole_under_their_own_names(results, ckpt_dir, layout):
+    """litgpt's experts list placed by ownership (``ep=2`` over the data ranks, ZeRO 1 and 3; ``tp=2`` with
+    ``expert_parallel=True``): rank 0 holds experts 0 and 1, rank 1 experts 2 and 3, whole and under their own names;
+    at tp the shared expert is split (half its width per rank), at ep it stays whole. The losses are
+    test_losses_equal_one_process's (moe-ep2, moe-ep2_zero3, moe-tp2_placed); the consolidated state has every
+    expert (the original keys, the trained values); the layout-free checkpoint read in one process is the whole model
+    (every expert from the rank holding it)."""
+    from lightning_scale.checkpoint.hf import checkpoint_tensors
+
+    shared = _build("moe", torch.float64).transformer.h[0].mlp.shared_experts.fc_1.weight.shape
+    for rank, res in enumerate(results):
+        case = res[("moe", layout, "torch.float64")]
+        assert case["experts"] == [["0", "1"], ["2", "3"]][rank], (rank, case["experts"])
+        want = (shared[0] // 2, shared[1]) if layout.startswith("tp") else tuple(shared)
+        assert case["shared_fc_1"] == want, (layout, case["shared_fc_1"])
+        if layout != "ep2_zero3":
+            assert case["state"] is not None
+    _, ref_state = _reference("moe", torch.float64)
+    got = dict(checkpoint_tensors(os.path.join(ckpt_dir, f"moe_{layout}")))
+    assert set(ref_state) <= set(got), set(ref_state) - set(got)
+    for key, want in ref_state.items():
+        assert got[key].shape == want.shape, key
+        assert (got[key] - want).abs().max().item() <= TOLS["moe"][1], key
+
+
+@pytest.mark.timeout(500)
+def test_moe_ep2_exchange_equals_data_parallel_exactly(results):
+    """With litgpt's routing softmax in float64 (its float32 one moves any other reduction order by ~1e-8), ep=2
+    (each rank half of the rows, its two experts, routes exchanged by all-to-all) gives the losses of plain dp=2 (every
+    expert on both ranks) bit for bit over 3 AdamW steps, and both are one process's within 1e-8 (two half-batch
+    gradient sums: Adam's first steps on gradients at rounding level move such parameters by lr)."""
+    with _float64_routing():
+        model = _build("moe", torch.float64)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        ref, ref_norms = [], []
+        for step in range(STEPS):
+            x, y = _batch(step)
+            loss = _loss(model(x), y)
+            loss.backward()
+            ref_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)))
+            opt.step()
+            opt.zero_grad()
+            ref.append(loss.item())
+    for res in results:
+        ep, dp = res["moe_ep2_f64"]["losses"], res["moe_dp2_f64"]["losses"]
+        assert ep == dp, (ep, dp)
+        # the global norm: every expert counted once (on the rank holding it), the rest once
+        norms = res["moe_ep2_f64"]["norms"]
+        assert max(abs(a - b) / b for a, b in zip(norms, res["moe_dp2_f64"]["norms"])) <= 1e-14, (norms, res)
+        assert abs(norms[0] - ref_norms[0]) <= 1e-10 * ref_norms[0], (norms, ref_norms)
+        assert max(abs(a - b) / b for a, b in zip(norms, ref_norms)) <= 1e-6, (norms, ref_norms)
+        assert max(abs(a - b) for a, b in zip(ep, ref)) <= 1e-8, (ep, ref)
+        assert abs(ep[0] - ref[0]) <= 1e-14, (ep[0], ref[0])  # the first forward: the halves' mean, to the last bits
+        state = res["moe_ep2_f64"]["state"]
+        assert set(state) == set(model.state_dict())
+        worst = max((state[k] - v).abs().max().item() for k, v in model.state_dict().items())
+        print(f"ep2 (float64 routing) trained parameters within {worst:.1e} of one process")
+        assert worst <= 1e-6, worst
+
+
+@pytest.mark.timeout(500)
+@pytest.mark.parametrize("layout,saved", RESUMES, ids=[f"{s}-to-{lay}" for lay, s in RESUMES])
+def test_moe_checkpoint_resumes_across_expert_layouts(results, layout, saved):
+    """A universal checkpoint written after 3 steps with the experts split (tp=2), placed over the data ranks (ep=2,
+    ZeRO 1 or 3), read at another of these layouts (each rank reading only the experts it holds, optimizer state
+    included): the 4th step's loss equals one process's 4th (1e-7: litgpt's float32 routing)."""
+    ref, _ = _reference("moe", torch.float64, STEPS + 1)
+    for res in results:
+        got = res[("resume", layout, saved)]
+        assert abs(got - ref[STEPS]) <= TOLS["moe"][0], (got, ref[STEPS])
 
 
 def test_moe_block_with_a_down_projection_bias_is_refused_by_name():

@@ -38,6 +38,10 @@ CASES = {  # name: (family, Zero3DStrategy kwargs)
     # litgpt's LLaMAMoE: a block holding its router and a list of nn.Linear experts (4, 2 per token, a shared one)
     "litgpt_moe_zero2": ("litgpt_moe", {"stage": 2}),
     "litgpt_moe_tp2": ("litgpt_moe", {"tp": 2}),
+    # its experts list placed by ownership (tensor_parallel/expert_lists.py): 2 whole experts per rank
+    "litgpt_moe_ep2": ("litgpt_moe", {"ep": 2}),
+    "litgpt_moe_tp2_ep": ("litgpt_moe", {"tp": 2, "expert_parallel": True}),
+    "litgpt_moe_ep2_zero3": ("litgpt_moe", {"ep": 2, "stage": 3}),
     # Llama 4: its dense experts routed (tensor_parallel/routed_experts.py), top-1, a shared expert, MoE every 2nd
     # layer, chunked attention on 3 of 4 (an explicit mask: the MoE units profiled with their experts stubbed, each
     # kind of unit profiled; counted as before: 1.53-1.88x under, the largest unit for all: 1.28x over)

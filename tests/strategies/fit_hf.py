@@ -21,14 +21,28 @@ from lightning_scale.models import hf_families as F
 from lightning_scale.models.gpt import lm_loss
 
 
+def _litgpt_moe() -> torch.nn.Module:
+    """litgpt's GPT with its mixture-of-experts MLP (``LLaMAMoE``: 4 experts, 2 per token, a shared expert)."""
+    from litgpt import GPT, Config
+
+    config = Config(n_layer=2, n_head=4, n_embd=64, block_size=32, vocab_size=F.VOCAB, padded_vocab_size=F.VOCAB,
+                    n_query_groups=2, norm_class_name="RMSNorm", mlp_class_name="LLaMAMoE", intermediate_size=128,
+                    moe_intermediate_size=64, n_expert=4, n_expert_per_token=2, n_shared_expert=1,
+                    parallel_residual=False, bias=False, rotary_percentage=1.0)
+    model = GPT(config)
+    model.apply(model._init_weights)
+    return model
+
+
 class HFModule(pl.LightningModule):
     def __init__(self, family: str, attn: str) -> None:
         super().__init__()
-        self.model = F.build(family, attn, dtype=torch.float32)
+        self.litgpt = family == "litgpt_moe"  # litgpt's GPT (returns the logits) instead of a transformers model
+        self.model = _litgpt_moe() if self.litgpt else F.build(family, attn, dtype=torch.float32)
 
     def training_step(self, batch, batch_idx):  # not called under pp: the strategy runs the schedule
         x, y = batch
-        loss = lm_loss(self.model(input_ids=x).logits, y)
+        loss = lm_loss(self.model(x) if self.litgpt else self.model(input_ids=x).logits, y)
         self.log("train_loss", loss)
         return loss
 

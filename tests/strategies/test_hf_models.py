@@ -34,7 +34,13 @@ def reference(tmp_path_factory):
     pytest.importorskip("transformers")
     tmp = tmp_path_factory.mktemp("hf_single")
     return {f: _fit(tmp, f, "--family", f, "--strategy", "single", "--devices", "1")["losses"]
-            for f in ("llama", "gemma3", "mixtral", "llama4")}
+            for f in ("llama", "gemma3", "mixtral", "llama4", "litgpt_moe") if f != "litgpt_moe" or _has_litgpt()}
+
+
+def _has_litgpt() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("litgpt") is not None
 
 
 def _close(run, ref, world=2):
@@ -69,10 +75,18 @@ def _close(run, ref, world=2):
     # the losses 3.7e-3 off, nothing said); and sp x pp on 4 ranks (the masks rebuilt per stage)
     ("llama4", ["sp=2"]),
     pytest.param("llama4", ["sp=2", "pp=2", "microbatches=2", "devices=4"], marks=pytest.mark.slow),
+    # litgpt's GPT with its LLaMAMoE (a list of MLP experts, named per expert): the list placed by ownership
+    # (tensor_parallel/expert_lists.py), 2 of 4 experts per rank under their own names; over the data ranks (ep=2,
+    # ZeRO-3; and x pp=2 on 4 ranks) and over the tp ranks (its shared expert split)
+    ("litgpt_moe", ["ep=2", "stage=3"]),
+    pytest.param("litgpt_moe", ["tp=2", "expert_parallel=true"], marks=pytest.mark.slow),
+    pytest.param("litgpt_moe", ["ep=2", "pp=2", "microbatches=2", "devices=4"], marks=pytest.mark.slow),
 ], ids=["llama-pp2", "gemma3-tp2", "llama-zero3", "llama-zero2-ac-compile", "mixtral-tp2-expert-parallel",
         "mixtral-ep2-zero3", "mixtral-ep2-pp2", "mixtral-ep2-sp2-zero3", "llama4-ep2", "llama4-tp2-pp2", "llama4-sp2",
-        "llama4-sp2-pp2"])
+        "llama4-sp2-pp2", "litgpt_moe-ep2-zero3", "litgpt_moe-tp2-expert-parallel", "litgpt_moe-ep2-pp2"])
 def test_unchanged_hf_model_matches_single_process(tmp_path, reference, family, options):
+    if family not in reference:
+        pytest.skip("litgpt is not installed (pip install litgpt==0.5.13 --no-deps)")
     args = ["--family", family]
     for o in options:
         args += ["--devices", o.split("=")[1]] if o.startswith("devices=") else ["--option", o]
@@ -81,9 +95,11 @@ def test_unchanged_hf_model_matches_single_process(tmp_path, reference, family, 
     if "expert_parallel=true" in options or "ep=2" in options:  # 48 tokens x 2 routes x 4 layers in step 1
         # (under pp: the first stage's 2 layers; under sp: each rank's half of every sequence; 192 routes; Llama 4:
         # top-1 in 2 MoE layers, 96)
+        # litgpt_moe: 2 layers, top-2, 192)
         (rec,) = run["expert_load"]
-        routes = (96 if family == "llama4" else 384) // (2 if "pp=2" in options or "sp=2" in options else 1)
-        assert rec["steps"] == [1, 1] and sum(rec["routes"]) == routes and rec["ratio"] < 1.25, rec
+        routes = {"llama4": 96, "litgpt_moe": 192}.get(family, 384) // (2 if "pp=2" in options or "sp=2" in options
+                                                                        else 1)
+        assert rec["steps"] == [1, 1] and sum(rec["routes"]) == routes and rec["ratio"] <= 1.25, rec
     if any(o.startswith("compile=") for o in options):
         assert run["compile"]["graphs"] == 1 and run["compile"]["eager_fallbacks"] == 0, run["compile"]
         assert run["eager_units"] == [], run["eager_units"]  # every compiled layer ran compiled code
