@@ -3,7 +3,9 @@
 The contract (also ZeRO-3's, see docs/zero3.md): a module's parameters are initialized by the nearest ancestor
 that defines ``init_module(name, module)`` (``name`` relative to that ancestor; the project's GPT does, and its
 values depend only on a seed and the name, so they equal a plain single-process init) or, for Hugging Face
-models, ``_init_weights(module)``; else by the module's own ``reset_parameters()``. Tensor-parallel layers are
+models, ``_init_weights(module)`` (another model's ``_init_weights``, litgpt's: the module's own
+``reset_parameters()`` first, as its construction ran it, then ``_init_weights``, as ``model.apply`` runs it); else
+by the module's own ``reset_parameters()``. Tensor-parallel layers are
 initialized as full-size dense twins under the same name, then sliced. Parameters keep their identity (``torch.utils.swap_tensors``), so optimizers and
 partitions built from them stay valid.
 """
@@ -68,10 +70,30 @@ def init_one(name: str, module: nn.Module, owners: Owners) -> None:
                 rel = name[len(oname) + 1:] if oname and name != oname else ("" if name == oname else name)
                 owner.init_module(rel, module)
             else:
-                owner._init_weights(module)  # Hugging Face PreTrainedModel: by module type
+                if not _is_transformers(owner):  # litgpt's GPT: its _init_weights covers Linear / Embedding only
+                    _reset(module)  # (norms, the rotary cache: their own reset_parameters, as construction ran it)
+                owner._init_weights(module)  # Hugging Face PreTrainedModel: by module type; litgpt: model.apply's
             return
     if callable(getattr(module, "reset_parameters", None)):
         module.reset_parameters()
+
+
+def _is_transformers(owner: nn.Module) -> bool:
+    return any(c.__name__ == "PreTrainedModel" for c in type(owner).__mro__)
+
+
+def _reset(module: nn.Module) -> None:
+    """``module.reset_parameters()`` where it has one (the init its construction ran), its buffers kept at the dtype
+    and device the model was built with (litgpt's ``GPT.reset_parameters`` recomputes its rotary ``cos`` / ``sin`` in
+    float32 as new tensors)."""
+    if not callable(getattr(module, "reset_parameters", None)):
+        return
+    kept = {k: b for k, b in module._buffers.items() if b is not None}
+    module.reset_parameters()
+    for k, b in kept.items():
+        new = module._buffers.get(k)
+        if new is not None and new is not b and (new.dtype, new.device) != (b.dtype, b.device):
+            module._buffers[k] = new.to(dtype=b.dtype, device=b.device)
 
 
 def swap_in(param: nn.Parameter, value: torch.Tensor) -> None:

@@ -1,8 +1,11 @@
 """Hugging Face safetensors in and out, streaming: no rank ever holds the whole model.
 
-In: a local directory with ``model.safetensors`` or a sharded ``model.safetensors.index.json``.
-:class:`HFCheckpoint` maps each tensor to its file and reads rectangular regions with ``safe_open(...).get_slice``
-(a tp slice, the chunks of a ZeRO flat shard, one pipeline stage's tensors: only those bytes are read).
+In: a local directory with ``model.safetensors`` or a sharded ``model.safetensors.index.json``, or a litgpt checkpoint
+directory (``lit_model.pth``: a ``torch.save``d state dict, or ``{"model": state dict}`` as litgpt's fine-tuning
+scripts save it). :class:`HFCheckpoint` maps each tensor to its file and reads rectangular regions with
+``safe_open(...).get_slice`` (a tp slice, the chunks of a ZeRO flat shard, one pipeline stage's tensors: only those
+bytes are read); ``lit_model.pth`` is opened with ``torch.load(mmap=True, weights_only=True)``, so its tensors are
+views of the mapped file and a region read touches only that region's pages.
 :func:`load_hf_weights_` fills a module's parameters and persistent buffers in place, tensor by tensor (meta tensors
 are allocated first; non-persistent meta buffers such as ``rotary_emb.inv_freq`` are recomputed by the model's own
 init); :func:`load_hf_pieces_` fills :class:`~.layout.Piece` destinations (what a parallelized rank holds) region by
@@ -46,6 +49,7 @@ from lightning_scale.checkpoint.layout import Chunk, Piece
 
 SAFETENSORS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
+LITGPT = "lit_model.pth"  # litgpt's checkpoint (litgpt download / convert_hf_checkpoint / finetune)
 # added to or removed from a model key: GPT-2 saved from GPT2Model, a base model saved alone, and the text model of a
 # multimodal checkpoint (Llama 4 Scout / Maverick: language_model.model.layers..., language_model.lm_head)
 PREFIXES = ("transformer.", "model.", "language_model.")
@@ -71,9 +75,12 @@ class HFCheckpoint:
         elif os.path.exists(os.path.join(directory, SAFETENSORS)):
             with safe_open(os.path.join(directory, SAFETENSORS), "pt") as f:
                 self.weight_map = dict.fromkeys(f.keys(), SAFETENSORS)
+        elif os.path.exists(os.path.join(directory, LITGPT)):
+            safe_open = _TorchFile
+            self.weight_map = dict.fromkeys(_TorchFile(os.path.join(directory, LITGPT), "pt").keys(), LITGPT)
         else:
             raise CheckpointError(f"{directory} has neither {SAFETENSORS} nor {INDEX} (a Hugging Face checkpoint "
-                                  "saved with save_pretrained(..., safe_serialization=True))")
+                                  f"saved with save_pretrained(..., safe_serialization=True)) nor {LITGPT} (litgpt's)")
         self._open = safe_open
         self._handles: Dict[str, Any] = {}
 
@@ -154,6 +161,57 @@ class HFCheckpoint:
                                   f"region {chunk} is outside it")
         t = sl[tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))] if shape else sl[:]
         return t if dtype is None else t.to(dtype)
+
+
+class _TorchSlice:
+    """``safe_open(...).get_slice(name)``'s interface over one tensor of a memory-mapped ``torch.load``."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def get_shape(self) -> List[int]:
+        return list(self.tensor.shape)
+
+    def get_dtype(self) -> str:
+        names = {v: k for k, v in _SAFETENSORS_DTYPES.items()}
+        return names.get(self.tensor.dtype, str(self.tensor.dtype))
+
+    def __getitem__(self, index) -> torch.Tensor:
+        if self.tensor.dim() == 0:
+            return self.tensor.clone()
+        return self.tensor[index].clone()  # the region's bytes only, copied out of the mapping
+
+
+class _TorchFile:
+    """``safe_open``'s interface (``keys``, ``get_slice``, ``get_tensor``) over a ``torch.save``d state dict, loaded
+    with ``mmap=True, weights_only=True``: nothing is read until a region is."""
+
+    def __init__(self, path: str, framework: str = "pt") -> None:
+        try:
+            state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        except Exception as err:  # noqa: BLE001 -- an unreadable file is named with its reason
+            raise CheckpointError(f"{path}: not a torch.save'd state dict readable with mmap=True, weights_only=True "
+                                  f"({type(err).__name__}: {err})") from err
+        if isinstance(state, dict) and set(state) == {"model"} and isinstance(state["model"], dict):
+            state = state["model"]  # litgpt's fine-tuning scripts save {"model": state_dict}
+        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+            raise CheckpointError(f"{path}: expected a state dict of tensors (or {{'model': state dict}})")
+        self.state = state
+
+    def __enter__(self) -> "_TorchFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    def keys(self) -> List[str]:
+        return list(self.state)
+
+    def get_slice(self, name: str) -> _TorchSlice:
+        return _TorchSlice(self.state[name])
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        return self.state[name].clone()
 
 
 def read_region(directory: str, name: str, chunks: Sequence[Chunk], dtype: Optional[torch.dtype] = None
