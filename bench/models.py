@@ -40,6 +40,12 @@ every token (the router's score zeroes the unpicked ones), which the ddp / fsdp2
 (``tensor_parallel/routed_experts.py``, the same math): ``ddp_routed`` is DDP over the routed model, so ls_z2 vs
 ddp_routed shows the engine and ls_z2 vs ddp what a user gets. Use ``--experts 16 --top-k 1`` (Scout's).
 
+``--model litgpt_moe``: litgpt's ``GPT`` with its ``LLaMAMoE`` (Mixtral's shape in litgpt: ``--experts`` experts of
+width ``--hidden * 2`` kept as a list of ``LLaMAMLP``, top ``--top-k``, grouped-query attention, RMSNorm, rotary).
+Rows ddp, fsdp2 (per block), ls_z2, ls_z3, ls_tp2 (litgpt's built-in plan: every expert's width split), ls_tp2_ep
+(``expert_parallel=True``: the list placed by ownership, 2 of 4 experts per rank whole,
+``tensor_parallel/expert_lists.py``) and ls_ep2 (the same placement over the data ranks, routes exchanged).
+
 ``--model mixtral``: an unchanged ``MixtralForCausalLM`` instead (8 experts of MLP width ``--hidden * 2``, top-2,
 transformers' default experts implementation), and one more row, ``ls_tp2_own``: tp=2 with the model's own
 ``tp_plan`` (attention only, the experts whole on every rank: what lightning_scale did before its ``experts`` style
@@ -76,7 +82,7 @@ PEERS = {"ls_z3": [("lightning_fsdp2", 1.05), ("fsdp2", 1.05)], "ls_tp2": [("lig
                                              ("ls_tp2_vp_unshared", None)],
          "ls_tp2_vp_unshared": [("dtensor_tp", 1.3)],
          "ls_z2": [("ddp", None), ("ddp_routed", None)], "ls_pp2": [("ddp", None)], "ls_tp2_own": [("dtensor_tp", None)],
-         "ls_tp2_ep": [("ls_tp2_vp", None), ("ls_tp2_own", None)],
+         "ls_tp2_ep": [("ls_tp2_vp", None), ("ls_tp2_own", None), ("ls_tp2", None)],
          "ls_ep2": [("ddp", None), ("ls_z2", None), ("ls_z3", None), ("fsdp2", None)]}
 LS = {"ls_z2": dict(stage=2), "ls_z3": dict(stage=3), "ls_tp2": dict(tp=2, stage=1), "ls_tp2_vp": dict(tp=2, stage=1),
       "ls_tp2_vp_unshared": dict(tp=2, stage=1), "ls_pp2": dict(pp=2, stage=1, microbatches=2),
@@ -117,6 +123,20 @@ def build_llama(kw: dict):
                                   interleave_moe_layer_step=1, tie_word_embeddings=False, attn_implementation="sdpa")
         torch.manual_seed(0)
         return Llama4ForCausalLM(config)
+    if kw.get("model") == "litgpt_moe":  # litgpt's GPT, Mixtral-style LLaMAMoE (a list of experts)
+        from litgpt import GPT, Config
+
+        width = kw.get("expert_width") or kw["hidden"] * 2
+        config = Config(n_layer=kw["layers"], n_embd=kw["hidden"], n_head=kw["heads"], n_query_groups=kw["kv_heads"],
+                        vocab_size=kw["vocab"], padded_vocab_size=kw["vocab"], block_size=kw["seq"],
+                        norm_class_name="RMSNorm", mlp_class_name="LLaMAMoE", intermediate_size=width,
+                        moe_intermediate_size=width, n_expert=kw.get("experts", 8),
+                        n_expert_per_token=kw.get("top_k", 2), parallel_residual=False, bias=False,
+                        rotary_percentage=1.0)
+        torch.manual_seed(0)
+        model = GPT(config)
+        model.apply(model._init_weights)
+        return model
     if kw.get("model") == "mixtral":
         from transformers import MixtralConfig, MixtralForCausalLM
 
@@ -135,6 +155,18 @@ def build_llama(kw: dict):
                          tie_word_embeddings=False, attn_implementation="sdpa")
     torch.manual_seed(0)
     return LlamaForCausalLM(config)
+
+
+def _is_litgpt(model) -> bool:
+    """litgpt's GPT (also wrapped by DDP, or fully_shard's subclass of it)."""
+    return any(c.__module__.startswith("litgpt") for c in type(getattr(model, "module", model)).__mro__)
+
+
+def _logits(model, x):
+    """A Hugging Face model's logits (``model(input_ids=x).logits``), or litgpt's (its forward returns them)."""
+    if _is_litgpt(model):
+        return model(x)
+    return model(input_ids=x).logits
 
 
 def _loss(logits, targets):  # (B, T, V), (B, T) -> mean next-token cross-entropy
@@ -172,7 +204,8 @@ def _own_plan(model) -> dict:
 def _fsdp2(model, mesh=None) -> None:
     from torch.distributed.fsdp import fully_shard
 
-    for layer in model.model.layers:
+    layers = model.transformer.h if hasattr(model, "transformer") else model.model.layers  # litgpt / HF
+    for layer in layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=True)
     fully_shard(model, mesh=mesh, reshard_after_forward=True)
 
@@ -190,7 +223,9 @@ def _plain_step(system: str, model, rank: int, world: int):
         kwargs, loss_fn = dict(LS[system]), _loss
         if system == "ls_tp2_own":  # the model's own tp_plan only (a Mixtral's experts whole on every rank)
             kwargs["plan"] = _own_plan(model)
-        if system.startswith("ls_tp2_vp") or system == "ls_tp2_ep":  # the model's own plan, the head's logits
+        if system == "ls_tp2_ep" and _is_litgpt(model):  # litgpt's built-in plan, its experts list placed
+            kwargs["expert_parallel"] = True
+        elif system.startswith("ls_tp2_vp") or system == "ls_tp2_ep":  # the model's own plan, the head's logits
             # left split over the vocabulary; ls_tp2_ep: the experts placed whole (style expert_parallel)
             from lightning_scale.tensor_parallel import tensor_parallel_state
             from lightning_scale.tensor_parallel.experts import expert_plan_entries
@@ -222,7 +257,7 @@ def _plain_step(system: str, model, rank: int, world: int):
             else:  # this rank's rows: 1 / dp of them (1 / (dp x ep) with ep: its ranks read their own rows too)
                 n = topo.data_size
                 x, y = x.chunk(n)[topo.data_rank], y.chunk(n)[topo.data_rank]
-                loss = loss_fn(model(input_ids=x).logits, y)
+                loss = loss_fn(_logits(model, x), y)
                 loss.backward()
                 loss = loss.detach().clone()
                 if topo.dp > 1:  # the global batch's loss, as every row reports
@@ -264,7 +299,7 @@ def _plain_step(system: str, model, rank: int, world: int):
 
     def step(x, y):
         x, y = x.chunk(world)[rank], y.chunk(world)[rank]
-        loss = _loss(module(input_ids=x).logits, y)
+        loss = _loss(_logits(module, x), y)
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -370,7 +405,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--model", choices=["llama", "mixtral", "deepseek_v3", "llama4"], default="llama")
+    ap.add_argument("--model", choices=["llama", "mixtral", "deepseek_v3", "llama4", "litgpt_moe"], default="llama")
     ap.add_argument("--experts", type=int, default=8, help="MoE models: routed experts per layer")
     ap.add_argument("--top-k", type=int, default=2, help="MoE models: experts per token")
     ap.add_argument("--expert-width", type=int, default=None,
@@ -418,7 +453,8 @@ def main() -> None:
         raise SystemExit(f"the baseline failed: {failed.get('ddp')}")
     ok = [s for s in systems if s not in failed]
     rounds = [{k: r[k] for k in ok if k in r} for r in rounds]
-    name = f"HF {args.model.capitalize()} {_params_m(kw):.1f}M"
+    label = "litgpt GPT (LLaMAMoE)" if args.model == "litgpt_moe" else f"HF {args.model.capitalize()}"
+    name = f"{label} {_params_m(kw):.1f}M"
     if args.model != "llama":
         width = args.expert_width or (args.hidden if args.model == "deepseek_v3" else args.hidden * 2)
         name += f" ({args.experts} experts of width {width}, top-{args.top_k})"
