@@ -3,6 +3,7 @@
     python bench/gpu_experts.py                        # Mixtral-8x7B and DeepSeek-V3 layer shapes, tp 2 / 4 / 8, bf16
     python bench/gpu_experts.py --device cpu --preset tiny --reps 2   # the same code on CPU (a smoke run)
     python bench/gpu_experts.py --llama4 scout          # + Llama 4's MoE layer: transformers' dense path vs routed
+    python bench/gpu_experts.py --litgpt qwen3_30b      # + litgpt's LLaMAMoE: its own expert loop vs the routed list
 
 At tp = N a rank of ``Zero3DStrategy(tp=N)`` holds 1 / N of every expert (style ``experts``: all E experts at width
 I / N, every route of every token), and with ``expert_parallel=True`` N-th of the experts whole (E / N experts at
@@ -80,6 +81,8 @@ def _time(module, hidden, index, weights, reps: int, sync) -> float:
 
 # Llama 4 (H, I, E, top-k, tokens): Scout's MoE layer (16 experts, top-1, a shared expert)
 LLAMA4 = {"scout": (5120, 8192, 16, 1, 8192), "tiny": (64, 96, 16, 1, 256)}
+# litgpt's LLaMAMoE: (hidden H, expert width I, experts E, top-k, tokens T): Qwen3-30B-A3B's and Mixtral-8x7B's layers
+LITGPT = {"qwen3_30b": (2048, 768, 128, 8, 8192), "mixtral_8x7b": (4096, 14336, 8, 2, 4096), "tiny": (64, 96, 16, 2, 256)}
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}  # bf16 dense (the issue's anchor); other devices: MFU not printed
 
 
@@ -134,6 +137,59 @@ def llama4(preset: str, device, dtype, reps: int, sync) -> None:
           f"{row['dense'] / row['routed']:.2f} | {flops / row['routed'] / 1e12:.1f} | {mfu['routed']} |", flush=True)
 
 
+def litgpt_moe(preset: str, device, dtype, reps: int, sync) -> None:
+    """litgpt's ``LLaMAMoE`` as litgpt runs it (a loop over every expert, a ``torch.where`` of its tokens each: one
+    host sync per expert) vs the same block routed by the package (``tensor_parallel/expert_lists.py``: the routes
+    sorted by expert once, one host read of the counts), forward + backward of one layer, the same values (the routed
+    block is litgpt's bit for bit on CPU). The placed layouts (ep / tp ``expert_parallel``) run the routed one."""
+    import copy
+
+    import torch
+    from litgpt import Config
+    from litgpt.model import LLaMAMoE
+
+    from lightning_scale.tensor_parallel.expert_lists import route_blocks
+
+    h, i, e, k, t = LITGPT[preset]
+    cfg = Config(n_embd=h, n_head=max(1, h // 128), mlp_class_name="LLaMAMoE", intermediate_size=i,
+                 moe_intermediate_size=i, n_expert=e, n_expert_per_token=k, bias=False)
+    torch.manual_seed(0)
+    plain = torch.nn.ModuleDict({"moe": LLaMAMoE(cfg)})
+    with torch.no_grad():
+        for p in plain.parameters():
+            p.normal_(0, 0.02)
+    plain = plain.to(device=device, dtype=dtype)
+    routed = copy.deepcopy(plain)
+    route_blocks(routed)
+    x = torch.randn(1, t, h, device=device, dtype=dtype)
+    row = {}
+    for name, m in (("litgpt", plain), ("routed", routed)):
+        times = []
+        try:
+            for r in range(reps + 1):
+                xi = x.detach().requires_grad_(True)
+                sync()
+                t0 = time.perf_counter()
+                m["moe"](xi).float().square().mean().backward()
+                sync()
+                if r:
+                    times.append(time.perf_counter() - t0)
+                m.zero_grad(set_to_none=True)
+            row[name] = statistics.median(times)
+        except Exception as err:  # noqa: BLE001 - an OOM: report, keep going
+            row[name] = float("nan")
+            print(f"  litgpt {preset} {name}: {type(err).__name__}: {str(err).splitlines()[0][:160]}")
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    flops = 6.0 * t * k * 3 * h * i  # the routed experts, forward + backward
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    peak = next((v for key, v in PEAK_TFLOPS.items() if key in gpu), None)
+    mfu = {n: (f"{flops / v / 1e12 / peak:.1%}" if peak else "-") for n, v in row.items()}
+    print(f"| litgpt {preset} ({h}, {i}, {e}, {k}, {t}) | {row['litgpt'] * 1e3:.2f} | {row['routed'] * 1e3:.2f} | "
+          f"{row['litgpt'] / row['routed']:.2f} | {flops / row['routed'] / 1e12:.1f} | {mfu['litgpt']} | "
+          f"{mfu['routed']} |", flush=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", nargs="+", default=["mixtral_8x7b", "deepseek_v3"], choices=sorted(PRESETS))
@@ -145,6 +201,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=None, help="tokens per layer call (default: the preset's)")
     ap.add_argument("--llama4", nargs="*", default=None, choices=sorted(LLAMA4),
                     help="also time Llama 4's MoE layer, transformers' dense path vs routed (default preset: scout)")
+    ap.add_argument("--litgpt", nargs="*", default=None, choices=sorted(LITGPT),
+                    help="also time litgpt's LLaMAMoE, its own loop vs the routed list (default preset: qwen3_30b)")
     args = ap.parse_args(argv)
     import torch
 
@@ -190,6 +248,12 @@ def main(argv=None) -> int:
         print("|---|---|---|---|---|---|")
         for preset in args.llama4 or ["scout"]:
             llama4(preset, device, dtype, args.reps, sync)
+    if args.litgpt is not None:
+        print("\n| litgpt LLaMAMoE layer (H, I, E, top-k, tokens) | litgpt ms | routed ms | litgpt / routed | routed "
+              "TFLOP/s | litgpt MFU | routed MFU |")
+        print("|---|---|---|---|---|---|---|")
+        for preset in args.litgpt or ["qwen3_30b"]:
+            litgpt_moe(preset, device, dtype, args.reps, sync)
     return 0
 
 

@@ -43,7 +43,9 @@ step gpu_long_sequence 80 python bench/gpu_long_sequence.py --systems dense,ac_o
 step gpu_models 80 python bench/gpu_models.py --rounds 1 --steps 5 --out "$OUT/gpu_models"
 step gpu_checkpoint 50 python bench/gpu_checkpoint.py --rounds 1 --out "$OUT/gpu_checkpoint"
 # one tp rank's mixture-of-experts work, every expert split vs the experts placed (expert_parallel), tp 2 / 4 / 8;
-# and Llama 4 Scout's MoE layer, transformers' dense path vs routed (tensor_parallel/routed_experts.py)
-step gpu_experts 45 python bench/gpu_experts.py --reps 3 --llama4 scout
+# and Llama 4 Scout's MoE layer, transformers' dense path vs routed (tensor_parallel/routed_experts.py); and litgpt's
+# LLaMAMoE at Qwen3-30B-A3B's layer, its own loop vs the routed list (tensor_parallel/expert_lists.py; rows flushed one
+# by one, so a limit hit keeps the rows done)
+step gpu_experts 45 python bench/gpu_experts.py --reps 3 --llama4 scout --litgpt qwen3_30b
 # bench/gpu_tensor_parallel.py needs 2 or more GPUs (torchrun --nproc-per-node N); not run on one device.
 echo "done; see $OUT/summary.txt"
