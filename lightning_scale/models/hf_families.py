@@ -90,9 +90,23 @@ FAMILIES: Dict[str, Tuple[str, dict, str]] = {
                                                           "no plan of its own, the Llama one)"),
     "bitnet": ("bitnet", dict(num_key_value_heads=2), "sub-layer norms, ReLU^2 (pp: the Llama pattern; tp: no plan of "
                                                       "its own, the Llama one, its sub-layer RMSNorms split)"),
+    # 2025-era dense families (added 2026-12-06)
+    "olmo2": ("olmo2", dict(num_key_value_heads=2), "post-norms, q/k RMSNorm over all heads"),
+    "smollm3": ("smollm3", dict(num_key_value_heads=2, pad_token_id=0, no_rope_layer_interval=2),
+                "no rotary on every 2nd layer (NoPE layers)"),
+    "starcoder2": ("starcoder2", dict(num_key_value_heads=2, sliding_window=5),
+                   "LayerNorm, biases everywhere, GELU MLP without gate, sliding window"),
+    "glm4": ("glm4", dict(num_key_value_heads=2, head_dim=8, pad_token_id=0),
+             "post-norms, partial interleaved rotary, fused gate_up, q/k/v biases"),
+    "phi": ("phi", dict(num_key_value_heads=2), "parallel attention / MLP, partial rotary, dense layers with biases"),
+    "apertus": ("apertus", dict(num_key_value_heads=2), "xIELU activation (trainable), q/k norms, llama3 rotary"),
+    "nanochat": ("nanochat", dict(num_key_value_heads=2), "ReLU^2 MLP, q/k norms without weights, untied head"),
 }
 
 
+# families pp refuses by name (NanoChat's base model norms the embeddings before its layers with the module that norms
+# the last layer's output: not the Llama pattern, and its config declares no pipeline plan)
+NO_PP = ("nanochat",)
 # families transformers runs with eager attention only (it refuses sdpa for them)
 NO_SDPA = ("gemma2", "gpt_oss")
 # families whose layers hold transformers experts modules (3-D expert weights): the matrix also runs them with the

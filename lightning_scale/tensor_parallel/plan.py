@@ -385,6 +385,7 @@ def plan_tensor_parallel(model: nn.Module, plan: Optional[Dict[str, object]], tp
             add, whole = experts.expert_plan_entries(model, lambda n: any(rx.match(n) for rx in patterns), tp,
                                                      placed=expert_parallel)
             plan.update(add)
+            plan.update(_scalars_on_split_features(model, plan))
     if sequence_parallel and is_hf_model(model):
         raise ConfigError("tensor.sequence_parallel=True is supported for the project GPT only: Hugging Face "
                           "models derive positions and masks from the hidden states' sequence length")
@@ -416,6 +417,30 @@ def plan_tensor_parallel(model: nn.Module, plan: Optional[Dict[str, object]], tp
                                             for n, f in fixes.items()},
                               ties=_ties(model, actions), styles={a.name: a.style.name for a in actions},
                               config_views=config_views, experts_whole=whole)
+
+
+def _scalars_on_split_features(model: nn.Module, plan: Dict[str, object]) -> Dict[str, str]:
+    """``{pattern: 'replicated_with_grad_allreduce'}`` for every module the plan leaves out that sits beside a
+    column- and a row-parallel sibling (an MLP between its split up and down projections) and holds only trainable
+    scalars: an activation with parameters, Apertus' xIELU (``alpha_p``, ``alpha_n``). It runs on each rank's slice
+    of the features, so each rank's gradient of its scalars is a partial sum; left whole, the ranks' copies drift
+    apart, silently (transformers' own Apertus plan misses it: 9.4e-7 off one process after 3 float64 steps at tp=2).
+    Summed over tp in the backward, they stay one process's. Modules holding larger parameters are left as the plan
+    says (a per-head norm: the plan names it; a norm over the split features needs style 'rmsnorm_split')."""
+    rules = [(_pattern_regex(p), parse_style(v, p).kind) for p, v in plan.items()]
+    out: Dict[str, str] = {}
+    for pname, parent in model.named_modules():
+        kinds = {}
+        for cname, _ in parent.named_children():
+            full = f"{pname}.{cname}" if pname else cname
+            kinds[cname] = next((k for rx, k in rules if rx.match(full)), None)
+        if "colwise" not in kinds.values() or "rowwise" not in kinds.values():
+            continue
+        for cname, child in parent.named_children():
+            params = [p for p in child.parameters() if p.requires_grad]
+            if kinds[cname] is None and params and all(p.numel() == 1 for p in params):
+                out[_generic(f"{pname}.{cname}" if pname else cname)] = "replicated_with_grad_allreduce"
+    return out
 
 
 def _placed_block(name: str, block: nn.Module, tp: int) -> List[Action]:

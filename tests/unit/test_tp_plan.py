@@ -249,6 +249,22 @@ def test_hf_gpt2_conv1d_qkv_is_split_per_head():
     assert p.ties == [[("transformer.wte", "weight"), ("lm_head", "weight")]]
 
 
+def test_hf_trainable_activation_scalars_on_split_features_get_their_gradient_summed():
+    """Apertus' MLP activation (xIELU) holds trainable scalars (alpha_p, alpha_n) and runs on the split intermediate
+    features between up_proj (colwise) and down_proj (rowwise); transformers' own plan leaves it out, so each tp rank's
+    gradient of them was a partial sum and the copies drifted (9.4e-7 off one process after 3 float64 steps, nothing
+    said). The built-in plan adds it as 'replicated_with_grad_allreduce' (the matrix's apertus tp2 rows: 0.0); modules
+    with larger parameters beside split layers are left as the plan says (Llama: nothing added)."""
+    from lightning_scale.models import hf_families as F
+
+    plan = plan_tensor_parallel(F.build("apertus"), None, 2)
+    summed = {n for n, s in plan.styles.items() if s == "replicated_with_grad_allreduce"}
+    assert summed == {f"model.layers.{i}.{m}" for i in range(4) for m in ("mlp.act_fn", "self_attn.q_norm",
+                                                                          "self_attn.k_norm")}, summed
+    llama = plan_tensor_parallel(F.build("llama"), None, 2)
+    assert not any(s == "replicated_with_grad_allreduce" for s in llama.styles.values())
+
+
 # ----------------------------------------------------------------------------- apply at tp=1 (no processes)
 def test_apply_at_tp1_keeps_outputs_keys_and_refuses_a_second_time():
     model = _gpt(vocab_size=61).double()
