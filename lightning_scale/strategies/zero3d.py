@@ -41,6 +41,7 @@ from lightning_scale.strategies.pipeline_glue import PipelineGlue
 from lightning_scale.strategies.precision import ZeroPrecision
 from lightning_scale.strategies.memory_plan import install_memory_plan
 from lightning_scale.strategies.expert_load import install_expert_load
+from lightning_scale.strategies.tp_replicas import install_replica_check
 from lightning_scale.strategies.report import layout_table
 from lightning_scale.strategies import stage3 as _stage3
 from lightning_scale.topology import Topology
@@ -254,6 +255,7 @@ class Zero3DStrategy(GridStrategyMixin, ParallelStrategy):
             compile_glue.install(self, trainer)  # the compile report after step 1 and at the end
             install_memory_plan(self, trainer)  # step 1's measured peak vs the memory plan (memory_plan.py)
             install_expert_load(self, trainer)  # placed experts: the routes' spread over tp (expert_load.py)
+            install_replica_check(self, trainer)  # tp: the parameters kept whole stay equal (tp_replicas.py)
 
     def gathered(self, module: Optional[torch.nn.Module] = None):
         """The full parameters of ``module`` (default: the whole model) while inside, at every ZeRO stage; e.g. a

@@ -70,6 +70,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--option", action="append", default=[])
     ap.add_argument("--precision", default="32-true")
+    ap.add_argument("--own-plan", action="store_true", help="tp: the model's own tp_plan as a user's plan (as "
+                    "transformers declares it: no module added by the built-in plan)")
     args = ap.parse_args()
     torch.manual_seed(0)
     module = HFModule(args.family, args.attn)
@@ -86,6 +88,11 @@ def main() -> None:
     rank = (rank // (ep * sp)) % (split // ep) * ep + rank % ep if ep > 1 else 0  # dp_i x ep + ep_i
     rows = [(x[i], y[i]) for x, y in batches for i in range(rank, 4, split)]
     data = torch.utils.data.DataLoader(rows, batch_size=4 // split)
+    if args.own_plan:
+        from lightning_scale.tensor_parallel.hf import _matches, hf_plan
+
+        names = [n for n, _ in module.model.named_modules() if n]
+        opts["plan"] = {p: s for p, s in hf_plan(module.model).items() if any(_matches(p, n) for n in names)}
     strategy = "auto" if args.strategy == "single" else Zero3DStrategy(**opts)
     rec = Losses()
     trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.steps,
@@ -99,7 +106,8 @@ def main() -> None:
             report = getattr(trainer.strategy, "compile_report", {})  # compile=...: Dynamo's counters at the end
             json.dump({"losses": rec.losses, "world": trainer.world_size, "compile": report.get("end"),
                        "eager_units": report.get("eager_units"),
-                       "expert_load": getattr(trainer.strategy, "expert_load", None)}, f)
+                       "expert_load": getattr(trainer.strategy, "expert_load", None),
+                       "tp_replicas": getattr(trainer.strategy, "tp_replicas", None)}, f)
 
 
 if __name__ == "__main__":
