@@ -86,6 +86,33 @@ LITGPT = {"qwen3_30b": (2048, 768, 128, 8, 8192), "mixtral_8x7b": (4096, 14336, 
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}  # bf16 dense (the issue's anchor); other devices: MFU not printed
 
 
+def _layer_times(models: dict, run, x, reps: int, sync, device, what: str) -> dict:
+    """``{name: median seconds}`` of ``run(model, x)`` forward + backward for each of ``models`` (the first of
+    ``reps + 1`` runs untimed); an error (an OOM) is reported and gives NaN."""
+    import torch
+
+    row = {}
+    for name, m in models.items():
+        times = []
+        try:
+            for r in range(reps + 1):
+                xi = x.detach().requires_grad_(True)
+                sync()
+                t0 = time.perf_counter()
+                run(m, xi).float().square().mean().backward()
+                sync()
+                if r:
+                    times.append(time.perf_counter() - t0)
+                m.zero_grad(set_to_none=True)
+            row[name] = statistics.median(times)
+        except Exception as err:  # noqa: BLE001 - an OOM: report, keep going
+            row[name] = float("nan")
+            print(f"  {what} {name}: {type(err).__name__}: {str(err).splitlines()[0][:160]}")
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return row
+
+
 def llama4(preset: str, device, dtype, reps: int, sync) -> None:
     """transformers' Llama4TextMoe (every expert on every token) vs the same layer routed by the package
     (tensor_parallel/routed_experts.py: each token its top-k experts), forward + backward of one layer; the useful
@@ -109,26 +136,8 @@ def llama4(preset: str, device, dtype, reps: int, sync) -> None:
     routed = copy.deepcopy(dense)
     route_experts(routed)
     x = torch.randn(t, h, device=device, dtype=dtype)
-    row = {}
-    for name, m in (("dense", dense), ("routed", routed)):
-        times = []
-        try:
-            for r in range(reps + 1):
-                xi = x.detach().requires_grad_(True)
-                sync()
-                t0 = time.perf_counter()
-                out, _ = m["moe"](xi)
-                out.float().square().mean().backward()
-                sync()
-                if r:
-                    times.append(time.perf_counter() - t0)
-                m.zero_grad(set_to_none=True)
-            row[name] = statistics.median(times)
-        except Exception as err:  # noqa: BLE001 - an OOM: report, keep going
-            row[name] = float("nan")
-            print(f"  llama4 {preset} {name}: {type(err).__name__}: {str(err).splitlines()[0][:160]}")
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    row = _layer_times({"dense": dense, "routed": routed}, lambda m, xi: m["moe"](xi)[0], x, reps, sync, device,
+                       f"llama4 {preset}")
     flops = 6.0 * t * (k + 1) * 3 * h * i  # routed experts + the shared expert, forward + backward
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
     peak = next((v for key, v in PEAK_TFLOPS.items() if key in gpu), None)
@@ -162,25 +171,8 @@ def litgpt_moe(preset: str, device, dtype, reps: int, sync) -> None:
     routed = copy.deepcopy(plain)
     route_blocks(routed)
     x = torch.randn(1, t, h, device=device, dtype=dtype)
-    row = {}
-    for name, m in (("litgpt", plain), ("routed", routed)):
-        times = []
-        try:
-            for r in range(reps + 1):
-                xi = x.detach().requires_grad_(True)
-                sync()
-                t0 = time.perf_counter()
-                m["moe"](xi).float().square().mean().backward()
-                sync()
-                if r:
-                    times.append(time.perf_counter() - t0)
-                m.zero_grad(set_to_none=True)
-            row[name] = statistics.median(times)
-        except Exception as err:  # noqa: BLE001 - an OOM: report, keep going
-            row[name] = float("nan")
-            print(f"  litgpt {preset} {name}: {type(err).__name__}: {str(err).splitlines()[0][:160]}")
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    row = _layer_times({"litgpt": plain, "routed": routed}, lambda m, xi: m["moe"](xi), x, reps, sync, device,
+                       f"litgpt {preset}")
     flops = 6.0 * t * k * 3 * h * i  # the routed experts, forward + backward
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
     peak = next((v for key, v in PEAK_TFLOPS.items() if key in gpu), None)

@@ -17,13 +17,11 @@ from __future__ import annotations
 import warnings
 from typing import Any, Dict, List
 
-import lightning.pytorch as pl
-
 from lightning_scale.strategies.report import _module
+from lightning_scale.strategies.step_checks import StepChecks
 
 LOAD_PREFIX = "[lightning_scale experts]"
 UNEVEN = 1.25  # the busiest tp rank's routes over an even share: above it warns
-CHECKS = (1, 10, 100, 1000, 10000)
 REMEDY = {"tp": "expert_parallel=False splits every expert over tp instead, even by construction",
           "ep": "ep=1 with zero.stage=3 shards every expert over the ranks instead, even by construction"}
 
@@ -43,22 +41,13 @@ def load_line(rec: Dict[str, Any]) -> str:
             f"{rec['busiest']}, {share:.0f}% of them, {rec['ratio']:.2f}x an even share)")
 
 
-class ExpertLoad(pl.Callback):
-    def __init__(self, strategy: Any) -> None:
-        self.strategy = strategy
-        self.history: List[Dict[str, Any]] = []
-        self._last = 0
-
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        step = trainer.global_step
-        if step not in CHECKS or step == self._last:
-            return
+class ExpertLoad(StepChecks):
+    def check(self, step: int, since: int) -> None:
         from lightning_scale.tensor_parallel.expert_parallel import route_load
 
         load = route_load(_module(self.strategy), reset=True)
         if load is not None and self.strategy.config.ep > 1:  # ep ranks route their own tokens: add them up
             load = _summed(load, self.strategy.topology.tp_group)
-        since, self._last = self._last + 1, step
         if load is None or not sum(load):
             return
         rec = load_record(load, step, since)

@@ -14,16 +14,15 @@ plan styles that sum a gradient over tp. ``strategy.tp_replicas`` keeps every ch
 from __future__ import annotations
 
 import warnings
-from typing import Any, Dict, List
+from typing import Any, Dict
 
-import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 
 from lightning_scale.strategies.report import _module
+from lightning_scale.strategies.step_checks import StepChecks
 
 PREFIX = "[lightning_scale tp replicas]"
-CHECKS = (1, 10, 100, 1000, 10000)
 TOLERANCE = 1e-6  # of the parameter's sum of magnitudes: copies of a replicated parameter are bit for bit equal
 
 
@@ -48,17 +47,8 @@ def replica_spread(module: torch.nn.Module, group) -> Dict[str, float]:
     return {n: float(s) for (n, _), s in zip(named, spread.cpu()) if s > TOLERANCE}
 
 
-class ReplicaCheck(pl.Callback):
-    def __init__(self, strategy: Any) -> None:
-        self.strategy = strategy
-        self.history: List[Dict[str, Any]] = []
-        self._last = 0
-
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        step = trainer.global_step
-        if step not in CHECKS or step == self._last:
-            return
-        self._last = step
+class ReplicaCheck(StepChecks):
+    def check(self, step: int, since: int) -> None:
         for engine in getattr(self.strategy, "engines", []) or []:
             engine.wait_params()  # stages 1-2: the step's parameters may still be gathering in the background
         module = _module(self.strategy)

@@ -209,7 +209,6 @@ def _build(directory, how):
 
 
 def _run_case(rank, world, root, arch, mode):
-    from lightning_scale.comm import collectives as C
     from lightning_scale.config import from_flat_kwargs
     from lightning_scale.parallelize import local_topology, parallelize
 
@@ -238,12 +237,19 @@ def _run_case(rank, world, root, arch, mode):
             loss.backward()
         opt.step()  # routed to the engine
         opt.zero_grad()
-        mean = loss.detach().clone().double()
-        C.all_reduce(mean, topo.dp_group)
-        if topo.ep > 1:
-            C.all_reduce(mean, topo.tp_group)
-        losses.append(mean.item() / topo.data_size)
+        losses.append(data_mean(loss, topo))
     return {"losses": losses, "read": counter["bytes"], "file": _file_bytes(directory)}
+
+
+def data_mean(loss, topo) -> float:
+    """A step's loss averaged over every data-parallel rank (dp, and the ep ranks, which read their own rows)."""
+    from lightning_scale.comm import collectives as C
+
+    mean = loss.detach().clone().double()
+    C.all_reduce(mean, topo.dp_group)
+    if topo.ep > 1:
+        C.all_reduce(mean, topo.tp_group)
+    return mean.item() / topo.data_size
 
 
 def _bad_inputs(root):

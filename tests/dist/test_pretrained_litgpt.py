@@ -122,9 +122,7 @@ def _on_meta(directory: str, name: str):
 
 
 def _run_case(rank, world, root, name, mode):
-    from test_pretrained import _count_reads  # bytes read through HFCheckpoint.read_chunk
-
-    from lightning_scale.comm import collectives as C
+    from test_pretrained import _count_reads, data_mean  # bytes read through HFCheckpoint.read_chunk; the mean loss
     from lightning_scale.config import from_flat_kwargs
     from lightning_scale.parallelize import local_topology, parallelize
 
@@ -151,11 +149,7 @@ def _run_case(rank, world, root, name, mode):
             loss.backward()
         opt.step()
         opt.zero_grad()
-        mean = loss.detach().clone().double()
-        C.all_reduce(mean, topo.dp_group)
-        if topo.ep > 1:
-            C.all_reduce(mean, topo.tp_group)
-        losses.append(mean.item() / topo.data_size)
+        losses.append(data_mean(loss, topo))
     return {"losses": losses, "read": counter["bytes"],
             "file": os.path.getsize(os.path.join(directory, "lit_model.pth"))}
 
