@@ -101,18 +101,30 @@ FAMILIES: Dict[str, Tuple[str, dict, str]] = {
     "phi": ("phi", dict(num_key_value_heads=2), "parallel attention / MLP, partial rotary, dense layers with biases"),
     "apertus": ("apertus", dict(num_key_value_heads=2), "xIELU activation (trainable), q/k norms, llama3 rotary"),
     "nanochat": ("nanochat", dict(num_key_value_heads=2), "ReLU^2 MLP, q/k norms without weights, untied head"),
+    "qwen3_next": ("qwen3_next", dict(num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                                      moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                                      linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8,
+                                      linear_value_head_dim=8, experts_implementation="eager",
+                                      layer_types=["linear_attention", "full_attention"] * 2),
+                   "hybrid: gated DeltaNet (linear attention) and gated full attention layers, experts + shared expert"),
+    "deepseek_v2": ("deepseek_v2", dict(num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
+                                        moe_intermediate_size=32, n_group=1, topk_group=1, first_k_dense_replace=1,
+                                        q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                                        v_head_dim=8, experts_implementation="eager"),
+                    "multi-head latent attention, shared experts, a dense first layer"),
 }
 
 
-# families pp refuses by name (NanoChat's base model norms the embeddings before its layers with the module that norms
-# the last layer's output: not the Llama pattern, and its config declares no pipeline plan)
-NO_PP = ("nanochat",)
+# families pp refuses by name -> what the refusal says: NanoChat's base model norms the embeddings before its layers
+# with the module that norms the last layer's output (not the Llama pattern, and its config declares no pipeline
+# plan); Qwen3-Next's linear-attention (gated DeltaNet) layers take a mask the adapter does not build
+NO_PP = {"nanochat": "declares no pipeline structure", "qwen3_next": "of type 'linear_attention'"}
 # families transformers runs with eager attention only (it refuses sdpa for them)
 NO_SDPA = ("gemma2", "gpt_oss")
 # families whose layers hold transformers experts modules (3-D expert weights): the matrix also runs them with the
 # experts placed whole at tp=2 (expert_parallel); tests/unit/test_hf_pipeline.py checks the list against the models
 MOE = ("mixtral", "qwen2_moe", "deepseek_v3", "granitemoe", "qwen3_moe", "glm4_moe", "ernie4_5_moe", "gpt_oss",
-       "olmoe", "phimoe", "hunyuan_v1_moe", "llama4")
+       "olmoe", "phimoe", "hunyuan_v1_moe", "llama4", "qwen3_next", "deepseek_v2")
 
 
 def build(name: str, attn: str = "eager", dtype: torch.dtype = torch.float64, seed: int = 0,
