@@ -116,9 +116,8 @@ FAMILIES: Dict[str, Tuple[str, dict, str]] = {
 
 
 # families pp refuses by name -> what the refusal says: NanoChat's base model norms the embeddings before its layers
-# with the module that norms the last layer's output (not the Llama pattern, and its config declares no pipeline
-# plan); Qwen3-Next's linear-attention (gated DeltaNet) layers take a mask the adapter does not build
-NO_PP = {"nanochat": "declares no pipeline structure", "qwen3_next": "of type 'linear_attention'"}
+# with the module that norms the last layer's output (not the Llama pattern, and its config declares no pipeline plan)
+NO_PP = {"nanochat": "declares no pipeline structure"}
 # families transformers runs with eager attention only (it refuses sdpa for them)
 NO_SDPA = ("gemma2", "gpt_oss")
 # families whose layers hold transformers experts modules (3-D expert weights): the matrix also runs them with the

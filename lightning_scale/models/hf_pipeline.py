@@ -192,7 +192,9 @@ _LLAMA_PATTERN = ("olmoe", "phimoe", "hunyuan_v1_dense", "hunyuan_v1_moe", "nemo
                   "granitemoe", "llama4_text")
 # the mask function (transformers.masking_utils) of each layer type; another type is refused by name
 _MASKS = {"full_attention": "create_causal_mask", "sliding_attention": "create_sliding_window_causal_mask",
-          "chunked_attention": "create_chunked_causal_mask"}
+          "chunked_attention": "create_chunked_causal_mask",
+          # Qwen3-Next's gated DeltaNet layers: the 2-D padding mask (None without padding), zeroing padded states
+          "linear_attention": "create_recurrent_attention_mask"}
 # Families whose forward adds to that pattern only a scaling by a config value, which the adapter applies (model type
 # -> those attributes): Granite's embeddings * embedding_multiplier and logits / logits_scaling, Cohere's logits *
 # logit_scale. Another family with such an attribute is refused (its forward may use it otherwise).

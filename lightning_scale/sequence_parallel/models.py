@@ -312,6 +312,10 @@ class _LocalHeads:
         return getattr(self._module, name)
 
 
+# decoder layer types (config.layer_types) that are recurrent, not attention: Ulysses cannot split them
+RECURRENT_LAYERS = frozenset({"linear_attention", "mamba", "conv"})
+
+
 def _sp_hf(model: nn.Module, group, tp: int = 1, stage: Optional[nn.Module] = None) -> None:
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
@@ -322,6 +326,12 @@ def _sp_hf(model: nn.Module, group, tp: int = 1, stage: Optional[nn.Module] = No
     heads = cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     _check_heads(sp, tp, heads, f"{type(model).__name__}.config.num_attention_heads")
+    recurrent = sorted(set(getattr(cfg, "layer_types", None) or ()) & RECURRENT_LAYERS)
+    if recurrent:  # Qwen3-Next's gated DeltaNet: a state carried along the whole sequence, not attention to swap
+        raise ConfigError(f"sp={sp}: {type(model).__name__} has {recurrent[0]!r} layers (config.layer_types): a "
+                          f"recurrent layer carries its state along the whole sequence, which sequence parallelism "
+                          f"(each rank one chunk of every sequence) would cut; use tp, pp or ZeRO-3 for it",
+                          settings=("sp",))
     inner_name = cfg._attn_implementation
     if inner_name not in ("eager", "sdpa"):
         raise ConfigError(f"sp={sp} with attn_implementation={inner_name!r}: sequence parallelism wraps 'eager' or "

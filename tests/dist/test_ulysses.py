@@ -206,9 +206,13 @@ def _bad(rank: int, world_size: int):
     from lightning_scale.parallelize import apply_sp
     from lightning_scale.sequence_parallel import apply_sequence_parallel
 
+    from lightning_scale.models import hf_families as F
+
     group = torch.distributed.group.WORLD
     messages = []
-    for model in (GPT(gpt_tiny(n_head=3, d_model=24)), GPT(gpt_tiny(seq_len=15)), torch.nn.Linear(2, 2)):
+    # Qwen3-Next: its gated DeltaNet (linear-attention) layers carry a state along the whole sequence
+    for model in (GPT(gpt_tiny(n_head=3, d_model=24)), GPT(gpt_tiny(seq_len=15)), torch.nn.Linear(2, 2),
+                  F.build("qwen3_next", "sdpa")):
         try:
             apply_sequence_parallel(model, group)
             messages.append(None)
@@ -221,10 +225,11 @@ def _bad(rank: int, world_size: int):
 @pytest.mark.timeout(120)
 def test_bad_models_are_config_errors_on_every_rank():
     for messages in run_distributed(_bad, 2, timeout=100, preload=HF_RANK_PRELOAD):
-        heads, seq, linear = messages
+        heads, seq, linear, recurrent = messages
         assert heads.startswith("sp=2 does not divide model.n_head=3"), heads
         assert seq.startswith("sp=2 does not divide model.seq_len=15"), seq
         assert linear.startswith("sp=2: Linear holds no attention that sequence parallelism can swap"), linear
+        assert recurrent.startswith("sp=2: Qwen3NextForCausalLM has 'linear_attention' layers"), recurrent
 
 
 def test_config_errors_name_the_settings():

@@ -113,8 +113,8 @@ def test_layer_types_map_to_their_masks_and_an_unknown_type_is_refused():
     built = masks.build(1, 12, None, torch.arange(12).unsqueeze(0), "cpu")
     chunked, full = built["chunked_attention"], built["full_attention"]
     assert chunked[0, 0, 9, 7].item() < -1e30 and full[0, 0, 9, 7].item() == 0  # position 9 sees 7 only unchunked
-    model.config.layer_types[0] = "linear_attention"
-    with pytest.raises(ConfigError, match="'linear_attention'"):
+    model.config.layer_types[0] = "moba_attention"  # a type no mask function is known for here
+    with pytest.raises(ConfigError, match="'moba_attention'"):
         hf_pipeline_layers(model)
-    with pytest.raises(ConfigError, match="'linear_attention'"):
+    with pytest.raises(ConfigError, match="'moba_attention'"):
         _FullMasks(model, "eager")
