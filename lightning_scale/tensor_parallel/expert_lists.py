@@ -181,13 +181,14 @@ def foreign_keys(model: nn.Module, keys) -> Set[str]:
 
 @torch.no_grad()
 def gather_experts(model: nn.Module, group, values: Optional[Dict[str, torch.Tensor]] = None
-                   ) -> Dict[str, torch.Tensor]:
-    """Every rank's experts of every placed list, by their state-dict keys (collective over ``group``: one all-gather
-    per list). ``values``: this rank's tensors by key, used in place of the module's own."""
+                   ) -> Dict[str, Dict[str, torch.Tensor]]:
+    """Every rank's experts of every placed list: ``{list name: {state-dict key: tensor}}`` (collective over ``group``:
+    one all-gather per list). ``values``: this rank's tensors by key, used in place of the module's own."""
     from lightning_scale.comm import collectives
 
-    out: Dict[str, torch.Tensor] = {}
+    lists: Dict[str, Dict[str, torch.Tensor]] = {}
     for name, module in placed_lists(model).items():
+        out = lists.setdefault(name, {})
         prefix = f"{name}." if name else ""
         total, n, _ = module._placed
         local = total // n
@@ -207,4 +208,4 @@ def gather_experts(model: nn.Module, group, values: Optional[Dict[str, torch.Ten
                 size = int(torch.Size(shape).numel())
                 out[f"{prefix}{e}.{k}"] = gathered[e, start:start + size].view(shape).to(dtype).clone()
                 start += size
-    return out
+    return lists

@@ -95,29 +95,29 @@ def consolidate_state_dict(model: nn.Module, group=None, values: Optional[Dict[s
             collectives.all_gather(gathered.view(-1), local.reshape(-1), group, tag="tp/consolidate")
             full = merge_shards(list(gathered.unbind(0)), spec)
         done[id(value)] = out[key] = full
-    lists = placed_lists(model)
-    if lists:  # experts placed by ownership: every rank's, in the list's order
-        out = _with_experts(out, gather_experts(model, group, values), lists)
+    if placed_lists(model):  # experts placed by ownership: every rank's, in the list's order
+        out = _with_experts(out, gather_experts(model, group, values))
     return out
 
 
-def _with_experts(out: Dict[str, torch.Tensor], experts: Dict[str, torch.Tensor], lists) -> Dict[str, torch.Tensor]:
-    """``out`` with every placed expert's tensors (``experts``) where the list's local experts stood (the model's
-    order). ``lists``: the placed lists' names."""
-    prefixes = [f"{n}." if n else "" for n in sorted(lists, key=len, reverse=True)]
+def _with_experts(out: Dict[str, torch.Tensor], experts: Dict[str, Dict[str, torch.Tensor]]
+                  ) -> Dict[str, torch.Tensor]:
+    """``out`` with each placed list's experts (``experts``: list name -> its every rank's tensors by key) where the
+    list's local experts stood (the model's order)."""
+    prefixes = [(f"{n}." if n else "", n) for n in sorted(experts, key=len, reverse=True)]
 
     def list_of(key: str):
-        return next((p for p in prefixes if key.startswith(p) and key[len(p):].split(".", 1)[0].isdigit()), None)
+        return next((n for p, n in prefixes if key.startswith(p) and key[len(p):].split(".", 1)[0].isdigit()), None)
 
     merged: Dict[str, torch.Tensor] = {}
     done = set()
     for key, value in out.items():
-        prefix = list_of(key)
-        if prefix is None:
+        name = list_of(key)
+        if name is None:
             merged[key] = value
-        elif prefix not in done:
-            done.add(prefix)
-            merged.update({k: v for k, v in experts.items() if list_of(k) == prefix})
+        elif name not in done:
+            done.add(name)
+            merged.update(experts[name])
     return merged
 
 
