@@ -24,21 +24,33 @@ from typing import Any, Optional
 PREFIX = "lightning_scale/attempt_"
 
 
+def shared_attempt() -> Optional[str]:
+    """The restart attempt every rank agrees on, for keys on a store that outlives torchrun restarts: the restart
+    count under a single-host torchrun with the shared agent store; ``None`` where each attempt gets a fresh store
+    (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, Lightning's launcher, SLURM: nothing stale to hide) and across hosts
+    (the agents' counts differ: an agent restarted by the re-rendezvous does not count it, so a per-count namespace
+    would split the ranks; the process group needs a fresh store there anyway, docs/failures.md)."""
+    env = os.environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "TORCHELASTIC_RESTART_COUNT" not in env:
+        return None
+    if env.get("WORLD_SIZE") != env.get("LOCAL_WORLD_SIZE"):
+        return None
+    return env["TORCHELASTIC_RESTART_COUNT"]
+
+
 def attempt_store(timeout: Optional[datetime.timedelta] = None) -> Optional[Any]:
     """The store for ``init_process_group(store=...)`` under a single-host torchrun with the shared agent store,
     prefixed by the restart attempt; ``None`` everywhere else (``env://`` as usual)."""
     env = os.environ
-    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "TORCHELASTIC_RESTART_COUNT" not in env:
-        return None
+    attempt = shared_attempt()  # None: several agents (their counts need not agree) or a fresh store per attempt
     try:
-        world, local_world = int(env["WORLD_SIZE"]), int(env["LOCAL_WORLD_SIZE"])
-        addr, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
+        world, addr, port = int(env["WORLD_SIZE"]), env["MASTER_ADDR"], int(env["MASTER_PORT"])
     except (KeyError, ValueError):
         return None
-    if world != local_world:  # several agents: their restart counts need not agree (module docstring)
+    if attempt is None:
         return None
     import torch.distributed as dist
 
     kwargs = {} if timeout is None else {"timeout": timeout}
     store = dist.TCPStore(addr, port, world_size=world, is_master=False, **kwargs)  # the agent hosts it
-    return dist.PrefixStore(f"{PREFIX}{env['TORCHELASTIC_RESTART_COUNT']}", store)  # keys: <prefix>/<key>
+    return dist.PrefixStore(f"{PREFIX}{attempt}", store)  # keys: <prefix>/<key>

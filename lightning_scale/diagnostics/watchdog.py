@@ -32,6 +32,7 @@ from typing import Any, Callable, Dict, Iterator, Optional
 
 from lightning_scale.diagnostics import report, trace
 from lightning_scale.diagnostics.config import DiagnosticsConfig
+from lightning_scale.diagnostics.elastic import shared_attempt
 
 EXIT_HANG = 70  # a hang was detected (by any rank)
 EXIT_PEER_FAILED = 71  # another rank failed first; this one was ended by the watchdog
@@ -51,9 +52,12 @@ class Watchdog:
         import torch.distributed as dist
 
         self.config = (config or DiagnosticsConfig()).validate()
-        # torchrun's agent store outlives a restart: each attempt gets its own keys (no stale "abort")
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        self.store = dist.PrefixStore(f"{prefix}{attempt}/", store)
+        # torchrun's agent store outlives a restart on one host: each attempt gets its own keys (no stale "abort").
+        # Not the restart count across hosts: there the agents' counts differ, and the ranks of one attempt would
+        # not see each other's heartbeats, failures or ends (the two-node restart test's rank 0 waited stop_timeout
+        # at the end for a rank 1 that had finished under another count).
+        attempt = shared_attempt()
+        self.store = dist.PrefixStore(prefix if attempt is None else f"{prefix}{attempt}/", store)
         self.rank, self.world = rank, world_size
         self.children = children or {}  # rank -> Popen of ranks this process launched (exact exit signals)
         self._exit = exit_fn

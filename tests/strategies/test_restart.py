@@ -95,8 +95,9 @@ def test_torchrun_restarts_a_killed_rank_from_the_last_checkpoint(tmp_path, refe
 def elastic_agents(tmp, name, *args, nodes=2, nnodes=None, timeout=240):
     """``nodes`` torchrun agents on this host, one rank each, in one elastic c10d rendezvous (``--nnodes=1:nodes``,
     or ``nnodes`` as given, as on ``nodes`` machines); the rendezvous store is hosted here (``is_host=false`` for
-    every agent), as a head node or etcd would, so that losing any agent leaves it. Returns (the agents' return
-    codes, their output, out lines); kills every agent's and worker's session at the end."""
+    every agent), as a head node or etcd would, so that losing any agent leaves it; a lost agent is declared dead
+    after 4 missed 1 s keep-alives (torch's default, 3 x 5 s, held the survivor's re-rendezvous 16 s). Returns (the
+    agents' return codes, their output, out lines); kills every agent's and worker's session at the end."""
     import subprocess
 
     import torch.distributed as dist
@@ -106,7 +107,7 @@ def elastic_agents(tmp, name, *args, nodes=2, nnodes=None, timeout=240):
     pid_dir.mkdir()
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes or f'1:{nodes}'}", "--nproc-per-node=1",
            "--max-restarts=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{store.port}", f"--rdzv-id={name}",
-           "--rdzv-conf=is_host=false,last_call_timeout=2", SCRIPT, "--out", str(out), "--pid-dir", str(pid_dir),
+           "--rdzv-conf=is_host=false,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=4", SCRIPT, "--out", str(out), "--pid-dir", str(pid_dir),
            *args]
     env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")  # the multi-host recipe (docs/failures.md)
     agents = [subprocess.Popen(cmd, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -138,6 +139,9 @@ def test_two_node_torchrun_restarts_a_killed_rank_from_the_last_checkpoint(tmp_p
     assert codes == [0, 0], output[-6000:]
     assert (tmp_path / "killed").exists()
     assert "rank 1" in output and "was killed by a signal" in output, output[-6000:]  # the survivor said so
+    # the agents' restart counts differ (rank 0's agent was restarted by the re-rendezvous): the watchdogs must
+    # still share one namespace (rank 0 waited its whole stop_timeout for rank 1's end when they did not)
+    assert "not every rank reached the end" not in output, output[-6000:]
     (run,) = runs  # attempt 0's rank 0 never finished
     assert run["world"] == 2 and run["start_step"] == 4 and run["global_step"] == 8, run
     assert run["losses"] == {s: reference[s] for s in ("4", "5", "6", "7")}, (run["losses"], reference)
