@@ -301,17 +301,18 @@ def _counted_profile(unit, hidden: int, tp: int) -> Dict[str, float]:
 
     from lightning_scale.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-    from lightning_scale.tensor_parallel.expert_lists import tp_owned
+    from lightning_scale.tensor_parallel.expert_lists import is_routable, tp_owned
     from lightning_scale.tensor_parallel.experts import is_moe_block
     from lightning_scale.tensor_parallel.sharding import tp_spec
 
     lin = [m for m in unit.modules() if isinstance(m, nn.Linear)]
-    # a MoE block of nn.Linear experts (litgpt's LLaMAMoE): each token visits k of its E experts, so each expert's
-    # layers see k / E of the tokens (counting every expert for every token was 1.3x over the measured step)
+    # a MoE block of nn.Linear experts (litgpt's LLaMAMoE, a user's ExpertList): each token visits k of its E
+    # experts, so each expert's layers see k / E of the tokens (counting every expert for every token was 1.3x over
+    # the measured step)
     share: Dict[int, float] = {}
     routed = 0.0  # per token: rows of placed experts' routes gathered (tp) or exchanged (ep) beside the linears
     for m in unit.modules():
-        if is_moe_block(m):
+        if is_moe_block(m) or is_routable(m):  # litgpt's, or a user's block calling a lightning_scale.nn.ExpertList
             k = min(experts_per_token(m), len(m.experts))
             # placed by ownership (expert_lists.py): ep, the local experts run every rank's routes to them (k / E of
             # each token of every rank: k / local of this rank's); tp, this rank's routes only (k / E)

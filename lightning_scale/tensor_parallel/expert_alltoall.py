@@ -163,19 +163,24 @@ def expert_data_parallel_plan(model: nn.Module, ep: int) -> Dict[str, str]:
     from lightning_scale.config import ConfigError
     from lightning_scale.tensor_parallel.expert_parallel import unsupported
 
-    from lightning_scale.tensor_parallel.expert_lists import is_routable, route_blocks
+    from lightning_scale.tensor_parallel.expert_lists import (
+        is_expert_list,
+        is_routable,
+        loops_over_a_plain_list,
+        route_blocks,
+    )
     from lightning_scale.tensor_parallel.routed_experts import route_experts
 
     route_experts(model)  # Llama 4's dense experts routed first (same math): then they place and exchange
     route_blocks(model)  # litgpt's MoE blocks call their experts list on routes (expert_lists.py)
     plan, refused = {}, []
     for name, module in model.named_modules():
-        if is_routable(module):
-            if len(module.experts) % ep:
-                refused.append(f"{name}.experts: {len(module.experts)} experts do not split over ep={ep} ranks")
+        if is_expert_list(module):  # litgpt's (routed above) or a user's block's lightning_scale.nn.ExpertList
+            if len(module) % ep:
+                refused.append(f"{name}: {len(module)} experts do not split over ep={ep} ranks")
             else:
-                plan[f"{name}.experts"] = "expert_data_parallel"
-        elif split_style.is_moe_block(module):
+                plan[name] = "expert_data_parallel"
+        elif loops_over_a_plain_list(module) and not is_routable(module):
             refused.append(f"{name}: {unsupported(module)}")
         elif split_style.is_experts(module):
             why = unsupported(module)
@@ -188,7 +193,8 @@ def expert_data_parallel_plan(model: nn.Module, ep: int) -> Dict[str, str]:
     if refused:
         raise ConfigError(f"ep={ep}: {'; '.join(refused[:3])}", settings=("ep",))
     if not plan:
-        raise ConfigError(f"ep={ep}: {type(model).__name__} has no transformers experts module (3-D expert weights) nor "
-                          "litgpt MoE block to place: expert parallelism needs a mixture-of-experts model",
+        raise ConfigError(f"ep={ep}: {type(model).__name__} has no transformers experts module (3-D expert weights), "
+                          "litgpt MoE block nor lightning_scale.nn.ExpertList to place: expert parallelism needs a "
+                          "mixture-of-experts model",
                           settings=("ep",))
     return plan

@@ -56,7 +56,24 @@ def _litgpt_moe_forward(self, x: torch.Tensor) -> torch.Tensor:
 class ExpertList(nn.ModuleList):
     """A list of expert MLPs called on routes: ``(hidden states (T, H), expert ids (T, k), weights (T, k))`` ->
     ``(T, H)``, ids counted among the experts this list holds (all of them until placed). Its keys stay the experts'
-    global indices after placement."""
+    global indices after placement.
+
+    Public as :class:`lightning_scale.nn.ExpertList` for a user's own mixture-of-experts block: hold the experts in
+    one and call it on the router's choices instead of looping over them, and ``ep=N`` / ``tensor.expert_parallel``
+    place its experts (whole, each on one rank) and exchange or gather the routes; ``top_k`` (the routes per token)
+    tells the memory plan how many rows each expert runs (without it, the block's ``top_k`` attribute or 1)::
+
+        self.experts = ExpertList([MyMLP(h, i) for _ in range(8)], top_k=2)
+        ...
+        weights, ids = torch.topk(self.router(x).softmax(-1), 2)   # x: (tokens, hidden)
+        y = self.experts(x, ids, weights)                          # sum_k weights[:, k] * expert_ids[:, k](x)
+    """
+
+    def __init__(self, modules=None, top_k: Optional[int] = None) -> None:
+        super().__init__(modules)
+        if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
+            raise ValueError(f"ExpertList(top_k={top_k!r}): the routes per token must be a positive int")
+        self.top_k = top_k
 
     @property
     def num_experts(self) -> int:
@@ -99,11 +116,19 @@ def __getattr__(name: str):
 
 
 def is_routable(module: nn.Module) -> bool:
-    """A block :func:`route_blocks` knows the forward of (litgpt's ``LLaMAMoE``, routed or not)."""
+    """A MoE block that calls its experts on routes: litgpt's ``LLaMAMoE`` (routed or not: :func:`route_blocks`
+    knows its forward), or a user's block whose ``experts`` is an :class:`ExpertList`."""
     cls = type(module)
-    if cls in _ROUTED.values():
+    if cls in _ROUTED.values() or isinstance(getattr(module, "experts", None), ExpertList):
         return True
     return (cls.__module__, cls.__name__) in _BLOCKS and isinstance(getattr(module, "experts", None), nn.ModuleList)
+
+
+def loops_over_a_plain_list(module: nn.Module) -> bool:
+    """A block whose ``experts`` is a plain ``nn.ModuleList`` (not an :class:`ExpertList`): its forward loops over
+    them in a way not known here."""
+    experts = getattr(module, "experts", None)
+    return isinstance(experts, nn.ModuleList) and not isinstance(experts, ExpertList) and len(experts) > 0
 
 
 def route_blocks(model: nn.Module) -> List[str]:
@@ -111,7 +136,8 @@ def route_blocks(model: nn.Module) -> List[str]:
     the blocks turned (a second call finds none)."""
     done = []
     for name, module in model.named_modules():
-        if is_routable(module) and type(module) not in _ROUTED.values():
+        if (is_routable(module) and type(module) not in _ROUTED.values()
+                and (type(module).__module__, type(module).__name__) in _BLOCKS):
             module.experts.__class__ = ExpertList
             module.__class__ = _routed_class(type(module))
             done.append(name)

@@ -23,8 +23,10 @@ process); with more routes per token, up to the order of the sum.
 
 litgpt's ``LLaMAMoE`` (a *block* holding its router and a list of MLP experts, parameters named per expert) is placed
 too, by ownership: its experts list keeps this rank's experts under their own names
-(:mod:`~lightning_scale.tensor_parallel.expert_lists`). Not placed (ConfigError at plan time): another MoE block of
-``nn.Linear`` experts (a user's ``experts`` ModuleList: its forward is not known here; split it with ``experts``), and
+(:mod:`~lightning_scale.tensor_parallel.expert_lists`), and so is a user's block that calls a
+:class:`lightning_scale.nn.ExpertList` on routes. Not placed (ConfigError at plan time): another MoE block of
+``nn.Linear`` experts (a plain ``experts`` ModuleList: its forward is not known here; make it an ``ExpertList`` or
+split it with ``experts``), and
 an experts module without an integer ``num_experts`` (the count its forward reads expert ids by).
 """
 
@@ -46,11 +48,11 @@ def unsupported(module: nn.Module) -> Optional[str]:
     kind = type(module).__name__
     if expert_lists.is_expert_list(module):
         return None
-    if split_style.is_moe_block(module):
-        return (f"{kind} is a mixture-of-experts block of nn.Linear experts (an experts list, parameters named per "
-                f"expert) whose forward is not known here (litgpt's LLaMAMoE is placed): expert parallelism places "
-                f"transformers' experts modules (3-D expert weights) and litgpt's blocks; split this block's experts "
-                f"over tp with style 'experts' (tensor.expert_parallel=False)")
+    if split_style.is_moe_block(module) or expert_lists.loops_over_a_plain_list(module):
+        return (f"{kind} is a mixture-of-experts block whose experts are a plain nn.ModuleList looped over in a "
+                f"forward not known here (litgpt's LLaMAMoE is placed): hold them in a lightning_scale.nn.ExpertList "
+                f"and call it on the router's choices (experts(x, ids, weights), docs/models.md), or split every "
+                f"expert over tp with style 'experts' (tensor.expert_parallel=False)")
     if not split_style.is_experts(module):
         return (f"{kind} is not a transformers experts module (3-D gate_up_proj / down_proj weights with the layout "
                 f"use_experts_implementation records)")

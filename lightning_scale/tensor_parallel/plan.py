@@ -394,6 +394,9 @@ def plan_tensor_parallel(model: nn.Module, plan: Optional[Dict[str, object]], tp
         if expert_parallel and style.kind == "experts" and expert_lists.is_routable(module):
             actions.extend(_placed_block(name, module, tp))
             continue
+        if expert_parallel and style.kind in ("experts", "expert_parallel") and expert_lists.is_expert_list(module):
+            actions.append(_placed_list(name, module, tp))  # a user's plan naming the ExpertList itself
+            continue
         if expert_parallel and style.kind == "experts":
             if not experts.is_experts(module):
                 raise ConfigError(f"tensor.expert_parallel=True: {name!r}: {expert_parallel_style.unsupported(module)}")
@@ -443,16 +446,21 @@ def _scalars_on_split_features(model: nn.Module, plan: Dict[str, object]) -> Dic
     return out
 
 
-def _placed_block(name: str, block: nn.Module, tp: int) -> List[Action]:
-    """litgpt's MoE block under ``tensor.expert_parallel``: its experts list placed by ownership (the block is routed
-    by :func:`apply_tensor_parallel`, :mod:`~lightning_scale.tensor_parallel.expert_lists`), its shared expert split
-    column / row-wise when tp divides its width (else left whole on every rank)."""
-    n = len(block.experts)
+def _placed_list(name: str, experts_list: nn.Module, tp: int) -> Action:
+    """An :class:`~lightning_scale.tensor_parallel.expert_lists.ExpertList` placed on the tp ranks by ownership."""
     try:
-        spec = make_spec(0, n, tp, what=f"the number of experts of {name}.experts")
+        spec = make_spec(0, len(experts_list), tp, what=f"the number of experts of {name}")
     except ValueError as err:
         raise ConfigError(f"tensor.expert_parallel=True: {err}") from None
-    out = [Action(f"{name}.experts", block.experts, parse_style("expert_parallel"), spec, {})]
+    return Action(name, experts_list, parse_style("expert_parallel"), spec, {})
+
+
+def _placed_block(name: str, block: nn.Module, tp: int) -> List[Action]:
+    """A MoE block calling its experts list on routes (litgpt's, routed by :func:`apply_tensor_parallel`, or a
+    user's :class:`~lightning_scale.tensor_parallel.expert_lists.ExpertList`) under ``tensor.expert_parallel``: the
+    list placed by ownership, its shared expert split column / row-wise when tp divides its width (else left whole
+    on every rank)."""
+    out = [_placed_list(f"{name}.experts", block.experts, tp)]
     shared = getattr(block, "shared_experts", None)
     layout = experts._mlp_layout(shared) if shared is not None else None
     if layout is not None and all(getattr(shared, u).out_features % tp == 0 for u in layout[0]):
