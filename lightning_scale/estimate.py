@@ -182,6 +182,8 @@ def _precision_key(precision: str) -> str:
 
 
 def _state_elements(optimizer) -> int:
+    if isinstance(optimizer, str) and optimizer.isdigit():  # an Estimate's optimizer: the count, as text
+        optimizer = int(optimizer)
     if isinstance(optimizer, int) and not isinstance(optimizer, bool):
         if optimizer < 0:
             raise ConfigError(f"optimizer={optimizer}: state elements per parameter must be >= 0")

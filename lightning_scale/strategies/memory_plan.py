@@ -330,8 +330,11 @@ class MemoryPlan(pl.Callback):
             return
         try:
             e = plan_for_batch(self.strategy, *shape) if shape else None
-        except Exception as err:  # noqa: BLE001 -- a plan must never stop a run
+        except Exception as err:  # noqa: BLE001 -- a plan must never stop a run, nor vanish without a word
             e, self.plan["error"] = None, f"{type(err).__name__}: {err}"
+            if trainer.is_global_zero:
+                print(f"{PLAN_PREFIX} no plan for step 1 ({self.plan['error']}): its peak is not checked",
+                      flush=True)
         if e is None:
             self._done = True
             return

@@ -167,6 +167,23 @@ def _offload_choice(offload: Any) -> str:
     return names[(opt, par)]
 
 
+def state_elements(optimizer: Any) -> int:
+    """State elements per parameter that ``optimizer`` (a torch optimizer) will hold, read from its settings: SGD 0
+    without momentum (torch keeps no buffer; the table's 1 planned a parameter's worth of bytes that never came),
+    1 with; Adam / AdamW 2, 3 with ``amsgrad``; RMSprop 1, +1 with momentum, +1 centered; others by name
+    (:data:`~lightning_scale.estimate.STATE_PER_ELEMENT`), else 2."""
+    name = type(optimizer).__name__.lower()
+    groups = getattr(optimizer, "param_groups", None) or [{}]
+    if name == "sgd":
+        return int(any(g.get("momentum", 0) for g in groups))
+    if name in ("adam", "adamw"):
+        return 2 + int(any(g.get("amsgrad", False) for g in groups))
+    if name == "rmsprop":
+        return (1 + int(any(g.get("momentum", 0) for g in groups))
+                + int(any(g.get("centered", False) for g in groups)))
+    return STATE_PER_ELEMENT.get(name, 2)
+
+
 def _estimates(strategy: Any, params: Optional[int] = None) -> Optional[Tuple[List[Any], Any, int, Tuple[int, str]]]:
     """(every row, this run's row, params counted, (stage, offload)) for this rank's real model, or None.
     ``params``: the trainable parameters of another rank (another pipeline stage) instead of this rank's."""
@@ -182,8 +199,9 @@ def _estimates(strategy: Any, params: Optional[int] = None) -> Optional[Tuple[Li
         params = max(sum(bucketed) if bucketed else counts["params"], 1)
     optimizer: Any = "adam"
     if engines and _engine_optimizer(engines[0]) is not None:
-        name = type(_engine_optimizer(engines[0])).__name__.lower()
-        optimizer = name if name in STATE_PER_ELEMENT else 2
+        inner = _engine_optimizer(engines[0])
+        name, k = type(inner).__name__.lower(), state_elements(inner)
+        optimizer = name if STATE_PER_ELEMENT.get(name) == k else k  # the name where it says more (1-bit Adam)
     selected = (cfg.zero.stage, _offload_choice(cfg.offload))
     rows = estimate_all(params, dp=strategy.topology.dp * getattr(strategy.topology, "sp", 1),  # ZeRO: dp x sp
                         precision=str(getattr(strategy.precision_plugin, "precision", "32-true")),
