@@ -112,6 +112,69 @@ FAMILIES: Dict[str, Tuple[str, dict, str]] = {
                                         q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
                                         v_head_dim=8, experts_implementation="eager"),
                     "multi-head latent attention, shared experts, a dense first layer"),
+    "ministral3": ("ministral3", dict(num_key_value_heads=2, head_dim=8), "Mistral 3: rotary with YaRN-style scaling"),
+    "ernie4_5": ("ernie4_5", dict(num_key_value_heads=2, head_dim=8), "ERNIE 4.5 dense: interleaved rotary"),
+    "olmo": ("olmo", dict(num_key_value_heads=2), "non-parametric LayerNorm (no weights)"),
+    "helium": ("helium", dict(num_key_value_heads=2, head_dim=8), "Kyutai Helium: the Llama layout, own RMSNorm"),
+    "arcee": ("arcee", dict(num_key_value_heads=2, head_dim=8), "ReLU^2 MLP without a gate"),
+    "vaultgemma": ("vaultgemma", dict(num_key_value_heads=2, head_dim=8), "Gemma 2 layout without post-norms"),
+    "doge": ("doge", dict(num_key_value_heads=2, head_dim=8), "dynamic mask attention, residual scaling"),
+    "jais2": ("jais2", dict(num_key_value_heads=2, head_dim=8), "LayerNorm, ReLU^2 MLP, biases"),
+    "hyperclovax": ("hyperclovax", dict(num_key_value_heads=2, head_dim=8), "Peri-LN (norms after each sub-layer too), "
+                    "scaled residuals and logits"),
+    "qwen3_5": ("qwen3_5_text", dict(num_key_value_heads=2, head_dim=8, linear_num_value_heads=4,
+                                     linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+                                     layer_types=["linear_attention", "full_attention"] * 2),
+                "Qwen 3.5 dense: gated DeltaNet (linear attention) and gated full attention layers"),
+    "qwen3_5_moe": ("qwen3_5_moe_text", dict(num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                                             moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                                             linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8,
+                                             linear_value_head_dim=8, experts_implementation="eager",
+                                             layer_types=["linear_attention", "full_attention"] * 2),
+                    "Qwen 3.5 MoE: gated DeltaNet and full attention layers, experts + shared expert"),
+    "cohere2_moe": ("cohere2_moe", dict(num_key_value_heads=2, head_dim=8, num_experts=4, num_local_experts=4,
+                                        num_experts_per_tok=2, moe_intermediate_size=32,
+                                        experts_implementation="eager"),
+                    "Cohere 2 MoE: parallel attention / experts, sliding layers"),
+    "minimax_m2": ("minimax_m2", dict(num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+                                      experts_implementation="eager"),
+                   "MiniMax-M2: sigmoid routing with a bias, q/k norms over all heads"),
+    "afmoe": ("afmoe", dict(num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                            moe_intermediate_size=32, experts_implementation="eager"),
+              "Arcee Trinity (AFMoE): gated attention, dense first layer, shared expert, sliding layers"),
+    "solar_open": ("solar_open", dict(num_key_value_heads=2, head_dim=8, n_routed_experts=4, num_experts_per_tok=2,
+                                      moe_intermediate_size=32, experts_implementation="eager"),
+                   "Solar Open: grouped sigmoid routing, shared expert"),
+    "exaone_moe": ("exaone_moe", dict(num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                                      moe_intermediate_size=32, experts_implementation="eager"),
+                   "EXAONE MoE: dense first layer, shared expert, sliding layers"),
+    "glm": ("glm", dict(num_key_value_heads=2, head_dim=8, pad_token_id=0), "GLM-4 (first release): partial rotary, "
+            "fused gate_up"),
+    "gptj": ("gptj", dict(n_embd=32, n_head=4, n_layer=4, n_positions=64, rotary_dim=4),
+             "GPT-J: parallel attention / MLP, interleaved partial rotary, untied head with bias"),
+    "codegen": ("codegen", dict(n_embd=32, n_head=4, n_layer=4, n_positions=64, n_ctx=64, rotary_dim=4),
+                "CodeGen: fused qkv in model-parallel blocks, parallel attention / MLP"),
+    "minicpm3": ("minicpm3", dict(num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
+                                  qk_nope_head_dim=8, v_head_dim=8), "MiniCPM3: multi-head latent attention, "
+                 "scaled embeddings / residuals / logits"),
+    "flex_olmo": ("flex_olmo", dict(num_key_value_heads=2, head_dim=8, pad_token_id=0, num_experts=4,
+                                    num_experts_per_tok=2, experts_implementation="eager"),
+                  "FlexOlmo: OLMo 2 layout with experts"),
+    "dots1": ("dots1", dict(num_key_value_heads=2, head_dim=8, n_routed_experts=4, num_experts_per_tok=2,
+                            moe_intermediate_size=32, n_group=1, topk_group=1, first_k_dense_replace=1,
+                            n_shared_experts=1, routed_scaling_factor=1.0, experts_implementation="eager"),
+              "dots.llm1: DeepSeek-V3 routing with a dense first layer"),
+    "glm4_moe_lite": ("glm4_moe_lite", dict(num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16,
+                                            qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, n_routed_experts=4,
+                                            num_experts_per_tok=2, moe_intermediate_size=32, n_group=1, topk_group=1,
+                                            first_k_dense_replace=1, experts_implementation="eager"),
+                      "GLM-4.7-Flash: multi-head latent attention, grouped routing, shared expert"),
+    "deepseek_v32": ("deepseek_v32", dict(num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
+                                          qk_nope_head_dim=8, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2,
+                                          moe_intermediate_size=32, n_group=1, topk_group=1, first_k_dense_replace=1,
+                                          index_n_heads=2, index_head_dim=16, index_topk=8,
+                                          experts_implementation="eager"),
+                     "DeepSeek-V3.2: multi-head latent attention with the sparse-attention indexer"),
 }
 
 
@@ -119,11 +182,12 @@ FAMILIES: Dict[str, Tuple[str, dict, str]] = {
 # with the module that norms the last layer's output (not the Llama pattern, and its config declares no pipeline plan)
 NO_PP = {"nanochat": "declares no pipeline structure"}
 # families transformers runs with eager attention only (it refuses sdpa for them)
-NO_SDPA = ("gemma2", "gpt_oss")
+NO_SDPA = ("gemma2", "gpt_oss", "vaultgemma")
 # families whose layers hold transformers experts modules (3-D expert weights): the matrix also runs them with the
 # experts placed whole at tp=2 (expert_parallel); tests/unit/test_hf_pipeline.py checks the list against the models
 MOE = ("mixtral", "qwen2_moe", "deepseek_v3", "granitemoe", "qwen3_moe", "glm4_moe", "ernie4_5_moe", "gpt_oss",
-       "olmoe", "phimoe", "hunyuan_v1_moe", "llama4", "qwen3_next", "deepseek_v2")
+       "olmoe", "phimoe", "hunyuan_v1_moe", "llama4", "qwen3_next", "deepseek_v2", "qwen3_5_moe", "cohere2_moe",
+       "minimax_m2", "afmoe", "solar_open", "exaone_moe", "flex_olmo", "dots1", "glm4_moe_lite", "deepseek_v32")
 
 
 def build(name: str, attn: str = "eager", dtype: torch.dtype = torch.float64, seed: int = 0,

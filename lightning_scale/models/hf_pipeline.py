@@ -39,6 +39,7 @@ are imported when a layer first runs.
 from __future__ import annotations
 
 import inspect
+import re
 from typing import List, Optional, Tuple
 
 import torch
@@ -127,9 +128,10 @@ class HFDecoderLayer(nn.Module):
     """One decoder layer of the model plus what the base model computes for it once per forward."""
 
     def __init__(self, layer: nn.Module, index: int, config, rotary: Optional[nn.Module],
-                 has_mask: Optional[bool]) -> None:
+                 has_mask: Optional[bool], materialize_mask: bool = False) -> None:
         super().__init__()
         self.layer, self.index, self.has_mask = layer, index, has_mask
+        self.materialize_mask = materialize_mask  # the base model asks for the mask tensor even where sdpa skips it
         self.width = config.hidden_size
         self.rotary = rotary  # shared module (non-persistent inv_freq buffers only)
         self.config = config  # plain attribute: not a module
@@ -146,7 +148,9 @@ class HFDecoderLayer(nn.Module):
 
     def _mask(self, h: torch.Tensor, padding: Optional[torch.Tensor], position_ids: torch.Tensor):
         fn = mask_function(self.layer_type)
-        return fn(config=self.config, inputs_embeds=h, attention_mask=padding, cache=None, position_ids=position_ids)
+        extra = {"allow_is_causal_skip": False} if self.materialize_mask else {}
+        return fn(config=self.config, inputs_embeds=h, attention_mask=padding, cache=None, position_ids=position_ids,
+                  **extra)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C [+1]) -> same
         h, padding = _split_mask(x, self.has_mask, self.width)
@@ -165,16 +169,20 @@ class HFHead(nn.Module):
     """Final norm(s) + LM head (+ Gemma's final logit soft-capping): (B, T, C [+1]) -> logits (B, T, V)."""
 
     def __init__(self, post: List[nn.Module], head: nn.Module, softcap: Optional[float], has_mask: Optional[bool],
-                 width: int, logit_scale: Optional[float] = None, logits_scaling: Optional[float] = None) -> None:
+                 width: int, logit_scale: Optional[float] = None, logits_scaling: Optional[float] = None,
+                 hidden_scaling: Optional[float] = None) -> None:
         super().__init__()
         self.post, self.head = nn.ModuleList(post), head
         self.softcap, self.has_mask, self.width = softcap, has_mask, width
         self.logit_scale, self.logits_scaling = logit_scale, logits_scaling  # Cohere: *; Granite: /
+        self.hidden_scaling = hidden_scaling  # MiniCPM3: the hidden states / logits_scaling before the head
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h, _ = _split_mask(x, self.has_mask, self.width)
         for m in self.post:
             h = m(h)
+        if self.hidden_scaling is not None:  # as MiniCPM3ForCausalLM.forward
+            h = h / self.hidden_scaling
         logits = self.head(h)
         if self.logit_scale is not None:  # as CohereForCausalLM.forward
             logits = logits * self.logit_scale
@@ -194,12 +202,19 @@ _LLAMA_PATTERN = ("olmoe", "phimoe", "hunyuan_v1_dense", "hunyuan_v1_moe", "nemo
 _MASKS = {"full_attention": "create_causal_mask", "sliding_attention": "create_sliding_window_causal_mask",
           "chunked_attention": "create_chunked_causal_mask",
           # Qwen3-Next's gated DeltaNet layers: the 2-D padding mask (None without padding), zeroing padded states
-          "linear_attention": "create_recurrent_attention_mask"}
+          "linear_attention": "create_recurrent_attention_mask",
+          # DeepSeek-V3.2's layers with the sparse-attention indexer: the causal mask, always materialized
+          "indexed_attention": "create_causal_mask"}
 # Families whose forward adds to that pattern only a scaling by a config value, which the adapter applies (model type
 # -> those attributes): Granite's embeddings * embedding_multiplier and logits / logits_scaling, Cohere's logits *
 # logit_scale. Another family with such an attribute is refused (its forward may use it otherwise).
-_SCALES = {"cohere": ("logit_scale",), "cohere2": ("logit_scale",),
+_SCALES = {"cohere": ("logit_scale",), "cohere2": ("logit_scale",), "cohere2_moe": ("logit_scale",),
+           "minicpm3": ("logits_scaling",),  # applied to the hidden states before the head (_HIDDEN_SCALED)
            "granite": ("embedding_multiplier", "logits_scaling"), "granitemoe": ("embedding_multiplier", "logits_scaling")}
+
+
+# families that divide the hidden states by config.logits_scaling before the head (not the logits after it)
+_HIDDEN_SCALED = ("minicpm3",)
 
 
 def hf_base_model(model: nn.Module) -> Optional[nn.Module]:
@@ -274,12 +289,28 @@ def hf_pipeline_layers(model: nn.Module, attention_mask: Optional[bool] = None) 
     applied = _SCALES.get(model.config.model_type, ())
     multiplier = base.embedding_multiplier if "embedding_multiplier" in applied else None
     out: List[nn.Module] = [HFEmbedding([getattr(base, n) for n in pre], attention_mask, multiplier)]
-    out += [HFDecoderLayer(layer, i, config, rotary, attention_mask) for i, layer in enumerate(layers)]
+    materialize = _materializes_mask(base)
+    out += [HFDecoderLayer(layer, i, config, rotary, attention_mask, materialize) for i, layer in enumerate(layers)]
     softcap = getattr(model.config, "final_logit_softcapping", None)
     out.append(HFHead([getattr(base, n) for n in post], getattr(model, head_name), softcap, attention_mask,
                       config.hidden_size, logit_scale=model.logit_scale if "logit_scale" in applied else None,
-                      logits_scaling=model.config.logits_scaling if "logits_scaling" in applied else None))
+                      logits_scaling=(model.config.logits_scaling if "logits_scaling" in applied
+                                      and model.config.model_type not in _HIDDEN_SCALED else None),
+                      hidden_scaling=(model.config.logits_scaling if model.config.model_type in _HIDDEN_SCALED
+                                      else None)))
     return nn.Sequential(*out)
+
+
+def _materializes_mask(base: nn.Module) -> bool:
+    """Whether the base model's forward builds its causal mask with ``allow_is_causal_skip=False`` (Doge: its layers
+    add a dynamic mask onto the materialized one; DeepSeek-V3.2: its indexer reads it). The stages must too: under
+    sdpa the mask function otherwise returns None (sdpa's own causal flag), and Doge's layers then attended to later
+    positions (pp=2 losses 9.5e-3 off one process, silently)."""
+    try:
+        source = inspect.getsource(type(base).forward)
+    except (OSError, TypeError):
+        return False
+    return re.search(r"""allow_is_causal_skip["']?\s*[=:]\s*False""", source) is not None
 
 
 def _is_gpt2(model: nn.Module) -> bool:

@@ -326,7 +326,13 @@ def _sp_hf(model: nn.Module, group, tp: int = 1, stage: Optional[nn.Module] = No
     heads = cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     _check_heads(sp, tp, heads, f"{type(model).__name__}.config.num_attention_heads")
-    recurrent = sorted(set(getattr(cfg, "layer_types", None) or ()) & RECURRENT_LAYERS)
+    types = set(getattr(cfg, "layer_types", None) or ())
+    if "indexed_attention" in types:  # DeepSeek-V3.2's sparse attention: the indexer picks keys from hidden states
+        raise ConfigError(f"sp={sp}: {type(model).__name__} has 'indexed_attention' layers (config.layer_types): "
+                          f"their indexer scores every earlier position from the hidden states and keeps the top ones "
+                          f"before attention, which sequence parallelism (each rank one chunk of every sequence) "
+                          f"would score on its chunk only; use tp, pp or ZeRO-3 for it", settings=("sp",))
+    recurrent = sorted(types & RECURRENT_LAYERS)
     if recurrent:  # Qwen3-Next's gated DeltaNet: a state carried along the whole sequence, not attention to swap
         raise ConfigError(f"sp={sp}: {type(model).__name__} has {recurrent[0]!r} layers (config.layer_types): a "
                           f"recurrent layer carries its state along the whole sequence, which sequence parallelism "

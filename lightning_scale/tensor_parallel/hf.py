@@ -149,9 +149,20 @@ def _own_experts(plan: Dict[str, str]) -> Dict[str, str]:
     return {k: v for k, v in plan.items() if v != "moe_tp_experts"}
 
 
+# model type -> why its declared tp plan cannot run split (refused by name instead of a shape error inside the forward)
+BROKEN_PLANS = {"doge": "its declared plan splits the key / value heads but leaves the dynamic mask (dt_proj's output "
+                        "and A: one value per key / value head) whole, so the mask does not match the local heads",
+                "codegen": "its fused qkv_proj is laid out in model-parallel blocks that its forward re-cuts by "
+                           "a fixed count (mp_num = 4) whatever the rows a rank holds (split as declared, tp=2 losses "
+                           "were 1.1e-2 off one process, silently)"}
+
+
 def hf_plan(model: nn.Module) -> Dict[str, str]:
     """The plan of a Hugging Face model: GPT-2's built-in one, else the model's declared ``tp_plan``."""
     prefix = _base_prefix(model)
+    if model.config.model_type in BROKEN_PLANS:
+        raise ConfigError(f"tensor.plan: {type(model).__name__}: {BROKEN_PLANS[model.config.model_type]}; "
+                          f"train it with ZeRO / pp, or pass plan={{pattern: style}} of your own")
     if model.config.model_type == "gpt2":
         plan = {prefix + k: v for k, v in GPT2_BASE_PLAN.items()}
         if isinstance(getattr(model, "lm_head", None), nn.Linear):

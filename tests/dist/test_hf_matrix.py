@@ -252,7 +252,8 @@ def run_matrix(families, timeout: float = 600.0) -> dict:
 
 # Families that bring no tp plan of their own (and no built-in one here): refused by name at tp=2 (none now: StableLM
 # and BitNet have the Llama layout, tensor_parallel.hf.LLAMA_LAYOUT_PLAN; BitNet's sub-layer norms 'rmsnorm_split')
-REFUSED: dict = {}
+# Families whose declared plan cannot run split: refused by name (tensor_parallel.hf.BROKEN_PLANS)
+REFUSED: dict = {"doge": "dynamic mask", "codegen": "mp_num = 4"}
 # Families pp refuses by name (hf_families.NO_PP: NanoChat is not the Llama pattern and declares no pipeline plan;
 # Qwen3-Next's linear-attention layers take a mask the adapter does not build)
 
