@@ -178,9 +178,9 @@ FAMILIES: Dict[str, Tuple[str, dict, str]] = {
 }
 
 
-# families pp refuses by name -> what the refusal says: NanoChat's base model norms the embeddings before its layers
-# with the module that norms the last layer's output (not the Llama pattern, and its config declares no pipeline plan)
-NO_PP = {"nanochat": "declares no pipeline structure"}
+# families pp refuses by name -> what the refusal says (none now: NanoChat, whose base model norms the embeddings with
+# the module that norms the last layer's output, runs that weightless norm on the first and the last stage)
+NO_PP: Dict[str, str] = {}
 # families transformers runs with eager attention only (it refuses sdpa for them)
 NO_SDPA = ("gemma2", "gpt_oss", "vaultgemma")
 # families whose layers hold transformers experts modules (3-D expert weights): the matrix also runs them with the

@@ -213,6 +213,9 @@ _SCALES = {"cohere": ("logit_scale",), "cohere2": ("logit_scale",), "cohere2_moe
            "granite": ("embedding_multiplier", "logits_scaling"), "granitemoe": ("embedding_multiplier", "logits_scaling")}
 
 
+# families whose base model norms the embeddings with its final norm before the first layer (NanoChat: a norm without
+# weights, so the first and the last stage each run it: nothing to tie)
+_NORM_BEFORE_LAYERS = ("nanochat",)
 # families that divide the hidden states by config.logits_scaling before the head (not the logits after it)
 _HIDDEN_SCALED = ("minicpm3",)
 
@@ -247,6 +250,13 @@ def _structure(model: nn.Module):
     if not plan and config.model_type in _LLAMA_PATTERN:
         plan, head_plan = {"embed_tokens": None, "layers": None, "norm": None}, {"lm_head": None}
     family = f"{type(model).__name__} (model_type {config.model_type!r})"
+    if not plan and config.model_type in _NORM_BEFORE_LAYERS and base is not None:
+        norm = getattr(base, "norm", None)
+        if norm is None or any(True for _ in norm.parameters()):  # one module in two stages: only without weights
+            raise ConfigError(f"pipeline: {family} norms its embeddings with the module that norms the last layer's "
+                              f"output, and that module holds weights (they would live in two stages); "
+                              f"{_hook_hint(model)}")
+        return base, ["embed_tokens", "norm"], "layers", ["norm"], "lm_head", family
     if base is None or base is model or not plan or len(head_plan) != 1:
         raise ConfigError(f"pipeline: {family} declares no pipeline structure (config.base_model_pp_plan and a "
                           f"one-module _pp_plan head); {_hook_hint(model)}")

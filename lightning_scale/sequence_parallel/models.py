@@ -314,6 +314,9 @@ class _LocalHeads:
 
 # decoder layer types (config.layer_types) that are recurrent, not attention: Ulysses cannot split them
 RECURRENT_LAYERS = frozenset({"linear_attention", "mamba", "conv"})
+# model types whose attention Ulysses cannot run on a sequence chunk -> why (refused by name before training)
+SP_REFUSED = {"doge": "its attention adds a mask computed from the value states of every position (dynamic mask "
+                      "attention) onto the causal one, which each rank would compute for its chunk of the sequence only"}
 
 
 def _sp_hf(model: nn.Module, group, tp: int = 1, stage: Optional[nn.Module] = None) -> None:
@@ -326,6 +329,9 @@ def _sp_hf(model: nn.Module, group, tp: int = 1, stage: Optional[nn.Module] = No
     heads = cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     _check_heads(sp, tp, heads, f"{type(model).__name__}.config.num_attention_heads")
+    if getattr(cfg, "model_type", None) in SP_REFUSED:
+        raise ConfigError(f"sp={sp}: {type(model).__name__}: {SP_REFUSED[cfg.model_type]}; use tp, pp or ZeRO-3 for "
+                          f"it", settings=("sp",))
     types = set(getattr(cfg, "layer_types", None) or ())
     if "indexed_attention" in types:  # DeepSeek-V3.2's sparse attention: the indexer picks keys from hidden states
         raise ConfigError(f"sp={sp}: {type(model).__name__} has 'indexed_attention' layers (config.layer_types): "

@@ -254,8 +254,7 @@ def run_matrix(families, timeout: float = 600.0) -> dict:
 # and BitNet have the Llama layout, tensor_parallel.hf.LLAMA_LAYOUT_PLAN; BitNet's sub-layer norms 'rmsnorm_split')
 # Families whose declared plan cannot run split: refused by name (tensor_parallel.hf.BROKEN_PLANS)
 REFUSED: dict = {"doge": "dynamic mask", "codegen": "mp_num = 4"}
-# Families pp refuses by name (hf_families.NO_PP: NanoChat is not the Llama pattern and declares no pipeline plan;
-# Qwen3-Next's linear-attention layers take a mask the adapter does not build)
+# Families pp refuses by name: hf_families.NO_PP (none now)
 
 
 def _check(result):

@@ -212,7 +212,7 @@ def _bad(rank: int, world_size: int):
     messages = []
     # Qwen3-Next: its gated DeltaNet (linear-attention) layers carry a state along the whole sequence
     for model in (GPT(gpt_tiny(n_head=3, d_model=24)), GPT(gpt_tiny(seq_len=15)), torch.nn.Linear(2, 2),
-                  F.build("qwen3_next", "sdpa"), F.build("deepseek_v32", "sdpa")):
+                  F.build("qwen3_next", "sdpa"), F.build("deepseek_v32", "sdpa"), F.build("doge", "sdpa")):
         try:
             apply_sequence_parallel(model, group)
             messages.append(None)
@@ -225,13 +225,14 @@ def _bad(rank: int, world_size: int):
 @pytest.mark.timeout(120)
 def test_bad_models_are_config_errors_on_every_rank():
     for messages in run_distributed(_bad, 2, timeout=100, preload=HF_RANK_PRELOAD):
-        heads, seq, linear, recurrent, indexed = messages
+        heads, seq, linear, recurrent, indexed, dynamic = messages
         assert heads.startswith("sp=2 does not divide model.n_head=3"), heads
         assert seq.startswith("sp=2 does not divide model.seq_len=15"), seq
         assert linear.startswith("sp=2: Linear holds no attention that sequence parallelism can swap"), linear
         assert recurrent.startswith("sp=2: Qwen3NextForCausalLM has 'linear_attention' layers"), recurrent
         # DeepSeek-V3.2's indexer scores positions from the hidden states (a RuntimeError in the forward before)
         assert indexed.startswith("sp=2: DeepseekV32ForCausalLM has 'indexed_attention' layers"), indexed
+        assert dynamic.startswith("sp=2: DogeForCausalLM: its attention adds a mask computed from the value"), dynamic
 
 
 def test_config_errors_name_the_settings():

@@ -118,3 +118,15 @@ def test_layer_types_map_to_their_masks_and_an_unknown_type_is_refused():
         hf_pipeline_layers(model)
     with pytest.raises(ConfigError, match="'moba_attention'"):
         _FullMasks(model, "eager")
+
+
+def test_nanochat_runs_its_weightless_norm_on_the_first_and_the_last_stage():
+    """NanoChat norms its embeddings with the module that norms the last layer's output; that norm has no weights,
+    so the first stage (after the embedding) and the last (before the head) each run it (refused before); with
+    weights it would live in two stages: refused by name."""
+    model = F.build("nanochat")
+    layers = pipeline_layers(model)
+    assert layers[0].embed[1] is model.model.norm and layers[-1].post[0] is model.model.norm
+    model.model.norm = nn.RMSNorm(model.config.hidden_size, dtype=torch.float64)
+    with pytest.raises(ConfigError, match="norms its embeddings with the module that norms the last layer's output"):
+        pipeline_layers(model)
