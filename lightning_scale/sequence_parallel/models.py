@@ -316,7 +316,8 @@ class _LocalHeads:
 RECURRENT_LAYERS = frozenset({"linear_attention", "mamba", "conv"})
 # model types whose attention Ulysses cannot run on a sequence chunk -> why (refused by name before training)
 SP_REFUSED = {"doge": "its attention adds a mask computed from the value states of every position (dynamic mask "
-                      "attention) onto the causal one, which each rank would compute for its chunk of the sequence only"}
+                      "attention) onto the causal one, which each rank would compute for its chunk of the sequence "
+                      "only"}
 
 
 def _sp_hf(model: nn.Module, group, tp: int = 1, stage: Optional[nn.Module] = None) -> None:
