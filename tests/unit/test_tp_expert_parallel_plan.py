@@ -177,7 +177,9 @@ def test_refusals_name_the_reason():
             for e in self.experts:
                 e.fc_1, e.fc_2, e.proj = nn.Linear(4, 6, bias=False), nn.Linear(4, 6, bias=False), nn.Linear(6, 4)
 
-    assert "split this block's experts over tp with style 'experts'" in unsupported(Block())
+    why = unsupported(Block())
+    assert "hold them in a lightning_scale.nn.ExpertList" in why and "split every expert over tp with style 'experts'" \
+        in why, why
     with pytest.raises(ConfigError, match="tensor.expert_parallel=True: 'experts': .*mixture-of-experts block"):
         plan_tensor_parallel(_wrap(Block()), {"experts": "experts"}, 2, expert_parallel=True)
 
