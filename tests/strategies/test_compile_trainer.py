@@ -56,16 +56,19 @@ def test_compiled_trainer_losses_equal_eager(tmp_path, layout):
 def test_compiled_checkpoint_resume_gives_identical_losses(tmp_path, layout):
     """Issue 17 item 5, the resume test with compile on: a compiled run saves after step 2; a compiled run resumed from
     it trains steps 3-6 with the uninterrupted compiled run's losses, bit for bit (bf16-mixed, accumulation, clipping,
-    as tests/strategies/test_zero_trainer.py's eager resume test), and the eager run's within 1e-5."""
+    as tests/strategies/test_zero_trainer.py's eager resume test), and (ZeRO-2; the other layouts' compiled = eager
+    in test_compiled_trainer_losses_equal_eager, for the suite's time) the eager run's within 1e-5."""
     args = ["--devices", "2", "--steps", "6", "--accumulate", "2", "--clip", "0.5", "--epoch-batches", "4",
             "--precision", "bf16-mixed", *[a for o in layout for a in ("--option", o)]]
     ckpt = tmp_path / "ckpt"
     full = fit(tmp_path, "full", *args, "--option", AOT, "--ckpt-dir", str(ckpt))
-    eager = fit(tmp_path, "eager", *args)
     resumed = fit(tmp_path, "resumed", *args, "--option", AOT, "--resume", str(ckpt / "epoch=0-step=2.ckpt"))
     assert len(resumed["losses"]) == 8  # the micro-batches of steps 3-6
     assert resumed["losses"] == full["losses"][4:]
-    assert max(abs(a - b) for a, b in zip(full["losses"], eager["losses"])) < 1e-5, (full["losses"], eager["losses"])
+    if layout == ["stage=2"]:  # bf16-mixed with accumulation and clipping, compiled vs eager
+        eager = fit(tmp_path, "eager", *args)
+        assert max(abs(a - b) for a, b in zip(full["losses"], eager["losses"])) < 1e-5, (full["losses"],
+                                                                                          eager["losses"])
     # the resumed run counts its own steps: its first compile is not taken for recompiles (it was: 2)
     report = resumed["compile"]
     assert report["steps"] == 6 and report["run_steps"] == 4 and report["recompiles"] == 0, report
