@@ -175,19 +175,45 @@ FAMILIES: Dict[str, Tuple[str, dict, str]] = {
                                           index_n_heads=2, index_head_dim=16, index_topk=8,
                                           experts_implementation="eager"),
                      "DeepSeek-V3.2: multi-head latent attention with the sparse-attention indexer"),
+    "jamba": ("jamba", dict(num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                            attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+                            mamba_d_state=4, mamba_expand=2, use_mamba_kernels=False, experts_implementation="eager"),
+              "Jamba: Mamba and attention layers, experts on every other layer"),
+    "bamba": ("bamba", dict(num_key_value_heads=2, head_dim=8, mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1,
+                            mamba_d_state=4, attn_layer_indices=[1, 3]), "Bamba: Mamba-2 and attention layers"),
+    "nemotron_h": ("nemotron_h", dict(num_key_value_heads=2, head_dim=8, hybrid_override_pattern="M*M*",
+                                      mamba_num_heads=4, mamba_head_dim=16, n_groups=1, ssm_state_size=4),
+                   "Nemotron-H: Mamba-2 and attention blocks"),
+    "falcon_h1": ("falcon_h1", dict(num_key_value_heads=2, head_dim=8, mamba_d_ssm=64, mamba_n_heads=4,
+                                    mamba_d_head=16, mamba_n_groups=1, mamba_d_state=4),
+                  "Falcon-H1: attention and Mamba-2 side by side in every layer, muP multipliers"),
+    "lfm2": ("lfm2", dict(num_key_value_heads=2, head_dim=8, layer_types=["conv", "full_attention"] * 2),
+             "LFM2: short gated convolutions and attention layers"),
+    "granitemoehybrid": ("granitemoehybrid", dict(num_key_value_heads=2, head_dim=8, num_local_experts=4,
+                                                  num_experts_per_tok=2, mamba_n_heads=4, mamba_d_head=16,
+                                                  mamba_n_groups=1, mamba_d_state=4, experts_implementation="eager",
+                                                  layer_types=["mamba", "attention"] * 2),
+                         "Granite 4 (MoE hybrid): Mamba-2 and attention layers, experts"),
 }
 
 
-# families pp refuses by name -> what the refusal says (none now: NanoChat, whose base model norms the embeddings with
-# the module that norms the last layer's output, runs that weightless norm on the first and the last stage)
-NO_PP: Dict[str, str] = {}
+# families pp refuses by name -> what the refusal says: LFM2 (its short convolution layers: no mask known here) and
+# Falcon-H1 (attention and Mamba side by side in each layer, muP multipliers in its forward) declare no pipeline plan
+# and are not run by the adapter (NanoChat, whose base model norms the embeddings with the module that norms the last
+# layer's output, runs that weightless norm on the first and the last stage)
+NO_PP: Dict[str, str] = {"lfm2": "declares no pipeline structure", "falcon_h1": "declares no pipeline structure"}
+# families whose forward upcasts the logits to float32 (Nemotron-H): a float64 run's loss is a float32 number, so
+# another split of the batch or of the layers moves it by float32 rounding (one ulp of the loss: 4.8e-7 seen); the
+# matrix's tolerance for them
+FLOAT32_LOGITS_TOL = {"nemotron_h": 1e-6}
 # families transformers runs with eager attention only (it refuses sdpa for them)
 NO_SDPA = ("gemma2", "gpt_oss", "vaultgemma")
 # families whose layers hold transformers experts modules (3-D expert weights): the matrix also runs them with the
 # experts placed whole at tp=2 (expert_parallel); tests/unit/test_hf_pipeline.py checks the list against the models
 MOE = ("mixtral", "qwen2_moe", "deepseek_v3", "granitemoe", "qwen3_moe", "glm4_moe", "ernie4_5_moe", "gpt_oss",
        "olmoe", "phimoe", "hunyuan_v1_moe", "llama4", "qwen3_next", "deepseek_v2", "qwen3_5_moe", "cohere2_moe",
-       "minimax_m2", "afmoe", "solar_open", "exaone_moe", "flex_olmo", "dots1", "glm4_moe_lite", "deepseek_v32")
+       "minimax_m2", "afmoe", "solar_open", "exaone_moe", "flex_olmo", "dots1", "glm4_moe_lite", "deepseek_v32",
+       "jamba", "granitemoehybrid")
 
 
 def build(name: str, attn: str = "eager", dtype: torch.dtype = torch.float64, seed: int = 0,

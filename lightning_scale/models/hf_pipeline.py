@@ -176,6 +176,7 @@ class HFHead(nn.Module):
         self.softcap, self.has_mask, self.width = softcap, has_mask, width
         self.logit_scale, self.logits_scaling = logit_scale, logits_scaling  # Cohere: *; Granite: /
         self.hidden_scaling = hidden_scaling  # MiniCPM3: the hidden states / logits_scaling before the head
+        self.float_logits = False  # Nemotron-H: the logits upcast to float32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h, _ = _split_mask(x, self.has_mask, self.width)
@@ -190,6 +191,8 @@ class HFHead(nn.Module):
             logits = logits / self.logits_scaling
         if self.softcap is not None:  # as GemmaXForCausalLM.forward
             logits = torch.tanh(logits / self.softcap) * self.softcap
+        if self.float_logits:  # as NemotronHForCausalLM.forward
+            logits = logits.float()
         return logits
 
 
@@ -210,9 +213,21 @@ _MASKS = {"full_attention": "create_causal_mask", "sliding_attention": "create_s
 # logit_scale. Another family with such an attribute is refused (its forward may use it otherwise).
 _SCALES = {"cohere": ("logit_scale",), "cohere2": ("logit_scale",), "cohere2_moe": ("logit_scale",),
            "minicpm3": ("logits_scaling",),  # applied to the hidden states before the head (_HIDDEN_SCALED)
-           "granite": ("embedding_multiplier", "logits_scaling"), "granitemoe": ("embedding_multiplier", "logits_scaling")}
+           "granite": ("embedding_multiplier", "logits_scaling"),
+           "granitemoe": ("embedding_multiplier", "logits_scaling"),
+           "granitemoehybrid": ("embedding_multiplier", "logits_scaling")}
 
 
+# hybrid (Mamba + attention) families whose config declares no pipeline plan: their base model is the Llama pattern
+# under other names (model type -> (embedding modules, layer list, final modules); the head lm_head); their Mamba
+# layers ('linear_attention') get the recurrent padding mask per stage. Each is checked equal to the model
+# (tests/unit/test_hf_pipeline.py) and to one process at pp=2 (tests/dist/test_hf_matrix.py)
+_HYBRID_STRUCTURE = {"jamba": (("embed_tokens",), "layers", ("final_layernorm",)),
+                     "bamba": (("embed_tokens",), "layers", ("final_layernorm",)),
+                     "nemotron_h": (("embeddings",), "layers", ("norm_f",)),
+                     "granitemoehybrid": (("embed_tokens",), "layers", ("norm",))}
+# families whose forward upcasts the logits to float32 (the head does too)
+_FLOAT_LOGITS = ("nemotron_h",)
 # families whose base model norms the embeddings with its final norm before the first layer (NanoChat: a norm without
 # weights, so the first and the last stage each run it: nothing to tie)
 _NORM_BEFORE_LAYERS = ("nanochat",)
@@ -250,6 +265,9 @@ def _structure(model: nn.Module):
     if not plan and config.model_type in _LLAMA_PATTERN:
         plan, head_plan = {"embed_tokens": None, "layers": None, "norm": None}, {"lm_head": None}
     family = f"{type(model).__name__} (model_type {config.model_type!r})"
+    if not plan and config.model_type in _HYBRID_STRUCTURE and base is not None:
+        pre, layers_name, post = _HYBRID_STRUCTURE[config.model_type]
+        return base, list(pre), layers_name, list(post), "lm_head", family
     if not plan and config.model_type in _NORM_BEFORE_LAYERS and base is not None:
         norm = getattr(base, "norm", None)
         if norm is None or any(True for _ in norm.parameters()):  # one module in two stages: only without weights
@@ -308,6 +326,7 @@ def hf_pipeline_layers(model: nn.Module, attention_mask: Optional[bool] = None) 
                                       and model.config.model_type not in _HIDDEN_SCALED else None),
                       hidden_scaling=(model.config.logits_scaling if model.config.model_type in _HIDDEN_SCALED
                                       else None)))
+    out[-1].float_logits = model.config.model_type in _FLOAT_LOGITS
     return nn.Sequential(*out)
 
 

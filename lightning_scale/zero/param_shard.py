@@ -62,7 +62,9 @@ def resolve_units(root: nn.Module, spec: Optional[Sequence[str]] = None, setting
 
     ``spec`` entries are module class names (``"Block"``) or fnmatch patterns on qualified module
     names (``"model.blocks.*"``). ``None``: the model's ``layer_modules()`` when some submodule defines
-    it, else the children of every ``nn.ModuleList`` whose children share one class. ``setting``: the option an
+    it, else the children of every ``nn.ModuleList`` whose children share one class (or are each of a class the
+    Hugging Face model names in ``_no_split_modules``: a hybrid's Mamba and attention layers). ``setting``: the
+    option an
     unknown entry is reported under (activation checkpointing uses the same discovery).
     """
     named = list(root.named_modules())
@@ -86,8 +88,12 @@ def resolve_units(root: nn.Module, spec: Optional[Sequence[str]] = None, setting
                 ids = {id(x) for x in layers()}
                 picked.extend((cn, cm) for cn, cm in named if id(cm) in ids)
         if not picked:
+            # a hybrid's decoder layers (Jamba: Mamba and attention layers in one list) are of several classes, each
+            # named in the Hugging Face model's _no_split_modules (the blocks transformers itself never splits)
+            no_split = {c for _, x in named for c in (getattr(x, "_no_split_modules", None) or ())}
             for n, m in named:
-                if isinstance(m, nn.ModuleList) and len(m) > 1 and len({type(c) for c in m}) == 1:
+                if isinstance(m, nn.ModuleList) and len(m) > 1 and (
+                        len({type(c) for c in m}) == 1 or all(type(c).__name__ in no_split for c in m)):
                     prefix = f"{n}." if n else ""
                     picked.extend((f"{prefix}{i}", c) for i, c in enumerate(m))
     chosen = {id(m): n for n, m in picked}
