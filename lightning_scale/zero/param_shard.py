@@ -64,8 +64,7 @@ def resolve_units(root: nn.Module, spec: Optional[Sequence[str]] = None, setting
     names (``"model.blocks.*"``). ``None``: the model's ``layer_modules()`` when some submodule defines
     it, else the children of every ``nn.ModuleList`` whose children share one class (or are each of a class the
     Hugging Face model names in ``_no_split_modules``: a hybrid's Mamba and attention layers). ``setting``: the
-    option an
-    unknown entry is reported under (activation checkpointing uses the same discovery).
+    option an unknown entry is reported under (activation checkpointing uses the same discovery).
     """
     named = list(root.named_modules())
     if spec:
