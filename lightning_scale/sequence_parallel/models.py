@@ -313,7 +313,7 @@ class _LocalHeads:
 
 
 # decoder layer types (config.layer_types) that are recurrent, not attention: Ulysses cannot split them
-RECURRENT_LAYERS = frozenset({"linear_attention", "mamba", "conv"})
+RECURRENT_LAYERS = frozenset({"linear_attention", "mamba", "conv", "hybrid"})  # hybrid: Falcon-H1 (Mamba in each)
 # model types whose attention Ulysses cannot run on a sequence chunk -> why (refused by name before training)
 SP_REFUSED = {"doge": "its attention adds a mask computed from the value states of every position (dynamic mask "
                       "attention) onto the causal one, which each rank would compute for its chunk of the sequence "
