@@ -267,23 +267,25 @@ def _structure(model: nn.Module):
     family = f"{type(model).__name__} (model_type {config.model_type!r})"
     if not plan and config.model_type in _HYBRID_STRUCTURE and base is not None:
         pre, layers_name, post = _HYBRID_STRUCTURE[config.model_type]
-        return base, list(pre), layers_name, list(post), "lm_head", family
-    if not plan and config.model_type in _NORM_BEFORE_LAYERS and base is not None:
+        found = (list(pre), layers_name, list(post), "lm_head")
+    elif not plan and config.model_type in _NORM_BEFORE_LAYERS and base is not None:
         norm = getattr(base, "norm", None)
         if norm is None or any(True for _ in norm.parameters()):  # one module in two stages: only without weights
             raise ConfigError(f"pipeline: {family} norms its embeddings with the module that norms the last layer's "
                               f"output, and that module holds weights (they would live in two stages); "
                               f"{_hook_hint(model)}")
-        return base, ["embed_tokens", "norm"], "layers", ["norm"], "lm_head", family
-    if base is None or base is model or not plan or len(head_plan) != 1:
-        raise ConfigError(f"pipeline: {family} declares no pipeline structure (config.base_model_pp_plan and a "
-                          f"one-module _pp_plan head); {_hook_hint(model)}")
-    names = list(plan)
-    lists = [n for n in names if isinstance(getattr(base, n, None), nn.ModuleList)]
-    if len(lists) != 1:
-        raise ConfigError(f"pipeline: {family}: base_model_pp_plan {names} has {len(lists)} layer lists; "
-                          f"{_hook_hint(model)}")
-    k = names.index(lists[0])
+        found = (["embed_tokens", "norm"], "layers", ["norm"], "lm_head")
+    else:
+        if base is None or base is model or not plan or len(head_plan) != 1:
+            raise ConfigError(f"pipeline: {family} declares no pipeline structure (config.base_model_pp_plan and a "
+                              f"one-module _pp_plan head); {_hook_hint(model)}")
+        names = list(plan)
+        lists = [n for n in names if isinstance(getattr(base, n, None), nn.ModuleList)]
+        if len(lists) != 1:
+            raise ConfigError(f"pipeline: {family}: base_model_pp_plan {names} has {len(lists)} layer lists; "
+                              f"{_hook_hint(model)}")
+        k = names.index(lists[0])
+        found = (names[:k], lists[0], names[k + 1:], next(iter(head_plan)))
     applied = _SCALES.get(config.model_type, ())
     bad = [a for a in _UNSUPPORTED_CONFIG if a not in applied and getattr(config, a, None) not in (None, False, 1, 1.0)]
     if bad:
@@ -294,7 +296,7 @@ def _structure(model: nn.Module):
                           "auxiliary (load-balancing) loss to the loss, which the built-in adapter does not compute "
                           "(the pipeline's loss would lack it, silently); set output_router_logits=False, or "
                           f"{_hook_hint(model)}")
-    return base, names[:k], lists[0], names[k + 1:], next(iter(head_plan)), family
+    return (base, *found, family)
 
 
 def hf_pipeline_layers(model: nn.Module, attention_mask: Optional[bool] = None) -> nn.Sequential:

@@ -86,6 +86,10 @@ def test_a_router_auxiliary_loss_is_refused_not_dropped():
     model.config.output_router_logits = True
     with pytest.raises(ConfigError, match=r"MixtralForCausalLM .*output_router_logits=True.*auxiliary"):
         pipeline_layers(model)
+    jamba = F.build("jamba", "eager")  # a hybrid whose structure is known here (no pp plan of its own): checked too
+    jamba.config.output_router_logits = True
+    with pytest.raises(ConfigError, match=r"JambaForCausalLM .*output_router_logits=True.*auxiliary"):
+        pipeline_layers(jamba)
 
 
 def test_a_scaling_outside_the_known_families_is_refused_by_name():
