@@ -70,6 +70,7 @@ class Watchdog:
         self._wakeup_r: Optional[int] = None
         self.fingerprinter = None
         self._exiting: Optional[int] = None  # the exit code once this rank is leaving
+        self._child_gone: Dict[int, float] = {}  # rank -> when its process was first seen ended with a failure
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> "Watchdog":
@@ -172,6 +173,8 @@ class Watchdog:
             self.publish("hang", f"rank {self.rank} has waited {time.monotonic() - r.wait_since:.1f} s "
                                  f"(hang_timeout {budget:.0f} s) in {what}")
             return
+        if self.children and self._check_children():
+            return
         if self.stop_signal and not self.store.check(["stop_req"]):
             self.store.compare_set("stop_req", "", json.dumps({"rank": self.rank, "signal": self.stop_signal}))
         if self._stop_deadline is None and self.store.check(["stop_req"]):
@@ -183,6 +186,26 @@ class Watchdog:
                         f"stop_timeout={self.config.stop_timeout:.0f} s (the ranks could not agree); exiting now. "
                         "The last complete checkpoint stays.")
             self._exit(128 + (self.stop_signal or int(req.get("signal", 15))))
+
+    def _check_children(self) -> bool:
+        """The ranks this process launched (Lightning's script launcher): one that ended with a failure without
+        publishing an error (SIGKILL, the OOM killer, a crash in C) is published in its name, after two heartbeats
+        (this rank's main thread may be naming it already, from the transport error it got), so every rank stops
+        naming it instead of waiting in a collective for ``hang_timeout``. Returns True when it published."""
+        if self.stopping or self.store.check(["stop_req"]):
+            return False  # an agreed stop or this rank's own failure: its bound holds
+        now = time.monotonic()
+        for r, child in self.children.items():
+            code = child.poll()
+            if code in (None, 0):
+                continue
+            since = self._child_gone.setdefault(r, now)
+            if now - since >= 2 * self.config.heartbeat_interval and not self.store.check(["abort"]):
+                text = report.killed_text(r, child.pid, code)
+                mine = json.dumps({"kind": "error", "rank": r, "text": text, "t": time.time()})
+                self.store.compare_set("abort", "", mine)
+                return True
+        return False
 
     def _on_abort(self, cause: Dict) -> None:
         if cause.get("kind") == "error" and cause.get("rank") == self.rank:
@@ -217,7 +240,8 @@ class Watchdog:
             self.store.set(f"bye/{self.rank}", "1")
             deadline = time.monotonic() + _ACK_WAIT_S
             if self.rank == 0:
-                keys = [f"bye/{r}" for r in range(1, self.world)]
+                keys = [f"bye/{r}" for r in range(1, self.world)  # not the launched ranks that are gone
+                        if r not in self.children or self.children[r].poll() is None]
                 while keys and time.monotonic() < deadline and not self.store.check(keys):
                     time.sleep(0.05)
             if code == EXIT_HANG and not trace.RECORD.wait_seq:

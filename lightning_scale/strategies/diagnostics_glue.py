@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 import traceback
 from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
@@ -54,6 +55,38 @@ def _children(strategy: Any) -> Dict[int, Any]:
     return {base + i + 1: p for i, p in enumerate(procs)}
 
 
+def _child_observer(procs: list) -> Optional[threading.Thread]:
+    """Lightning's ``_ChildProcessObserver`` of this launcher's children, if it runs here."""
+    try:
+        from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
+    except ImportError:  # pragma: no cover - a Lightning without it
+        return None
+    for thread in threading.enumerate():
+        if isinstance(thread, _ChildProcessObserver) and getattr(thread, "_child_processes", None) is procs:
+            return thread
+    return None
+
+
+def _pause_child_observer(strategy: Any) -> None:
+    """While the watchdog runs it watches the launched ranks itself (``Watchdog._check_children``), naming a rank
+    that died; Lightning's observer instead SIGKILLs this process within 5 s of any child's non-zero exit, which
+    cut off rank 0's own first error (its traceback, exit 1 -> 137) when rank 1 had been ended on it with
+    EXIT_PEER_FAILED: the CI failure of test_secondary_errors_in_teardown_never_replace_the_first. The observer
+    keeps polling but acts on nothing until :func:`_resume_child_observer` (a normal end of the run)."""
+    procs = getattr(getattr(strategy, "launcher", None), "procs", None)
+    observer = _child_observer(procs) if procs else None
+    if observer is not None and hasattr(observer, "_run"):
+        observer._run = lambda: False  # an instance attribute over the method: "still running, nothing to do"
+        strategy._ls_observer = observer
+
+
+def _resume_child_observer(strategy: Any) -> None:
+    observer = getattr(strategy, "_ls_observer", None)
+    if observer is not None:
+        observer.__dict__.pop("_run", None)
+        strategy._ls_observer = None
+
+
 def _name_groups(strategy: Any) -> None:
     topo = getattr(strategy, "topology", None)
     for axis, group in (getattr(topo, "_groups", None) or {}).items():
@@ -78,6 +111,8 @@ def install(strategy: Any, trainer: "pl.Trainer", config: Optional[DiagnosticsCo
         _name_groups(strategy)
         wd = Watchdog(default_store(), dist.get_rank(), dist.get_world_size(), cfg,
                       children=_children(strategy)).start()
+        if wd.children:
+            _pause_child_observer(strategy)
     strategy._ls_watchdog = _LAST = wd
     existing = [cb for cb in trainer.callbacks if isinstance(cb, DiagnosticsCallback)]
     if existing:  # installed again (validate after fit, or a subclass with its own config): the latest config wins
@@ -194,6 +229,7 @@ def teardown(strategy: Any) -> None:
         if sys.exc_info()[1] is None:  # a normal end (not a teardown while an error or a stop propagates)
             wd.finish()  # the store's host leaves only after every rank's last use of it
         strategy._ls_watchdog = None
+        _resume_child_observer(strategy)
 
 
 @contextlib.contextmanager

@@ -126,6 +126,8 @@ class FailingTeardown(pl.Callback):
             text = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
         with open(os.path.join(self.args.pid_dir, f"barrier{trainer.global_rank}.txt"), "w") as f:
             f.write(text)
+        if trainer.global_rank == 0:  # a slow teardown: rank 1 has exited (EXIT_PEER_FAILED) long before
+            time.sleep(self.args.teardown_delay)
         raise ValueError(f"injected secondary: on_exception failed after the barrier ({text})")
 
 
@@ -144,6 +146,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--norms", action="store_true", help="log weight norms between steps (WeightNorms)")
     ap.add_argument("--teardown-faults", action="store_true", help="secondary errors after the first (FailingTeardown)")
+    ap.add_argument("--teardown-delay", type=float, default=0.0, help="seconds rank 0's failing on_exception takes")
     args = ap.parse_args()
 
     pl.seed_everything(0, verbose=False)

@@ -182,9 +182,12 @@ def test_secondary_errors_in_teardown_never_replace_the_first(tmp_path):
     """Rank 0 raises in training_step; then a callback's on_exception enters a barrier whose peer is blocked in
     another collective (and is ended by its watchdog on the published error) and raises ValueError, and the
     strategy's own teardown fails (remove_hooks raises OSError). fit still raises the first error, the process ends
-    on it (its traceback is the last thing printed), and each secondary error is printed as such, naming the first."""
+    on it (its traceback is the last thing printed), and each secondary error is printed as such, naming the first.
+    Rank 0's teardown takes 6 s after rank 1 has exited (EXIT_PEER_FAILED): Lightning's child-process observer, which
+    looks every 5 s, SIGKILLed rank 0 there (exit 137, its traceback lost; a CI failure) before the watchdog paused
+    it (tests/unit/test_child_observer.py)."""
     rc, out, left = launch(tmp_path, "--mode", "zero2", "--fault", "raise", "--fault-rank", 0, "--teardown-faults",
-                           timeout=240)
+                           "--teardown-delay", 6, timeout=240)
     assert rc == 1 and left == [], (rc, left, out[-4000:])
     pids = tmp_path / "pids"
     assert (pids / "final0.txt").read_text() == "RuntimeError: boom: injected failure in training_step"
