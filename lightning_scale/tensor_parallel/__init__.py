@@ -26,7 +26,8 @@ from lightning_scale.tensor_parallel.mappings import (
     scatter_to_region,
     scatter_to_sequence_region,
 )
-from lightning_scale.tensor_parallel.plan import TensorParallelPlan, apply_tensor_parallel, plan_tensor_parallel
+from lightning_scale.tensor_parallel.apply import apply_tensor_parallel
+from lightning_scale.tensor_parallel.plan import TensorParallelPlan, plan_tensor_parallel
 from lightning_scale.tensor_parallel.sharding import (
     ShardSpec,
     merge_shards,

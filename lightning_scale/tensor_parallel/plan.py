@@ -1,4 +1,4 @@
-"""Apply a tensor-parallel plan to an existing, unchanged model: ``apply_tensor_parallel(model, plan, group)``.
+"""Plan tensor parallelism for an existing, unchanged model (phase 1 of ``apply_tensor_parallel(model, plan, group)``).
 
 A plan maps module-name patterns (``*`` = one dotted component, e.g. ``blocks.*.attn.qkv``) to styles
 (:mod:`~lightning_scale.tensor_parallel.styles`). Applying it happens in two phases so a bad plan fails
@@ -6,12 +6,13 @@ before anything changes:
 
 1. :func:`plan_tensor_parallel` (pure, needs only the tp size): match patterns, check module types,
    that tp divides every split dimension and every head count, that tied weights are split alike.
-2. :func:`apply_tensor_parallel`: replace the matched modules by their parallel versions in place
+2. :func:`~lightning_scale.tensor_parallel.apply.apply_tensor_parallel`: replace the matched modules by their parallel versions in place
    (same names, so state_dict keys do not change), shrink the head counts the attention reads at run
    time, re-tie shared weights, install sequence-parallel hooks and marks, record the state.
 
 Built-in plans (``plan=None``): the project GPT, a Hugging Face model's own ``tp_plan`` /
-``base_model_tp_plan``, and Hugging Face GPT-2 (fused ``Conv1D`` ``c_attn``, split per head).
+``base_model_tp_plan`` (with the rules of :mod:`~lightning_scale.tensor_parallel.hf_rules`), and Hugging Face
+GPT-2 (fused ``Conv1D`` ``c_attn``, split per head).
 """
 
 from __future__ import annotations
@@ -25,29 +26,12 @@ import torch
 import torch.nn as nn
 
 from lightning_scale.config import ConfigError
-from lightning_scale.tensor_parallel import expert_alltoall
+from lightning_scale.tensor_parallel import expert_lists, experts, mla, norms
 from lightning_scale.tensor_parallel import expert_parallel as expert_parallel_style
-from lightning_scale.tensor_parallel import expert_lists, experts, grads, mla, norms
-from lightning_scale.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from lightning_scale.tensor_parallel.hf import LocalHeadsConfig, default_plan, is_hf_model
-from lightning_scale.tensor_parallel.layers import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    SharedInput,
-    VocabParallelEmbedding,
-    dense_features,
-    is_conv1d,
-)
-from lightning_scale.tensor_parallel.mappings import (
-    gather_from_sequence_region,
-    scatter_to_sequence_region,
-    tp_rank,
-    tp_size,
-)
-from lightning_scale.tensor_parallel.routed_experts import route_experts
-from lightning_scale.tensor_parallel.sharding import (ShardSpec, make_spec, mark_partial_grad, tp_partial_grad,
-                                                     tp_replicated, tp_spec)
-from lightning_scale.tensor_parallel.state import TensorParallelState
+from lightning_scale.tensor_parallel.hf import default_plan, is_hf_model
+from lightning_scale.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                                                    dense_features, is_conv1d)
+from lightning_scale.tensor_parallel.sharding import ShardSpec, make_spec
 from lightning_scale.tensor_parallel.styles import Style, parse_style
 
 HEAD_ATTRS = ("n_head", "num_heads", "num_attention_heads", "num_key_value_heads", "n_kv_head", "n_kv_heads",
@@ -324,47 +308,6 @@ def _ties(model: nn.Module, actions: List[Action]) -> List[List[Tuple[str, str]]
     return groups
 
 
-_GATHERED = ("colwise_gather_output", "colwise_rep")
-_SPLIT_INPUT = ("rowwise_split_input", "rowwise_rep")
-
-
-def _split_gathered_pairs(model: nn.Module, plan: Dict[str, object], tp: int) -> Tuple[Dict[str, object], set]:
-    """A Hugging Face plan's ``colwise_gather_output`` projection feeding a ``rowwise_split_input`` one inside the
-    same module (Phi3's fused ``qkv_proj`` -> ``o_proj`` and ``gate_up_proj`` -> ``down_proj``) kept split instead:
-    the fused output cut per part (``qkv_colwise``: ``[q_r | k_r | v_r]``; ``packed_colwise``: ``[gate_r | up_r]``)
-    and the second projection plain ``rowwise``. Same math, without the all-gather of the activations and the
-    input split in between. Only where tp splits (or, kv heads, replicates) every part; otherwise the declared
-    gathered styles stay. Returns the plan and the attention modules whose forward reads head counts from their
-    config (they get a per-rank view of it)."""
-    modules = dict(model.named_modules())
-    out, views = dict(plan), set()
-    names = {p: getattr(v, "name", v) for p, v in plan.items()}  # the built-in plans hold Style objects
-    for pattern, style in names.items():
-        if style not in _GATHERED or "." not in pattern:
-            continue
-        parent_pat = pattern.rsplit(".", 1)[0]
-        sibling = next((p for p, v in names.items() if v in _SPLIT_INPUT and p.rsplit(".", 1)[0] == parent_pat), None)
-        rx = _pattern_regex(pattern)
-        hits = [n for n in modules if rx.match(n)]
-        if sibling is None or not hits or not all(isinstance(modules[n], nn.Linear) for n in hits):
-            continue
-        parent = modules[_parent_name(hits[0])]
-        out_f = modules[hits[0]].out_features
-        second = next(m for n, m in modules.items() if _pattern_regex(sibling).match(n))
-        parts = _qkv_parts(parent, out_f, infer_head_dim=False)
-        if parts:
-            heads = _heads(parent)
-            q = next(v for a, v in heads.items() if not _is_kv(a))
-            kv = next((v for a, v in heads.items() if _is_kv(a)), q)
-            if q % tp or (kv % tp and kv_replicas(parent, tp) == 1) or second.in_features != parts[0]:
-                continue
-            out[pattern], out[sibling] = "qkv_colwise", "rowwise"
-            views.update(_parent_name(n) for n in hits)
-        elif isinstance(second, nn.Linear) and out_f == 2 * second.in_features and second.in_features % tp == 0:
-            out[pattern], out[sibling] = "packed_colwise", "rowwise"
-    return out, views
-
-
 def plan_tensor_parallel(model: nn.Module, plan: Optional[Dict[str, object]], tp: int, *,
                          sequence_parallel: bool = False, expert_parallel: bool = False) -> TensorParallelPlan:
     """Validate ``plan`` against ``model`` for a tp group of size ``tp``; changes nothing (pure).
@@ -380,12 +323,14 @@ def plan_tensor_parallel(model: nn.Module, plan: Optional[Dict[str, object]], tp
     if plan is None:
         plan = default_plan(model, sequence_parallel)
         if is_hf_model(model) and tp > 1:
-            plan, views = _split_gathered_pairs(model, plan, tp)
+            from lightning_scale.tensor_parallel.hf_rules import scalars_on_split_features, split_gathered_pairs
+
+            plan, views = split_gathered_pairs(model, plan, tp)
             patterns = [_pattern_regex(p) for p in plan]
             add, whole = experts.expert_plan_entries(model, lambda n: any(rx.match(n) for rx in patterns), tp,
                                                      placed=expert_parallel)
             plan.update(add)
-            plan.update(_scalars_on_split_features(model, plan))
+            plan.update(scalars_on_split_features(model, plan))
     if sequence_parallel and is_hf_model(model):
         raise ConfigError("tensor.sequence_parallel=True is supported for the project GPT only: Hugging Face "
                           "models derive positions and masks from the hidden states' sequence length")
@@ -420,30 +365,6 @@ def plan_tensor_parallel(model: nn.Module, plan: Optional[Dict[str, object]], tp
                                             for n, f in fixes.items()},
                               ties=_ties(model, actions), styles={a.name: a.style.name for a in actions},
                               config_views=config_views, experts_whole=whole)
-
-
-def _scalars_on_split_features(model: nn.Module, plan: Dict[str, object]) -> Dict[str, str]:
-    """``{pattern: 'replicated_with_grad_allreduce'}`` for every module the plan leaves out that sits beside a
-    column- and a row-parallel sibling (an MLP between its split up and down projections) and holds only trainable
-    scalars: an activation with parameters, Apertus' xIELU (``alpha_p``, ``alpha_n``). It runs on each rank's slice
-    of the features, so each rank's gradient of its scalars is a partial sum; left whole, the ranks' copies drift
-    apart, silently (transformers' own Apertus plan misses it: 9.4e-7 off one process after 3 float64 steps at tp=2).
-    Summed over tp in the backward, they stay one process's. Modules holding larger parameters are left as the plan
-    says (a per-head norm: the plan names it; a norm over the split features needs style 'rmsnorm_split')."""
-    rules = [(_pattern_regex(p), parse_style(v, p).kind) for p, v in plan.items()]
-    out: Dict[str, str] = {}
-    for pname, parent in model.named_modules():
-        kinds = {}
-        for cname, _ in parent.named_children():
-            full = f"{pname}.{cname}" if pname else cname
-            kinds[cname] = next((k for rx, k in rules if rx.match(full)), None)
-        if "colwise" not in kinds.values() or "rowwise" not in kinds.values():
-            continue
-        for cname, child in parent.named_children():
-            params = [p for p in child.parameters() if p.requires_grad]
-            if kinds[cname] is None and params and all(p.numel() == 1 for p in params):
-                out[_generic(f"{pname}.{cname}" if pname else cname)] = "replicated_with_grad_allreduce"
-    return out
 
 
 def _placed_list(name: str, experts_list: nn.Module, tp: int) -> Action:
@@ -481,157 +402,3 @@ def _check_sequence_parallel(model: nn.Module, actions: List[Action]) -> None:
             check(kinds, True)
         except ValueError as err:
             raise ConfigError(str(err)) from None
-
-
-def _build(act: Action, group, sp: bool, gathered: bool) -> Optional[nn.Module]:
-    style = act.style
-    if style.kind == "vocab":
-        return VocabParallelEmbedding.from_dense(act.module, group, sequence_parallel=sp, name=act.name)
-    if style.kind == "colwise":
-        return ColumnParallelLinear.from_dense(act.module, group, gather_output=style.gather_output,
-                                               sections=style.sections, pad=style.pad, sequence_parallel=sp,
-                                               input_gathered=gathered, name=act.name,
-                                               parts=act.weight_spec.parts, splits=act.weight_spec.splits)
-    if style.kind == "rowwise":
-        return RowParallelLinear.from_dense(act.module, group, sections=style.sections, sequence_parallel=sp,
-                                            input_is_parallel=not style.split_input, name=act.name)
-    return None
-
-
-def _sequence_split_hook(group, tag: str):
-    def hook(module, args, output):  # (*, T, C) -> (*, T/tp, C)
-        return scatter_to_sequence_region(output, group, dim=-2, tag=tag)
-
-    return hook
-
-
-def _sequence_gather_hook(group, tag: str, name: str):
-    def hook(module, args):  # first input (*, T/tp, C) -> (*, T, C); backward reduce-scatters
-        if not args or not isinstance(args[0], torch.Tensor):
-            raise ValueError(f"'sequence_gather' module {name!r} must get its activations as first positional "
-                             f"argument")
-        return (gather_from_sequence_region(args[0], group, dim=-2, tag=tag),) + tuple(args[1:])
-
-    return hook
-
-
-def _share_sibling_inputs(model: nn.Module, state: TensorParallelState, group, sequence_parallel: bool) -> None:
-    """Column-parallel layers under one parent (HF ``q_proj`` / ``k_proj`` / ``v_proj``, ``gate_proj`` /
-    ``up_proj``; litgpt ``fc_1`` / ``fc_2``) get one :class:`SharedInput`: when they read the same tensor, its
-    gradient is reduced over tp once (Megatron's ``f``) instead of once per layer. Found from the plan's result
-    (which children are column-parallel), not from names; the parent's forward hooks bound the cache."""
-    siblings: Dict[str, List[ColumnParallelLinear]] = {}
-    for name, module in model.named_modules():
-        if isinstance(module, ColumnParallelLinear) and "." in name and not module.input_gathered and module.tp > 1:
-            siblings.setdefault(_parent_name(name), []).append(module)
-    for pname, layers in siblings.items():
-        if len(layers) < 2:
-            continue
-        share = SharedInput(group, f"tp/{pname}.input", sequence_parallel)
-        for layer in layers:
-            layer.shared_input = share
-        parent = model.get_submodule(pname)
-        state.hooks.append(parent.register_forward_pre_hook(share.clear))
-        state.hooks.append(parent.register_forward_hook(share.clear, always_call=True))
-        state.shared_inputs[pname] = share
-
-
-def apply_tensor_parallel(model: nn.Module, plan: Optional[Dict[str, object]] = None, group=None, *,
-                          sequence_parallel: bool = False, share_inputs: bool = True,
-                          expert_parallel: bool = False) -> nn.Module:
-    """Split ``model`` in place over the tp process ``group`` following ``plan`` (None: built-in plan).
-
-    Every rank of ``group`` must call it on an identical model (same seed or same checkpoint); each
-    keeps only its shards. ``share_inputs=False`` keeps one input-gradient reduction per column-parallel layer
-    (see :func:`_share_sibling_inputs`; for comparisons). Returns the model. Afterwards: ``model(...)`` runs
-    tensor-parallel, the project GPT's ``model.loss`` uses the vocabulary-parallel cross-entropy, and
-    :func:`~lightning_scale.tensor_parallel.state.tensor_parallel_state` describes what was done.
-    """
-    route_experts(model)  # Llama 4's dense experts routed (same math), so they split or place like Mixtral's
-    if expert_parallel:
-        expert_lists.route_blocks(model)  # litgpt's MoE blocks call their experts list on routes, placed below
-    tp = tp_size(group)
-    p = plan_tensor_parallel(model, plan, tp, sequence_parallel=sequence_parallel, expert_parallel=expert_parallel)
-    state = TensorParallelState(group=group, tp=tp, rank=tp_rank(group), sequence_parallel=sequence_parallel,
-                                styles=p.styles)
-    split_modules = set()
-    replicated_in_region: set = set()  # gradients already complete (all-reduced in the backward)
-    gathering = [a.name + "." for a in p.actions if a.style.kind == "sequence_gather"] if sequence_parallel else []
-    for act in p.actions:
-        new = _build(act, group, sequence_parallel, any(act.name.startswith(g) for g in gathering))
-        if new is not None:
-            model.set_submodule(act.name, new)
-            if act.style.kind == "colwise" and act.style.pad and not act.style.gather_output:
-                state.vocab_size = act.weight_spec.size
-        elif act.style.kind == "sequence_split" and sequence_parallel:
-            state.hooks.append(act.module.register_forward_hook(_sequence_split_hook(group, f"tp/{act.name}")))
-            split_modules.add(act.name)
-        elif act.style.kind == "sequence_gather" and sequence_parallel:
-            hook = _sequence_gather_hook(group, f"tp/{act.name}", act.name)
-            state.hooks.append(act.module.register_forward_pre_hook(hook))
-        elif act.style.kind == "experts":
-            state.hooks.extend(experts.split_experts(act.name, act.module, act.param_specs, group))
-        elif act.style.kind == "expert_parallel":
-            state.hooks.extend(expert_parallel_style.place_experts(act.name, act.module, act.param_specs, group))
-        elif act.style.kind == "expert_data_parallel":
-            state.hooks.extend(expert_alltoall.place_experts_exchanged(act.name, act.module, act.param_specs, group))
-        elif act.style.kind == "norm_split":
-            state.hooks.extend(norms.split_norm(act.name, act.module, act.param_specs, group))
-        elif act.style.kind == "mla_kv_a":
-            parent = model.get_submodule(_parent_name(act.name)) if "." in act.name else None
-            rope = mla.rope_width(act.name, act.module, parent)
-            state.hooks.append(mla.install(act.module, group, f"tp/{act.name}", rope))
-        elif act.style.kind == "grad_allreduce":
-            state.hooks.extend(grads.install_grad_allreduce(act.module, group, f"tp/{act.name}"))
-            replicated_in_region.update(id(prm) for prm in act.module.parameters())
-    for pname, attrs in p.parent_fixes.items():
-        parent = model.get_submodule(pname)
-        for attr, value in attrs.items():
-            setattr(parent, attr, value)  # the attention reads these at run time (view(B, T, H_local, D))
-    for pname, attrs in p.config_views.items():
-        parent = model.get_submodule(pname)
-        parent.config = LocalHeadsConfig(parent.config, attrs)  # Phi3: query_pos = config.num_attention_heads * D
-    for group_ in p.ties:
-        first = getattr(model.get_submodule(group_[0][0]), group_[0][1])
-        for mname, pname in group_[1:]:
-            setattr(model.get_submodule(mname), pname, first)
-    if share_inputs:
-        _share_sibling_inputs(model, state, group, sequence_parallel)
-    if sequence_parallel:
-        _mark_sequence_parallel_partials(model, split_modules, replicated_in_region)
-    if any(a.style.kind == "expert_data_parallel" for a in p.actions):
-        for prm in model.parameters():  # the group's ranks hold different tokens: every whole parameter's gradient
-            if tp_replicated(prm):  # is this rank's share, summed over the group before the dp reduction
-                mark_partial_grad(prm)
-    state.partial_grad_names = [n for n, prm in model.named_parameters() if tp_partial_grad(prm)]
-    state.experts_whole = dict(p.experts_whole)
-    model._tp_state = state
-    _patch_gpt_loss(model, state)
-    return model
-
-
-def _mark_sequence_parallel_partials(model: nn.Module, split_modules, complete=frozenset()) -> None:
-    """Replicated params used on sequence-sharded activations (LayerNorms, row biases) get partial grads.
-
-    Modules cut by a ``sequence_split`` hook are excluded: the hook's backward all-gathers their gradient.
-    """
-    skip = {id(p) for n in split_modules for p in model.get_submodule(n).parameters()} | set(complete)
-    for param in model.parameters():
-        if tp_spec(param) is None and id(param) not in skip:
-            mark_partial_grad(param)
-
-
-def _patch_gpt_loss(model: nn.Module, state: TensorParallelState) -> None:
-    """A model that declares ``vocab_parallel_loss`` (the project GPT) computes ``loss(idx, targets)`` from its
-    logits: with a 'vocab_colwise' head they are split, so the loss becomes the vocabulary-parallel one."""
-    if getattr(model, "vocab_parallel_loss", False) and state.vocab_size is not None:
-        def cross_entropy(logits, targets, reduction="mean"):  # the logits live only here: the loss may overwrite them
-            return vocab_parallel_cross_entropy(logits, targets, state.group, vocab_size=state.vocab_size,
-                                                inplace=True, reduction=reduction)
-
-        def loss(idx, targets):  # chunked above the model's loss_chunk, except under sequence parallelism (the
-            # head's input is then split over the sequence, which the chunks would cut across)
-            return type(model).loss(model, idx, targets, cross_entropy=cross_entropy,
-                                    chunk=0 if state.sequence_parallel else None)
-
-        model.loss = loss

@@ -147,7 +147,7 @@ def load_full_state_dict(model: nn.Module, full: Dict[str, torch.Tensor], strict
 
 
 def split_summary(model: nn.Module, tp: int, top: int = 3) -> Dict[str, object]:
-    """After :func:`~lightning_scale.tensor_parallel.plan.apply_tensor_parallel`: how much of ``model`` tp split. ``split`` / ``total``: parameters of the
+    """After :func:`~lightning_scale.tensor_parallel.apply.apply_tensor_parallel`: how much of ``model`` tp split. ``split`` / ``total``: parameters of the
     whole model (a split one counted at its global size), ``replicated``: the largest replicated parameter groups
     as (pattern with layer indices as ``*``, parameters over all layers), largest first. A model's own ``tp_plan``
     may cover its attention only (Mixtral's and Qwen2-MoE's in transformers 5); the built-in plan adds their
