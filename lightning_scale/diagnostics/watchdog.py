@@ -67,7 +67,8 @@ class Watchdog:
         self._stop_deadline: Optional[float] = None
         self._stop_at: Optional[int] = None
         self._own_failure = False
-        self._wakeup_r: Optional[int] = None
+        self._wakeup_r: Optional[int] = None  # the signal wakeup pipe the monitor thread selects on
+        self._wakeup_w: Optional[int] = None
         self.fingerprinter = None
         self._exiting: Optional[int] = None  # the exit code once this rank is leaving
         self._child_gone: Dict[int, float] = {}  # rank -> when its process was first seen ended with a failure
@@ -87,11 +88,35 @@ class Watchdog:
     def close(self) -> None:
         """Normal end: stop the thread (no diagnosis). Safe to call twice."""
         self._stop_thread.set()
+        self._wake()  # a thread waiting in select() on the signal pipe would otherwise sleep out its interval
         if self.fingerprinter is not None:
             trace.set_fingerprinter(None)
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=2 * self.config.heartbeat_interval + 1)
+            if not self._thread.is_alive():
+                self._release_wakeup()
         self._thread = None
+
+    def _wake(self) -> None:
+        if self._wakeup_w is not None:
+            try:
+                os.write(self._wakeup_w, b"\0")  # not a signal number: _wait reads it and ignores it
+            except OSError:
+                pass
+
+    def _release_wakeup(self) -> None:
+        """Give the process its signal wakeup fd back (none) and close the pipe: a later run in this process (fit
+        after fit) installs its own."""
+        if self._wakeup_w is None:
+            return
+        try:
+            current = signal.set_wakeup_fd(-1)
+        except ValueError:  # not the main thread: leave it set; the pipe stays open
+            return
+        if current != self._wakeup_w:  # someone replaced ours since: theirs stays
+            signal.set_wakeup_fd(current)
+        os.close(self._wakeup_r), os.close(self._wakeup_w)
+        self._wakeup_r = self._wakeup_w = None
 
     def finish(self) -> None:
         """Normal end, after :meth:`close`: this rank's last use of the store. The rank whose process hosts the c10d
@@ -366,14 +391,15 @@ class Watchdog:
             r, w = os.pipe()
             os.set_blocking(w, False)
             try:
-                if signal.set_wakeup_fd(w, warn_on_full_buffer=False) != -1:  # someone else's: keep theirs
-                    signal.set_wakeup_fd(signal.set_wakeup_fd(-1))
-                    os.close(r), os.close(w)
-                    return
+                old = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
             except ValueError:  # not the main thread
                 os.close(r), os.close(w)
                 return
-            self._wakeup_r = r
+            if old != -1:  # someone else's (asyncio's, a library's): theirs stays; the thread waits on its event
+                signal.set_wakeup_fd(old)
+                os.close(r), os.close(w)
+                return
+            self._wakeup_r, self._wakeup_w = r, w
 
     def _handler(self, signum, frame) -> None:
         if self.stop_signal and signum == signal.SIGINT:

@@ -33,15 +33,22 @@ def _fit_with_stdout(tmp_path, name, *args):
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS.values()), ids=list(LAYOUTS))
-def test_compiled_trainer_losses_equal_eager(tmp_path, layout):
+def test_compiled_trainer_losses_equal_eager(tmp_path, single, layout):
+    """Compiled at each layout == the one-process eager run (the session's ``single``: plain Lightning, one device,
+    the same COMMON settings) within 1e-5, per step and in validation: each layout's eager run equals that run in
+    its own parity test (test_zero_trainer.py, test_tp_trainer.py, test_pipeline_trainer.py, ...), so one shared
+    reference replaces an eager launch per layout (the suite's time). At ZeRO 0 the strategy's eager run is made as
+    well: no compile report (and no callback) when nothing is compiled."""
     opts = [a for o in layout for a in ("--option", o)]
-    eager = fit(tmp_path, "eager", "--devices", "2", *COMMON, *opts)
     compiled, stdout = _fit_with_stdout(tmp_path, "compiled", "--devices", "2", *COMMON, *opts, "--option", AOT)
-    assert len(compiled["losses"]) == len(eager["losses"]) == 8
-    diff = max(abs(a - b) for a, b in zip(compiled["losses"], eager["losses"]))
-    assert diff < 1e-5, (compiled["losses"], eager["losses"])
-    assert abs(compiled["val"][0]["val_loss"] - eager["val"][0]["val_loss"]) < 1e-5
-    assert eager["compile"] is None  # no report (and no callback) when nothing is compiled
+    assert len(compiled["losses"]) == len(single["losses"]) == 8
+    diff = max(abs(a - b) for a, b in zip(compiled["losses"], single["losses"]))
+    assert diff < 1e-5, (compiled["losses"], single["losses"])
+    assert abs(compiled["val"][0]["val_loss"] - single["val"][0]["val_loss"]) < 1e-5
+    if layout == ["stage=0"]:
+        eager = fit(tmp_path, "eager", "--devices", "2", *COMMON, *opts)
+        assert max(abs(a - b) for a, b in zip(eager["losses"], compiled["losses"])) < 1e-5
+        assert eager["compile"] is None  # no report (and no callback) when nothing is compiled
     report = compiled["compile"]
     assert report["step1"]["graphs"] > 0, report  # the units ran compiled in step 1
     assert report["steps"] == 4 and report["recompiles"] == 0, report  # nothing compiled after step 2

@@ -24,7 +24,7 @@ from lightning_scale import testing, testing_zygote
 from lightning_scale.diagnostics import EXIT_HANG
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "fit_failures.py")
-HANG_S = 5.0
+HANG_S = 3.0
 
 
 def _alive(pid: int) -> bool:
@@ -183,11 +183,11 @@ def test_secondary_errors_in_teardown_never_replace_the_first(tmp_path):
     another collective (and is ended by its watchdog on the published error) and raises ValueError, and the
     strategy's own teardown fails (remove_hooks raises OSError). fit still raises the first error, the process ends
     on it (its traceback is the last thing printed), and each secondary error is printed as such, naming the first.
-    Rank 0's teardown takes 6 s after rank 1 has exited (EXIT_PEER_FAILED): Lightning's child-process observer, which
-    looks every 5 s, SIGKILLed rank 0 there (exit 137, its traceback lost; a CI failure) before the watchdog paused
-    it (tests/unit/test_child_observer.py)."""
+    Rank 0's teardown takes 1 s after rank 1 has exited (EXIT_PEER_FAILED): Lightning's child-process observer (every
+    0.2 s in fit_failures.py, 5 s in Lightning) SIGKILLed rank 0 there (exit 137, its traceback lost; a CI failure)
+    before the watchdog paused it (tests/unit/test_watchdog_process.py)."""
     rc, out, left = launch(tmp_path, "--mode", "zero2", "--fault", "raise", "--fault-rank", 0, "--teardown-faults",
-                           "--teardown-delay", 6, timeout=240)
+                           "--teardown-delay", 1, timeout=240)
     assert rc == 1 and left == [], (rc, left, out[-4000:])
     pids = tmp_path / "pids"
     assert (pids / "final0.txt").read_text() == "RuntimeError: boom: injected failure in training_step"

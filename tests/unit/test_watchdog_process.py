@@ -1,5 +1,6 @@
-"""Rank 0 under Lightning's script launcher: the watchdog watches the ranks it launched, and Lightning's
-``_ChildProcessObserver`` (which SIGKILLs rank 0 within 5 s of any child's non-zero exit) is paused while it does.
+"""The watchdog and its process: under Lightning's script launcher rank 0's watchdog watches the ranks it launched,
+and Lightning's ``_ChildProcessObserver`` (which SIGKILLs rank 0 within 5 s of any child's non-zero exit) is paused
+while it does; the signal wakeup fd is the process's again after a run.
 
 The observer cut off rank 0's own first error in CI (test_secondary_errors_in_teardown_never_replace_the_first:
 rank 1, ended on rank 0's published error with EXIT_PEER_FAILED, was seen by the observer while rank 0 was still in
@@ -84,3 +85,34 @@ def test_watchdog_names_a_launched_rank_that_died_without_reporting(capsys):
     assert 0.2 <= time.monotonic() - start < 5.0  # after the grace; not the 5 s wait for rank 2's goodbye
     err = capsys.readouterr().err
     assert f"rank 0: stopping because rank 2 (pid {dead.pid}) was killed by signal 9 (SIGKILL)" in err, err
+
+
+def test_signal_wakeup_pipe_is_given_back_and_a_foreign_one_kept():
+    """The monitor thread waits in select() on the signal wakeup pipe: close() wakes it at once (a 5 s heartbeat is
+    not slept out) and gives the process its wakeup fd back; a wakeup fd someone else set (asyncio, a library) stays
+    theirs (it was replaced by a closed pipe of ours before: a later signal wrote into whatever reused the number)."""
+    import os
+    import signal
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    config = DiagnosticsConfig(heartbeat_interval=5.0, hang_timeout=60.0)
+    assert signal.set_wakeup_fd(-1) == -1  # pytest's main thread sets none
+    wd = Watchdog(dist.PrefixStore("w/", store), 0, 1, config, exit_fn=lambda c: None).start()
+    wd.install_signal_handlers(signums=())
+    assert wd._wakeup_r is not None
+    time.sleep(0.3)  # the thread is in its 5 s select now
+    start = time.monotonic()
+    wd.close()
+    assert time.monotonic() - start < 1.0
+    assert signal.set_wakeup_fd(-1) == -1 and wd._wakeup_r is None  # given back, pipe closed
+
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    try:
+        signal.set_wakeup_fd(w)
+        other = Watchdog(dist.PrefixStore("x/", store), 0, 1, config, exit_fn=lambda c: None)
+        other.install_signal_handlers(signums=())
+        assert other._wakeup_r is None  # it waits on its event instead
+        assert signal.set_wakeup_fd(-1) == w  # still theirs
+    finally:
+        os.close(r), os.close(w)
