@@ -208,7 +208,7 @@ _slow = pytest.mark.slow
 
 @pytest.mark.parametrize("mode, ranks, save, launcher", [
     ("zero3", (0, 1), True, "lightning"),
-    pytest.param("zero3", (1,), False, "lightning", marks=_slow),
+    pytest.param("zero3", (1,), False, "external", marks=_slow),  # Lightning's launcher: the case above
     pytest.param("zero2", (1,), False, "external", marks=_slow),
     pytest.param("zero2", (0, 1), True, "external", marks=_slow),
     pytest.param("pp2", (1,), False, "external", marks=_slow),
