@@ -9,12 +9,14 @@ alive at the same time, at op granularity: the storages of the outputs of one op
 
 Not counted: tensors that existed before the block (parameters, inputs: ``baseline`` is there to add them),
 scratch space an op allocates and frees inside its own kernel, and a storage resized in place after it was made
-(ZeRO-3's gathered buffers are counted at the size they were created with).
+(ZeRO-3's gathered buffers are counted at the size they were created with: zero). ``extra`` adds bytes the ops do
+not show, sampled at every op: the memory plan passes ZeRO-3's ``gathered_bytes`` (its units' buffers grow by
+``untyped_storage().resize_``, which is no aten op; before, the CPU check of a ZeRO-3 step missed them).
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -25,9 +27,10 @@ from torch.utils._pytree import tree_flatten
 class LiveTensorBytes(TorchDispatchMode):
     """Current and peak bytes of tensor storages created inside the block (optionally on one ``device`` type)."""
 
-    def __init__(self, device: str = None) -> None:
+    def __init__(self, device: str = None, extra: Optional[Callable[[], int]] = None) -> None:
         super().__init__()
         self.device = device
+        self.extra = extra
         self._live: Dict[int, Tuple[StorageWeakRef, int]] = {}
         self.current = 0
         self.peak = 0
@@ -55,7 +58,7 @@ class LiveTensorBytes(TorchDispatchMode):
             nbytes = storage.nbytes()
             self._live[key] = (StorageWeakRef(storage), nbytes)
             self.current += nbytes
-        self.peak = max(self.peak, self.current)
+        self.peak = max(self.peak, self.current + (self.extra() if self.extra is not None else 0))
         return out
 
     def __exit__(self, *exc: Any) -> Any:

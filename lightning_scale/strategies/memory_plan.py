@@ -349,7 +349,8 @@ class MemoryPlan(pl.Callback):
             from lightning_scale.memory import LiveTensorBytes
 
             self.plan["baseline"] = measured_bytes(list(getattr(self.strategy, "engines", []) or []))["device"]
-            self._mode = LiveTensorBytes(device=device.type)
+            sharded = getattr(self.strategy, "sharded", None)  # ZeRO-3: the gathered units grow by storage resize
+            self._mode = LiveTensorBytes(device=device.type, extra=getattr(sharded, "gathered_bytes", None))
             self._mode.__enter__()
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:

@@ -92,3 +92,27 @@ def test_live_tensor_bytes_counts_what_is_alive_together():
         keep.add_(1)  # a tensor from before the block is not counted
     assert (mem.peak, mem.current) == (4000, 3500)
     del b, c
+
+
+def test_storage_resized_in_place_is_seen_only_through_extra():
+    """ZeRO-3 gathers a unit by ``untyped_storage().resize_`` of a buffer made empty at setup: no aten op creates it,
+    so the dispatch count misses it (the memory plan's CPU check of a ZeRO-3 step missed every gathered unit: the
+    own-MoE model at dp=2 measured 24.09 MiB instead of 31.96). ``extra`` (the plan passes ``gathered_bytes``) is
+    sampled at every op."""
+    buffer = torch.empty(0, dtype=torch.uint8)
+    gathered = [0]
+
+    def gather(nbytes):
+        buffer.untyped_storage().resize_(nbytes)
+        gathered[0] = nbytes
+
+    for extra, want in ((None, 1000), (lambda: gathered[0], 1000 + 4000)):
+        gather(0)
+        with LiveTensorBytes(extra=extra) as mem:
+            a = torch.empty(1000, dtype=torch.uint8)
+            gather(4000)
+            a.add_(1)  # an op while the unit is gathered: the sample
+            gather(0)
+            del a
+            torch.empty(10, dtype=torch.uint8)
+        assert mem.peak == want, (extra, mem.peak)
