@@ -9,7 +9,9 @@ one table::
     python -m lightning_scale.estimate --model gpt_small:n_layer=48,d_model=1600 --dp 8
 
 Notation: ``P`` trainable parameters, ``N = dp`` ranks, ``U`` parameters of the largest unit (one
-transformer block), ``Q`` persistent (never sharded) parameters at stage 3, ``d`` prefetch depth.
+transformer block), ``Q`` persistent (never sharded) parameters at stage 3, ``R`` the stage-3 root unit's
+parameters (everything outside the repeated units: embeddings, head, final norm; gathered from its first use in the
+forward to the end of the backward, as FSDP2 keeps its root), ``d`` prefetch depth.
 Bytes per element by precision (``b_p`` params, ``b_g`` grads, ``b_m`` fp32 master, ``b_s`` optimizer
 state per element, ``k`` state elements per master element: Adam/AdamW 2 (m, v), SGD 1, ...):
 
@@ -37,8 +39,9 @@ stage  params    grads       master+state gathered units          transient (lar
                                                                   a parameter larger than that is a
                                                                   bucket of its own),
                                                                   or the fp32 grad copy P*b_m/N
-3      P*b_p/N   P*b_g/N     P*M/N        (1+d)*U*b_p + Q*b_p     the full grads of two units 2*U*b_g,
-                                                                  or the fp32 grad copy P*b_m/N
+3      P*b_p/N   P*b_g/N     P*M/N        (1+d)*U*b_p             the full grads of two units and of the
+                                          + (R+Q)*b_p             root (2*U+R)*b_g, or the fp32 grad copy
+                                                                  P*b_m/N
 =====  ========  ==========  ===========  ======================  ==================================
 
 Stage 1 holds the full gradients only from backward to the step boundary (flat buffers, the params' ``.grad``
@@ -150,6 +153,8 @@ class MemoryEstimate:
     notes: Tuple[str, ...] = field(default=())
     activations: Optional[ActivationEstimate] = None
     step_scratch: float = 0.0  # the optimizer step's temporaries (torch Adam: two of its largest tensor)
+    root_gathered: float = 0.0  # stage 3: the root unit's full bytes (part of device.gathered), alive to the backward's end
+    step_transient: float = 0.0  # the step's share of device.transient (the fp32 gradient copy of mixed precision)
 
     @property
     def activation_bytes(self) -> float:
@@ -158,16 +163,38 @@ class MemoryEstimate:
     @property
     def predicted_peak(self) -> float:
         """Device bytes per rank at the peak of a training step from step 2 on: model states (the table's total:
-        params, grads, master, optimizer state, gathered units, transient) + the activation peak."""
+        params, grads, master, optimizer state, gathered units, transient) + the activation peak. ZeRO-3 in phases
+        (:meth:`stage3_phases`)."""
         steady = self.activations.steady_peak if self.activations is not None else 0.0
+        if self.stage == 3:
+            resident, compute, step = self.stage3_phases(steady)
+            return resident + max(compute, step)
         return self.device.total + max(steady, self.step_scratch)
 
     @property
     def first_step_peak(self) -> float:
         """The peak of step 1: its forward / backward run before the optimizer state exists (the step makes it,
         after the activations are freed)."""
+        if self.stage == 3:
+            resident, compute, step = self.stage3_phases(self.activation_bytes)
+            return max(resident - self.device.optimizer_state + compute, resident + step)
         return max(self.device.total - self.device.optimizer_state + self.activation_bytes,
                    self.device.total + self.step_scratch)
+
+    def stage3_phases(self, activations: float, held: float = 0.0) -> Tuple[float, float, float]:
+        """ZeRO-3's device bytes as (resident, forward / backward, optimizer step): its gathered units and staged
+        gradients exist only inside the forward and backward, its gradient shards from the backward to
+        ``zero_grad``. The forward / backward peak is the activation peak with the gathered units (the root and the
+        prefetched blocks), or the backward's end: the root's gathered buffer and gradients with every gradient
+        shard; the step holds the shards, its fp32 gradient copy and scratch. The table's total adds them all (an
+        upper bound: a user's MoE model at dp=2 measured 0.66 of it). ``held``: bytes alive with the activations
+        (the gradient shards of earlier micro-batches while gradients accumulate)."""
+        d = self.device
+        resident = d.params + d.master + d.optimizer_state
+        backward = d.grads + d.transient + self.root_gathered
+        compute = max(activations + d.gathered + held, backward)
+        step = d.grads + self.step_transient + self.step_scratch
+        return resident, compute, step
 
     @property
     def host_peak(self) -> float:
@@ -202,7 +229,7 @@ def _check_count(name: str, value, minimum: float) -> None:
 
 
 def validate(params, *, dp, stage, offload, precision="bf16-mixed", largest_unit_params=0,
-             persistent_params=0, prefetch_depth=1, bucket_mb=25.0) -> None:
+             persistent_params=0, prefetch_depth=1, bucket_mb=25.0, root_params=0) -> None:
     """Raise ConfigError naming the setting for impossible inputs (same rules as ``OffloadConfig``)."""
     _check_count("params", params, 1)
     if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1:
@@ -227,11 +254,14 @@ def validate(params, *, dp, stage, offload, precision="bf16-mixed", largest_unit
         raise ConfigError(f"largest_unit_params={largest_unit_params:g} exceeds params={params:g}")
     if persistent_params > params:
         raise ConfigError(f"persistent_params={persistent_params:g} exceeds params={params:g}")
+    _check_count("root_params", root_params, 0)
+    if root_params > params:
+        raise ConfigError(f"root_params={root_params:g} exceeds params={params:g}")
 
 
 def estimate(params, *, dp: int, stage: int, offload: str = "none", precision: str = "bf16-mixed",
              largest_unit_params=0, persistent_params=0, prefetch_depth: int = 1, optimizer="adam",
-             bucket_mb: float = 25.0, offload_grads: Optional[bool] = None) -> MemoryEstimate:
+             bucket_mb: float = 25.0, offload_grads: Optional[bool] = None, root_params=0) -> MemoryEstimate:
     """Per-rank device and host bytes of model states; see the module docstring for the formulas.
 
     ``offload_grads=None``: what this engine does (stream gradient shards to the host at stages 2 and 3)."""
@@ -239,11 +269,11 @@ def estimate(params, *, dp: int, stage: int, offload: str = "none", precision: s
         offload_grads = stage >= 2
     validate(params, dp=dp, stage=stage, offload=offload, precision=precision,
              largest_unit_params=largest_unit_params, persistent_params=persistent_params,
-             prefetch_depth=prefetch_depth, bucket_mb=bucket_mb)
+             prefetch_depth=prefetch_depth, bucket_mb=bucket_mb, root_params=root_params)
     key = _precision_key(precision)
     k = _state_elements(optimizer)
     b_p, b_g, b_m, b_s = _PRECISION_BYTES[key]
-    P, N, U, Q = float(params), dp, float(largest_unit_params), float(persistent_params)
+    P, N, U, Q, R = float(params), dp, float(largest_unit_params), float(persistent_params), float(root_params)
     opt_off = offload in ("optimizer", "all")
     par_off = offload in ("params", "all")
     # OneBitAdam's stage-1 engine keeps its full gradient buffer (the compressed exchange reads it at the step)
@@ -271,7 +301,7 @@ def estimate(params, *, dp: int, stage: int, offload: str = "none", precision: s
         dev["optimizer_state"] = shard * k * b_s
         dev["master"] = shard * b_master_dtype if (b_m or par_off) else 0.0
     if stage == 3:
-        dev["gathered"] = (1 + prefetch_depth) * U * b_p + Q * b_p
+        dev["gathered"] = (1 + prefetch_depth) * U * b_p + (R + Q) * b_p
         if U == 0:
             notes.append("largest unit unknown (0): the gathered-unit peak is not counted")
     backward = 0.0
@@ -281,12 +311,14 @@ def estimate(params, *, dp: int, stage: int, offload: str = "none", precision: s
         bucket_numel = min(P, bucket_mb * 2**20 / b_p)
         backward = min(P, 2 * bucket_numel) * b_g  # at most two staging buckets in flight
     elif stage == 3:
-        backward = 2 * U * b_g  # a unit's grads (staged in its own full buffer) + one reduce-scatter in flight
+        # a unit's grads (staged in its own full buffer) + one reduce-scatter in flight, next to the root unit's
+        # gradients: made by the head's backward, alive until the embedding's ends the root's (one reduce for all)
+        backward = (2 * U + R) * b_g
     step = shard * b_m if (b_m and not opt_off) else 0.0
     dev["transient"] = max(backward, step)
     return MemoryEstimate(params=int(P), dp=N, stage=stage, offload=offload, precision=key,
                           optimizer=str(optimizer), device=Breakdown(**dev), host=Breakdown(**host),
-                          notes=tuple(notes))
+                          notes=tuple(notes), root_gathered=R * b_p if stage == 3 else 0.0, step_transient=step)
 
 
 def estimate_all(params, *, dp: int, precision: str = "bf16-mixed", choices: Sequence[Tuple[int, str]] = CHOICES,
@@ -317,13 +349,23 @@ def _units(module) -> List:
 
 
 def model_counts(module, persistent_threshold: int = 0) -> Dict[str, int]:
-    """Trainable parameters (tied ones once), the largest unit's, and those below the persistence threshold."""
+    """Trainable parameters (tied ones once), the largest unit's, those below the persistence threshold, and the
+    ZeRO-3 root unit's: the rest outside the repeated units (embeddings, head, final norm; a parameter two units
+    share), which the engine gathers for the whole forward and backward. Parameters held directly by ``module``
+    are persistent there, as in :class:`lightning_scale.zero.param_shard.ShardedParameters`."""
     params = _unique_trainable(module.parameters())
     units = _units(module)
     largest = max((sum(p.numel() for p in _unique_trainable(u.parameters())) for u in units), default=0)
     persistent = sum(p.numel() for p in params if p.numel() < persistent_threshold)
+    owners: Dict[int, int] = {}
+    for u in units:
+        for p in {id(p): p for p in u.parameters()}.values():
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    direct = {id(p) for p in module.parameters(recurse=False)}
+    root = sum(p.numel() for p in params if owners.get(id(p), 0) != 1 and id(p) not in direct
+               and p.numel() >= persistent_threshold)
     return {"params": sum(p.numel() for p in params), "largest_unit_params": largest,
-            "persistent_params": persistent}
+            "persistent_params": persistent, "root_params": root}
 
 
 def estimate_for_model(module, *, dp: int, stage: int, offload: str = "none", precision: str = "bf16-mixed",
@@ -348,7 +390,7 @@ def estimate_for_model(module, *, dp: int, stage: int, offload: str = "none", pr
     est = estimate(counts["params"], dp=dp, stage=stage, offload=offload, precision=precision,
                    largest_unit_params=counts["largest_unit_params"], persistent_params=counts["persistent_params"],
                    prefetch_depth=prefetch_depth, optimizer=optimizer, bucket_mb=bucket_mb,
-                   offload_grads=offload_grads)
+                   offload_grads=offload_grads, root_params=counts["root_params"])
     if seq_len is None:
         return est
     acts = activations_for_model(module, seq_len=seq_len, micro_batch=micro_batch, precision=precision,
@@ -518,6 +560,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--largest-unit", type=_count, default=None,
                     help="params of the largest unit (one block); default: from --model, else 0")
     ap.add_argument("--persistent", type=_count, default=0, help="stage-3 persistent params")
+    ap.add_argument("--root", type=_count, default=None, help="stage-3 root unit params (embeddings, head: outside "
+                    "the repeated units); default: from --model, else 0")
     ap.add_argument("--persistent-threshold", type=int, default=0, help="with --model: params below this stay whole")
     ap.add_argument("--prefetch-depth", type=int, default=1)
     ap.add_argument("--bucket-mb", type=float, default=25.0)
@@ -548,9 +592,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             params = counts["params"]
             unit = counts["largest_unit_params"] if args.largest_unit is None else args.largest_unit
             persistent = counts["persistent_params"] or args.persistent
+            root = counts["root_params"] if args.root is None else args.root
         else:
-            params, unit, persistent = args.params, args.largest_unit or 0, args.persistent
+            params, unit, persistent, root = args.params, args.largest_unit or 0, args.persistent, args.root or 0
         common = dict(largest_unit_params=unit, persistent_params=persistent, prefetch_depth=args.prefetch_depth,
+                      root_params=root,
                       optimizer=args.optimizer, bucket_mb=args.bucket_mb, offload_grads=args.offload_grads)
         mine = estimate(params, dp=args.dp, stage=args.stage, offload=args.offload, precision=args.precision,
                         **common)
@@ -591,10 +637,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               f"{a.per_token_layer:,.0f} bytes/token/unit without checkpointing; kept {a.kept / scale:,.2f}, "
               f"one unit's backward {a.recompute / scale:,.2f}, head {a.head / scale:,.2f}, loss {a.loss / scale:,.2f}"
               f" -> peak {a.peak / scale:,.2f} {args.unit}" + (f"; host {a.host / scale:,.2f} {args.unit}" if a.host else ""))
-        print(f"predicted peak per device: {mine.predicted_peak / scale:,.2f} {args.unit} (model states "
-              f"{mine.device.total / scale:,.2f} + the larger of activations {a.peak / scale:,.2f} and the optimizer "
-              f"step's scratch {mine.step_scratch / scale:,.2f}); step 1: {mine.first_step_peak / scale:,.2f} "
-              f"{args.unit} (no optimizer state yet during its backward)")
+        if mine.stage == 3:
+            resident, compute, step = mine.stage3_phases(a.steady_peak)
+            how = (f"ZeRO-3 in phases: resident states {resident / scale:,.2f} + the largest of activations + the "
+                   f"gathered units / the backward's end (root, its gradients, every gradient shard) "
+                   f"{compute / scale:,.2f} and the optimizer step {step / scale:,.2f}")
+        else:
+            how = (f"model states {mine.device.total / scale:,.2f} + the larger of activations {a.peak / scale:,.2f} "
+                   f"and the optimizer step's scratch {mine.step_scratch / scale:,.2f}")
+        print(f"predicted peak per device: {mine.predicted_peak / scale:,.2f} {args.unit} ({how}); step 1: "
+              f"{mine.first_step_peak / scale:,.2f} {args.unit} (no optimizer state yet during its backward)")
         for note in a.notes:
             print(f"note: {note}")
     for note in mine.notes:

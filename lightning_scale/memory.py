@@ -10,8 +10,9 @@ alive at the same time, at op granularity: the storages of the outputs of one op
 Not counted: tensors that existed before the block (parameters, inputs: ``baseline`` is there to add them),
 scratch space an op allocates and frees inside its own kernel, and a storage resized in place after it was made
 (ZeRO-3's gathered buffers are counted at the size they were created with: zero). ``extra`` adds bytes the ops do
-not show, sampled at every op: the memory plan passes ZeRO-3's ``gathered_bytes`` (its units' buffers grow by
-``untyped_storage().resize_``, which is no aten op; before, the CPU check of a ZeRO-3 step missed them).
+not show, sampled at every op: the memory plan and the tuner's probes pass ZeRO-3's ``unit_buffer_bytes`` (its
+units' buffers grow by ``untyped_storage().resize_``, which is no aten op; before, a CPU count of a ZeRO-3 step
+missed them).
 """
 
 from __future__ import annotations

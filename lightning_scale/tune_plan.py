@@ -357,13 +357,17 @@ def predict_bytes(model, gpt, c: Candidate, precision: str = "32-true") -> Tuple
     params = counts["params"] if c.pp == 1 else blocks / c.pp + max(embed, head)  # the heaviest stage
     params /= c.tp
     unit = counts["largest_unit_params"] / c.tp
+    # ZeRO-3's root unit (embeddings, final norm, head), gathered through the whole forward and backward; a
+    # pipeline stage holds the embedding or the head (the heaviest stage, as ``params``)
+    root = (counts["root_params"] if c.pp == 1 else max(embed, head)) / c.tp
     if c.ep > 1:  # every expert on one of the ep ranks, the rest whole: the experts' share of the blocks / ep
         share = expert_share(model) * (1 - 1 / c.ep)
         params -= share * (blocks if c.pp == 1 else blocks / c.pp)
         unit -= share * counts["largest_unit_params"]
     shards = c.dp * c.sp  # ZeRO shards over dp x sp (every sp rank of a replica holds the same parameters)
     est = E.estimate(max(1.0, params), dp=shards, stage=c.stage, offload=c.offload, precision=precision,
-                     largest_unit_params=min(unit, params), bucket_mb=c.bucket_mb, optimizer="adamw")
+                     largest_unit_params=min(unit, params), bucket_mb=c.bucket_mb, optimizer="adamw",
+                     root_params=min(root, params))
     key = (gpt.seq_len, c.micro_batch, precision, c.ac, c.tp, c.sp, c.tiled_mlp, c.tiled_attention, c.act_offload)
     cache = _ACTS.setdefault(model, {})
     if key not in cache:  # the profile runs the unit on fake tensors: once per shape
@@ -388,7 +392,11 @@ def predict_bytes(model, gpt, c: Candidate, precision: str = "32-true") -> Tuple
     accumulated = params * E._PRECISION_BYTES[E._precision_key(precision)][1] if (
         c.stage in (1, 2) and c.accum > 1) else 0.0
     device = est.device.total + est.activation_bytes + est.step_scratch + accumulated
-    return device, one_memory_bytes(est, accumulated)
+    if c.stage == 3:  # in phases: the gathered units and staged gradients live only inside forward and backward
+        resident, compute, step = est.stage3_phases(est.activation_bytes,
+                                                    held=est.device.grads if c.accum > 1 else 0.0)
+        device = resident + max(compute, step)
+    return device, one_memory_bytes(est, accumulated, c.accum)
 
 
 _EXPERT_SHARE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -408,31 +416,40 @@ def expert_share(model) -> float:
     return _EXPERT_SHARE[model]
 
 
-def one_memory_bytes(est, accumulated: float = 0.0) -> float:
+def one_memory_bytes(est, accumulated: float = 0.0, accum: int = 1) -> float:
     """The peak live tensor bytes of a step when device and host are one memory (a CPU run): what the probes measure.
 
     Each model state counts once, wherever it lives: offload's host copy of a tensor in the same dtype *is* the
     device tensor on a CPU (the reducer aliases the fp32 master to the parameter shard, the gradient copy to the
-    gradient shard: ``master_aliased``), so in fp32 the host master and host gradients are not added again; in mixed
+    gradient shard: ``master_aliased``; parameter offload's device working copy is the host shard), so in fp32 the host
+    master and host gradients are not added again; in mixed
     precision they are real fp32 copies. The step's transients are phases, not a sum: the activation peak (at the
     loss, before a gradient exists) with the gathered units, or the end of the backward (its staging buffers + the
     gradients), or the optimizer step (the gradients + its scratch). Stages 0-2 without offload keep their flat
     gradient buffer between steps; ZeRO-3 and the offloaded copies free theirs at ``zero_grad``. Checked against the
     probes' measurement on the bench GPT (fp32, 2 ranks): every stage x offload, mb 4 + full AC and mb 1 without AC,
     within 0-12% (docs/tune.md). ``accumulated``: whole gradients held while micro-batches accumulate (stages 1-2),
-    alive with the activations of the later ones. With activation checkpointing the backward is a phase of its own:
-    what is kept + one unit recomputed + the gradients staged for their reduction."""
+    alive with the activations of the later ones (ZeRO-3: its gradient shards, with ``accum`` micro-batches). With
+    activation checkpointing the backward is a phase of its own: what is kept + one unit recomputed + the gradients
+    staged for their reduction. ZeRO-3 gathers its root unit (embeddings, head) for the whole forward and backward
+    (in ``gathered``); the backward's end holds it, its gradients and every gradient shard."""
     from lightning_scale.estimate import _PRECISION_BYTES
 
     d, h = est.device, est.host
     aliased = _PRECISION_BYTES[est.precision][2] == 0  # no separate master dtype: the copies would be aliases
-    resident = d.params + h.params + d.master + d.optimizer_state + h.optimizer_state + (0.0 if aliased else h.master)
+    # parameter offload without a master dtype: the device's working copy of the shard (its master) is the host shard
+    work_copy = 0.0 if aliased and est.offload == "params" else d.master
+    resident = d.params + h.params + work_copy + d.optimizer_state + h.optimizer_state + (0.0 if aliased else h.master)
     grads = max(d.grads, h.grads) if aliased else d.grads + h.grads
     if est.stage < 3 and est.offload == "none":  # the flat gradient buffer (stage 0: full, 1-2: the shard) stays
         resident, grads = resident + grads, 0.0  # allocated between steps (zero_grad zeroes it)
     a = est.activations
     host_acts = a.host if a is not None else 0.0  # offloaded unit inputs: the same memory on a CPU
-    phases = [est.activation_bytes + host_acts + d.gathered + accumulated, d.transient + grads,
+    if est.stage == 3 and accum > 1:  # the gradient shards of the earlier micro-batches (reduced into, kept)
+        accumulated += grads
+    # ZeRO-3's backward ends with the root unit's reduction: its gathered buffer and its gradients (the transient)
+    # next to the gradient shards of every other unit (measured: 52.3 MiB of 54.2 at the step's peak, bench GPT)
+    phases = [est.activation_bytes + host_acts + d.gathered + accumulated, d.transient + grads + est.root_gathered,
               grads + est.step_scratch]
     if a is not None and a.pipeline is None and a.policy != "none":
         # checkpointing moves the activation peak into the backward (a unit recomputed), where the gradients

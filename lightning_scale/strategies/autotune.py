@@ -310,7 +310,8 @@ def measure_module(module, config: ParallelConfig, topo, device, batch, steps: i
             step()
             times.append(time.perf_counter() - t0)
         states = _live_bytes(space) - base
-        with LiveTensorBytes(device=space) as mem:
+        # ZeRO-3's units grow by storage resize, which no aten op shows: sampled at every op
+        with LiveTensorBytes(device=space, extra=getattr(pm.sharded, "unit_buffer_bytes", None)) as mem:
             step()
         median = statistics.median(times[warmup:])
         return {"step_s": median, "measured_bytes": float(states + mem.peak), "states_bytes": float(states),

@@ -294,12 +294,14 @@ def plan_line(e: Any, unit: str = "MiB") -> str:
     a = e.activations
     states = e.device.total
     pipe = ""
+    # ZeRO-3's gathered units and staged gradients live only inside forward / backward: not summed with the rest
+    phased = " in phases (ZeRO-3)" if e.stage == 3 else ""
     if a.pipeline is not None:
         w = a.pipeline
         pipe = (f", {w.in_flight} of {w.microbatches} micro-batches in flight ({w.schedule}, at {w.at}), "
                 f"p2p buffers {_fmt(w.p2p, scale, unit)}")
     return (f"{_fmt(e.first_step_peak, scale, unit)} step 1, {_fmt(e.predicted_peak, scale, unit)} from step 2 "
-            f"(model states {_fmt(states, scale, unit)} + activations {_fmt(a.peak, scale, unit)}: "
+            f"(model states {_fmt(states, scale, unit)}{phased} + activations {_fmt(a.peak, scale, unit)}: "
             f"{a.tokens:,} tokens x {a.layers} units, checkpointing {a.policy}, kept {_fmt(a.kept, scale, unit)}, "
             f"loss {_fmt(a.loss, scale, unit)}{pipe})")
 
@@ -350,7 +352,7 @@ class MemoryPlan(pl.Callback):
 
             self.plan["baseline"] = measured_bytes(list(getattr(self.strategy, "engines", []) or []))["device"]
             sharded = getattr(self.strategy, "sharded", None)  # ZeRO-3: the gathered units grow by storage resize
-            self._mode = LiveTensorBytes(device=device.type, extra=getattr(sharded, "gathered_bytes", None))
+            self._mode = LiveTensorBytes(device=device.type, extra=getattr(sharded, "unit_buffer_bytes", None))
             self._mode.__enter__()
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:

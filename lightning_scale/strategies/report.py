@@ -207,6 +207,7 @@ def _estimates(strategy: Any, params: Optional[int] = None) -> Optional[Tuple[Li
                         precision=str(getattr(strategy.precision_plugin, "precision", "32-true")),
                         largest_unit_params=min(counts["largest_unit_params"], params),
                         persistent_params=min(counts["persistent_params"], params),
+                        root_params=min(counts["root_params"], params),
                         prefetch_depth=cfg.zero.prefetch_depth, optimizer=optimizer, bucket_mb=cfg.zero.bucket_mb)
     mine = next((e for e in rows if (e.stage, e.offload) == selected), rows[0])
     return rows, mine, params, selected

@@ -365,6 +365,13 @@ class ShardedParameters:
     def gathered_bytes(self) -> int:
         return sum(u.nbytes_full for u in self.units if u.gathered)
 
+    def unit_buffer_bytes(self) -> int:
+        """Bytes of the units' full buffers allocated now, the persistent unit's aside (always there, a model state):
+        gathered, prefetched, or staging a reduce-scatter (``gathered`` is cleared when it starts, the storage goes
+        when it is done). A memory count that sees aten ops misses them: they grow by ``untyped_storage().resize_``
+        (:class:`lightning_scale.memory.LiveTensorBytes` ``extra``)."""
+        return sum(b.full.untyped_storage().nbytes() for u in self.units if u.kind != "persistent" for b in u.buckets)
+
     def _note_peak(self) -> None:
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes())
 

@@ -1,9 +1,10 @@
 """The memory plan on 2 ranks (issue 16 item 6): step 1's measured peak within 15% of the prediction.
 
-Three Trainer launches of the project GPT (4 layers, d128, float32, CPU, 2 sequences of 2048 positions per rank):
+Trainer launches of the project GPT (4 layers, d128, float32, CPU, 2 sequences of 2048 positions per rank):
 ``sp=2`` (Ulysses, ZeRO 0: each rank holds 1024 positions), ZeRO-3 and ZeRO-2 + full activation checkpointing (dp=2;
 the GPT's default chunked loss, so one unit's recomputed backward is the activation peak: before the profile let the
-saved set shrink during the backward, ZeRO-3 + AC measured 0.80 of the plan).
+saved set shrink during the backward, ZeRO-3 + AC measured 0.80 of the plan); and ZeRO-3 where the model states
+outweigh the activations (a large vocabulary, 128 positions).
 Every rank's ratio (the engines' bytes at the step's start + ``LiveTensorBytes``' peak over the step, against the
 plan for the real batch) must be within 15%, with the activation term a real share of the prediction. Run as a
 script, this file is one rank of that launch.
@@ -22,8 +23,13 @@ CASES = {  # name: Zero3DStrategy kwargs
     "sp2": {"stage": 0, "sp": 2},
     "zero3_ac": {"stage": 3, "activation_checkpointing": "full"},
     "zero2_ac": {"stage": 2, "activation_checkpointing": "full"},
+    # ZeRO-3 with large model states: its root unit (a vocab of 16384: embedding + head, 4.2M of the 5M parameters)
+    # is gathered through forward and backward, its units and staged gradients exist only there. Summing the table's
+    # states with the activations (the plan before 2026-12-07) put this case at 0.74, a user's own MoE model at 0.66
+    "zero3_states": {"stage": 3},
 }
 SEQ, BATCH = 2048, 2
+GPT = {"zero3_states": dict(vocab_size=16384, seq_len=128)}  # overrides of the cases' GPT
 
 
 def _fit(name: str) -> dict:
@@ -37,8 +43,8 @@ def _fit(name: str) -> dict:
     from lightning_scale.models.gpt import GPTConfig
 
     torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=1024, seq_len=SEQ, n_layer=4, n_head=4, d_model=128)
-    data = torch.randint(0, cfg.vocab_size, (BATCH * 4, SEQ + 1))
+    cfg = GPTConfig(**{**dict(vocab_size=1024, seq_len=SEQ, n_layer=4, n_head=4, d_model=128), **GPT.get(name, {})})
+    data = torch.randint(0, cfg.vocab_size, (BATCH * 4, cfg.seq_len + 1))
     loader = DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=BATCH)
     strategy = Zero3DStrategy(**CASES[name])
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=1, logger=False,
@@ -57,9 +63,10 @@ def _fit(name: str) -> dict:
             "warned": [str(w.message) for w in caught if "[lightning_scale memory]" in str(w.message)]}
 
 
-def launch_and_check(script: str, tmp_path, name: str, timeout: float = 400) -> list:
+def launch_and_check(script: str, tmp_path, name: str, timeout: float = 400, activation_share: float = 0.25) -> list:
     """Run ``script`` (one rank of a 2-rank Trainer launch writing ``plan<rank>.json``) and check every rank's step-1
-    ratio within 15%, no warning, activations a real share of the plan; returns the ranks' results."""
+    ratio within 15%, no warning, activations a real share of the plan (``activation_share``); returns the ranks'
+    results."""
     from lightning_scale.testing import run_script
 
     proc = run_script([sys.executable, script, str(tmp_path), name], timeout=timeout, cwd=tmp_path, ranks=2)
@@ -68,7 +75,7 @@ def launch_and_check(script: str, tmp_path, name: str, timeout: float = 400) -> 
     for r in results:
         assert abs(r["ratio"] - 1) <= 0.15, (name, results)
         assert not r["warned"], (name, r)
-        assert r["activations"] > 0.25 * r["predicted"], (name, r)
+        assert r["activations"] > activation_share * r["predicted"], (name, r)
     print(name, [round(r["ratio"], 3) for r in results])
     return results
 
@@ -84,8 +91,12 @@ def main(fit) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_step1_peak_within_15_percent_on_2_ranks(tmp_path, name):
-    results = launch_and_check(__file__, tmp_path, name)
-    want_tokens = BATCH * SEQ // CASES[name].get("sp", 1)
+    results = launch_and_check(__file__, tmp_path, name, activation_share=0.0 if name in GPT else 0.25)
+    want_tokens = BATCH * GPT.get(name, {}).get("seq_len", SEQ) // CASES[name].get("sp", 1)
+    if name == "zero3_states":  # the table's states summed with the activations (the plan before) are far off here
+        for r in results:
+            summed = r["states"]["total"] - r["states"]["optimizer_state"] + r["activations"]
+            assert r["measured"] < 0.85 * summed, (r["measured"], summed)
     assert all(r["tokens"] == want_tokens for r in results), results
 
 

@@ -230,11 +230,11 @@ def test_estimate_model_imports_no_torch_and_prints_the_real_models_table(spec):
     heavy = _imported(proc.stderr) & {"torch", *HEAVY}
     assert not heavy, f"imported {sorted(heavy)}"
     counts = E.model_counts(E._model_from_spec(spec))  # the built model (torch, meta device)
-    rows = E.estimate_all(counts["params"], dp=8, largest_unit_params=counts["largest_unit_params"])
+    units = dict(largest_unit_params=counts["largest_unit_params"], root_params=counts["root_params"])
+    rows = E.estimate_all(counts["params"], dp=8, **units)
     expected = io.StringIO()
     with redirect_stdout(expected):
-        print(E.describe(E.estimate(counts["params"], dp=8, stage=3, largest_unit_params=counts["largest_unit_params"]),
-                         counts["largest_unit_params"]))
+        print(E.describe(E.estimate(counts["params"], dp=8, stage=3, **units), counts["largest_unit_params"]))
         print(E.format_table(rows, selected=(3, "none")))
     got = proc.stdout.splitlines()
     assert got[0].endswith(expected.getvalue().splitlines()[0]), (got[0], expected.getvalue())

@@ -105,7 +105,9 @@ def test_sp_shrinks_the_prediction_and_the_cli_searches_it_when_nothing_else_fit
     everything = plan(model, gpt, 2, 2, 0.0, sps=(1, 2), **SPACE)  # every ladder climbed to its top
     whole = min(r.predicted for r in everything if r.candidate.sp == 1)
     split = min(r.predicted for r in everything if r.candidate.sp == 2)
-    assert split < whole * 0.9, (split, whole)
+    # 0.91 since ZeRO-3 is predicted in phases (2026-12-07): its backward's end (the root unit, its gradients and
+    # the gradient shards) is a floor sp does not lower
+    assert split < whole * 0.95, (split, whole)
     budget = (split + whole) / 2
     assert main(["--model", f"gpt_small:seq_len={L}", "--devices", "2", "--global-batch", "2", "--stages", "2,3",
                  "--tp", "1", "--pp", "1", "--memory-budget", str(int(budget)), "--estimate-only"]) == 0
