@@ -226,9 +226,7 @@ class Watchdog:
                 continue
             since = self._child_gone.setdefault(r, now)
             if now - since >= 2 * self.config.heartbeat_interval and not self.store.check(["abort"]):
-                text = report.killed_text(r, child.pid, code)
-                mine = json.dumps({"kind": "error", "rank": r, "text": text, "t": time.time()})
-                self.store.compare_set("abort", "", mine)
+                self.publish("error", report.killed_text(r, child.pid, code), rank=r)
                 return True
         return False
 
@@ -306,9 +304,10 @@ class Watchdog:
                     out[r] = hb
         return out
 
-    def publish(self, kind: str, text: str) -> bool:
-        """Record the first fatal event; returns True when this call was first."""
-        mine = json.dumps({"kind": kind, "rank": self.rank, "text": text, "t": time.time()})
+    def publish(self, kind: str, text: str, rank: Optional[int] = None) -> bool:
+        """Record the first fatal event (``rank``: the rank it happened on, this one by default: another for a
+        launched rank that died without a word); returns True when this call was first."""
+        mine = json.dumps({"kind": kind, "rank": self.rank if rank is None else rank, "text": text, "t": time.time()})
         return self.store.compare_set("abort", "", mine).decode() == mine
 
     def report_failure(self, exc: BaseException) -> bool:
