@@ -192,6 +192,9 @@ def _estimates(strategy: Any, params: Optional[int] = None) -> Optional[Tuple[Li
         return None
     cfg = strategy.config
     counts = model_counts(module, cfg.zero.persistent_threshold)
+    sharded = getattr(strategy, "sharded", None)
+    if sharded is not None and getattr(sharded, "units", None):  # ZeRO-3 built: its units as configured
+        counts = {**counts, **sharded.unit_counts()}  # (zero.unit_modules may cut the embeddings from the root)
     engines: List[Any] = list(getattr(strategy, "engines", []) or [])
     # The engines' buckets hold exactly the trainable parameters this rank's (tp/pp-local) model trains.
     bucketed = [b.numel for e in engines for b in getattr(e, "buckets", [])]

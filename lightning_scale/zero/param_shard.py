@@ -591,6 +591,16 @@ class ShardedParameters:
         return shard_state.full_state_dict(self, dtype=dtype, rank0_only=rank0_only)
 
     # ------------------------------------------------------------------ accounting
+    def unit_counts(self) -> Dict[str, int]:
+        """Parameters (elements, this rank's local ones under tp) of the largest unit and of the root unit, as this
+        engine built them from ``unit_modules``: what :func:`lightning_scale.estimate.model_counts` predicts from the
+        module tree for the default units."""
+        def numel(u: Unit) -> int:
+            return sum(p.numel() for p in u.params)
+
+        return {"largest_unit_params": max((numel(u) for u in self.units if u.kind == "unit"), default=0),
+                "root_params": sum(numel(u) for u in self.units if u.kind == "root")}
+
     def memory_bytes(self) -> Dict[str, int]:
         shard = sum(b.shard.numel() * b.shard.element_size() for b in self.buckets())
         grads = sum(b.grad_shard.numel() * b.grad_shard.element_size() for b in self.buckets()

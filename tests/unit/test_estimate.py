@@ -123,6 +123,25 @@ def test_model_counts_root_is_the_engines_root_unit(kind):
     assert seen[-1] == 0  # every unit freed after the step
 
 
+def test_unit_modules_that_name_the_embeddings_shrink_the_root():
+    """zero.unit_modules naming the embeddings and the head as units of their own leaves the root unit the final
+    norm: the engine's unit_counts (what the startup table and the memory plan use once it is built) says so, and
+    for the default units it equals model_counts."""
+    from lightning_scale.zero.param_shard import ShardedParameters
+
+    def counts(unit_modules):
+        model = GPT(gpt_tiny(vocab_size=512, n_layer=2))
+        sharded = ShardedParameters(model, [list(model.parameters())], device=torch.device("cpu"),
+                                    unit_modules=unit_modules)
+        return model, sharded.unit_counts()
+
+    model, default = counts(None)
+    assert default == {k: model_counts(model)[k] for k in ("largest_unit_params", "root_params")}
+    model, split = counts(("blocks.*", "wte", "wpe", "lm_head"))
+    assert split["root_params"] == sum(p.numel() for p in model.ln_f.parameters())
+    assert split["largest_unit_params"] == model.lm_head.weight.numel() > default["largest_unit_params"]
+
+
 def test_stage3_without_unit_notes_it():
     assert any("largest unit" in n for n in dev(3).notes)
 
