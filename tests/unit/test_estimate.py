@@ -125,21 +125,40 @@ def test_model_counts_root_is_the_engines_root_unit(kind):
 
 def test_unit_modules_that_name_the_embeddings_shrink_the_root():
     """zero.unit_modules naming the embeddings and the head as units of their own leaves the root unit the final
-    norm: the engine's unit_counts (what the startup table and the memory plan use once it is built) says so, and
-    for the default units it equals model_counts."""
+    norm: the engine's unit_counts (what the startup table and the memory plan use once it is built) says so (for the
+    default units it equals model_counts), the losses are the same and the units' buffers peak lower (docs/zero3.md)."""
+    from lightning_scale.memory import LiveTensorBytes
+    from lightning_scale.models.gpt import lm_loss, make_batch
     from lightning_scale.zero.param_shard import ShardedParameters
+    from lightning_scale.zero.stage3_optimizer import Stage3Optimizer
 
-    def counts(unit_modules):
-        model = GPT(gpt_tiny(vocab_size=512, n_layer=2))
+    def train(unit_modules):
+        torch.manual_seed(0)
+        cfg = gpt_tiny(vocab_size=2048, n_layer=2)
+        model = GPT(cfg)
+        opt = torch.optim.AdamW(model.parameters())
         sharded = ShardedParameters(model, [list(model.parameters())], device=torch.device("cpu"),
                                     unit_modules=unit_modules)
-        return model, sharded.unit_counts()
+        sharded.shard_model()
+        Stage3Optimizer(opt, sharded)
+        x, y = make_batch(cfg, 2, seed=0)
+        losses, seen = [], []
+        for _ in range(2):
+            with LiveTensorBytes(extra=lambda: seen.append(sharded.unit_buffer_bytes()) or seen[-1]):
+                loss = lm_loss(model(x), y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+            losses.append(loss.item())
+        return model, sharded.unit_counts(), losses, max(seen)
 
-    model, default = counts(None)
+    model, default, losses, peak = train(None)
     assert default == {k: model_counts(model)[k] for k in ("largest_unit_params", "root_params")}
-    model, split = counts(("blocks.*", "wte", "wpe", "lm_head"))
+    model, split, split_losses, split_peak = train(("blocks.*", "wte", "wpe", "lm_head"))
     assert split["root_params"] == sum(p.numel() for p in model.ln_f.parameters())
     assert split["largest_unit_params"] == model.lm_head.weight.numel() > default["largest_unit_params"]
+    assert split_losses == losses  # the same training, bit for bit
+    assert split_peak < 0.6 * peak, (split_peak, peak)  # the embedding and head no longer held through the step
 
 
 def test_stage3_without_unit_notes_it():
