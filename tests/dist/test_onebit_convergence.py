@@ -19,7 +19,7 @@ from lightning_scale.optim import OneBitAdam
 from lightning_scale.testing import run_distributed
 
 STEPS, FREEZE, LR = 600, 120, 3e-3
-BATCH, SEQ = 16, 64  # per rank
+BATCH, SEQ = 8, 64  # per rank (16 x 64 until 2026-12-07: the same verdict, -2.2% vs -1.1%, in 1.5x the time)
 CFG = dict(vocab_size=256, seq_len=SEQ, n_layer=2, n_head=4, d_model=64)
 
 

@@ -90,7 +90,7 @@ def test_tiled_attention_and_checkpointing_on_rotary_equal_plain(ac):
     for m in (ref, model):
         loss = m.loss(x, y)
         loss.backward()
-        losses.append(float(loss))
+        losses.append(loss.item())
         grads.append({n: p.grad for n, p in m.named_parameters()})
     assert abs(losses[0] - losses[1]) < 1e-12
     assert max((grads[0][n] - grads[1][n]).abs().max().item() for n in grads[0]) < 1e-12
