@@ -179,6 +179,8 @@ def _train(tmp_path, combo):
         overrides.remove("optimizer.freeze_step=2")
     if combo[4] == "gpt_medium":  # the preset's model at its sequence length, 2 sequences a step (8: 28 of the 33 s)
         overrides.append("data.batch_size=2")
+        # one validation (and checkpoint: 232 MB, written twice with last.ckpt) at step 4, not two: 27.7 -> 20.3 s
+        overrides[overrides.index("trainer.val_check_interval=2")] = "trainer.val_check_interval=4"
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = run_script([sys.executable, os.path.join(ROOT, "examples", "train.py"), *overrides], timeout=840,
                       cwd=str(tmp_path), env=env, merge_stderr=True, ranks=2)  # trainer.devices=auto: 2 CPU ranks
