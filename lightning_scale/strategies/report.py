@@ -273,6 +273,42 @@ def tensor_parallel_row(summary: Optional[Dict[str, Any]]) -> Optional[Tuple[str
     return ("tensor parallel", text)
 
 
+def root_unit_split(sharded: Any) -> Optional[Tuple[List[str], List[str]]]:
+    """ZeRO-3's root unit (embeddings, head) is gathered from its first use in the forward to the end of the backward;
+    where it outweighs two blocks: (its large modules, the ``zero.unit_modules`` that gather each of them only around
+    its use). None otherwise, or where they could not: a parameter two modules share (a tied embedding and head)
+    stays in the root whatever the units."""
+    root = [u for u in sharded.units if u.kind == "root"]
+    units = [u for u in sharded.units if u.kind == "unit"]
+    if not root or not units or root[0].nbytes_full <= 2 * max(u.nbytes_full for u in units):
+        return None
+    mine = {id(p): p for p in root[0].params}
+    owners: Dict[int, List[str]] = {}
+    for name, m in sharded.root.named_modules():
+        for p in m.parameters(recurse=False):
+            if id(p) in mine and name not in owners.setdefault(id(p), []):
+                owners[id(p)].append(name)
+    share: Dict[str, int] = {}
+    for pid, names in owners.items():
+        if len(names) == 1 and names[0]:  # a module's own parameter (a shared one stays in the root)
+            share[names[0]] = share.get(names[0], 0) + mine[pid].numel()
+    total = sum(p.numel() for p in mine.values())
+    large = sorted(n for n, k in share.items() if k >= 0.1 * total)
+    if sum(share[n] for n in large) < 0.5 * total:
+        return None
+    return large, sorted({type(u.module).__name__ for u in units}) + large
+
+
+def root_unit_hint(sharded: Any) -> str:
+    """The startup table's words for :func:`root_unit_split` ("" where it has none)."""
+    split = root_unit_split(sharded)
+    if split is None:
+        return ""
+    large, suggested = split
+    return (f"; the root ({', '.join(large)}) stays gathered from its first use in the forward to the backward's end: "
+            f"zero.unit_modules={suggested} gathers each only around its use (docs/zero3.md)")
+
+
 def layout_table(strategy: Any) -> str:
     topo, cfg = strategy.topology, strategy.config
     module = _module(strategy)
@@ -311,7 +347,8 @@ def layout_table(strategy: Any) -> str:
         n_units = sum(1 for u in sharded.units if u.kind == "unit")
         root = sum(u.nbytes_full for u in sharded.units if u.kind == "root")
         rows += [("stage-3 units", f"{n_units} (+ root {root / 2**20:,.2f} MiB, persistent "
-                                   f"{mem['persistent'] / 2**20:,.2f} MiB), prefetch depth {sharded.prefetch_depth}"),
+                                   f"{mem['persistent'] / 2**20:,.2f} MiB), prefetch depth {sharded.prefetch_depth}"
+                                   + root_unit_hint(sharded)),
                  ("largest unit gathered", f"{mem['largest_unit'] / 2**20:,.2f} MiB")]
     width = max(len(k) for k, _ in rows)
     lines = ["lightning_scale Zero3DStrategy"] + [f"  {k.ljust(width)}  {v}" for k, v in rows]

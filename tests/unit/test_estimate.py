@@ -157,6 +157,20 @@ def test_unit_modules_that_name_the_embeddings_shrink_the_root():
     model, split, split_losses, split_peak = train(("blocks.*", "wte", "wpe", "lm_head"))
     assert split["root_params"] == sum(p.numel() for p in model.ln_f.parameters())
     assert split["largest_unit_params"] == model.lm_head.weight.numel() > default["largest_unit_params"]
+    # the startup table's hint names what to split, in a form unit_modules takes; not for a tied embedding and head
+    from lightning_scale.strategies.report import root_unit_hint, root_unit_split
+
+    def built(**cfg):
+        model = GPT(gpt_tiny(vocab_size=2048, n_layer=2, **cfg))
+        return ShardedParameters(model, [list(model.parameters())], device=torch.device("cpu"))
+
+    large, suggested = root_unit_split(built())
+    assert large == ["lm_head", "wte"] and suggested == ["Block", "lm_head", "wte"], (large, suggested)
+    assert "zero.unit_modules=['Block', 'lm_head', 'wte']" in root_unit_hint(built())
+    model = GPT(gpt_tiny(vocab_size=2048, n_layer=2))
+    taken = ShardedParameters(model, [list(model.parameters())], device=torch.device("cpu"), unit_modules=suggested)
+    assert {u.name for u in taken.units if u.kind == "unit"} >= {"wte", "lm_head"} and root_unit_split(taken) is None
+    assert root_unit_split(built(tie_weights=True)) is None and root_unit_hint(built(tie_weights=True)) == ""
     assert split_losses == losses  # the same training, bit for bit
     assert split_peak < 0.6 * peak, (split_peak, peak)  # the embedding and head no longer held through the step
 

@@ -27,7 +27,7 @@ from test_tiled_mlp import _gpt, _grads
 def _assert_equal(ref, model, x, y, tol=1e-12):
     loss_ref, g_ref = _grads(ref, x, y)
     loss, g = _grads(model, x, y)
-    assert abs(float(loss - loss_ref)) < tol
+    assert abs((loss - loss_ref).item()) < tol
     assert set(g) == set(g_ref)
     worst = max((g[n] - g_ref[n]).abs().max().item() for n in g)
     assert worst < tol, worst
@@ -96,7 +96,7 @@ def test_autocast_recompute_matches_untiled_autocast():
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = m.loss(x, y)
         loss.backward()
-        out.append((float(loss), {n: p.grad.float() for n, p in m.named_parameters()}))
+        out.append((loss.item(), {n: p.grad.float() for n, p in m.named_parameters()}))
     assert abs(out[0][0] - out[1][0]) < 1e-6
     # bf16 matmuls on a subset of the qkv rows: the same products, summed in the same order per row
     worst = max((out[0][1][n] - out[1][1][n]).abs().max().item() for n in out[0][1])
@@ -179,7 +179,7 @@ def test_hugging_face_attention_equals_untiled(family, attn, ac, compiled, monke
     for m in (ref, model):
         loss = m(input_ids=x, labels=x).loss
         loss.backward()
-        out.append((float(loss), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
+        out.append((loss.item(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
     assert abs(out[0][0] - out[1][0]) < 1e-12
     scale = max(g.abs().max().item() for g in out[0][1].values())
     assert max((out[0][1][n] - out[1][1][n]).abs().max().item() for n in out[0][1]) < 1e-9 * max(scale, 1.0)
@@ -256,7 +256,7 @@ def test_cuda_bf16_tiled_attention_and_rotary_match_untiled_and_use_less_memory(
             loss = m.loss(x, y)
         loss.backward()
         torch.cuda.synchronize()
-        out.append((float(loss), {n: p.grad.float() for n, p in m.named_parameters()},
+        out.append((loss.item(), {n: p.grad.float() for n, p in m.named_parameters()},
                     torch.cuda.max_memory_allocated()))
     assert abs(out[0][0] - out[1][0]) < 1e-3
     for n, g in out[0][1].items():

@@ -50,7 +50,7 @@ def test_tiled_gpt_equals_untiled(ac, tokens):
     x, y = make_batch(ref.cfg, 3, seed=1)
     loss_ref, g_ref = _grads(ref, x, y)
     loss, g = _grads(model, x, y)
-    assert abs(float(loss - loss_ref)) < 1e-12
+    assert abs((loss - loss_ref).item()) < 1e-12
     assert set(g) == set(g_ref)
     assert max((g[n] - g_ref[n]).abs().max().item() for n in g) < 1e-12
 
