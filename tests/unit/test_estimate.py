@@ -472,6 +472,27 @@ def test_header_counts_parameters_at_any_size():
                                                                                      "512"]
 
 
+def test_cli_counts_the_stage3_root_and_prints_its_phases(capsys):
+    """``--root N`` (or the model's count with ``--model``) adds the root unit to the stage-3 gathered column; with
+    ``--seq-len`` the ZeRO-3 peak is printed in its phases and equals estimate_for_model's."""
+    def per_device(argv):
+        assert main(argv) == 0
+        line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("* = "))
+        return float(line.split(":")[1].split("GiB")[0])
+
+    base = ["--params", "1e9", "--dp", "8", "--stage", "3", "--largest-unit", "1e7"]
+    without, with_root = per_device(base), per_device(base + ["--root", "2e8"])
+    grown = estimate(1e9, dp=8, stage=3, largest_unit_params=1e7, root_params=2e8).device.total \
+        - estimate(1e9, dp=8, stage=3, largest_unit_params=1e7).device.total
+    assert grown >= 2e8 * 2 and abs((with_root - without) - grown / GiB) < 0.01, (without, with_root, grown)
+    assert main(["--model", "gpt_tiny", "--seq-len", "256", "--unit", "MiB", "--stage", "3", "--dp", "2",
+                 "--precision", "32-true"]) == 0
+    out = capsys.readouterr().out
+    e = estimate_for_model(_model_from_cli("gpt_tiny"), dp=2, stage=3, precision="32-true", seq_len=256)
+    assert e.root_gathered > 0 and "ZeRO-3 in phases" in out
+    assert f"predicted peak per device: {e.predicted_peak / 2**20:,.2f} MiB" in out, out
+
+
 def test_cli_models_the_tiled_mlp_and_the_head_tiled_attention(capsys):
     """``--tiled-mlp N`` and ``--tiled-attention H`` profile the unit tiled: each lowers the predicted peak, and the
     figure is estimate_for_model's with the same settings."""
