@@ -107,7 +107,7 @@ def checkpoint_units(module: nn.Module, mode: Optional[str], units: Optional[Seq
         return []
     if mode not in ACTIVATION_CHECKPOINTING:
         raise ConfigError(f"activation_checkpointing={mode!r}: must be 'full', 'selective' or None (off)")
-    from lightning_scale.zero.param_shard import resolve_units
+    from lightning_scale.zero.units import resolve_units
 
     found = resolve_units(module, list(units) if units else None, setting=setting)
     if not found:

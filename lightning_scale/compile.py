@@ -81,7 +81,7 @@ def compile_units(module: nn.Module, setting: CompileSetting, units: Optional[Se
     if options is None and compiler is None:
         return []
     from lightning_scale.activation_checkpointing import kv_cache_off
-    from lightning_scale.zero.param_shard import resolve_units
+    from lightning_scale.zero.units import resolve_units
 
     found = resolve_units(module, list(units) if units else None, setting=setting_units)
     if not found:

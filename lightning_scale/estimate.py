@@ -342,7 +342,7 @@ def _units(module) -> List:
     for m in module.modules():
         if callable(getattr(m, "layer_modules", None)):
             return list(m.layer_modules())
-    from lightning_scale.zero.param_shard import resolve_units  # ZeRO-3's discovery: a ModuleList of one class
+    from lightning_scale.zero.units import resolve_units  # ZeRO-3's discovery: a ModuleList of one class
 
     return [m for _, m in resolve_units(module)] or list(module.children())
 

@@ -237,7 +237,7 @@ def tile_attention(module: nn.Module, heads: int, modules: Optional[Sequence[str
         found = [(n, m) for n, m in module.named_modules()
                  if any(type(m).__name__ == p or fnmatch.fnmatchcase(n, p) for p in modules)]
     else:
-        from lightning_scale.zero.param_shard import resolve_units
+        from lightning_scale.zero.units import resolve_units
 
         units = resolve_units(module, None, setting=setting)
         found = [(f"{un}.{n}" if un else n, m) for un, unit in units for n, m in _default_attention(unit)]

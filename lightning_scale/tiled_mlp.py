@@ -161,7 +161,7 @@ def tile_mlps(module: nn.Module, tokens: int, mlps: Optional[Sequence[str]] = No
         found = [(n, m) for n, m in module.named_modules()
                  if any(type(m).__name__ == p or fnmatch.fnmatchcase(n, p) for p in mlps)]
     else:
-        from lightning_scale.zero.param_shard import resolve_units
+        from lightning_scale.zero.units import resolve_units
 
         units = resolve_units(module, None, setting=setting)
         found = [(f"{un}.{n}" if un else n, m) for un, unit in units for n, m in _default_mlps(unit)]

@@ -391,11 +391,12 @@ def predict_bytes(model, gpt, c: Candidate, precision: str = "32-true") -> Tuple
     # into the shard: the later micro-batches' activations sit on top of that (measured: +30 MiB on the bench GPT)
     accumulated = params * E._PRECISION_BYTES[E._precision_key(precision)][1] if (
         c.stage in (1, 2) and c.accum > 1) else 0.0
-    device = est.device.total + est.activation_bytes + est.step_scratch + accumulated
     if c.stage == 3:  # in phases: the gathered units and staged gradients live only inside forward and backward
         resident, compute, step = est.stage3_phases(est.activation_bytes,
                                                     held=est.device.grads if c.accum > 1 else 0.0)
         device = resident + max(compute, step)
+    else:
+        device = est.device.total + est.activation_bytes + est.step_scratch + accumulated
     return device, one_memory_bytes(est, accumulated, c.accum)
 
 

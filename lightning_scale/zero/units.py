@@ -1,0 +1,62 @@
+"""ZeRO-3's unit discovery, shared by everything that works per unit (ZeRO-3's sharding, activation checkpointing,
+compile, the tiled MLP / attention, the memory estimate): which modules are the repeated blocks."""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import List, Optional, Sequence, Tuple
+
+import torch.nn as nn
+
+from lightning_scale.config import ConfigError
+
+
+def resolve_units(root: nn.Module, spec: Optional[Sequence[str]] = None, setting: str = "zero.unit_modules"
+                  ) -> List[Tuple[str, nn.Module]]:
+    """The modules that become ZeRO-3 units, outermost matches only, in registration order.
+
+    ``spec`` entries are module class names (``"Block"``) or fnmatch patterns on qualified module
+    names (``"model.blocks.*"``). ``None``: the model's ``layer_modules()`` when some submodule defines
+    it, else the children of every ``nn.ModuleList`` whose children share one class (or are each of a class the
+    Hugging Face model names in ``_no_split_modules``: a hybrid's Mamba and attention layers). ``setting``: the
+    option an unknown entry is reported under (activation checkpointing uses the same discovery).
+    """
+    named = list(root.named_modules())
+    if spec:
+        picked = []
+        for entry in spec:
+            hits = [(n, m) for n, m in named if n and (type(m).__name__ == entry or fnmatch.fnmatchcase(n, entry))]
+            if not hits:
+                classes = sorted({type(m).__name__ for _, m in named})
+                names = [n for n, _ in named if n][:30]
+                raise ConfigError(
+                    f"{setting} entry {entry!r} matches no module class or name; classes: "
+                    f"{', '.join(classes)}; names (first 30): {', '.join(names)}", settings=(setting,)
+                )
+            picked.extend(hits)
+    else:
+        picked = []
+        for n, m in named:
+            layers = getattr(m, "layer_modules", None)
+            if callable(layers) and not isinstance(m, nn.ModuleList):
+                ids = {id(x) for x in layers()}
+                picked.extend((cn, cm) for cn, cm in named if id(cm) in ids)
+        if not picked:
+            # a hybrid's decoder layers (Jamba: Mamba and attention layers in one list) are of several classes, each
+            # named in the Hugging Face model's _no_split_modules (the blocks transformers itself never splits)
+            no_split = {c for _, x in named for c in (getattr(x, "_no_split_modules", None) or ())}
+            for n, m in named:
+                if isinstance(m, nn.ModuleList) and len(m) > 1 and (
+                        len({type(c) for c in m}) == 1 or all(type(c).__name__ in no_split for c in m)):
+                    prefix = f"{n}." if n else ""
+                    picked.extend((f"{prefix}{i}", c) for i, c in enumerate(m))
+    chosen = {id(m): n for n, m in picked}
+    # Outermost only: drop a match nested inside another match.
+    result = []
+    for n, m in named:
+        if id(m) not in chosen:
+            continue
+        if any(n.startswith(f"{o}.") for o, _ in result):
+            continue
+        result.append((n, m))
+    return result
