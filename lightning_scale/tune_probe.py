@@ -186,7 +186,9 @@ def _live_bytes(device: "str | None" = None) -> int:
     seen, total = set(), 0
     for obj in gc.get_objects():
         try:
-            ts = [obj] + ([obj.grad] if obj.grad is not None else []) if torch.is_tensor(obj) else []
+            # type(), not isinstance(): isinstance reads obj.__class__, and torch.distributed's deprecated
+            # reduce_op warns on every attribute read (a FutureWarning per probe rank)
+            ts = [obj] + ([obj.grad] if obj.grad is not None else []) if issubclass(type(obj), torch.Tensor) else []
         except Exception:  # noqa: BLE001
             continue
         for t in ts:
