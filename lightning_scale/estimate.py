@@ -11,7 +11,10 @@ one table::
 Notation: ``P`` trainable parameters, ``N = dp`` ranks, ``U`` parameters of the largest unit (one
 transformer block), ``Q`` persistent (never sharded) parameters at stage 3, ``R`` the stage-3 root unit's
 parameters (everything outside the repeated units: embeddings, head, final norm; gathered from its first use in the
-forward to the end of the backward, as FSDP2 keeps its root), ``d`` prefetch depth.
+forward to the end of the backward, as FSDP2 keeps its root), ``d`` prefetch depth, ``W`` the largest two units next
+to each other in the forward (a unit and the one it prefetches; ``2*U`` where every unit is a block alike, less
+where ``zero.unit_modules`` makes the embeddings and the head units: the head next to the last block, never next to
+the embeddings).
 Bytes per element by precision (``b_p`` params, ``b_g`` grads, ``b_m`` fp32 master, ``b_s`` optimizer
 state per element, ``k`` state elements per master element: Adam/AdamW 2 (m, v), SGD 1, ...):
 
@@ -39,8 +42,8 @@ stage  params    grads       master+state gathered units          transient (lar
                                                                   a parameter larger than that is a
                                                                   bucket of its own),
                                                                   or the fp32 grad copy P*b_m/N
-3      P*b_p/N   P*b_g/N     P*M/N        (1+d)*U*b_p             the full grads of two units and of the
-                                          + (R+Q)*b_p             root (2*U+R)*b_g, or the fp32 grad copy
+3      P*b_p/N   P*b_g/N     P*M/N        (1+d)*U*b_p (d=1: W*b_p)  the full grads of two units and of the
+                                          + (R+Q)*b_p             root (W+R)*b_g, or the fp32 grad copy
                                                                   P*b_m/N
 =====  ========  ==========  ===========  ======================  ==================================
 
@@ -228,7 +231,7 @@ def _check_count(name: str, value, minimum: float) -> None:
 
 
 def validate(params, *, dp, stage, offload, precision="bf16-mixed", largest_unit_params=0,
-             persistent_params=0, prefetch_depth=1, bucket_mb=25.0, root_params=0) -> None:
+             persistent_params=0, prefetch_depth=1, bucket_mb=25.0, root_params=0, unit_pair_params=0) -> None:
     """Raise ConfigError naming the setting for impossible inputs (same rules as ``OffloadConfig``)."""
     _check_count("params", params, 1)
     if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1:
@@ -254,25 +257,33 @@ def validate(params, *, dp, stage, offload, precision="bf16-mixed", largest_unit
     if persistent_params > params:
         raise ConfigError(f"persistent_params={persistent_params:g} exceeds params={params:g}")
     _check_count("root_params", root_params, 0)
+    _check_count("unit_pair_params", unit_pair_params, 0)
+    if unit_pair_params > 2 * largest_unit_params:
+        raise ConfigError(f"unit_pair_params={unit_pair_params:g} exceeds two largest units "
+                          f"(2 x largest_unit_params={largest_unit_params:g})")
     if root_params > params:
         raise ConfigError(f"root_params={root_params:g} exceeds params={params:g}")
 
 
 def estimate(params, *, dp: int, stage: int, offload: str = "none", precision: str = "bf16-mixed",
              largest_unit_params=0, persistent_params=0, prefetch_depth: int = 1, optimizer="adam",
-             bucket_mb: float = 25.0, offload_grads: Optional[bool] = None, root_params=0) -> MemoryEstimate:
+             bucket_mb: float = 25.0, offload_grads: Optional[bool] = None, root_params=0,
+             unit_pair_params=0) -> MemoryEstimate:
     """Per-rank device and host bytes of model states; see the module docstring for the formulas.
 
-    ``offload_grads=None``: what this engine does (stream gradient shards to the host at stages 2 and 3)."""
+    ``offload_grads=None``: what this engine does (stream gradient shards to the host at stages 2 and 3).
+    ``unit_pair_params``: ``W``, the largest two units next to each other in the forward (0: unknown, ``2*U``)."""
     if offload_grads is None:
         offload_grads = stage >= 2
     validate(params, dp=dp, stage=stage, offload=offload, precision=precision,
              largest_unit_params=largest_unit_params, persistent_params=persistent_params,
-             prefetch_depth=prefetch_depth, bucket_mb=bucket_mb, root_params=root_params)
+             prefetch_depth=prefetch_depth, bucket_mb=bucket_mb, root_params=root_params,
+             unit_pair_params=unit_pair_params)
     key = _precision_key(precision)
     k = _state_elements(optimizer)
     b_p, b_g, b_m, b_s = _PRECISION_BYTES[key]
     P, N, U, Q, R = float(params), dp, float(largest_unit_params), float(persistent_params), float(root_params)
+    W = float(unit_pair_params) or 2 * U  # a unit in use + the next one (prefetched in the forward, reduced in backward)
     opt_off = offload in ("optimizer", "all")
     par_off = offload in ("params", "all")
     # OneBitAdam's stage-1 engine keeps its full gradient buffer (the compressed exchange reads it at the step)
@@ -300,7 +311,7 @@ def estimate(params, *, dp: int, stage: int, offload: str = "none", precision: s
         dev["optimizer_state"] = shard * k * b_s
         dev["master"] = shard * b_master_dtype if (b_m or par_off) else 0.0
     if stage == 3:
-        dev["gathered"] = (1 + prefetch_depth) * U * b_p + (R + Q) * b_p
+        dev["gathered"] = (W if prefetch_depth == 1 else (1 + prefetch_depth) * U) * b_p + (R + Q) * b_p
         if U == 0:
             notes.append("largest unit unknown (0): the gathered-unit peak is not counted")
     backward = 0.0
@@ -312,7 +323,7 @@ def estimate(params, *, dp: int, stage: int, offload: str = "none", precision: s
     elif stage == 3:
         # a unit's grads (staged in its own full buffer) + one reduce-scatter in flight, next to the root unit's
         # gradients: made by the head's backward, alive until the embedding's ends the root's (one reduce for all)
-        backward = (2 * U + R) * b_g
+        backward = (W + R) * b_g
     step = shard * b_m if (b_m and not opt_off) else 0.0
     dev["transient"] = max(backward, step)
     return MemoryEstimate(params=int(P), dp=N, stage=stage, offload=offload, precision=key,
@@ -347,14 +358,25 @@ def _units(module) -> List:
     return [m for _, m in resolve_units(module)] or list(module.children())
 
 
-def model_counts(module, persistent_threshold: int = 0) -> Dict[str, int]:
+def model_counts(module, persistent_threshold: int = 0, units: Optional[Sequence[str]] = None) -> Dict[str, int]:
     """Trainable parameters (tied ones once), the largest unit's, those below the persistence threshold, and the
     ZeRO-3 root unit's: the rest outside the repeated units (embeddings, head, final norm; a parameter two units
     share), which the engine gathers for the whole forward and backward. Parameters held directly by ``module``
-    are persistent there, as in :class:`lightning_scale.zero.param_shard.ShardedParameters`."""
+    are persistent there, as in :class:`lightning_scale.zero.param_shard.ShardedParameters`; and the largest two
+    units next to each other (``unit_pair_params``). ``units``: the ``zero.unit_modules`` in effect (None: every
+    repeated block)."""
     params = _unique_trainable(module.parameters())
-    units = _units(module)
-    largest = max((sum(p.numel() for p in _unique_trainable(u.parameters())) for u in units), default=0)
+    if units:
+        from lightning_scale.zero.units import resolve_units
+
+        units = [m for _, m in resolve_units(module, units)]
+    else:
+        units = _units(module)
+    sizes = [sum(p.numel() for p in _unique_trainable(u.parameters())) for u in units]
+    largest = max(sizes, default=0)
+    # a unit and the next one in the forward (registration order: the order a forward uses them): the two gathered
+    # together at prefetch depth 1, or staged together for their reductions in the backward
+    pair = max((a + b for a, b in zip(sizes, sizes[1:])), default=largest)
     persistent = sum(p.numel() for p in params if p.numel() < persistent_threshold)
     owners: Dict[int, int] = {}
     for u in units:
@@ -364,7 +386,7 @@ def model_counts(module, persistent_threshold: int = 0) -> Dict[str, int]:
     root = sum(p.numel() for p in params if owners.get(id(p), 0) != 1 and id(p) not in direct
                and p.numel() >= persistent_threshold)
     return {"params": sum(p.numel() for p in params), "largest_unit_params": largest,
-            "persistent_params": persistent, "root_params": root}
+            "persistent_params": persistent, "root_params": root, "unit_pair_params": pair}
 
 
 def estimate_for_model(module, *, dp: int, stage: int, offload: str = "none", precision: str = "bf16-mixed",
@@ -389,7 +411,8 @@ def estimate_for_model(module, *, dp: int, stage: int, offload: str = "none", pr
     est = estimate(counts["params"], dp=dp, stage=stage, offload=offload, precision=precision,
                    largest_unit_params=counts["largest_unit_params"], persistent_params=counts["persistent_params"],
                    prefetch_depth=prefetch_depth, optimizer=optimizer, bucket_mb=bucket_mb,
-                   offload_grads=offload_grads, root_params=counts["root_params"])
+                   offload_grads=offload_grads, root_params=counts["root_params"],
+                   unit_pair_params=counts["unit_pair_params"])
     if seq_len is None:
         return est
     acts = activations_for_model(module, seq_len=seq_len, micro_batch=micro_batch, precision=precision,

@@ -100,10 +100,11 @@ def param_counts(cfg: GPTConfig, persistent_threshold: int = 0) -> Dict[str, int
     """What :func:`lightning_scale.estimate.model_counts` returns for ``GPT(cfg)``, without building it: trainable
     parameters (tied once), the largest unit's (one block: the units are ``layer_modules()``), the parameters
     with fewer than ``persistent_threshold`` elements (kept whole at ZeRO-3) and the ZeRO-3 root unit's (those
-    outside the blocks: embeddings, final norm, head)."""
+    outside the blocks: embeddings, final norm, head), and the largest two neighbouring units' (two blocks)."""
     numels = parameter_numels(cfg)
     block = sum(n for _, n in _block_numels(cfg, "")) if cfg.n_layer else 0
     return {"params": sum(n for _, n in numels), "largest_unit_params": block,
+            "unit_pair_params": block * min(2, cfg.n_layer),
             "persistent_params": sum(n for _, n in numels if n < persistent_threshold),
             "root_params": sum(n for name, n in numels if not name.startswith("blocks.") and n >= persistent_threshold)}
 

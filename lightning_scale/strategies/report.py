@@ -211,6 +211,7 @@ def _estimates(strategy: Any, params: Optional[int] = None) -> Optional[Tuple[Li
                         largest_unit_params=min(counts["largest_unit_params"], params),
                         persistent_params=min(counts["persistent_params"], params),
                         root_params=min(counts["root_params"], params),
+                        unit_pair_params=min(counts["unit_pair_params"], 2 * min(counts["largest_unit_params"], params)),
                         prefetch_depth=cfg.zero.prefetch_depth, optimizer=optimizer, bucket_mb=cfg.zero.bucket_mb)
     mine = next((e for e in rows if (e.stage, e.offload) == selected), rows[0])
     return rows, mine, params, selected
@@ -274,29 +275,13 @@ def tensor_parallel_row(summary: Optional[Dict[str, Any]]) -> Optional[Tuple[str
 
 
 def root_unit_split(sharded: Any) -> Optional[Tuple[List[str], List[str]]]:
-    """ZeRO-3's root unit (embeddings, head) is gathered from its first use in the forward to the end of the backward;
-    where it outweighs two blocks: (its large modules, the ``zero.unit_modules`` that gather each of them only around
-    its use). None otherwise, or where they could not: a parameter two modules share (a tied embedding and head)
-    stays in the root whatever the units."""
+    """:func:`lightning_scale.zero.units.split_root` of a built ZeRO-3 engine: (the root unit's large modules, the
+    ``zero.unit_modules`` that gather each only around its use), or None."""
+    from lightning_scale.zero.units import split_root
+
     root = [u for u in sharded.units if u.kind == "root"]
-    units = [u for u in sharded.units if u.kind == "unit"]
-    if not root or not units or root[0].nbytes_full <= 2 * max(u.nbytes_full for u in units):
-        return None
-    mine = {id(p): p for p in root[0].params}
-    owners: Dict[int, List[str]] = {}
-    for name, m in sharded.root.named_modules():
-        for p in m.parameters(recurse=False):
-            if id(p) in mine and name not in owners.setdefault(id(p), []):
-                owners[id(p)].append(name)
-    share: Dict[str, int] = {}
-    for pid, names in owners.items():
-        if len(names) == 1 and names[0]:  # a module's own parameter (a shared one stays in the root)
-            share[names[0]] = share.get(names[0], 0) + mine[pid].numel()
-    total = sum(p.numel() for p in mine.values())
-    large = sorted(n for n, k in share.items() if k >= 0.1 * total)
-    if sum(share[n] for n in large) < 0.5 * total:
-        return None
-    return large, sorted({type(u.module).__name__ for u in units}) + large
+    units = [u.module for u in sharded.units if u.kind == "unit"]
+    return split_root(sharded.root, root[0].params, units) if root else None
 
 
 def root_unit_hint(sharded: Any) -> str:

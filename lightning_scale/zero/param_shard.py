@@ -10,8 +10,10 @@ parameters (``numel < persistent_threshold``) and parameters the LightningModule
 Life of a unit in one training step::
 
     forward pre-hook   all-gather its buckets (or wait for the prefetch), prefetch the next units
-    forward hook       free the gathered buffers; hook the outputs so backward can re-gather
-    output grad hook   all-gather again before the unit's backward; prefetch the previous units
+    forward hook       free the gathered buffers (not the forward's last unit: its backward is next);
+                       hook the outputs so backward can re-gather
+    output grad hook   all-gather again before the unit's backward (not a plain nn.Embedding unit: its
+                       backward reads the indices only); prefetch the previous units
     grads accumulated  copy the gradients into a staging buffer, reduce-scatter it into the
                        persistent gradient shard, free the gradients and the gathered buffers
     end of backward    units that got no gradient (skipped branches) reduce zeros, in unit order,
@@ -101,6 +103,10 @@ class Unit:
     grads_ready: int = 0
     reduced: bool = False  # reduced in the current backward
     backward_started: bool = False
+    kept: bool = False  # left gathered after its forward for the backward that comes next (the forward's last unit)
+    # gathered again for its backward: not a plain nn.Embedding unit, whose backward reads the indices only (the
+    # gradient is staged in the full buffer at the reduction, allocated then)
+    backward_gather: bool = True
     reducing: List[C.Handle] = field(default_factory=list)  # reduce-scatters still reading the full buffers
 
     @property
@@ -216,7 +222,8 @@ class ShardedParameters:
                 name, module, kind = "<root>", None, "root"
             else:
                 name, module, kind = "<persistent>", None, "persistent"
-            unit = Unit(index=len(self.units), name=name, module=module, kind=kind)
+            unit = Unit(index=len(self.units), name=name, module=module, kind=kind,
+                        backward_gather=not (type(module) is nn.Embedding and not module.sparse))
             buckets = build_buckets([list(reversed(g)) for g in groups], _HUGE, self.world)
             for b in buckets:
                 unit.buckets.append(self._make_bucket(b, unit))
@@ -281,6 +288,7 @@ class ShardedParameters:
         unit.reducing = []
 
     def _free(self, unit: Unit) -> None:
+        unit.kept = False
         if not unit.gathered or unit.kind == "persistent":
             return
         self._wait(unit)
@@ -353,28 +361,36 @@ class ShardedParameters:
         first_use = unit.index not in self._order_now
         if first_use:
             self._order_now.append(unit.index)
+        if unit.kept:  # kept for a backward that has not come (another forward first): gathered afresh
+            self._free(unit)
         self._gather(unit)
         # A unit prefetches the next ones; so does the root unit at its first module of the step (the first
         # block's gather then overlaps the embedding instead of blocking the first block).
         if self.prefetch_depth and (unit.kind == "unit" or first_use) and self.forward_order:
             self._prefetch(self.forward_order, unit.index)
 
-    def _prefetch(self, order: List[int], current: int) -> None:
+    def _prefetch(self, order: List[int], current: int, backward: bool = False) -> None:
         if current not in order:
             return
         pos = order.index(current)
         for ui in order[pos + 1:pos + 1 + self.prefetch_depth]:
             u = self.units[ui]
-            if u.kind == "unit":
+            if u.kind == "unit" and (u.backward_gather or not backward):
                 self._gather(u, async_op=True)
 
     def _post_forward(self, unit: Unit, output: Any) -> Any:
         if _in_backward():
             return output
+        tensors = []
         if torch.is_grad_enabled():
             tensors = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
             for t in tensors:
                 t.register_hook(lambda grad, u=unit: self._pre_backward(u))
+        if tensors and self.forward_order and unit.index == self.forward_order[-1]:
+            # the forward's last unit: its backward comes next; freeing it would only gather it again (the head under
+            # zero.unit_modules, else the last block; torchtitan leaves FSDP's last block unresharded alike)
+            unit.kept = True
+            return output
         self._free(unit)
         return output
 
@@ -389,11 +405,13 @@ class ShardedParameters:
         if unit.backward_started:
             return
         unit.backward_started = True
+        unit.kept = False
         if self._order_now:  # first backward after a forward: the forward order is now known
             self.forward_order, self._order_now = self._order_now, []
-        self._gather(unit)
+        if unit.backward_gather:
+            self._gather(unit)
         if self.prefetch_depth:
-            self._prefetch(list(reversed(self.forward_order)), unit.index)
+            self._prefetch(list(reversed(self.forward_order)), unit.index, backward=True)
 
     def _on_grad(self, unit: Unit) -> None:
         self._queue_final_callback()
@@ -541,14 +559,17 @@ class ShardedParameters:
 
     # ------------------------------------------------------------------ accounting
     def unit_counts(self) -> Dict[str, int]:
-        """Parameters (elements, this rank's local ones under tp) of the largest unit and of the root unit, as this
+        """Parameters (elements, this rank's local ones under tp) of the largest unit, of the largest two units next to
+        each other and of the root unit, as this
         engine built them from ``unit_modules``: what :func:`lightning_scale.estimate.model_counts` predicts from the
         module tree for the default units."""
         def numel(u: Unit) -> int:
             return sum(p.numel() for p in u.params)
 
-        return {"largest_unit_params": max((numel(u) for u in self.units if u.kind == "unit"), default=0),
-                "root_params": sum(numel(u) for u in self.units if u.kind == "root")}
+        sizes = [numel(u) for u in self.units if u.kind == "unit"]  # registration order: the forward's
+        return {"largest_unit_params": max(sizes, default=0),
+                "root_params": sum(numel(u) for u in self.units if u.kind == "root"),
+                "unit_pair_params": max((a + b for a, b in zip(sizes, sizes[1:])), default=max(sizes, default=0))}
 
     def memory_bytes(self) -> Dict[str, int]:
         shard = sum(b.shard.numel() * b.shard.element_size() for b in self.buckets())

@@ -60,3 +60,44 @@ def resolve_units(root: nn.Module, spec: Optional[Sequence[str]] = None, setting
             continue
         result.append((n, m))
     return result
+
+
+def split_root(root: nn.Module, root_params: Sequence, units: Sequence[nn.Module]
+               ) -> Optional[Tuple[List[str], List[str]]]:
+    """ZeRO-3's root unit (``root_params``: what no unit owns -- embeddings, final norm, head) is gathered from its
+    first use in the forward to the end of the backward. Where it outweighs two of ``units``: (its large modules,
+    the ``zero.unit_modules`` that gather each of them only around its use: the units' classes + those modules'
+    names in ``root``). None otherwise, or where they could not: a parameter two modules share (a tied embedding and
+    head) stays in the root whatever the units."""
+    mine = {id(p): p for p in root_params}
+    total = sum(p.numel() for p in mine.values())
+    sizes = [sum(p.numel() for p in {id(q): q for q in u.parameters()}.values()) for u in units]
+    if not mine or not sizes or total <= 2 * max(sizes):
+        return None
+    owners: dict = {}
+    for name, m in root.named_modules():
+        for p in m.parameters(recurse=False):
+            if id(p) in mine and name not in owners.setdefault(id(p), []):
+                owners[id(p)].append(name)
+    share: dict = {}
+    for pid, names in owners.items():
+        if len(names) == 1 and names[0]:  # a module's own parameter (a shared one stays in the root)
+            share[names[0]] = share.get(names[0], 0) + mine[pid].numel()
+    large = sorted(n for n, k in share.items() if k >= 0.1 * total)
+    if sum(share[n] for n in large) < 0.5 * total:
+        return None
+    return large, sorted({type(u).__name__ for u in units}) + large
+
+
+def model_root_split(model: nn.Module, spec: Optional[Sequence[str]] = None) -> Optional[Tuple[List[str], List[str]]]:
+    """:func:`split_root` of ``model`` before any engine is built (the autotuner's relief rung ``split_root``): its
+    units as ZeRO-3 would find them (``spec``: ``zero.unit_modules``) and the trainable parameters none of them owns
+    alone, except those ``model`` holds directly (persistent there)."""
+    units = [m for _, m in resolve_units(model, spec)]
+    owners: dict = {}
+    for u in units:
+        for p in {id(p): p for p in u.parameters()}.values():
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    direct = {id(p) for p in model.parameters(recurse=False)}
+    root = [p for p in model.parameters() if p.requires_grad and owners.get(id(p), 0) != 1 and id(p) not in direct]
+    return split_root(model, root, units)

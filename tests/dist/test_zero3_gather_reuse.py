@@ -74,3 +74,72 @@ def test_results_equal_a_plain_model():
     full = sharded.full_state_dict(dtype=None)
     for n, p in ref.named_parameters():
         assert torch.equal(full[n], p.detach()), n
+
+
+def test_forward_last_unit_is_kept_for_its_backward(monkeypatch):
+    """The forward's last unit (here the head, a unit of its own through unit_modules) is not freed after its forward:
+    its backward comes next, so it is gathered once per step, the blocks twice (forward and backward), the embedding
+    once (nn.Embedding's backward reads no weight: its unit is not gathered again, its gradient still reduced); a
+    forward whose backward never came (here: under no_grad nothing is kept; with grad, a second forward first) gathers
+    afresh, and the losses equal the default layout's bit for bit."""
+    def setup(units):
+        cfg = GPTConfig(vocab_size=64, seq_len=16, n_layer=3, n_head=2, d_model=32)
+        torch.manual_seed(0)
+        model = GPT(cfg).double()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        sharded = ShardedParameters(model, [g["params"] for g in opt.param_groups], device=torch.device("cpu"),
+                                    unit_modules=units)
+        sharded.shard_model()
+        Stage3Optimizer(opt, sharded)
+        return cfg, model, opt, sharded
+
+    gathers = []
+    real = param_shard.pairwise.all_gather
+
+    def spy(full, shard, *a, **k):
+        gathers.append(full)
+        return real(full, shard, *a, **k)
+
+    monkeypatch.setattr(param_shard.pairwise, "all_gather", spy)
+    cfg, model, opt, sharded = setup(("Block", "wte", "lm_head"))
+    head = next(u for u in sharded.units if u.name == "lm_head")
+    losses = []
+    for seed in range(3):
+        gathers.clear()
+        x, y = make_batch(cfg, 2, seed=seed)
+        loss = lm_loss(model(x), y)
+        if seed > 0:  # step 1 learns the forward order
+            assert head.gathered and head.kept  # still gathered at the loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        per_unit = {u.name: sum(any(t is b.full for b in u.buckets) for t in gathers) for u in sharded.units}
+        if seed > 0:
+            # the embedding's backward reads the indices only: gathered for its forward alone
+            assert per_unit["lm_head"] == 1 and per_unit["wte"] == 1 and per_unit["blocks.0"] == 2, per_unit
+        assert not head.gathered and not head.kept  # reduced and freed by the backward
+    with torch.no_grad():
+        model(x)
+    assert not head.gathered and not head.kept  # no backward can come
+    model(x)  # a forward with grad whose backward never comes, then another: the head gathered afresh
+    assert head.kept
+    gathers.clear()
+    lm_loss(model(x), y).backward()
+    assert sum(any(t is b.full for b in head.buckets) for t in gathers) == 1
+    opt.zero_grad()
+    after = sharded.full_state_dict(dtype=None)
+    _, ref_model, ref_opt, ref_sharded = setup(None)
+    ref = []
+    for seed in range(3):
+        x, y = make_batch(cfg, 2, seed=seed)
+        loss = lm_loss(ref_model(x), y)
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref.append(loss.item())
+    assert losses == ref
+    lm_loss(ref_model(x), y).backward()  # the same fourth backward (and no step) as above
+    ref_opt.zero_grad()
+    want = ref_sharded.full_state_dict(dtype=None)
+    assert all(torch.equal(after[k], want[k]) for k in want)  # every parameter, the embedding's included

@@ -153,10 +153,13 @@ def test_unit_modules_that_name_the_embeddings_shrink_the_root():
         return model, sharded.unit_counts(), losses, max(seen)
 
     model, default, losses, peak = train(None)
-    assert default == {k: model_counts(model)[k] for k in ("largest_unit_params", "root_params")}
+    assert default == {k: model_counts(model)[k] for k in ("largest_unit_params", "root_params", "unit_pair_params")}
     model, split, split_losses, split_peak = train(("blocks.*", "wte", "wpe", "lm_head"))
     assert split["root_params"] == sum(p.numel() for p in model.ln_f.parameters())
     assert split["largest_unit_params"] == model.lm_head.weight.numel() > default["largest_unit_params"]
+    # the head and the last block are the largest neighbours (the embeddings and the head never are)
+    assert split["unit_pair_params"] == model.lm_head.weight.numel() + default["largest_unit_params"]
+    assert default["unit_pair_params"] == 2 * default["largest_unit_params"]  # blocks alike
     # the startup table's hint names what to split, in a form unit_modules takes; not for a tied embedding and head
     from lightning_scale.strategies.report import root_unit_hint, root_unit_split
 
