@@ -35,8 +35,9 @@ from lightning_scale.tune_probe import (_live_bytes, _probe_config, build_module
 
 # the layouts and their memory plan live in lightning_scale/tune_plan.py; re-exported here
 from lightning_scale.tune_plan import (AC_CHOICES, RELIEF, Candidate, Row, Shape, _divisors,  # noqa: F401
-                                       enumerate_candidates, no_fit_message, one_memory_bytes, plan, predict_bytes,
-                                       prior, relief_ladder, relief_steps, relief_support)
+                                       enumerate_candidates, module_prefix, no_fit_message, one_memory_bytes, plan,
+                                       predict_bytes, prior, relief_ladder, relief_steps, relief_support,
+                                       root_split_units)
 
 MiB, GiB = 2**20, 2**30
 
@@ -70,7 +71,8 @@ def find_model(root, setting: str = "--module"):
                             seq_len=int(getattr(cfg, "max_position_embeddings", 128) or 128),
                             vocab_size=int(cfg.vocab_size), d_model=int(getattr(cfg, "hidden_size", 0) or 0),
                             n_kv_head=getattr(cfg, "num_key_value_heads", heads), embed_params=embed,
-                            head_params=out, tie_weights=tied, name=type(m).__name__)
+                            head_params=out, tie_weights=tied, name=type(m).__name__,
+                            unit_prefix=module_prefix(root, m))
     units = [u for u in _units(root) if any(True for _ in u.parameters())]
     embeds = [m for m in root.modules() if type(m).__name__ == "Embedding"]
     if len(units) < 2 or not embeds:

@@ -45,6 +45,12 @@ class Candidate:
     # mixture of experts at tp = 1: the experts placed whole on ep data-parallel ranks, routes exchanged by all-to-all
     # (data-parallel ranks: dp x ep)
     ep: int = 1
+    # ZeRO-3's units (zero.unit_modules; () the repeated blocks): the relief rung split_root names the root unit's
+    # large modules (embeddings, head) as units of their own, gathered only around their use
+    unit_modules: Tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "unit_modules", tuple(self.unit_modules or ()))  # a list after a JSON round trip
 
     @property
     def world(self) -> int:
@@ -63,7 +69,8 @@ class Candidate:
     @property
     def relief(self) -> str:
         """The relief settings in the key ("" for none)."""
-        return ((f"/tmlp{self.tiled_mlp}" if self.tiled_mlp else "")
+        return (("/splitroot" if self.unit_modules else "")
+                + (f"/tmlp{self.tiled_mlp}" if self.tiled_mlp else "")
                 + (f"/theads{self.tiled_attention}" if self.tiled_attention else "")
                 + ("/actoff" if self.act_offload else ""))
 
@@ -95,6 +102,8 @@ class Candidate:
             kw["expert_parallel"] = True
         if self.ep > 1:
             kw["ep"] = self.ep
+        if self.unit_modules:
+            kw["unit_modules"] = list(self.unit_modules)
         return kw
 
     def overrides(self, precision: str = "32-true") -> List[str]:
@@ -123,6 +132,8 @@ class Candidate:
             line.append("strategy.expert_parallel=true")
         if self.ep > 1:
             line.append(f"strategy.ep={self.ep}")
+        if self.unit_modules:
+            line.append(f"strategy.unit_modules=[{','.join(self.unit_modules)}]")
         group = {"32-true": "fp32", "bf16-mixed": "bf16", "16-mixed": "fp16", "bf16-true": "bf16_true"}
         if precision not in group:
             raise ConfigError(f"--precision={precision!r}: conf/precision has {', '.join(group)}")
@@ -160,6 +171,7 @@ class Shape:
     sys_path: Tuple[str, ...] = ()
     n_experts: int = 0  # routed experts per mixture-of-experts layer (0: none): tp > 1 also tries expert_parallel,
     # tp = 1 also ep > 1
+    unit_prefix: str = ""  # the model's qualified name in the LightningModule (+ "."): zero.unit_modules names there
 
 
 def _embed_head(gpt) -> Tuple[float, float]:
@@ -285,10 +297,32 @@ def _split_problem(gpt, dp: int, tp: int, pp: int, sp: int, global_batch: int) -
     return ""
 
 
-RELIEF = ("tiled_mlp", "tiled_attention", "offload_activations")
+RELIEF = ("split_root", "tiled_mlp", "tiled_attention", "offload_activations")
 # per model object, dropped with it (an id() key outlives its model: a later model at the same address would read a
 # stale entry)
 _RELIEF_SUPPORT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_ROOT_SPLIT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def root_split_units(model, prefix: str = "") -> Tuple[str, ...]:
+    """The ``zero.unit_modules`` that gather ``model``'s large root modules (embeddings, head) only around their use
+    (:func:`lightning_scale.zero.units.model_root_split`: where the root outweighs two blocks); () where none.
+    ``prefix``: ``model``'s qualified name in the module the engine shards, with its dot (:func:`module_prefix`)."""
+    if model not in _ROOT_SPLIT:
+        from lightning_scale.zero.units import model_root_split
+
+        split = model_root_split(model)
+        _ROOT_SPLIT[model] = (tuple(c for c in split[1] if c not in split[0]), tuple(split[0])) if split else ()
+    if not _ROOT_SPLIT[model]:
+        return ()
+    classes, names = _ROOT_SPLIT[model]
+    return classes + tuple(prefix + n for n in names)
+
+
+def module_prefix(root, model) -> str:
+    """``model``'s qualified name in ``root`` with a trailing dot ("" where ``model`` is ``root``): what a name found
+    in ``model`` needs in ``zero.unit_modules`` when the engine shards ``root`` (a LightningModule around it)."""
+    return next((f"{n}." for n, m in root.named_modules() if m is model and n), "")
 
 
 def relief_support(model) -> Tuple[bool, bool, int]:
@@ -315,8 +349,9 @@ def relief_support(model) -> Tuple[bool, bool, int]:
     return _RELIEF_SUPPORT[model]
 
 
-def relief_steps(model, gpt, c: Candidate, relief: Sequence[str] = RELIEF) -> List[Dict]:
-    """The memory relief ``c`` can take, cheapest first, each as the Candidate fields it sets: the tiled MLP and
+def relief_steps(model, gpt, c: Candidate, relief: Sequence[str] = RELIEF, unit_prefix: str = "") -> List[Dict]:
+    """The memory relief ``c`` can take, cheapest first, each as the Candidate fields it sets: at ZeRO-3 without a
+    pipeline, the root unit's large modules as units of their own (:func:`root_split_units`), the tiled MLP and
     norms (512 positions per tile, or a quarter of the local sequence if that is shorter), the attention a group of
     heads at a time (sp heads per group -- one per sp rank --, with whole key/value heads under GQA; not with tp), the
     checkpointed units' inputs offloaded
@@ -325,6 +360,8 @@ def relief_steps(model, gpt, c: Candidate, relief: Sequence[str] = RELIEF) -> Li
     mlp, heads, group = relief_support(model)
     local = gpt.seq_len // max(1, c.sp)
     out: List[Dict] = []
+    if "split_root" in relief and c.stage == 3 and c.pp == 1 and not c.unit_modules and root_split_units(model):
+        out.append(dict(unit_modules=root_split_units(model, unit_prefix)))
     if "tiled_mlp" in relief and mlp and local >= 8 and not c.tiled_mlp:
         out.append(dict(tiled_mlp=min(512, max(2, local // 4))))
     if "tiled_attention" in relief and c.tp == 1 and heads and not c.tiled_attention:
@@ -334,10 +371,10 @@ def relief_steps(model, gpt, c: Candidate, relief: Sequence[str] = RELIEF) -> Li
     return out
 
 
-def relief_ladder(model, gpt, c: Candidate, relief: Sequence[str] = RELIEF) -> List[Candidate]:
+def relief_ladder(model, gpt, c: Candidate, relief: Sequence[str] = RELIEF, unit_prefix: str = "") -> List[Candidate]:
     """``c``, then ``c`` with each of :func:`relief_steps` added in turn (every rung keeps the ones below it)."""
     out = [c]
-    for step in relief_steps(model, gpt, c, relief):
+    for step in relief_steps(model, gpt, c, relief, unit_prefix):
         out.append(dataclasses.replace(out[-1], **step))
     return out
 
@@ -346,17 +383,20 @@ def relief_ladder(model, gpt, c: Candidate, relief: Sequence[str] = RELIEF) -> L
 _ACTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {shape key: activation plan}
 
 
-def predict_bytes(model, gpt, c: Candidate, precision: str = "32-true") -> Tuple[float, float]:
+def predict_bytes(model, gpt, c: Candidate, precision: str = "32-true", unit_prefix: str = "") -> Tuple[float, float]:
     """(device bytes per rank: model states + activations of one micro-batch + the step's scratch, the same + the
-    host's model states). On a CPU both spaces are one memory: the probes measure the second."""
+    host's model states). On a CPU both spaces are one memory: the probes measure the second. ``unit_prefix``:
+    ``model``'s name in the module the engine shards (``c.unit_modules`` are named there)."""
     from lightning_scale import estimate as E
 
-    counts = E.model_counts(model)
+    units = [u[len(unit_prefix):] if unit_prefix and u.startswith(unit_prefix) else u for u in c.unit_modules]
+    counts = E.model_counts(model, units=units or None)
     embed, head = _embed_head(gpt)
     blocks = counts["params"] - embed - head
     params = counts["params"] if c.pp == 1 else blocks / c.pp + max(embed, head)  # the heaviest stage
     params /= c.tp
     unit = counts["largest_unit_params"] / c.tp
+    pair = counts["unit_pair_params"] / c.tp  # a unit and the next one: gathered / staged together
     # ZeRO-3's root unit (embeddings, final norm, head), gathered through the whole forward and backward; a
     # pipeline stage holds the embedding or the head (the heaviest stage, as ``params``)
     root = (counts["root_params"] if c.pp == 1 else max(embed, head)) / c.tp
@@ -364,10 +404,11 @@ def predict_bytes(model, gpt, c: Candidate, precision: str = "32-true") -> Tuple
         share = expert_share(model) * (1 - 1 / c.ep)
         params -= share * (blocks if c.pp == 1 else blocks / c.pp)
         unit -= share * counts["largest_unit_params"]
+        pair -= share * counts["unit_pair_params"]
     shards = c.dp * c.sp  # ZeRO shards over dp x sp (every sp rank of a replica holds the same parameters)
     est = E.estimate(max(1.0, params), dp=shards, stage=c.stage, offload=c.offload, precision=precision,
                      largest_unit_params=min(unit, params), bucket_mb=c.bucket_mb, optimizer="adamw",
-                     root_params=min(root, params))
+                     root_params=min(root, params), unit_pair_params=min(pair, 2 * min(unit, params)))
     key = (gpt.seq_len, c.micro_batch, precision, c.ac, c.tp, c.sp, c.tiled_mlp, c.tiled_attention, c.act_offload)
     cache = _ACTS.setdefault(model, {})
     if key not in cache:  # the profile runs the unit on fake tensors: once per shape
@@ -472,6 +513,9 @@ def prior(c: Candidate) -> float:
     # measured at L=2048 on the bench GPT (2 ranks, docs/tune.md "Long sequences"): sp=2 1.06, the tiled MLP 1.11,
     # + head tiling 1.17, activation offload + 0.015 over full AC (a CPU: no copy across a bus)
     t *= 1.0 + 0.08 * (c.sp > 1)  # two all-to-alls per attention, forward and backward
+    # a split root: the embeddings and the head gathered around their use, one more unit each (hooks, a gather not
+    # overlapped); measured 0.94x the whole root's tokens/s (bench GPT, z3 dp2 mb2, 4 rounds, 2026-12-07)
+    t *= 1.06 if c.unit_modules else 1.0
     t *= (1.1 if c.tiled_mlp else 1.0) * (1.06 if c.tiled_attention else 1.0) * (1.03 if c.act_offload else 1.0)
     if c.pp > 1:
         t *= 1.1 * (c.accum + c.pp - 1) / c.accum
@@ -485,15 +529,21 @@ def prior(c: Candidate) -> float:
 
 def plan(model, gpt, devices: int, global_batch: int, budget_bytes: float, *, precision: str = "32-true",
          allow_compile: bool = False, relief: Sequence[str] = RELIEF, fixed_relief: Optional[Dict] = None,
-         **space) -> List[Row]:
+         unit_prefix: Optional[str] = None, **space) -> List[Row]:
     """Every candidate as a Row: survivors (reason "") sorted by prior, then the rejected with their reasons.
 
-    A layout that does not fit climbs its relief ladder (:func:`relief_steps`: tiled MLP, head-tiled attention,
-    activation offload; ``relief`` names the rungs allowed, () none), taking a rung only where it lowers the
+    A layout that does not fit climbs its relief ladder (:func:`relief_steps`: at ZeRO-3 the root's embeddings and
+    head as units of their own, tiled MLP, head-tiled attention, activation offload; ``relief`` names the rungs
+    allowed, () none), taking a rung only where it lowers the
     prediction (the activation peak may sit in the loss, not in the units): the first rung that fits is the
     survivor, the rungs below it are rejected with their predicted bytes; one that fits as it is gets no relief
     (each rung costs time).
-    ``fixed_relief``: Candidate fields every layout keeps (the user set them: ``tiled_mlp=...``)."""
+    ``fixed_relief``: Candidate fields every layout keeps (the user set them: ``tiled_mlp=...``). ``unit_prefix``:
+    ``model``'s qualified name (with its dot) in the module the engine shards (:func:`module_prefix`: a
+    LightningModule around it), which the unit names of ``split_root`` need; None: ``gpt.unit_prefix`` (a
+    :class:`Shape`'s), else ""."""
+    if unit_prefix is None:
+        unit_prefix = getattr(gpt, "unit_prefix", "")
     cands, rejected = enumerate_candidates(gpt, devices, global_batch, **space)
     bad = [r for r in relief if r not in RELIEF]
     if bad:
@@ -509,10 +559,10 @@ def plan(model, gpt, devices: int, global_batch: int, budget_bytes: float, *, pr
             rows.append(Row(base, prior=prior(base), reason="compile: the first inductor compile costs ~26 s per "
                             "graph on a CPU (pass --compile)"))
             continue
-        row = _planned(model, gpt, base, precision, budget_bytes)
+        row = _planned(model, gpt, base, precision, budget_bytes, unit_prefix)
         rows.append(row)
-        for step in relief_steps(model, gpt, base, relief) if relief and row.reason else ():
-            nxt = _planned(model, gpt, dataclasses.replace(row.candidate, **step), precision, budget_bytes)
+        for step in relief_steps(model, gpt, base, relief, unit_prefix) if relief and row.reason else ():
+            nxt = _planned(model, gpt, dataclasses.replace(row.candidate, **step), precision, budget_bytes, unit_prefix)
             if nxt.predicted >= row.predicted:
                 continue  # no lower: not worth its time
             row = nxt
@@ -523,9 +573,9 @@ def plan(model, gpt, devices: int, global_batch: int, budget_bytes: float, *, pr
     return survivors + [r for r in rows if r.reason] + rejected
 
 
-def _planned(model, gpt, c: Candidate, precision: str, budget_bytes: float) -> Row:
+def _planned(model, gpt, c: Candidate, precision: str, budget_bytes: float, unit_prefix: str = "") -> Row:
     row = Row(c, prior=prior(c))
-    row.predicted, row.predicted_all = predict_bytes(model, gpt, c, precision)
+    row.predicted, row.predicted_all = predict_bytes(model, gpt, c, precision, unit_prefix)
     if row.predicted > budget_bytes:
         row.reason = f"predicted {row.predicted / MiB:,.1f} MiB/rank > budget {budget_bytes / MiB:,.1f} MiB"
     return row

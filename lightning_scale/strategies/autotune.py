@@ -159,6 +159,9 @@ def search_space(opts: Dict[str, Any], fixed: Dict[str, Any], world: int, n_head
 
     fixed_relief = {RELIEF_KEYS[k]: fixed[k] for k in RELIEF_KEYS if fixed.get(k)}
     space["relief"] = () if fixed_relief else tuple(opts["relief"] if opts["relief"] is not None else RELIEF)
+    if fixed.get("unit_modules"):  # the user's ZeRO-3 units: kept (and counted) for every layout, no split_root rung
+        fixed_relief["unit_modules"] = tuple(fixed["unit_modules"])
+        space["relief"] = tuple(r for r in space["relief"] if r != "split_root")
     space["fixed_relief"] = fixed_relief
     space["eps"] = (fixed["expert_parallel"],) if "expert_parallel" in fixed else None  # a user's choice is kept
     # ep (expert parallelism over the data-parallel ranks): at tp = 1, every divisor of dp dividing the expert count
@@ -200,8 +203,9 @@ def first_batch(trainer) -> Any:
 
 
 def plan_rows(gpt_module, gpt, opts, fixed, world: int, batch_size: int, precision: str, budget: float,
-              accumulate: int):
-    """Every candidate of this world size as tune.Row (survivors first, by prior)."""
+              accumulate: int, unit_prefix: str = ""):
+    """Every candidate of this world size as tune.Row (survivors first, by prior). ``unit_prefix``: the model's name in
+    the LightningModule the engines shard (:func:`lightning_scale.tune_plan.module_prefix`)."""
     from lightning_scale.tune import _divisors, plan
 
     space, splits = search_space(opts, fixed, world, gpt.n_head, gpt.n_layer)
@@ -214,7 +218,8 @@ def plan_rows(gpt_module, gpt, opts, fixed, world: int, batch_size: int, precisi
         else:
             mbs = [batch_size]
         rows += plan(gpt_module, gpt, world, dp * batch_size, budget, precision=precision, tps=(tp,), pps=(pp,),
-                     sps=(sp,), micro_batches=tuple(mbs) or (batch_size,), allow_compile=True, **space)
+                     sps=(sp,), micro_batches=tuple(mbs) or (batch_size,), allow_compile=True,
+                     unit_prefix=unit_prefix, **space)
     survivors = sorted((r for r in rows if not r.reason), key=lambda r: (r.prior, r.predicted))
     return survivors + [r for r in rows if r.reason]
 
@@ -415,7 +420,7 @@ def probe_one(strategy, trainer, c, cfg: ParallelConfig, batch, opts: Dict[str, 
 def run(strategy, trainer, value: Any, given: Optional[Sequence[str]]) -> Dict[str, Any]:
     """Search, apply the winner to ``strategy`` (config, topology), return the record (``autotune_result``)."""
     from lightning_scale.parallelize import check_config, local_topology
-    from lightning_scale.tune import MiB, format_ranked, no_fit_message, parse_bytes
+    from lightning_scale.tune import MiB, format_ranked, module_prefix, no_fit_message, parse_bytes
 
     opts = options(value)
     world, rank = strategy.world_size, strategy.global_rank
@@ -428,14 +433,15 @@ def run(strategy, trainer, value: Any, given: Optional[Sequence[str]]) -> Dict[s
     budget = (parse_bytes(opts["memory"]) if opts["memory"] is not None
               else default_memory(strategy.root_device, strategy.num_processes))
     precision = strategy.precision_plugin.precision
+    prefix = module_prefix(strategy.lightning_module, gpt_module)
     rows = plan_rows(gpt_module, gpt, opts, fixed, world, batch_size, str(precision), budget,
-                     trainer.accumulate_grad_batches)
+                     trainer.accumulate_grad_batches, prefix)
     survivors = [r for r in rows if not r.reason]
     if not survivors and opts["sp"] is None and "sp" not in fixed and world > 1:
         from lightning_scale.tune import _divisors  # nothing fits whole sequences: split them (Ulysses) too
 
         rows = plan_rows(gpt_module, gpt, dict(opts, sp=tuple(_divisors(world))), fixed, world, batch_size,
-                         str(precision), budget, trainer.accumulate_grad_batches)
+                         str(precision), budget, trainer.accumulate_grad_batches, prefix)
         survivors = [r for r in rows if not r.reason]
         if rank == 0:
             print("[lightning_scale autotune] no layout fits whole sequences per rank: Ulysses (sp) searched too",

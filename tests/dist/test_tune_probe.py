@@ -119,6 +119,30 @@ def test_long_sequence_relief_winner_memory_within_15_percent_of_measured():
         assert rel < 0.15, (winner.candidate.key, winner.predicted_all, res["measured_bytes"])
 
 
+@pytest.mark.timeout(300)
+def test_split_root_winner_memory_within_15_percent_of_measured_and_below_the_whole_root():
+    """ZeRO-3 on the bench GPT (mb1, no recompute) with a budget between it as it is and with its root unit split
+    (tune_plan's split_root rung): the winner takes the split (``zero.unit_modules`` through parallelize()); its probe
+    within 15% of the plan, and below the same layout with the whole root by at least half the predicted saving."""
+    import dataclasses
+
+    model = _model_from_spec("gpt_small")
+    space = dict(stages=(3,), offloads=("none",), tps=(1,), pps=(1,), acs=(None,), micro_batches=(1,))
+    whole = next(r for r in plan(model, model.cfg, 2, 4, 1e15, relief=(), **space) if not r.reason)
+    rows = plan(model, model.cfg, 2, 4, whole.predicted - 1, **space)
+    winner = next(r for r in rows if not r.reason)
+    assert winner.candidate == dataclasses.replace(whole.candidate, unit_modules=("Block", "lm_head", "wte"))
+    measured = {}
+    for row in (winner, whole):
+        res = measure(model.cfg, row.candidate, steps=1, warmup=1, timeout=180)
+        assert res["tokens_per_s"] > 0
+        measured[row.candidate.relief] = res["measured_bytes"]
+    rel = abs(winner.predicted_all - measured["/splitroot"]) / measured["/splitroot"]
+    assert rel < 0.15, (winner.predicted_all, measured)
+    saved = whole.predicted_all - winner.predicted_all  # 6.0 MiB predicted
+    assert measured[""] - measured["/splitroot"] > 0.5 * saved, (saved, measured)
+
+
 @pytest.mark.timeout(200)
 def test_python_dash_m_probes_a_module(tmp_path):
     """``python -m lightning_scale.tune --module ...`` runs the file as __main__; its probes must still see a
