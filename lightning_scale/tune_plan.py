@@ -383,14 +383,20 @@ def relief_ladder(model, gpt, c: Candidate, relief: Sequence[str] = RELIEF, unit
 _ACTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {shape key: activation plan}
 
 
-def predict_bytes(model, gpt, c: Candidate, precision: str = "32-true", unit_prefix: str = "") -> Tuple[float, float]:
+def predict_bytes(model, gpt, c: Candidate, precision: str = "32-true", unit_prefix: str = "",
+                  counts_cache: Optional[Dict] = None) -> Tuple[float, float]:
     """(device bytes per rank: model states + activations of one micro-batch + the step's scratch, the same + the
     host's model states). On a CPU both spaces are one memory: the probes measure the second. ``unit_prefix``:
-    ``model``'s name in the module the engine shards (``c.unit_modules`` are named there)."""
+    ``model``'s name in the module the engine shards (``c.unit_modules`` are named there). ``counts_cache``: a dict
+    kept across the calls of one plan (the model's parameter counts per unit choice: a walk of every parameter)."""
     from lightning_scale import estimate as E
 
-    units = [u[len(unit_prefix):] if unit_prefix and u.startswith(unit_prefix) else u for u in c.unit_modules]
-    counts = E.model_counts(model, units=units or None)
+    units = tuple(u[len(unit_prefix):] if unit_prefix and u.startswith(unit_prefix) else u for u in c.unit_modules)
+    if counts_cache is None or units not in counts_cache:
+        counts = E.model_counts(model, units=units or None)
+        if counts_cache is not None:
+            counts_cache[units] = counts
+    counts = counts_cache[units] if counts_cache is not None else counts
     embed, head = _embed_head(gpt)
     blocks = counts["params"] - embed - head
     params = counts["params"] if c.pp == 1 else blocks / c.pp + max(embed, head)  # the heaviest stage
@@ -549,6 +555,7 @@ def plan(model, gpt, devices: int, global_batch: int, budget_bytes: float, *, pr
     if bad:
         raise ConfigError(f"--relief={','.join(relief)}: unknown {', '.join(bad)} (choose from {', '.join(RELIEF)})")
     rows: List[Row] = []
+    counts_cache: Dict = {}  # the model's counts per unit choice, for this plan's candidates
     for base in cands:
         base = dataclasses.replace(base, **(fixed_relief or {}))
         if base.act_offload and not base.ac:  # a user's offload_activations=True kept for every layout
@@ -559,10 +566,11 @@ def plan(model, gpt, devices: int, global_batch: int, budget_bytes: float, *, pr
             rows.append(Row(base, prior=prior(base), reason="compile: the first inductor compile costs ~26 s per "
                             "graph on a CPU (pass --compile)"))
             continue
-        row = _planned(model, gpt, base, precision, budget_bytes, unit_prefix)
+        row = _planned(model, gpt, base, precision, budget_bytes, unit_prefix, counts_cache)
         rows.append(row)
         for step in relief_steps(model, gpt, base, relief, unit_prefix) if relief and row.reason else ():
-            nxt = _planned(model, gpt, dataclasses.replace(row.candidate, **step), precision, budget_bytes, unit_prefix)
+            nxt = _planned(model, gpt, dataclasses.replace(row.candidate, **step), precision, budget_bytes, unit_prefix,
+                           counts_cache)
             if nxt.predicted >= row.predicted:
                 continue  # no lower: not worth its time
             row = nxt
@@ -573,9 +581,10 @@ def plan(model, gpt, devices: int, global_batch: int, budget_bytes: float, *, pr
     return survivors + [r for r in rows if r.reason] + rejected
 
 
-def _planned(model, gpt, c: Candidate, precision: str, budget_bytes: float, unit_prefix: str = "") -> Row:
+def _planned(model, gpt, c: Candidate, precision: str, budget_bytes: float, unit_prefix: str = "",
+             counts_cache: Optional[Dict] = None) -> Row:
     row = Row(c, prior=prior(c))
-    row.predicted, row.predicted_all = predict_bytes(model, gpt, c, precision, unit_prefix)
+    row.predicted, row.predicted_all = predict_bytes(model, gpt, c, precision, unit_prefix, counts_cache)
     if row.predicted > budget_bytes:
         row.reason = f"predicted {row.predicted / MiB:,.1f} MiB/rank > budget {budget_bytes / MiB:,.1f} MiB"
     return row
