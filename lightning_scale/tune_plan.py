@@ -522,7 +522,11 @@ def prior(c: Candidate) -> float:
     # a split root: the embeddings and the head gathered around their use, one more unit each (hooks, a gather not
     # overlapped); measured 0.94x the whole root's tokens/s (bench GPT, z3 dp2 mb2, 4 rounds, 2026-12-07)
     t *= 1.06 if c.unit_modules else 1.0
-    t *= (1.1 if c.tiled_mlp else 1.0) * (1.06 if c.tiled_attention else 1.0) * (1.03 if c.act_offload else 1.0)
+    # the tiled MLP recomputes each tile's forward: x1.16 measured at 512-2048 positions (tiles of 128-512), x1.33 at
+    # 128 (tiles of 32: the MLP is most of a short sequence's compute); z2 dp2, 3 rounds, 2026-12-07
+    if c.tiled_mlp:
+        t *= 1.16 + 0.17 * max(0.0, min(1.0, math.log2(128 / c.tiled_mlp) / 2))
+    t *= (1.06 if c.tiled_attention else 1.0) * (1.03 if c.act_offload else 1.0)
     if c.pp > 1:
         t *= 1.1 * (c.accum + c.pp - 1) / c.accum
     t *= {None: 1.0, "selective": 1.12, "full": 1.33}[c.ac]
