@@ -361,8 +361,8 @@ class ShardedParameters:
         first_use = unit.index not in self._order_now
         if first_use:
             self._order_now.append(unit.index)
-        if unit.kept:  # kept for a backward that has not come (another forward first): gathered afresh
-            self._free(unit)
+        # a unit kept for a backward that has not come yet (another micro-batch's forward first) is still current: a
+        # step frees every gathered unit (after_step), and so does a load
         self._gather(unit)
         # A unit prefetches the next ones; so does the root unit at its first module of the step (the first
         # block's gather then overlaps the embedding instead of blocking the first block).

@@ -79,9 +79,9 @@ def test_results_equal_a_plain_model():
 def test_forward_last_unit_is_kept_for_its_backward(monkeypatch):
     """The forward's last unit (here the head, a unit of its own through unit_modules) is not freed after its forward:
     its backward comes next, so it is gathered once per step, the blocks twice (forward and backward), the embedding
-    once (nn.Embedding's backward reads no weight: its unit is not gathered again, its gradient still reduced); a
-    forward whose backward never came (here: under no_grad nothing is kept; with grad, a second forward first) gathers
-    afresh, and the losses equal the default layout's bit for bit."""
+    once (nn.Embedding's backward reads no weight: its unit is not gathered again, its gradient still reduced); under
+    no_grad nothing is kept; a second forward before the backward (a pipeline's micro-batches) reuses it; a step frees
+    it; and the losses equal the default layout's bit for bit."""
     def setup(units):
         cfg = GPTConfig(vocab_size=64, seq_len=16, n_layer=3, n_head=2, d_model=32)
         torch.manual_seed(0)
@@ -122,11 +122,15 @@ def test_forward_last_unit_is_kept_for_its_backward(monkeypatch):
     with torch.no_grad():
         model(x)
     assert not head.gathered and not head.kept  # no backward can come
-    model(x)  # a forward with grad whose backward never comes, then another: the head gathered afresh
+    model(x)  # a forward with grad whose backward has not come, then another (a pipeline's micro-batches)
     assert head.kept
     gathers.clear()
     lm_loss(model(x), y).backward()
-    assert sum(any(t is b.full for b in head.buckets) for t in gathers) == 1
+    assert sum(any(t is b.full for b in head.buckets) for t in gathers) == 0  # still current: no step since
+    model(x)
+    assert head.kept and head.gathered
+    sharded.after_step()  # a step frees every gathered unit, the kept one too: the next forward gathers afresh
+    assert not head.gathered and not head.kept
     opt.zero_grad()
     after = sharded.full_state_dict(dtype=None)
     _, ref_model, ref_opt, ref_sharded = setup(None)
