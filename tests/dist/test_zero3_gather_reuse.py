@@ -12,13 +12,13 @@ from lightning_scale.zero.param_shard import ShardedParameters
 from lightning_scale.zero.stage3_optimizer import Stage3Optimizer
 
 
-def _setup(prefetch=1):
+def _setup(prefetch=1, units=None):
     cfg = GPTConfig(vocab_size=64, seq_len=16, n_layer=3, n_head=2, d_model=32)
     torch.manual_seed(0)
     model = GPT(cfg).double()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sharded = ShardedParameters(model, [g["params"] for g in opt.param_groups], device=torch.device("cpu"),
-                                prefetch_depth=prefetch)
+                                prefetch_depth=prefetch, unit_modules=units)
     sharded.shard_model()
     Stage3Optimizer(opt, sharded)
     return cfg, model, opt, sharded
@@ -82,17 +82,6 @@ def test_forward_last_unit_is_kept_for_its_backward(monkeypatch):
     once (nn.Embedding's backward reads no weight: its unit is not gathered again, its gradient still reduced); under
     no_grad nothing is kept; a second forward before the backward (a pipeline's micro-batches) reuses it; a step frees
     it; and the losses equal the default layout's bit for bit."""
-    def setup(units):
-        cfg = GPTConfig(vocab_size=64, seq_len=16, n_layer=3, n_head=2, d_model=32)
-        torch.manual_seed(0)
-        model = GPT(cfg).double()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        sharded = ShardedParameters(model, [g["params"] for g in opt.param_groups], device=torch.device("cpu"),
-                                    unit_modules=units)
-        sharded.shard_model()
-        Stage3Optimizer(opt, sharded)
-        return cfg, model, opt, sharded
-
     gathers = []
     real = param_shard.pairwise.all_gather
 
@@ -101,7 +90,7 @@ def test_forward_last_unit_is_kept_for_its_backward(monkeypatch):
         return real(full, shard, *a, **k)
 
     monkeypatch.setattr(param_shard.pairwise, "all_gather", spy)
-    cfg, model, opt, sharded = setup(("Block", "wte", "lm_head"))
+    cfg, model, opt, sharded = _setup(units=("Block", "wte", "lm_head"))
     head = next(u for u in sharded.units if u.name == "lm_head")
     losses = []
     for seed in range(3):
@@ -133,7 +122,7 @@ def test_forward_last_unit_is_kept_for_its_backward(monkeypatch):
     assert not head.gathered and not head.kept
     opt.zero_grad()
     after = sharded.full_state_dict(dtype=None)
-    _, ref_model, ref_opt, ref_sharded = setup(None)
+    _, ref_model, ref_opt, ref_sharded = _setup()
     ref = []
     for seed in range(3):
         x, y = make_batch(cfg, 2, seed=seed)
