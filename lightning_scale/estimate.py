@@ -365,10 +365,10 @@ def model_counts(module, persistent_threshold: int = 0, units: Optional[Sequence
     are persistent there, as in :class:`lightning_scale.zero.param_shard.ShardedParameters`; and the largest two
     units next to each other (``unit_pair_params``). ``units``: the ``zero.unit_modules`` in effect (None: every
     repeated block)."""
+    from lightning_scale.zero.units import resolve_units, root_parameters
+
     params = _unique_trainable(module.parameters())
     if units:
-        from lightning_scale.zero.units import resolve_units
-
         units = [m for _, m in resolve_units(module, units)]
     else:
         units = _units(module)
@@ -378,13 +378,7 @@ def model_counts(module, persistent_threshold: int = 0, units: Optional[Sequence
     # together at prefetch depth 1, or staged together for their reductions in the backward
     pair = max((a + b for a, b in zip(sizes, sizes[1:])), default=largest)
     persistent = sum(p.numel() for p in params if p.numel() < persistent_threshold)
-    owners: Dict[int, int] = {}
-    for u in units:
-        for p in {id(p): p for p in u.parameters()}.values():
-            owners[id(p)] = owners.get(id(p), 0) + 1
-    direct = {id(p) for p in module.parameters(recurse=False)}
-    root = sum(p.numel() for p in params if owners.get(id(p), 0) != 1 and id(p) not in direct
-               and p.numel() >= persistent_threshold)
+    root = sum(p.numel() for p in root_parameters(module, units, params) if p.numel() >= persistent_threshold)
     return {"params": sum(p.numel() for p in params), "largest_unit_params": largest,
             "persistent_params": persistent, "root_params": root, "unit_pair_params": pair}
 

@@ -1,7 +1,7 @@
 """The autotuner's layouts and their memory plan (issue 17 item 4; docs/tune.md "Candidates", "Pruning", "Long
 sequences"): a :class:`Candidate` layout, the candidates of a device count (:func:`enumerate_candidates`), the memory
-relief ladder of a layout that does not fit (:func:`relief_steps`), its predicted bytes (:func:`predict_bytes`,
-:func:`one_memory_bytes`), the cheap prior that orders the probes (:func:`prior`) and :func:`plan`, which makes the
+relief ladder of a layout that does not fit (:func:`relief_steps`, in :mod:`lightning_scale.tune_relief`), its
+predicted bytes (:func:`predict_bytes`, :func:`one_memory_bytes`), the cheap prior that orders the probes (:func:`prior`) and :func:`plan`, which makes the
 rows. :mod:`lightning_scale.tune` keeps the search, the table and the CLI, and re-exports these names.
 """
 
@@ -14,6 +14,9 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from lightning_scale.config import ConfigError
+# the relief ladder (lightning_scale/tune_relief.py): plan() climbs it; the rest re-exported
+from lightning_scale.tune_relief import (RELIEF, module_prefix, relief_ladder, relief_steps,  # noqa: F401
+                                         relief_support, root_split_units)
 
 MiB = 2**20
 AC_CHOICES = (None, "full", "selective")
@@ -297,86 +300,6 @@ def _split_problem(gpt, dp: int, tp: int, pp: int, sp: int, global_batch: int) -
     return ""
 
 
-RELIEF = ("split_root", "tiled_mlp", "tiled_attention", "offload_activations")
-# per model object, dropped with it (an id() key outlives its model: a later model at the same address would read a
-# stale entry)
-_RELIEF_SUPPORT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-_ROOT_SPLIT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def root_split_units(model, prefix: str = "") -> Tuple[str, ...]:
-    """The ``zero.unit_modules`` that gather ``model``'s large root modules (embeddings, head) only around their use
-    (:func:`lightning_scale.zero.units.model_root_split`: where the root outweighs two blocks); () where none.
-    ``prefix``: ``model``'s qualified name in the module the engine shards, with its dot (:func:`module_prefix`)."""
-    if model not in _ROOT_SPLIT:
-        from lightning_scale.zero.units import model_root_split
-
-        split = model_root_split(model)
-        _ROOT_SPLIT[model] = (tuple(c for c in split[1] if c not in split[0]), tuple(split[0])) if split else ()
-    if not _ROOT_SPLIT[model]:
-        return ()
-    classes, names = _ROOT_SPLIT[model]
-    return classes + tuple(prefix + n for n in names)
-
-
-def module_prefix(root, model) -> str:
-    """``model``'s qualified name in ``root`` with a trailing dot ("" where ``model`` is ``root``): what a name found
-    in ``model`` needs in ``zero.unit_modules`` when the engine shards ``root`` (a LightningModule around it)."""
-    return next((f"{n}." for n, m in root.named_modules() if m is model and n), "")
-
-
-def relief_support(model) -> Tuple[bool, bool, int]:
-    """(tiled MLP, head-tiled attention, query heads per key/value head) for ``model``'s largest unit: whether
-    :mod:`lightning_scale.tiled_mlp` finds an MLP in it and :mod:`lightning_scale.tiled_attention` a head-tiled path
-    (the project GPT's attention, or a Hugging Face one with q/k/v/o_proj), and the GQA group a Hugging Face head
-    group rounds up to (1: none)."""
-    if model not in _RELIEF_SUPPORT:
-        from lightning_scale.activation_plan import _units
-        from lightning_scale.tiled_attention import _default_attention, _hf_layout, tiled_attention_unit, tiled_attentions
-        from lightning_scale.tiled_mlp import _default_mlps
-
-        units = [u for u in _units(model) if any(True for _ in u.parameters())]
-        mlp = heads = False
-        group = 1
-        if units:
-            unit = max(units, key=lambda u: sum(p.numel() for p in u.parameters()))
-            mlp = bool(_default_mlps(unit))
-            with tiled_attention_unit(unit, 1):
-                heads = bool(tiled_attentions(unit))
-            layouts = [_hf_layout(m) for _, m in _default_attention(unit)]
-            group = max([lay[0] // lay[1] for lay in layouts if lay is not None] + [1])
-        _RELIEF_SUPPORT[model] = (mlp, heads, group)
-    return _RELIEF_SUPPORT[model]
-
-
-def relief_steps(model, gpt, c: Candidate, relief: Sequence[str] = RELIEF, unit_prefix: str = "") -> List[Dict]:
-    """The memory relief ``c`` can take, cheapest first, each as the Candidate fields it sets: at ZeRO-3 without a
-    pipeline, the root unit's large modules as units of their own (:func:`root_split_units`), the tiled MLP and
-    norms (512 positions per tile, or a quarter of the local sequence if that is shorter), the attention a group of
-    heads at a time (sp heads per group -- one per sp rank --, with whole key/value heads under GQA; not with tp), the
-    checkpointed units' inputs offloaded
-    (with activation checkpointing). Only what the model supports (:func:`relief_support`), ``relief`` names and
-    ``c`` does not set already."""
-    mlp, heads, group = relief_support(model)
-    local = gpt.seq_len // max(1, c.sp)
-    out: List[Dict] = []
-    if "split_root" in relief and c.stage == 3 and c.pp == 1 and not c.unit_modules and root_split_units(model):
-        out.append(dict(unit_modules=root_split_units(model, unit_prefix)))
-    if "tiled_mlp" in relief and mlp and local >= 8 and not c.tiled_mlp:
-        out.append(dict(tiled_mlp=min(512, max(2, local // 4))))
-    if "tiled_attention" in relief and c.tp == 1 and heads and not c.tiled_attention:
-        out.append(dict(tiled_attention=c.sp if c.sp == 1 else math.lcm(c.sp, group)))
-    if "offload_activations" in relief and c.ac and not c.act_offload:
-        out.append(dict(act_offload=True))
-    return out
-
-
-def relief_ladder(model, gpt, c: Candidate, relief: Sequence[str] = RELIEF, unit_prefix: str = "") -> List[Candidate]:
-    """``c``, then ``c`` with each of :func:`relief_steps` added in turn (every rung keeps the ones below it)."""
-    out = [c]
-    for step in relief_steps(model, gpt, c, relief, unit_prefix):
-        out.append(dataclasses.replace(out[-1], **step))
-    return out
 
 
 # ------------------------------------------------------------------------------------------------ estimate
@@ -392,11 +315,10 @@ def predict_bytes(model, gpt, c: Candidate, precision: str = "32-true", unit_pre
     from lightning_scale import estimate as E
 
     units = tuple(u[len(unit_prefix):] if unit_prefix and u.startswith(unit_prefix) else u for u in c.unit_modules)
-    if counts_cache is None or units not in counts_cache:
-        counts = E.model_counts(model, units=units or None)
-        if counts_cache is not None:
-            counts_cache[units] = counts
-    counts = counts_cache[units] if counts_cache is not None else counts
+    cache = {} if counts_cache is None else counts_cache
+    if units not in cache:
+        cache[units] = E.model_counts(model, units=units or None)
+    counts = cache[units]
     embed, head = _embed_head(gpt)
     blocks = counts["params"] - embed - head
     params = counts["params"] if c.pp == 1 else blocks / c.pp + max(embed, head)  # the heaviest stage

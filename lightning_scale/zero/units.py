@@ -94,10 +94,16 @@ def model_root_split(model: nn.Module, spec: Optional[Sequence[str]] = None) -> 
     units as ZeRO-3 would find them (``spec``: ``zero.unit_modules``) and the trainable parameters none of them owns
     alone, except those ``model`` holds directly (persistent there)."""
     units = [m for _, m in resolve_units(model, spec)]
+    return split_root(model, root_parameters(model, units), units)
+
+
+def root_parameters(model: nn.Module, units: Sequence[nn.Module], params: Optional[Sequence] = None) -> List:
+    """The trainable parameters (of ``params``, default every one of ``model``) that ZeRO-3 puts in its root unit:
+    owned by no unit or shared by several, and not held by ``model`` directly (persistent there)."""
     owners: dict = {}
     for u in units:
         for p in {id(p): p for p in u.parameters()}.values():
             owners[id(p)] = owners.get(id(p), 0) + 1
     direct = {id(p) for p in model.parameters(recurse=False)}
-    root = [p for p in model.parameters() if p.requires_grad and owners.get(id(p), 0) != 1 and id(p) not in direct]
-    return split_root(model, root, units)
+    return [p for p in (model.parameters() if params is None else params)
+            if p.requires_grad and owners.get(id(p), 0) != 1 and id(p) not in direct]
