@@ -52,17 +52,58 @@ def save_sharded(checkpoint: Dict[str, Any], path: str, rank: int, world_size: i
     broadcast(None)  # nobody returns (and, e.g., loads or removes it) before the folder is in place
 
 
-LAYOUT_KEY = "lightning_scale_grid"  # in a sharded checkpoint's checkpoint.pt: the dp x tp x ep x pp x sp it was cut for
+LAYOUT_KEY = "lightning_scale_grid"  # in a sharded checkpoint's checkpoint.pt: the layout its per-rank files are cut for
 _GRID = ("dp", "tp", "ep", "pp", "sp")
 
 
 def grid(strategy) -> Dict[str, int]:
     """The axes a sharded checkpoint's per-rank files are cut for (every one but the world size too)."""
-    layout = _layout(strategy)
-    return {k: int(layout[k]) for k in _GRID}
+    cfg = strategy.config
+    return {"dp": int(cfg.resolved_dp(strategy.world_size)), "tp": int(cfg.tp), "ep": int(cfg.ep), "pp": int(cfg.pp),
+            "sp": int(cfg.sp)}
 
 
-def load_sharded(path: str, rank: int, world_size: int, expect: Optional[Dict[str, int]] = None) -> Dict[str, Any]:
+def sharded_layout(strategy) -> Dict[str, int]:
+    """What a sharded checkpoint records and a resume must match: the grid and the ZeRO stage (stage 1 / 2 optimizer
+    shards, stage 3 parameter shards: the per-rank files differ; the offload setting does not change them). The
+    Trainer's and Fabric's strategies alike."""
+    return dict(grid(strategy), stage=int(strategy.config.zero.stage))
+
+
+def _axes(g: Dict[str, int]) -> str:
+    text = " x ".join(f"{k}={g.get(k, 1)}" for k in _GRID if g.get(k, 1) > 1 or k == "dp")
+    return text + (f", stage={g['stage']}" if "stage" in g else "")
+
+
+def check_sharded_layout(path: str, saved: Optional[Dict[str, int]], expect: Optional[Dict[str, int]],
+                         world_size: int, fitting: bool = True, hint: str = "") -> None:
+    """Refuse, by name, a sharded checkpoint whose per-rank files were cut for another layout than ``expect``.
+
+    Checked: the grid always; the ZeRO stage when fitting (the optimizer shards are read), and between stage 3 and
+    the others when not (stage 3 keeps the parameters in the per-rank shards, stages 0-2 in ``checkpoint.pt``).
+    A key the checkpoint did not record (written by an older version) is not compared. ``hint``: a line added to the
+    message (the autotuner's pick)."""
+    if expect is None or saved is None:
+        return
+    diff = [k for k in _GRID if k in saved and saved.get(k, 1) != expect.get(k, 1)]
+    if "stage" in saved and "stage" in expect and saved["stage"] != expect["stage"]:
+        if fitting or 3 in (saved["stage"], expect["stage"]):
+            diff.append("stage")
+    if not diff:
+        return
+    shown_saved = {k: v for k, v in saved.items() if k in _GRID or (k == "stage" and "stage" in expect)}
+    shown_expect = {k: v for k, v in expect.items() if k in _GRID or (k == "stage" and "stage" in saved)}
+    raise CheckpointError(
+        f"checkpoint {path} was cut for {_axes(shown_saved)}; this run is {_axes(shown_expect)} (the same {world_size} "
+        f"ranks, another layout: {', '.join(f'{k} {saved[k]} -> {expect.get(k, 1)}' for k in diff)}). "
+        + (hint + " " if hint else "")
+        + "A checkpoint of the default checkpoint_format='sharded' resumes on its own layout only: resume with "
+        f"{_axes(shown_saved)} (and save from there with Zero3DStrategy(checkpoint_format='universal'), which resumes "
+        "on any layout), or take its weights with `python -m lightning_scale.checkpoint consolidate`")
+
+
+def load_sharded(path: str, rank: int, world_size: int, expect: Optional[Dict[str, int]] = None,
+                 fitting: bool = True, hint: str = "") -> Dict[str, Any]:
     path = folder.resolve(path)
     meta = folder.read_manifest(path)
     folder.verify(path, meta)  # every listed file present, with its size: names a missing / truncated shard
@@ -76,16 +117,7 @@ def load_sharded(path: str, rank: int, world_size: int, expect: Optional[Dict[st
             "consolidate` (optimizer state is not carried over)"
         )
     checkpoint = folder.load_file(path, "checkpoint.pt", meta)
-    saved = checkpoint.pop(LAYOUT_KEY, None)
-    if expect is not None and saved is not None and {k: saved.get(k, 1) for k in _GRID} != expect:
-        def axes(g):
-            return " x ".join(f"{k}={g.get(k, 1)}" for k in _GRID if g.get(k, 1) > 1 or k == "dp")
-
-        raise CheckpointError(
-            f"checkpoint {path} was cut for {axes(saved)}; this run is {axes(expect)} (the same {world_size} ranks, "
-            "another layout). A checkpoint of the default checkpoint_format='sharded' resumes on its own layout only: "
-            f"resume with {axes(saved)} (and save from there with Zero3DStrategy(checkpoint_format='universal'), which "
-            "resumes on any layout), or take its weights with `python -m lightning_scale.checkpoint consolidate`")
+    check_sharded_layout(path, checkpoint.pop(LAYOUT_KEY, None), expect, world_size, fitting, hint)
     shard = folder.load_file(path, f"optim_rank{rank}.pt", meta)
     checkpoint.update(shard)  # optimizer_states (+ zero3_model_shard at stage 3)
     return checkpoint

@@ -47,7 +47,7 @@ from lightning_scale.materialize import has_meta
 from lightning_scale.parallelize import ParallelModel, check_config, parallelize
 from lightning_scale.strategies import stage3 as _stage3
 from lightning_scale.strategies.common import GridStrategyMixin
-from lightning_scale.strategies.checkpoint import load_sharded, save_sharded
+from lightning_scale.strategies.checkpoint import LAYOUT_KEY, load_sharded, save_sharded, sharded_layout
 from lightning_scale.topology import Topology
 from lightning_scale.zero.engine import ZeroEngine
 from lightning_scale.zero.precision import PrecisionPolicy, make_loss_scaler, policy_for
@@ -333,6 +333,7 @@ class Zero3DFabricStrategy(GridStrategyMixin, ParallelStrategy):
         if self.config.zero.stage >= 1 and self.world_size > 1:
             if self._parallel.sharded is not None:
                 ckpt[_stage3.SHARD_KEY] = _stage3.shard_checkpoint(self._parallel)
+            ckpt[LAYOUT_KEY] = sharded_layout(self)  # loaded on another layout / stage: refused by name
             save_sharded(ckpt, str(path), self.global_rank, self.world_size, self.broadcast, self._gather_object,
                          per_rank_keys=("optimizer_states", _stage3.SHARD_KEY))
         elif self.is_global_zero:
@@ -344,7 +345,10 @@ class Zero3DFabricStrategy(GridStrategyMixin, ParallelStrategy):
         import os
 
         if os.path.isdir(str(path)):
-            ckpt = load_sharded(str(path), self.global_rank, self.world_size)
+            # the optimizer shards are read when the state holds an optimizer (else only a stage-3 change matters)
+            fitting = isinstance(state, Mapping) and any(isinstance(v, torch.optim.Optimizer) for v in state.values())
+            ckpt = load_sharded(str(path), self.global_rank, self.world_size, expect=sharded_layout(self),
+                                fitting=fitting)
         else:
             ckpt = self.checkpoint_io.load_checkpoint(path, weights_only=False)
         if not state:

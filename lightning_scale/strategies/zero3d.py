@@ -12,6 +12,7 @@ the model -> wrap each optimizer in a ZeroOptimizer -> print the layout / memory
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from datetime import timedelta
 from typing import Any, Dict, Generator, List, Literal, Mapping, Optional, Union
@@ -75,6 +76,12 @@ class Zero3DStrategy(GridStrategyMixin, ParallelStrategy):
             from lightning_scale.strategies.autotune import options as autotune_options
 
             autotune_options(autotune)  # bad keys: a ConfigError now, not after the launch
+            # The layout is picked again at every start (probe timings vary): checkpoints default to the layout-free
+            # format, which resumes on whatever the next start picks. A format the user set is kept.
+            given = options if config is None else {"checkpoint_format": None} if (
+                self.config.checkpoint_format != "sharded") else {}
+            if "checkpoint_format" not in given:
+                self.config = dataclasses.replace(self.config, checkpoint_format="universal").validate()
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
@@ -180,7 +187,10 @@ class Zero3DStrategy(GridStrategyMixin, ParallelStrategy):
     def restore_checkpoint_after_setup(self) -> bool:
         """ZeRO-3 restores parameter shards into the engine that setup builds; a pipeline built on meta loads the
         checkpoint into its materialized stage; a universal checkpoint loads into the engines that setup builds."""
-        return self.config.zero.stage == 3 or self._deferred_init or self.config.checkpoint_format == "universal"
+        return (self.config.zero.stage == 3 or self._deferred_init or self.config.checkpoint_format == "universal"
+                # autotune: the layout is picked in setup, so restore into what it built (Lightning asks before and
+                # after setup: the answer must not change in between, or the checkpoint is never loaded)
+                or self._autotune not in (None, False))
 
     def full_state_dict(self, rank0_only: bool = False) -> Dict[str, Any]:
         """The whole model's parameters (fp32 masters where they exist, else the parameters' own dtype) and buffers,
@@ -388,9 +398,9 @@ class Zero3DStrategy(GridStrategyMixin, ParallelStrategy):
             return
         if self.sharded is not None:
             checkpoint[_stage3.SHARD_KEY] = _stage3.shard_checkpoint(self._parallel)
-        from lightning_scale.strategies.checkpoint import LAYOUT_KEY, grid
+        from lightning_scale.strategies.checkpoint import LAYOUT_KEY, sharded_layout
 
-        checkpoint[LAYOUT_KEY] = grid(self)  # resumed on another layout of the same world size: refused by name
+        checkpoint[LAYOUT_KEY] = sharded_layout(self)  # resumed on another layout / stage: refused by name
         save_sharded(checkpoint, str(filepath), self.global_rank, self.world_size, self.broadcast,
                      self._gather_object, per_rank_keys=("optimizer_states", _stage3.SHARD_KEY))
 
@@ -415,11 +425,27 @@ class Zero3DStrategy(GridStrategyMixin, ParallelStrategy):
                 # load_model_state_dict once the layout exists.
                 self._universal_pending = path
                 return dict(read_lightning_state(path), **{UNIVERSAL_KEY: None})
-            from lightning_scale.strategies.checkpoint import grid
-
-            return load_sharded(path, self.global_rank, self.world_size,
-                                expect=grid(self) if self.topology is not None else None)
+            return load_sharded(path, self.global_rank, self.world_size, **self._sharded_expectation())
         return self.checkpoint_io.load_checkpoint(path, weights_only=False)
+
+    def _sharded_expectation(self) -> Dict[str, Any]:
+        """load_sharded's layout check: the layout this run has (none while the autotuner has not picked it yet)."""
+        from lightning_scale.strategies.checkpoint import sharded_layout
+
+        if self._autotune_pending:
+            return {}
+        trainer = getattr(self.lightning_module, "trainer", None) if self.lightning_module is not None else None
+        fitting = trainer is None or trainer.state.fn == TrainerFn.FITTING
+        hint = ""
+        if self.autotune_result is not None:
+            hint = ("Zero3DStrategy(autotune=...) picked this layout at this start; pin the checkpoint's layout by "
+                    "hand (its settings, or autotune restricted to them) to resume it.")
+        return {"expect": sharded_layout(self), "fitting": fitting, "hint": hint}
+
+    @property
+    def _autotune_pending(self) -> bool:
+        """autotune=... is set and has not picked the layout yet (the config is not final)."""
+        return self._autotune not in (None, False) and self.autotune_result is None
 
     def wait_checkpoint_snapshot(self) -> None:
         """checkpoint_async="overlap": block until the save in flight has copied the state it writes; code that edits

@@ -28,6 +28,26 @@ def layout(sp: "ShardedParameters") -> Dict[str, Any]:
             for b in u.buckets]} for u in sp.units]}
 
 
+def _layout_difference(saved: Dict[str, Any], mine: Dict[str, Any]) -> str:
+    """What differs between a checkpoint's stage-3 layout and this run's, in words: the units first."""
+    if saved.get("world_size") != mine["world_size"]:
+        return f"written by {saved.get('world_size')} data-parallel ranks, this run has {mine['world_size']}"
+    names = [u["name"] for u in saved.get("units", [])]
+    here = [u["name"] for u in mine["units"]]
+    if names != here:
+        def show(units):
+            return "[" + ", ".join(units[:6]) + (f", ... ({len(units)} units)" if len(units) > 6 else "") + "]"
+        return f"its units are {show(names)}, this run's {show(here)}"
+    for a, b in zip(saved["units"], mine["units"]):
+        if a != b:
+            params = sorted({s[0] for bk in a["buckets"] for s in bk["slots"]} ^
+                            {s[0] for bk in b["buckets"] for s in bk["slots"]})
+            what = f"parameters {params[:4]} in one of them only" if params else "other buckets (parameter groups, " \
+                "dtypes or shapes)"
+            return f"unit {a['name']!r} differs: {what}"
+    return "the units' buckets differ"
+
+
 def aliases(sp: "ShardedParameters") -> Dict[str, str]:
     """The other names of tied parameters (a Hugging Face ``lm_head.weight`` tied to the embedding) -> the name
     their shard is stored under: the model's own ``state_dict()`` lists both, so a consolidated one does too."""
@@ -45,9 +65,11 @@ def shard_state_dict(sp: "ShardedParameters") -> Dict[str, Any]:
 
 @torch.no_grad()
 def load_shard_state_dict(sp: "ShardedParameters", state: Dict[str, Any]) -> None:
-    if layout(sp) != state["layout"]:
-        raise ValueError("zero.stage=3 checkpoint layout does not match this run (different model, units, "
-                         "param groups or data-parallel size); resume with the same configuration")
+    mine, theirs = layout(sp), state["layout"]
+    if mine != theirs:
+        raise ValueError("zero.stage=3 checkpoint layout does not match this run: " + _layout_difference(theirs, mine)
+                         + "; resume with the same configuration (zero.unit_modules, the model, its parameter groups) "
+                         "or save with checkpoint_format='universal', which resumes on any layout")
     for b, shard, master in zip(sp.buckets(), state["shards"], state["masters"]):
         b.shard.copy_(shard)
         if master is not None and b.master is not None and not b.master_aliased:

@@ -60,6 +60,9 @@ def main() -> None:
     ap.add_argument("--fail-rank", type=int, default=None, help="training_step raises on this rank in --fail-probes")
     ap.add_argument("--fail-probes", default="first", choices=("first", "all"))
     ap.add_argument("--out", required=True)
+    ap.add_argument("--ckpt-dir", default=None, help="save a checkpoint at the end of every epoch here")
+    ap.add_argument("--epoch-batches", type=int, default=None, help="limit_train_batches (steps per epoch)")
+    ap.add_argument("--resume", default=None, help="fit(ckpt_path=...)")
     args = ap.parse_args()
     pl.seed_everything(0, verbose=False)
     cfg = gpt_tiny(n_layer=args.layers, vocab_size=args.vocab, seq_len=args.seq_len, d_model=args.d_model)
@@ -86,12 +89,17 @@ def main() -> None:
                                 vocab_size=cfg.vocab_size, random_length=256, shuffle=False, max_bytes=2**20)
     strategy = Zero3DStrategy(**opts)
     recorder = LossRecorder()
+    callbacks = [recorder]
+    if args.ckpt_dir:
+        # at epoch ends: a mid-epoch resume would read the epoch's batches from its start again
+        callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=args.ckpt_dir, every_n_epochs=1, save_top_k=-1,
+                                                      save_on_train_epoch_end=True))
     trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, precision=args.precision,
-                         max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=[recorder], limit_val_batches=0,
-                         num_sanity_val_steps=0)
+                         max_steps=args.steps, logger=False, enable_checkpointing=bool(args.ckpt_dir),
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+                         limit_val_batches=0, num_sanity_val_steps=0, limit_train_batches=args.epoch_batches)
     try:
-        trainer.fit(model, datamodule=data)
+        trainer.fit(model, datamodule=data, ckpt_path=args.resume)
     except ConfigError as err:
         with open(f"{args.out}.rank{trainer.global_rank}", "w") as f:
             json.dump({"error": str(err)}, f)
@@ -105,7 +113,8 @@ def main() -> None:
                                   "microbatches": c.pipeline.microbatches, "bucket_mb": c.zero.bucket_mb,
                                   "ac": c.activation_checkpointing, "sp": strategy.topology.sp, "ep": c.ep,
                                   "tiled_mlp": c.tiled_mlp, "tiled_attention": c.tiled_attention,
-                                  "offload_activations": c.offload_activations}}, f, default=str)
+                                  "offload_activations": c.offload_activations},
+                       "checkpoint_format": c.checkpoint_format, "global_step": trainer.global_step}, f, default=str)
 
 
 if __name__ == "__main__":

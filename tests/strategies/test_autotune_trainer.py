@@ -228,3 +228,25 @@ def test_autotune_long_sequence_goes_to_ulysses_and_trains_like_the_hand_set_lay
     assert len(tuned["losses"]) == len(hand["losses"]) == 4
     diff = max(abs(a - b) for a, b in zip(tuned["losses"], hand["losses"]))
     assert diff < 1e-5, (tuned["losses"], hand["losses"])
+
+
+def test_autotune_checkpoints_resume_on_whatever_layout_the_next_start_picks(tmp_path):
+    """autotune picks the layout again at every start (probe timings vary), so its checkpoints default to the
+    layout-free format: a run tuned to ZeRO-2 saves at step 2, a restart whose search allows ZeRO-3 only resumes it,
+    and its steps 3-4 equal the uninterrupted run's. (A sharded checkpoint resumed on another layout is refused by
+    name: tests/unit/test_checkpoint_folder.py.)"""
+    common = "'offloads': ['none'], 'tp': 1, 'pp': 1, 'ac': ['none'], 'buckets': [25], 'max_probes': 1"
+    ckpt = tmp_path / "ckpt"
+    first, _ = _fit(tmp_path, "first", "--option", f"autotune={{'stages': [2], {common}}}", "--ckpt-dir", str(ckpt),
+                    "--epoch-batches", "2", shape=SMALL)
+    assert first["layout"]["stage"] == 2 and first["checkpoint_format"] == "universal"
+    (saved,) = [p for p in ckpt.iterdir() if "step=2" in p.name]
+    from lightning_scale.checkpoint.dcp_format import detect_format
+
+    assert detect_format(str(saved)) == "dcp"  # the layout-free folder
+    again, _ = _fit(tmp_path, "again", "--option", f"autotune={{'stages': [3], {common}}}", "--resume", str(saved),
+                    "--epoch-batches", "2", shape=SMALL)
+    assert again["layout"]["stage"] == 3 and again["global_step"] == 4
+    assert len(again["losses"]) == 2, again["losses"]  # steps 3-4 only: the checkpoint was loaded
+    diff = max(abs(a - b) for a, b in zip(again["losses"], first["losses"][2:]))
+    assert diff < 1e-5, (again["losses"], first["losses"])

@@ -195,6 +195,25 @@ def test_bad_checkpoint_format_is_named():
     assert Zero3DStrategy(stage=2, checkpoint_format="universal", checkpoint_async="overlap").config.checkpoint_async
 
 
+def test_autotune_defaults_to_the_layout_free_format_and_restores_after_its_pick():
+    """autotune picks the layout in setup, at every start: its checkpoints default to 'universal' (a format the user
+    set is kept), and the checkpoint is restored after setup whatever the pick. Lightning asks
+    restore_checkpoint_after_setup before setup and again after: an answer that flipped in between (a ZeRO-2 pick with
+    the sharded format) made it restore at neither point, so the resumed run silently trained from scratch."""
+    from lightning_scale.config import ParallelConfig, ZeroConfig
+
+    assert Zero3DStrategy(autotune=True).config.checkpoint_format == "universal"
+    assert Zero3DStrategy(stage=2, autotune=True).config.checkpoint_format == "universal"
+    assert Zero3DStrategy(config=ParallelConfig(zero=ZeroConfig(stage=2)), autotune=True).config.checkpoint_format \
+        == "universal"
+    kept = Zero3DStrategy(stage=2, checkpoint_format="sharded", autotune=True)
+    assert kept.config.checkpoint_format == "sharded"
+    assert kept.restore_checkpoint_after_setup  # before the pick
+    kept.autotune_result = {"settings": {"stage": 2}}  # what setup sets once the pick is applied
+    assert kept.restore_checkpoint_after_setup  # and after it: the same answer
+    assert Zero3DStrategy(stage=2).config.checkpoint_format == "sharded"  # no autotune: the default is unchanged
+
+
 @pytest.mark.parametrize("layout", [["stage=3"], ["stage=1", "tp=2"]], ids=["zero3", "tp2"])
 def test_eager_checkpoint_resumes_compiled_on_another_layout(saved, layout):
     """The eager dp=2 ZeRO-2 step-2 checkpoint resumed by a compiled run (every block compiled, aot_eager) at ZeRO-3 and

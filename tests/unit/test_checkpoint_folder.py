@@ -232,3 +232,50 @@ def test_a_sharded_checkpoint_resumed_on_another_layout_of_the_same_world_size_i
     old = tmp_path / "old.ckpt"  # written before the grid was recorded: loads as before
     _save(old, 1)
     assert load_sharded(str(old), 0, WORLD, expect={"dp": 2, "tp": 1, "ep": 1, "pp": 1, "sp": 1})["global_step"] == 1
+
+
+def test_a_sharded_checkpoint_of_another_zero_stage_is_refused_by_name(tmp_path):
+    """Stage 1 / 2 keep optimizer shards per rank, stage 3 the parameters too: a fit on another stage is refused by
+    name before anything is loaded (it was a raw missing-keys RuntimeError from load_state_dict for 3 -> 2). Outside
+    fit (validate / test) only the optimizer shards differ between stages 0-2, so only a change to or from stage 3 is
+    refused there."""
+    from lightning_scale.strategies.checkpoint import LAYOUT_KEY
+
+    dp2 = {"dp": 2, "tp": 1, "ep": 1, "pp": 1, "sp": 1}
+    path = tmp_path / "z2.ckpt"
+    _save(path, 1, extra={LAYOUT_KEY: dict(dp2, stage=2)})
+    assert load_sharded(str(path), 0, WORLD, expect=dict(dp2, stage=2))["global_step"] == 1
+    for stage in (1, 3):
+        with pytest.raises(CheckpointError, match=rf"was cut for dp=2, stage=2; this run is dp=2, stage={stage} "
+                                                  rf"\(the same 2 ranks, another layout: stage 2 -> {stage}\)"):
+            load_sharded(str(path), 0, WORLD, expect=dict(dp2, stage=stage))
+    assert load_sharded(str(path), 0, WORLD, expect=dict(dp2, stage=1), fitting=False)["global_step"] == 1
+    with pytest.raises(CheckpointError, match="stage 2 -> 3"):
+        load_sharded(str(path), 0, WORLD, expect=dict(dp2, stage=3), fitting=False)
+    with pytest.raises(CheckpointError, match=r"autotune=...\) picked this layout"):
+        load_sharded(str(path), 0, WORLD, expect=dict(dp2, stage=3),
+                     hint="Zero3DStrategy(autotune=...) picked this layout at this start")
+    grid_only = tmp_path / "grid.ckpt"  # written before the stage was recorded: its stage is not compared
+    _save(grid_only, 1, extra={LAYOUT_KEY: dp2})
+    assert load_sharded(str(grid_only), 0, WORLD, expect=dict(dp2, stage=3))["global_step"] == 1
+
+
+def test_a_stage3_checkpoint_cut_for_other_units_names_them():
+    """The per-rank stage-3 shards are cut unit by unit: a resume with other `unit_modules` is refused with both unit
+    lists (it said only "different model, units, param groups or data-parallel size"); the same units load."""
+    from lightning_scale.models.gpt import GPT, gpt_tiny
+    from lightning_scale.zero.param_shard import ShardedParameters
+
+    def built(units=None):
+        torch.manual_seed(0)
+        model = GPT(gpt_tiny(vocab_size=256, n_layer=2))
+        sharded = ShardedParameters(model, [list(model.parameters())], device=torch.device("cpu"), unit_modules=units)
+        sharded.shard_model()
+        return sharded
+
+    saved = built().shard_state_dict()
+    built().load_shard_state_dict(saved)
+    with pytest.raises(ValueError, match=r"its units are \[blocks\.0, blocks\.1, <root>\], this run's \[blocks\.0, "
+                                         r"blocks\.1, lm_head, <root>\]; resume with the same configuration "
+                                         r"\(zero\.unit_modules"):
+        built(["Block", "lm_head"]).load_shard_state_dict(saved)
