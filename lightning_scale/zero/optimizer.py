@@ -287,10 +287,7 @@ class ShardEngine:
         self.wait_params()  # an in-flight gather would overwrite the loaded weights
         mine, theirs = self.layout(), state["layout"]
         if {k: v for k, v in mine.items() if k != "rank"} != {k: v for k, v in theirs.items() if k != "rank"}:
-            raise ValueError(
-                f"optimizer checkpoint layout {theirs['stage']=}, {theirs['world_size']=} does not match this run "
-                f"(stage={self.stage}, world_size={self.world}); resume with the same stage and data-parallel size"
-            )
+            raise ValueError(f"optimizer checkpoint layout does not match this run: {_layout_difference(theirs, mine)}")
         self.inner.load_state_dict(state["inner"])
         for master, saved, st, aliased in zip(self.masters, state["masters"], self.reducer.states, self._aliased):
             if saved is not None and not aliased:
@@ -456,3 +453,20 @@ def warn_if_not_elementwise(optimizer: torch.optim.Optimizer, stage: int) -> Non
     name = type(optimizer).__name__
     if stage >= 1 and name.lower() in {"lamb", "lars", "adafactor", "shampoo", "lbfgs"}:
         warnings.warn(f"{name} is not element-wise over flat shards; use zero.stage=0 for exact results")
+
+
+def _layout_difference(saved: Dict[str, Any], mine: Dict[str, Any]) -> str:
+    """A ZeRO 1 / 2 optimizer checkpoint's layout against this run's, in words, with the setting to change."""
+    if saved.get("stage") != mine["stage"] or saved.get("world_size") != mine["world_size"]:
+        return (f"written at stage={saved.get('stage')} over {saved.get('world_size')} data-parallel ranks, this run is "
+                f"stage={mine['stage']} over {mine['world_size']}; resume with the same stage and data-parallel size")
+
+    def show(buckets):
+        sizes = [b[0] for b in buckets]
+        dtypes = sorted({b[2] for b in buckets})
+        return (f"{len(sizes)} bucket{'s' if len(sizes) != 1 else ''} of {sizes[:6]}"
+                f"{' ...' if len(sizes) > 6 else ''} elements ({', '.join(dtypes)})")
+
+    return (f"its flat buffers are {show(saved.get('buckets', []))}, this run's {show(mine['buckets'])}: resume with "
+            "the same zero.bucket_mb, model and parameter groups (or save with checkpoint_format='universal', which "
+            "resumes on any layout)")

@@ -38,6 +38,10 @@ def _layout_difference(saved: Dict[str, Any], mine: Dict[str, Any]) -> str:
         def show(units):
             return "[" + ", ".join(units[:6]) + (f", ... ({len(units)} units)" if len(units) > 6 else "") + "]"
         return f"its units are {show(names)}, this run's {show(here)}"
+    dtypes = [sorted({bk["dtype"] for u in lay["units"] for bk in u["buckets"]}) for lay in (saved, mine)]
+    if dtypes[0] != dtypes[1]:
+        return (f"its parameter shards are {', '.join(dtypes[0])}, this run's {', '.join(dtypes[1])} (another "
+                "precision: the sharded format resumes at its own)")
     for a, b in zip(saved["units"], mine["units"]):
         if a != b:
             params = sorted({s[0] for bk in a["buckets"] for s in bk["slots"]} ^

@@ -279,3 +279,35 @@ def test_a_stage3_checkpoint_cut_for_other_units_names_them():
                                          r"blocks\.1, lm_head, <root>\]; resume with the same configuration "
                                          r"\(zero\.unit_modules"):
         built(["Block", "lm_head"]).load_shard_state_dict(saved)
+
+
+def test_a_zero2_optimizer_checkpoint_of_other_buckets_or_a_stage3_one_of_another_precision_says_which():
+    """ZeRO 1 / 2 optimizer shards are cut bucket by bucket: another zero.bucket_mb is refused with both bucket lists
+    and the setting to change (it said "stage=2, world_size=2 does not match this run (stage=2, world_size=2)"); a
+    stage-3 checkpoint of another precision names the shard dtypes (it said "other buckets")."""
+    from lightning_scale.models.gpt import GPT, gpt_tiny
+    from lightning_scale.zero.optimizer import ZeroOptimizer
+    from lightning_scale.zero.param_shard import ShardedParameters
+
+    def engine(bucket_mb):
+        torch.manual_seed(0)
+        model = GPT(gpt_tiny(vocab_size=256, n_layer=2))
+        return ZeroOptimizer(torch.optim.AdamW(model.parameters()), stage=2, bucket_mb=bucket_mb,
+                             route_user_calls=False)
+
+    saved = engine(25.0).state_dict()
+    engine(25.0).load_state_dict(saved)
+    with pytest.raises(ValueError, match=r"its flat buffers are 1 bucket of \[\d+\] elements \(torch.float32\), this "
+                                         r"run's \d+ buckets of .*: resume with the same zero.bucket_mb"):
+        engine(0.02).load_state_dict(saved)
+
+    def sharded(dtype):
+        torch.manual_seed(0)
+        model = GPT(gpt_tiny(vocab_size=256, n_layer=2))
+        sp = ShardedParameters(model, [list(model.parameters())], device=torch.device("cpu"), param_dtype=dtype)
+        sp.shard_model()
+        return sp
+
+    with pytest.raises(ValueError, match=r"its parameter shards are torch.bfloat16, this run's torch.float32 \(another "
+                                         r"precision"):
+        sharded(None).load_shard_state_dict(sharded(torch.bfloat16).shard_state_dict())
