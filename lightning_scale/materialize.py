@@ -12,12 +12,56 @@ partitions built from them stay valid.
 
 from __future__ import annotations
 
-from typing import Callable, List, Tuple
+import contextlib
+from typing import Callable, Iterator, List, Tuple
 
 import torch
 from torch import nn
 
 Owners = List[Tuple[str, nn.Module]]
+_ACTIVE = [0]  # depth of parameters_on_meta()
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Build modules with their **parameters** on ``meta`` and everything else real (the pattern of accelerate's
+    ``init_empty_weights(include_buffers=False)``): each parameter moves to meta as it is registered, so a constructor's
+    ``torch.empty`` is never touched and the model's parameters are never held; buffers are computed as in a plain
+    build.
+
+    Why not ``with torch.device("meta")``: a buffer computed in a constructor has no other source. Rotary tables
+    are recomputed by their ``_init_weights``, but Falcon-H1's ``mup_vector`` (non-persistent: in no checkpoint,
+    written by ``FalconH1Model``'s branch of ``_init_weights``, not by its own module's) and Apertus' xIELU ``beta`` /
+    ``eps`` (no branch at all) came out of materialization as uninitialized memory: the model's math was wrong, silently,
+    under every meta-built layout (ZeRO-3, tp, pp). Parameters created with data in a constructor
+    (``nn.Parameter(torch.ones(d))``) are computed, then dropped to meta; their values come from materialization.
+    """
+    original = nn.Module.register_parameter
+
+    def register_parameter(module: nn.Module, name: str, param) -> None:
+        original(module, name, param)
+        param = module._parameters.get(name)
+        if param is not None and not param.is_meta:
+            attrs = dict(param.__dict__)
+            try:
+                meta = type(param)(param.detach().to("meta"), requires_grad=param.requires_grad)
+            except TypeError:  # a Parameter subclass with other constructor arguments
+                meta = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+            meta.__dict__.update(attrs)
+            module._parameters[name] = meta
+
+    nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
+    _ACTIVE[0] += 1
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+        _ACTIVE[0] -= 1
+
+
+def parameters_on_meta_active() -> bool:
+    """Inside :func:`parameters_on_meta` (the strategies' ``configure_model`` context)."""
+    return _ACTIVE[0] > 0
 
 
 def init_owners(root: nn.Module) -> Owners:
@@ -124,7 +168,10 @@ def materialize_(root: nn.Module, device: torch.device, keep: Callable[[str, nn.
     total = 0
     try:
         for name, m in root.named_modules():
-            if not has_meta(m) or not keep(name, m):
+            if not keep(name, m):
+                continue
+            if not has_meta(m):
+                buffers_to_(m, device)  # computed at construction (parameters_on_meta): they follow the parameters
                 continue
             total += allocate_(m, device)
             if reader is not None and reader.covers(f"{name}." if name else ""):
@@ -138,9 +185,19 @@ def materialize_(root: nn.Module, device: torch.device, keep: Callable[[str, nn.
     return total
 
 
+def buffers_to_(module: nn.Module, device: torch.device) -> None:
+    """Move the real buffers ``module`` owns directly to ``device`` (a model built under :func:`parameters_on_meta`
+    computed them on the CPU)."""
+    for key, buf in list(module._buffers.items()):
+        if buf is not None and not buf.is_meta and buf.device != device:
+            module._buffers[key] = buf.to(device)
+
+
 def allocate_(module: nn.Module, device: torch.device) -> int:
     """Give the meta tensors ``module`` owns directly empty storage on ``device`` (parameters keep their identity,
-    see :func:`swap_in`); returns the number of elements allocated. Values are uninitialized."""
+    see :func:`swap_in`) and move its real buffers there; returns the number of elements allocated. Values are
+    uninitialized."""
+    buffers_to_(module, device)
     total = 0
     for p in module.parameters(recurse=False):
         if p.is_meta:

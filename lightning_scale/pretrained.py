@@ -56,7 +56,10 @@ class WeightSource:
 
 
 def _meta_active() -> bool:
-    return torch.empty(0).is_meta  # inside `with torch.device("meta")` (the strategies' configure_model context)
+    """Inside the strategies' configure_model context (materialize.parameters_on_meta) or `with torch.device("meta")`."""
+    from lightning_scale.materialize import parameters_on_meta_active
+
+    return parameters_on_meta_active() or torch.empty(0).is_meta
 
 
 def _check_directory(directory: Any, what: str) -> str:

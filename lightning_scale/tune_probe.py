@@ -66,7 +66,9 @@ def probe_worker(rank: int, world_size: int, gpt_fields: Dict, cand: Dict, steps
     torch.manual_seed(0)
     dev = _rank_device(rank, device)
     on_meta = c.stage == 3 or c.tp > 1 or c.pp > 1
-    with torch.device("meta" if on_meta else dev):
+    from lightning_scale.materialize import parameters_on_meta
+
+    with parameters_on_meta() if on_meta else torch.device(dev):  # as the strategy's configure_model context
         model = GPT(gpt)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     pm = parallelize(model, config, topo, dev, optimizers=[opt], loss_fn=lm_loss,
@@ -121,15 +123,15 @@ def build_module(path: str, meta: bool = False, setting: str = "--module"):
     import contextlib
     import importlib
 
-    import torch
-
     mod, _, cls = path.partition(":")
     try:
         lm = getattr(importlib.import_module(mod), cls)()
     except (ImportError, AttributeError, ValueError) as err:
         raise ConfigError(f"{setting}={path!r}: {type(err).__name__}: {err} (use pkg.module:LightningModuleClass)") \
             from None
-    with torch.device("meta") if meta else contextlib.nullcontext():
+    from lightning_scale.materialize import parameters_on_meta
+
+    with parameters_on_meta() if meta else contextlib.nullcontext():  # as the strategy's configure_model context
         if callable(getattr(lm, "configure_model", None)):
             lm.configure_model()
     return lm

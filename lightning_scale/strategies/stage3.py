@@ -42,8 +42,11 @@ def sync_rng_from_rank0(device: torch.device) -> None:
 def meta_init_context(device: torch.device) -> Generator[None, None, None]:
     from lightning_scale.pretrained import meta_from_pretrained
 
+    from lightning_scale.materialize import parameters_on_meta
+
     sync_rng_from_rank0(device)
-    with torch.device("meta"), meta_from_pretrained():  # from_pretrained(dir) records the weights instead
+    # parameters on meta, buffers computed (materialize.parameters_on_meta); from_pretrained(dir) records the weights
+    with parameters_on_meta(), meta_from_pretrained():
         yield
 
 

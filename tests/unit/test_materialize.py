@@ -62,3 +62,54 @@ def test_swap_in_keeps_identity_and_attributes():
     p.tp_spec = "marker"
     swap_in(p, torch.zeros(3, 4))
     assert not p.is_meta and p.tp_spec == "marker" and p.requires_grad and p.shape == (3, 4)
+
+
+def test_every_hugging_face_family_built_in_the_strategy_context_has_the_plain_builds_buffers():
+    """configure_model runs under parameters_on_meta (the ZeRO-3 / tp / pp context): parameters on meta, buffers
+    computed as in a plain build. Under `torch.device("meta")` buffers came out of materialization as uninitialized
+    memory where nothing else sets them: Falcon-H1's non-persistent mup_vector (in no checkpoint: written by
+    FalconH1Model's branch of _init_weights, not its own module's) and Apertus' xIELU beta / eps (no branch at all),
+    so those models computed wrong outputs, silently; GPT-J / CodeGen's rotary table differed by float32 rounding.
+    Every family of hf_families: the same buffers, bit for bit, and the same logits once given the same parameters."""
+    pytest.importorskip("transformers")
+    import warnings
+
+    from lightning_scale.materialize import parameters_on_meta
+    from lightning_scale.models import hf_families as F
+
+    warnings.filterwarnings("ignore")
+    bad = {}
+    for name in F.FAMILIES:
+        real = F.build(name, "eager")
+        with parameters_on_meta():
+            built = F.build(name, "eager")
+        assert all(p.is_meta for p in built.parameters()), name  # the model's parameters are never held
+        materialize_(built, torch.device("cpu"), lambda n, m: True)
+        theirs = dict(built.named_buffers())
+        bad.update({f"{name}: {n}": float((b.double() - theirs[n].double()).abs().max())
+                    for n, b in real.named_buffers() if not torch.equal(b, theirs[n])})
+        if name in ("falcon_h1", "apertus"):
+            built.load_state_dict(real.state_dict())
+            x, _ = F.batch(2, 8, seed=0)
+            with torch.no_grad():
+                assert torch.equal(built(input_ids=x).logits, real(input_ids=x).logits), name
+    assert not bad, bad
+
+
+def test_parameters_on_meta_moves_parameters_only_and_materialize_moves_the_buffers():
+    from lightning_scale.materialize import allocate_, parameters_on_meta
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.gain = nn.Parameter(torch.full((4,), 2.0))  # created with data: dropped to meta too
+            self.register_buffer("table", torch.arange(4.0), persistent=False)
+
+    with parameters_on_meta():
+        m = Scaled()
+    assert m.lin.weight.is_meta and m.gain.is_meta and isinstance(m.gain, nn.Parameter)
+    assert torch.equal(m.table, torch.arange(4.0))
+    assert not Scaled().lin.weight.is_meta  # the patch is undone on exit
+    allocate_(m, torch.device("meta"))  # another device than the buffers': they follow the parameters
+    assert m.table.is_meta
