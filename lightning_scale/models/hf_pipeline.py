@@ -136,7 +136,10 @@ class HFDecoderLayer(nn.Module):
         self.rotary = rotary  # shared module (non-persistent inv_freq buffers only)
         self.config = config  # plain attribute: not a module
         types = getattr(config, "layer_types", None)
-        if types:
+        fixed = dict(_LAYER_MASKS.get(getattr(config, "model_type", None), {}))
+        if fixed:
+            self.layer_type = fixed.pop("attention_mask")
+        elif types:
             self.layer_type = types[index]
         else:
             self.layer_type = "sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"
@@ -145,9 +148,11 @@ class HFDecoderLayer(nn.Module):
                               f"(config.layer_types), whose mask the built-in adapter does not build (it knows "
                               f"{', '.join(_MASKS)}); define pipeline_layers() on your LightningModule")
         self._rotary_by_type = rotary is not None and "layer_type" in inspect.signature(rotary.forward).parameters
+        self.extra_masks = fixed  # keyword -> layer type, besides attention_mask
 
-    def _mask(self, h: torch.Tensor, padding: Optional[torch.Tensor], position_ids: torch.Tensor):
-        fn = mask_function(self.layer_type)
+    def _mask(self, h: torch.Tensor, padding: Optional[torch.Tensor], position_ids: torch.Tensor,
+              layer_type: Optional[str] = None):
+        fn = mask_function(layer_type or self.layer_type)
         extra = {"allow_is_causal_skip": False} if self.materialize_mask else {}
         return fn(config=self.config, inputs_embeds=h, attention_mask=padding, cache=None, position_ids=position_ids,
                   **extra)
@@ -156,6 +161,8 @@ class HFDecoderLayer(nn.Module):
         h, padding = _split_mask(x, self.has_mask, self.width)
         position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)  # (1, T), as the base model
         kwargs = dict(attention_mask=self._mask(h, padding, position_ids), position_ids=position_ids)
+        for keyword, layer_type in self.extra_masks.items():
+            kwargs[keyword] = self._mask(h, padding, position_ids, layer_type)
         if self.rotary is not None:
             pe = (self.rotary(h, position_ids, self.layer_type) if self._rotary_by_type
                   else self.rotary(h, position_ids))
@@ -185,7 +192,7 @@ class HFHead(nn.Module):
         if self.hidden_scaling is not None:  # as MiniCPM3ForCausalLM.forward
             h = h / self.hidden_scaling
         logits = self.head(h)
-        if self.logit_scale is not None:  # as CohereForCausalLM.forward
+        if self.logit_scale is not None:  # as CohereForCausalLM.forward (Falcon-H1's lm_head_multiplier alike)
             logits = logits * self.logit_scale
         if self.logits_scaling is not None:  # as GraniteForCausalLM.forward
             logits = logits / self.logits_scaling
@@ -207,11 +214,15 @@ _MASKS = {"full_attention": "create_causal_mask", "sliding_attention": "create_s
           # Qwen3-Next's gated DeltaNet layers: the 2-D padding mask (None without padding), zeroing padded states
           "linear_attention": "create_recurrent_attention_mask",
           # DeepSeek-V3.2's layers with the sparse-attention indexer: the causal mask, always materialized
-          "indexed_attention": "create_causal_mask"}
+          "indexed_attention": "create_causal_mask",
+          # LFM2's short gated convolutions: the 2-D padding mask, as its base model builds it
+          "conv": "create_recurrent_attention_mask"}
 # Families whose forward adds to that pattern only a scaling by a config value, which the adapter applies (model type
 # -> those attributes): Granite's embeddings * embedding_multiplier and logits / logits_scaling, Cohere's logits *
 # logit_scale. Another family with such an attribute is refused (its forward may use it otherwise).
 _SCALES = {"cohere": ("logit_scale",), "cohere2": ("logit_scale",), "cohere2_moe": ("logit_scale",),
+           # Falcon-H1 (muP): embeddings * embedding_multiplier, logits * lm_head_multiplier (base model attributes)
+           "falcon_h1": ("embedding_multiplier", "lm_head_multiplier"),
            "minicpm3": ("logits_scaling",),  # applied to the hidden states before the head (_HIDDEN_SCALED)
            "granite": ("embedding_multiplier", "logits_scaling"),
            "granitemoe": ("embedding_multiplier", "logits_scaling"),
@@ -225,7 +236,15 @@ _SCALES = {"cohere": ("logit_scale",), "cohere2": ("logit_scale",), "cohere2_moe
 _HYBRID_STRUCTURE = {"jamba": (("embed_tokens",), "layers", ("final_layernorm",)),
                      "bamba": (("embed_tokens",), "layers", ("final_layernorm",)),
                      "nemotron_h": (("embeddings",), "layers", ("norm_f",)),
-                     "granitemoehybrid": (("embed_tokens",), "layers", ("norm",))}
+                     "granitemoehybrid": (("embed_tokens",), "layers", ("norm",)),
+                     # LFM2: convolution and attention layers (layer_types "conv" / "full_attention"), its final norm
+                     # named embedding_norm; Falcon-H1: attention and Mamba-2 side by side in every layer
+                     "lfm2": (("embed_tokens",), "layers", ("embedding_norm",)),
+                     "falcon_h1": (("embed_tokens",), "layers", ("final_layernorm",))}
+# families whose every layer takes fixed masks by keyword, whatever config.layer_types says (Falcon-H1's layers are
+# all "hybrid": the attention half takes the causal mask, the Mamba half the recurrent padding mask, as its base model
+# passes them): keyword -> the layer type whose mask function builds it
+_LAYER_MASKS = {"falcon_h1": {"attention_mask": "full_attention", "mamba_attention_mask": "linear_attention"}}
 # families whose forward upcasts the logits to float32 (the head does too)
 _FLOAT_LOGITS = ("nemotron_h",)
 # families whose base model norms the embeddings with its final norm before the first layer (NanoChat: a norm without
@@ -323,7 +342,9 @@ def hf_pipeline_layers(model: nn.Module, attention_mask: Optional[bool] = None) 
     out += [HFDecoderLayer(layer, i, config, rotary, attention_mask, materialize) for i, layer in enumerate(layers)]
     softcap = getattr(model.config, "final_logit_softcapping", None)
     out.append(HFHead([getattr(base, n) for n in post], getattr(model, head_name), softcap, attention_mask,
-                      config.hidden_size, logit_scale=model.logit_scale if "logit_scale" in applied else None,
+                      config.hidden_size, logit_scale=(model.logit_scale if "logit_scale" in applied else
+                                                       base.lm_head_multiplier if "lm_head_multiplier" in applied
+                                                       else None),
                       logits_scaling=(model.config.logits_scaling if "logits_scaling" in applied
                                       and model.config.model_type not in _HIDDEN_SCALED else None),
                       hidden_scaling=(model.config.logits_scaling if model.config.model_type in _HIDDEN_SCALED
