@@ -159,7 +159,8 @@ class HFCheckpoint:
         if len(shape) != len(chunk.sizes) or any(o + s > n for o, s, n in zip(chunk.offsets, chunk.sizes, shape)):
             raise CheckpointError(f"{os.path.join(self.directory, self.weight_map[name])}: {name} has shape {shape}; "
                                   f"region {chunk} is outside it")
-        t = sl[tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))] if shape else sl[:]
+        # a 0-dim tensor (Apertus' xIELU beta / eps) is read with the empty index `sl[()]`: `sl[:]` raised IndexError
+        t = sl[tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))]
         return t if dtype is None else t.to(dtype)
 
 

@@ -171,3 +171,29 @@ def test_export_hf_loads_in_from_pretrained_with_the_same_logits(hf_dirs, tmp_pa
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]  # no staging left
     assert math.isclose(sum(os.path.getsize(os.path.join(out2, f)) for f in set(index["weight_map"].values())),
                         index["metadata"]["total_size"], rel_tol=0.2)
+
+
+@pytest.mark.parametrize("family", ["apertus", "falcon_h1"])
+def test_pretrained_weights_into_the_strategies_meta_build_give_the_saved_models_logits(tmp_path, family):
+    """The strategies' configure_model context (parameters on meta, buffers computed) + the files: Apertus' xIELU
+    `beta` / `eps` are 0-dim tensors in the files (reading them raised IndexError: `sl[:]` on a 0-dim safetensors
+    slice), Falcon-H1's `mup_vector` is in no file (it was uninitialized memory under `torch.device("meta")`)."""
+    from lightning_scale.checkpoint.hf import load_hf_weights_
+    from lightning_scale.materialize import parameters_on_meta
+    from lightning_scale.models import hf_families as F
+
+    torch.manual_seed(0)
+    saved = _scaled(F.build(family, "eager", dtype=torch.float32), 4)
+    saved.save_pretrained(tmp_path / family)
+    with parameters_on_meta():
+        model = F.build(family, "eager", dtype=torch.float32)
+    load_hf_weights_(model, str(tmp_path / family))
+    ids = torch.randint(0, F.VOCAB, (2, 8), generator=torch.Generator().manual_seed(5))
+    assert torch.equal(_logits(model.eval(), ids), _logits(saved, ids))
+    from lightning_scale.checkpoint.hf import HFCheckpoint
+    from lightning_scale.checkpoint.layout import Chunk
+
+    ckpt = HFCheckpoint(str(tmp_path / family))  # the strategies read regions (their shard / slices / stage)
+    for name, t in saved.state_dict().items():
+        if t.dim() == 0 and ckpt.resolve(name) is not None:
+            assert torch.equal(ckpt.read_chunk(ckpt.resolve(name), Chunk((), ())), t), name
