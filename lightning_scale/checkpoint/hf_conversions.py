@@ -26,9 +26,19 @@ import torch
 _REGEX = re.compile(r"[\^$()\[\]+?{}|\\]")  # a pattern holding one of these is a regex, not a literal
 
 
+def _literal(pattern: str) -> Optional[Tuple[str, bool]]:
+    """A renaming pattern as (literal, anchored at the key's start), or None for a real regular expression. transformers
+    writes most renamings as escaped literals (``^embed_out\\.`` for GPT-NeoX's head, ``block_sparse_moe\\.router\\.
+    layer\\.weight`` for GraniteMoE's router); those were skipped as regexes, and a pretrained GPT-NeoX / GraniteMoE
+    read under ZeRO-3 / tp / pp failed with "no tensor for ['lm_head.weight']"."""
+    anchored = pattern.startswith("^")
+    body = (pattern[1:] if anchored else pattern).replace("\\.", ".")
+    return None if _REGEX.search(body) else (body, anchored)
+
+
 @dataclass(frozen=True)
 class Conversions:
-    renames: Tuple[Tuple[str, str], ...] = ()  # (file literal, model literal)
+    renames: Tuple[Tuple[str, str, bool], ...] = ()  # (file literal, model literal, anchored at the key's start)
     # (model key suffix, file key suffixes with '*' = the expert index, concatenation dim of the stacked tensors)
     fused: Tuple[Tuple[str, Tuple[str, ...], Optional[int]], ...] = ()
 
@@ -52,11 +62,13 @@ def conversions_for(model: Any) -> Optional[Conversions]:
     renames, fused = [], []
     for t in mapping:
         src, dst = list(getattr(t, "source_patterns", ()) or ()), list(getattr(t, "target_patterns", ()) or ())
-        if any(_REGEX.search(p) for p in src + dst):
-            continue
         ops = list(getattr(t, "operations", None) or [])
         if not ops and len(src) == 1 and len(dst) == 1 and "*" not in src[0] + dst[0]:
-            renames.append((src[0], dst[0]))
+            file_lit, model_lit = _literal(src[0]), _literal(dst[0])
+            if file_lit is not None and model_lit is not None:
+                renames.append((file_lit[0], model_lit[0], file_lit[1]))
+            continue
+        if any(_REGEX.search(p) for p in src + dst):
             continue
         if (len(dst) != 1 or not ops or not isinstance(ops[0], cm.MergeModulelist) or ops[0].dim != 0
                 or not all("*" in s for s in src)):
@@ -71,8 +83,11 @@ def conversions_for(model: Any) -> Optional[Conversions]:
 def renamed(key: str, conversions: Optional[Conversions]) -> List[str]:
     """File names ``key`` may have under the renamings (the key itself first)."""
     out = [key]
-    for file_lit, model_lit in (conversions.renames if conversions else ()):
-        out += [k.replace(model_lit, file_lit) for k in out if model_lit in k]
+    for file_lit, model_lit, anchored in (conversions.renames if conversions else ()):
+        if anchored:
+            out += [file_lit + k[len(model_lit):] for k in out if k.startswith(model_lit)]
+        else:
+            out += [k.replace(model_lit, file_lit) for k in out if model_lit in k]
     return out
 
 

@@ -45,7 +45,7 @@ def test_mixtral_mapping_is_transformers_own(saved):
     from lightning_scale.checkpoint.hf_conversions import conversions_for
 
     conv = conversions_for(saved["mixtral"][0])
-    assert (".block_sparse_moe.", ".mlp.") in conv.renames
+    assert (".block_sparse_moe.", ".mlp.", False) in conv.renames
     assert (".experts.gate_up_proj", (".experts.*.w1.weight", ".experts.*.w3.weight"), 1) in conv.fused
     assert (".experts.down_proj", (".experts.*.w2.weight",), None) in conv.fused
     assert conversions_for(torch.nn.Linear(2, 2)) is None
