@@ -32,8 +32,8 @@ def parameters_on_meta() -> Iterator[None]:
     Why not ``with torch.device("meta")``: a buffer computed in a constructor has no other source. Rotary tables
     are recomputed by their ``_init_weights``, but Falcon-H1's ``mup_vector`` (non-persistent: in no checkpoint,
     written by ``FalconH1Model``'s branch of ``_init_weights``, not by its own module's) and Apertus' xIELU ``beta`` /
-    ``eps`` (no branch at all) came out of materialization as uninitialized memory: the model's math was wrong, silently,
-    under every meta-built layout (ZeRO-3, tp, pp). Parameters created with data in a constructor
+    ``eps`` (no branch at all) came out of materialization as uninitialized memory: the model's math was wrong,
+    silently, under every meta-built layout (ZeRO-3, tp, pp). Parameters created with data in a constructor
     (``nn.Parameter(torch.ones(d))``) are computed, then dropped to meta; their values come from materialization.
     """
     original = nn.Module.register_parameter

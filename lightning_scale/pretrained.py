@@ -56,7 +56,8 @@ class WeightSource:
 
 
 def _meta_active() -> bool:
-    """Inside the strategies' configure_model context (materialize.parameters_on_meta) or `with torch.device("meta")`."""
+    """Inside the strategies' configure_model context (materialize.parameters_on_meta) or under
+    `with torch.device("meta")`."""
     from lightning_scale.materialize import parameters_on_meta_active
 
     return parameters_on_meta_active() or torch.empty(0).is_meta

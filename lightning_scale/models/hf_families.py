@@ -197,11 +197,9 @@ FAMILIES: Dict[str, Tuple[str, dict, str]] = {
 }
 
 
-# families pp refuses by name -> what the refusal says: LFM2 (its short convolution layers: no mask known here) and
-# Falcon-H1 (attention and Mamba side by side in each layer, muP multipliers in its forward) declare no pipeline plan
-# and are not run by the adapter (NanoChat, whose base model norms the embeddings with the module that norms the last
-# layer's output, runs that weightless norm on the first and the last stage)
-NO_PP: Dict[str, str] = {}  # families pp refuses by name (LFM2 and Falcon-H1 were, until 2026-12-07)
+# families pp refuses by name -> what the refusal says (the matrix checks the refusal). None now: LFM2 and Falcon-H1
+# were ("declares no pipeline structure") until 2026-12-07; hf_pipeline._HYBRID_STRUCTURE / _LAYER_MASKS run them
+NO_PP: Dict[str, str] = {}
 # families whose forward upcasts the logits to float32 (Nemotron-H): a float64 run's loss is a float32 number, so
 # another split of the batch or of the layers moves it by float32 rounding (one ulp of the loss: 4.8e-7 seen); the
 # matrix's tolerance for them

@@ -52,7 +52,7 @@ def save_sharded(checkpoint: Dict[str, Any], path: str, rank: int, world_size: i
     broadcast(None)  # nobody returns (and, e.g., loads or removes it) before the folder is in place
 
 
-LAYOUT_KEY = "lightning_scale_grid"  # in a sharded checkpoint's checkpoint.pt: the layout its per-rank files are cut for
+LAYOUT_KEY = "lightning_scale_grid"  # in a sharded checkpoint's checkpoint.pt: the layout of its per-rank files
 _GRID = ("dp", "tp", "ep", "pp", "sp")
 
 

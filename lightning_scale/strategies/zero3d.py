@@ -78,9 +78,9 @@ class Zero3DStrategy(GridStrategyMixin, ParallelStrategy):
             autotune_options(autotune)  # bad keys: a ConfigError now, not after the launch
             # The layout is picked again at every start (probe timings vary): checkpoints default to the layout-free
             # format, which resumes on whatever the next start picks. A format the user set is kept.
-            given = options if config is None else {"checkpoint_format": None} if (
-                self.config.checkpoint_format != "sharded") else {}
-            if "checkpoint_format" not in given:
+            user_set = ("checkpoint_format" in options if config is None
+                        else self.config.checkpoint_format != "sharded")
+            if not user_set:
                 self.config = dataclasses.replace(self.config, checkpoint_format="universal").validate()
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
@@ -434,7 +434,7 @@ class Zero3DStrategy(GridStrategyMixin, ParallelStrategy):
 
         if self._autotune_pending:
             return {}
-        trainer = getattr(self.lightning_module, "trainer", None) if self.lightning_module is not None else None
+        trainer = getattr(self.lightning_module, "_trainer", None)  # (.trainer raises when none is attached)
         fitting = trainer is None or trainer.state.fn == TrainerFn.FITTING
         hint = ""
         if self.autotune_result is not None:

@@ -458,8 +458,8 @@ def warn_if_not_elementwise(optimizer: torch.optim.Optimizer, stage: int) -> Non
 def _layout_difference(saved: Dict[str, Any], mine: Dict[str, Any]) -> str:
     """A ZeRO 1 / 2 optimizer checkpoint's layout against this run's, in words, with the setting to change."""
     if saved.get("stage") != mine["stage"] or saved.get("world_size") != mine["world_size"]:
-        return (f"written at stage={saved.get('stage')} over {saved.get('world_size')} data-parallel ranks, this run is "
-                f"stage={mine['stage']} over {mine['world_size']}; resume with the same stage and data-parallel size")
+        return (f"written at stage={saved.get('stage')} over {saved.get('world_size')} data-parallel ranks, this run "
+                f"is stage={mine['stage']} over {mine['world_size']}; resume with the same stage and data-parallel size")
 
     def show(buckets):
         sizes = [b[0] for b in buckets]
