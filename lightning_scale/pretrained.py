@@ -273,8 +273,13 @@ def check_source(module: nn.Module, source: WeightSource, what: str = "pretraine
     ckpt = _open(source.directory, source.conversions)
     try:
         missing, wrong = [], []
-        for key, t in module.state_dict(keep_vars=True).items():
-            src = ckpt.resolve(key, source.rename)
+        state = module.state_dict(keep_vars=True)
+        names: Dict[int, List[str]] = {}
+        for key, t in state.items():
+            names.setdefault(id(t), []).append(key)
+        for key, t in state.items():
+            # a tied tensor is in the file under one of its names (Falcon's head: transformer.word_embeddings.weight)
+            src = next((s for k in [key] + names[id(t)] if (s := ckpt.resolve(k, source.rename)) is not None), None)
             if src is None:
                 missing.append(key)
             elif ckpt.shape(src) != tuple(t.shape):

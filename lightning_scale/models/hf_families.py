@@ -187,6 +187,9 @@ FAMILIES: Dict[str, Tuple[str, dict, str]] = {
     "falcon_h1": ("falcon_h1", dict(num_key_value_heads=2, head_dim=8, mamba_d_ssm=64, mamba_n_heads=4,
                                     mamba_d_head=16, mamba_n_groups=1, mamba_d_state=4),
                   "Falcon-H1: attention and Mamba-2 side by side in every layer, muP multipliers"),
+    "falcon": ("falcon", dict(new_decoder_architecture=True, num_kv_heads=2, alibi=False, bias=False),
+               "Falcon (new decoder architecture): fused qkv grouped by key / value head, parallel attention / MLP, "
+               "no pipeline or tp plan in its config"),
     "lfm2": ("lfm2", dict(num_key_value_heads=2, head_dim=8, layer_types=["conv", "full_attention"] * 2),
              "LFM2: short gated convolutions and attention layers"),
     "granitemoehybrid": ("granitemoehybrid", dict(num_key_value_heads=2, head_dim=8, num_local_experts=4,
@@ -198,7 +201,7 @@ FAMILIES: Dict[str, Tuple[str, dict, str]] = {
 
 
 # families pp refuses by name -> what the refusal says (the matrix checks the refusal). None now: LFM2 and Falcon-H1
-# were ("declares no pipeline structure") until 2026-12-07; hf_pipeline._HYBRID_STRUCTURE / _LAYER_MASKS run them
+# were ("declares no pipeline structure") until 2026-12-07; hf_pipeline._NAMED_STRUCTURE / _LAYER_MASKS run them
 NO_PP: Dict[str, str] = {}
 # families whose forward upcasts the logits to float32 (Nemotron-H): a float64 run's loss is a float32 number, so
 # another split of the batch or of the layers moves it by float32 rounding (one ulp of the loss: 4.8e-7 seen); the

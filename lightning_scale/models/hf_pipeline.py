@@ -50,7 +50,8 @@ from lightning_scale.pipeline.layers import register_layer_provider
 
 # Config attributes whose math sits in a forward this adapter does not run: refuse rather than be wrong.
 _UNSUPPORTED_CONFIG = ("embedding_multiplier", "logit_scale", "logits_scaling", "use_bidirectional_attention",
-                       "altup_num_inputs", "hidden_size_per_layer_input")
+                       "altup_num_inputs", "hidden_size_per_layer_input",
+                       "alibi")  # Falcon's ALiBi: a per-head bias its base model adds onto the mask
 
 
 def is_hf_causal_lm(model: nn.Module) -> bool:
@@ -229,18 +230,20 @@ _SCALES = {"cohere": ("logit_scale",), "cohere2": ("logit_scale",), "cohere2_moe
            "granitemoehybrid": ("embedding_multiplier", "logits_scaling")}
 
 
-# hybrid (Mamba + attention) families whose config declares no pipeline plan: their base model is the Llama pattern
-# under other names (model type -> (embedding modules, layer list, final modules); the head lm_head); their Mamba
-# layers ('linear_attention') get the recurrent padding mask per stage. Each is checked equal to the model
-# (tests/unit/test_hf_pipeline.py) and to one process at pp=2 (tests/dist/test_hf_matrix.py)
-_HYBRID_STRUCTURE = {"jamba": (("embed_tokens",), "layers", ("final_layernorm",)),
+# families whose config declares no pipeline plan although their base model is the Llama pattern under other names
+# (model type -> (embedding modules, layer list, final modules); the head lm_head): the hybrid (Mamba + attention)
+# families, whose Mamba layers ('linear_attention') get the recurrent padding mask per stage, and Falcon. Each is
+# checked equal to the model (tests/unit/test_hf_pipeline.py) and to one process at pp=2 (tests/dist/test_hf_matrix.py)
+_NAMED_STRUCTURE = {"jamba": (("embed_tokens",), "layers", ("final_layernorm",)),
                      "bamba": (("embed_tokens",), "layers", ("final_layernorm",)),
                      "nemotron_h": (("embeddings",), "layers", ("norm_f",)),
                      "granitemoehybrid": (("embed_tokens",), "layers", ("norm",)),
                      # LFM2: convolution and attention layers (layer_types "conv" / "full_attention"), its final norm
                      # named embedding_norm; Falcon-H1: attention and Mamba-2 side by side in every layer
                      "lfm2": (("embed_tokens",), "layers", ("embedding_norm",)),
-                     "falcon_h1": (("embed_tokens",), "layers", ("final_layernorm",))}
+                     "falcon_h1": (("embed_tokens",), "layers", ("final_layernorm",)),
+                     # Falcon (rotary; its ALiBi variant is refused: config.alibi, _UNSUPPORTED_CONFIG)
+                     "falcon": (("word_embeddings",), "h", ("ln_f",))}
 # families whose every layer takes fixed masks by keyword, whatever config.layer_types says (Falcon-H1's layers are
 # all "hybrid": the attention half takes the causal mask, the Mamba half the recurrent padding mask, as its base model
 # passes them): keyword -> the layer type whose mask function builds it
@@ -284,8 +287,8 @@ def _structure(model: nn.Module):
     if not plan and config.model_type in _LLAMA_PATTERN:
         plan, head_plan = {"embed_tokens": None, "layers": None, "norm": None}, {"lm_head": None}
     family = f"{type(model).__name__} (model_type {config.model_type!r})"
-    if not plan and config.model_type in _HYBRID_STRUCTURE and base is not None:
-        pre, layers_name, post = _HYBRID_STRUCTURE[config.model_type]
+    if not plan and config.model_type in _NAMED_STRUCTURE and base is not None:
+        pre, layers_name, post = _NAMED_STRUCTURE[config.model_type]
         found = (list(pre), layers_name, list(post), "lm_head")
     elif not plan and config.model_type in _NORM_BEFORE_LAYERS and base is not None:
         norm = getattr(base, "norm", None)
@@ -306,7 +309,10 @@ def _structure(model: nn.Module):
         k = names.index(lists[0])
         found = (names[:k], lists[0], names[k + 1:], next(iter(head_plan)))
     applied = _SCALES.get(config.model_type, ())
-    bad = [a for a in _UNSUPPORTED_CONFIG if a not in applied and getattr(config, a, None) not in (None, False, 1, 1.0)]
+    # `True in (1, 1.0)` holds in Python: a flag set to True (use_bidirectional_attention, Falcon's alibi) passed as
+    # the neutral scale 1 and ran the adapter's causal math, silently; a flag is compared by identity
+    bad = [a for a in _UNSUPPORTED_CONFIG if a not in applied and (
+        (v := getattr(config, a, None)) is True or (v is not False and v not in (None, 1, 1.0)))]
     if bad:
         raise ConfigError(f"pipeline: {family} uses config.{bad[0]}={getattr(config, bad[0])!r}, math in the "
                           f"model's forward that the built-in adapter does not run; {_hook_hint(model)}")

@@ -140,6 +140,32 @@ def _llama_layout_plan(model: nn.Module, prefix: str) -> Dict[str, object]:
     return _untie_head(plan, model)
 
 
+# Falcon declares no tp plan. With the new decoder architecture its fused query_key_value holds, per key / value head,
+# that group's queries then its key and value, so a contiguous split of its rows over tp is a split by whole groups
+# (the attention's num_heads / num_kv_heads are made local like every attention's); the old layout without
+# multi-query interleaves q / k / v per head (whole heads again). Refused by name: multi-query with the old layout
+# (one key / value head after all the queries) and ALiBi (the base model adds every head's bias onto the mask).
+FALCON_PLAN: Dict[str, str] = {
+    "word_embeddings": "embedding_rowwise", "h.*.self_attention.query_key_value": "colwise",
+    "h.*.self_attention.dense": "rowwise", "h.*.mlp.dense_h_to_4h": "colwise", "h.*.mlp.dense_4h_to_h": "rowwise",
+}
+
+
+def _falcon_plan(model: nn.Module, prefix: str) -> Dict[str, object]:
+    config = model.config
+    why = ("config.alibi=True: the base model adds every head's ALiBi bias onto the attention mask" if config.alibi
+           else "config.multi_query=True with the old decoder layout: its one key / value head follows all the "
+                "queries in query_key_value, which a split by rows would cut" if (
+                    config.multi_query and not config.new_decoder_architecture) else None)
+    if why:
+        raise ConfigError(f"tensor.plan: {type(model).__name__} with {why}; train it with ZeRO / pp, or pass "
+                          f"plan={{pattern: style}} of your own")
+    plan = {prefix + k: hf_style(v, k) for k, v in FALCON_PLAN.items()}
+    if isinstance(getattr(model, "lm_head", None), nn.Linear):
+        plan["lm_head"] = hf_style("colwise_gather_output", "lm_head")
+    return _untie_head(plan, model)
+
+
 def _own_experts(plan: Dict[str, str]) -> Dict[str, str]:
     """A declared plan without transformers' ``moe_tp_experts`` entries (Llama 4's experts module: every expert's
     width split, the output all-reduced): the built-in plan gives each experts module tp can split this package's
@@ -176,6 +202,8 @@ def hf_plan(model: nn.Module) -> Dict[str, str]:
         return _untie_head({prefix + k: hf_style(v, k) for k, v in _own_experts(base).items()}, model)
     if model.config.model_type in _LLAMA_LAYOUT:
         return _llama_layout_plan(model, prefix)
+    if model.config.model_type == "falcon":
+        return _falcon_plan(model, prefix)
     raise ConfigError(f"tensor.plan: {type(model).__name__} declares no tp_plan (base_model_tp_plan); "
                       f"pass plan={{pattern: style}}")
 

@@ -204,14 +204,15 @@ def test_every_family_from_pretrained_in_the_strategies_context_gives_the_saved_
     context (parameters on meta, the directory recorded) and materialized by region reads (the tp / pp path; ZeRO-3
     reads its shards through the same resolution): every family of hf_families gives the saved model's logits bit for
     bit. GPT-NeoX ("no tensor for ['lm_head.weight']": its file says embed_out) and GraniteMoE / Granite 4 (the
-    router's `router.layer.weight`) failed, their renamings being escaped literals that were taken for regexes."""
+    router's `router.layer.weight`) failed, their renamings being escaped literals that were taken for regexes; Falcon's
+    tied head failed the source check (its file names the tensor transformer.word_embeddings.weight only)."""
     import warnings
 
     from transformers import AutoModelForCausalLM
 
     from lightning_scale.materialize import materialize_, parameters_on_meta
     from lightning_scale.models import hf_families as F
-    from lightning_scale.pretrained import meta_from_pretrained
+    from lightning_scale.pretrained import check_weight_sources, meta_from_pretrained
 
     warnings.filterwarnings("ignore")
     ids = torch.randint(0, F.VOCAB, (2, 8), generator=torch.Generator().manual_seed(5))
@@ -224,6 +225,7 @@ def test_every_family_from_pretrained_in_the_strategies_context_gives_the_saved_
             with parameters_on_meta(), meta_from_pretrained():
                 model = AutoModelForCausalLM.from_pretrained(tmp_path / name, attn_implementation="eager")
             assert all(p.is_meta for p in model.parameters())  # recorded, not read
+            check_weight_sources(model)  # parallelize's first step, every rank
             materialize_(model, torch.device("cpu"), lambda n, m: True)
             diff = (_logits(model.eval(), ids) - _logits(saved, ids)).abs().max().item()
         except Exception as err:  # noqa: BLE001 - collected: every family is reported

@@ -134,3 +134,25 @@ def test_nanochat_runs_its_weightless_norm_on_the_first_and_the_last_stage():
     model.model.norm = nn.RMSNorm(model.config.hidden_size, dtype=torch.float64)
     with pytest.raises(ConfigError, match="norms its embeddings with the module that norms the last layer's output"):
         pipeline_layers(model)
+
+
+def test_falcon_variants_the_adapter_and_the_plan_cannot_run_are_refused_by_name():
+    """Falcon (rotary, new or old decoder layout) runs under pp / tp / ZeRO-3 (the matrix); its ALiBi variant (the base
+    model adds every head's bias onto the mask) is refused by pp and tp, the old layout with multi-query attention
+    (one key / value head after all the queries in the fused projection) by tp."""
+    from lightning_scale.tensor_parallel.hf import hf_plan
+
+    alibi = F.build("falcon", "eager", overrides={"alibi": True})
+    with pytest.raises(ConfigError, match=r"config\.alibi=True"):
+        pipeline_layers(alibi)
+    with pytest.raises(ConfigError, match=r"config\.alibi=True: the base model adds every head's ALiBi bias"):
+        hf_plan(alibi)
+    mqa = F.build("falcon", "eager", overrides={"new_decoder_architecture": False, "multi_query": True})
+    with pytest.raises(ConfigError, match=r"config\.multi_query=True with the old decoder layout"):
+        hf_plan(mqa)
+    assert len(pipeline_layers(mqa)) == 4 + 2  # pp runs it
+    assert "transformer.h.*.self_attention.query_key_value" in hf_plan(F.build("falcon", "eager"))
+    # a flag set to True is refused: `True in (None, False, 1, 1.0)` holds, so flags passed as the neutral scale 1
+    bidirectional = F.build("gemma3", "eager", overrides={"use_bidirectional_attention": True})
+    with pytest.raises(ConfigError, match=r"config\.use_bidirectional_attention=True"):
+        pipeline_layers(bidirectional)
