@@ -333,6 +333,10 @@ def _sp_hf(model: nn.Module, group, tp: int = 1, stage: Optional[nn.Module] = No
     if getattr(cfg, "model_type", None) in SP_REFUSED:
         raise ConfigError(f"sp={sp}: {type(model).__name__}: {SP_REFUSED[cfg.model_type]}; use tp, pp or ZeRO-3 for "
                           f"it", settings=("sp",))
+    if getattr(cfg, "alibi", None) is True:  # Falcon's ALiBi variant
+        raise ConfigError(f"sp={sp}: {type(model).__name__} with config.alibi=True: its base model adds every head's "
+                          f"ALiBi bias onto a mask it builds from this rank's chunk of the sequence; use ZeRO-3 for it",
+                          settings=("sp",))
     types = set(getattr(cfg, "layer_types", None) or ())
     if "indexed_attention" in types:  # DeepSeek-V3.2's sparse attention: the indexer picks keys from hidden states
         raise ConfigError(f"sp={sp}: {type(model).__name__} has 'indexed_attention' layers (config.layer_types): "
@@ -433,6 +437,11 @@ class _FullMasks:
         for t in self.types:  # a layer type with no known mask: refused now, not built as a causal mask
             mask_function(t)
         self.windowed = bool(self.types - {"full_attention"})  # sliding or chunked layers: never a plain causal mask
+        # a base model that materializes its causal mask itself (allow_is_causal_skip=False: Falcon) builds it from
+        # this rank's slice (L/sp keys): it is given the whole sequence's instead, also where it is plain causal
+        from lightning_scale.models.hf_pipeline import _materializes_mask
+
+        self.materialized = _materializes_mask(hf_base_model(model))
         self.embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
 
     def build(self, batch: int, length: int, padding: Optional[torch.Tensor], position_ids: torch.Tensor,
@@ -444,6 +453,8 @@ class _FullMasks:
         embeds = torch.empty((batch, length, 1), dtype=dtype, device=device)  # only its shape and dtype are read
         kwargs = dict(config=self.config, inputs_embeds=embeds, attention_mask=padding, cache=None,
                       position_ids=position_ids)
+        if self.materialized:  # as the base model builds it: a tensor, never None (sdpa's is_causal)
+            kwargs["allow_is_causal_skip"] = False
         made = {t: mask_function(t)(**kwargs) for t in sorted(self.types)}  # Llama 4: chunked too
         if self.by_type:
             return made
@@ -481,7 +492,7 @@ def _global_positions_and_mask(group, masks: _FullMasks, module, args, kwargs):
         start = C.group_rank(group) * length
         positions = torch.arange(start, start + length, device=x.device).unsqueeze(0)
         kwargs["position_ids"] = positions
-    if padding is None and not given and not masks.windowed:
+    if padding is None and not given and not masks.windowed and not masks.materialized:
         return args, kwargs  # a plain causal mask: the attention builds it (or sdpa's is_causal)
     full_positions = _gather_sequence(positions.expand(batch, -1), group) if given else \
         torch.arange(length * sp, device=x.device).unsqueeze(0).expand(batch, -1)

@@ -212,7 +212,8 @@ def _bad(rank: int, world_size: int):
     messages = []
     # Qwen3-Next: its gated DeltaNet (linear-attention) layers carry a state along the whole sequence
     for model in (GPT(gpt_tiny(n_head=3, d_model=24)), GPT(gpt_tiny(seq_len=15)), torch.nn.Linear(2, 2),
-                  F.build("qwen3_next", "sdpa"), F.build("deepseek_v32", "sdpa"), F.build("doge", "sdpa")):
+                  F.build("qwen3_next", "sdpa"), F.build("deepseek_v32", "sdpa"), F.build("doge", "sdpa"),
+                  F.build("falcon", "sdpa", overrides={"alibi": True})):
         try:
             apply_sequence_parallel(model, group)
             messages.append(None)
@@ -225,7 +226,7 @@ def _bad(rank: int, world_size: int):
 @pytest.mark.timeout(120)
 def test_bad_models_are_config_errors_on_every_rank():
     for messages in run_distributed(_bad, 2, timeout=100, preload=HF_RANK_PRELOAD):
-        heads, seq, linear, recurrent, indexed, dynamic = messages
+        heads, seq, linear, recurrent, indexed, dynamic, alibi = messages
         assert heads.startswith("sp=2 does not divide model.n_head=3"), heads
         assert seq.startswith("sp=2 does not divide model.seq_len=15"), seq
         assert linear.startswith("sp=2: Linear holds no attention that sequence parallelism can swap"), linear
@@ -233,6 +234,52 @@ def test_bad_models_are_config_errors_on_every_rank():
         # DeepSeek-V3.2's indexer scores positions from the hidden states (a RuntimeError in the forward before)
         assert indexed.startswith("sp=2: DeepseekV32ForCausalLM has 'indexed_attention' layers"), indexed
         assert dynamic.startswith("sp=2: DogeForCausalLM: its attention adds a mask computed from the value"), dynamic
+        assert alibi.startswith("sp=2: FalconForCausalLM with config.alibi=True"), alibi
+
+
+def _falcon(rank: int, world_size: int, attn: str):
+    """Falcon's base model materializes its causal mask (allow_is_causal_skip=False) from the slice it gets: under sp
+    it is given the whole sequence's (it raised "an attention mask over 6 keys, not the whole sequence's 12")."""
+    from lightning_scale.config import from_flat_kwargs
+    from lightning_scale.models import hf_families as F
+    from lightning_scale.parallelize import local_topology, parallelize
+    from lightning_scale.sequence_parallel import shard_sequence
+
+    config = from_flat_kwargs(sp=2)
+    topo = local_topology(config, world_size, rank)
+    model = F.build("falcon", attn)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    parallelize(model, config, topo, "cpu", optimizers=[opt]).make_engines()
+    losses = []
+    for step in range(2):
+        x, _ = F.batch(2, 12, seed=step)
+        (xs,) = shard_sequence((x,), topo.sp_rank, topo.sp)
+        loss = model(input_ids=xs, labels=xs).loss  # the model's own loss_function, across the slices
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.timeout(120)
+def test_falcon_materialized_causal_mask_sp2_equals_one_process(attn):
+    from lightning_scale.models import hf_families as F
+
+    model = F.build("falcon", attn)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    ref = []
+    for step in range(2):
+        x, _ = F.batch(2, 12, seed=step)
+        logits = model(input_ids=x).logits
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref.append(float(loss.detach()))
+    for got in run_distributed(_falcon, 2, args=(attn,), timeout=100, preload=HF_RANK_PRELOAD):
+        assert max(abs(a - b) for a, b in zip(got, ref)) < 1e-10, (got, ref)
 
 
 def test_config_errors_name_the_settings():
