@@ -149,9 +149,9 @@ def module_pieces(module, engines, tp_rank: int, names_only=None) -> List[Any]:
 
 
 def _layout(strategy) -> Dict[str, Any]:
-    cfg = strategy.config
-    return {"world_size": strategy.world_size, "dp": cfg.resolved_dp(strategy.world_size), "tp": cfg.tp,
-            "ep": cfg.ep, "pp": cfg.pp, "sp": cfg.sp, "stage": cfg.zero.stage, "offload": cfg.offload.optimizer,
+    """The universal checkpoint's record of the layout that wrote it: the sharded one's and the rest."""
+    return {"world_size": strategy.world_size, **sharded_layout(strategy),
+            "offload": strategy.config.offload.optimizer,
             "precision": getattr(strategy.precision_plugin, "precision", None)}
 
 

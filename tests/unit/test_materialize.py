@@ -113,3 +113,23 @@ def test_parameters_on_meta_moves_parameters_only_and_materialize_moves_the_buff
     assert not Scaled().lin.weight.is_meta  # the patch is undone on exit
     allocate_(m, torch.device("meta"))  # another device than the buffers': they follow the parameters
     assert m.table.is_meta
+
+
+@pytest.mark.gpu
+def test_buffers_computed_at_construction_follow_the_parameters_to_the_gpu():
+    """A Hugging Face model built under parameters_on_meta holds its buffers (rotary inv_freq) on the CPU; materializing
+    it on a GPU moves them there with the parameters, and it runs."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    pytest.importorskip("transformers")
+    from lightning_scale.materialize import parameters_on_meta
+    from lightning_scale.models import hf_families as F
+
+    with parameters_on_meta():
+        model = F.build("llama", "sdpa", dtype=torch.float32)
+    device = torch.device("cuda")
+    materialize_(model, device, lambda n, m: True)
+    assert all(t.device.type == "cuda" for t in list(model.parameters()) + list(model.buffers()))
+    x, _ = F.batch(2, 8, seed=0)
+    with torch.no_grad():
+        assert torch.isfinite(model(input_ids=x.to(device)).logits).all()
