@@ -66,7 +66,8 @@ FAMILIES: Dict[str, Tuple[str, dict, str]] = {
                      "mixture of experts with shared experts, interleaved rotary"),
     "gpt_oss": ("gpt_oss", dict(num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
                                 experts_implementation="eager", layer_types=["full_attention"] * 4),
-                "attention sinks, experts with biases (split: left whole; placed: whole per rank), no sdpa in transformers"),
+                "attention sinks, experts with biases (split: the down bias added by tp rank 0; placed: whole per "
+                "rank), no sdpa in transformers"),
     "exaone4": ("exaone4", dict(num_key_value_heads=2, head_dim=8), "post-norms, per-head q/k norms"),
     "olmo3": ("olmo3", dict(num_key_value_heads=2, sliding_window=5), "sliding / full layers, q/k norms over all heads"),
     "seed_oss": ("seed_oss", dict(num_key_value_heads=2, head_dim=8), "q/k/v biases, rotary"),
@@ -192,6 +193,10 @@ FAMILIES: Dict[str, Tuple[str, dict, str]] = {
                "no pipeline or tp plan in its config"),
     "lfm2": ("lfm2", dict(num_key_value_heads=2, head_dim=8, layer_types=["conv", "full_attention"] * 2),
              "LFM2: short gated convolutions and attention layers"),
+    "dbrx": ("dbrx", dict(d_model=32, attn_config=dict(kv_n_heads=2, clip_qkv=8.0, rope_theta=10000.0),
+                          ffn_config=dict(hidden_size=32, ffn_hidden_size=16, moe_num_experts=4, moe_top_k=2)),
+             "DBRX: fused Wqkv with clipping, experts as 2-D w1 / v1 / w2 rows (tp: each expert split; never "
+             "placed), no pipeline or tp plan in its config"),
     "granitemoehybrid": ("granitemoehybrid", dict(num_key_value_heads=2, head_dim=8, num_local_experts=4,
                                                   num_experts_per_tok=2, mamba_n_heads=4, mamba_d_head=16,
                                                   mamba_n_groups=1, mamba_d_state=4, experts_implementation="eager",

@@ -243,7 +243,9 @@ _NAMED_STRUCTURE = {"jamba": (("embed_tokens",), "layers", ("final_layernorm",))
                      "lfm2": (("embed_tokens",), "layers", ("embedding_norm",)),
                      "falcon_h1": (("embed_tokens",), "layers", ("final_layernorm",)),
                      # Falcon (rotary; its ALiBi variant is refused: config.alibi, _UNSUPPORTED_CONFIG)
-                     "falcon": (("word_embeddings",), "h", ("ln_f",))}
+                     "falcon": (("word_embeddings",), "h", ("ln_f",)),
+                     # DBRX: its blocks under transformer.blocks, the final LayerNorm norm_f
+                     "dbrx": (("wte",), "blocks", ("norm_f",))}
 # families whose every layer takes fixed masks by keyword, whatever config.layer_types says (Falcon-H1's layers are
 # all "hybrid": the attention half takes the causal mask, the Mamba half the recurrent padding mask, as its base model
 # passes them): keyword -> the layer type whose mask function builds it

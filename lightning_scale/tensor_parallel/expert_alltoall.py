@@ -182,6 +182,8 @@ def expert_data_parallel_plan(model: nn.Module, ep: int) -> Dict[str, str]:
                 plan[name] = "expert_data_parallel"
         elif loops_over_a_plain_list(module) and not is_routable(module):
             refused.append(f"{name}: {unsupported(module)}")
+        elif split_style.is_fused_experts(module):  # DBRX: refused by name, not "no experts module"
+            refused.append(f"{name}: {unsupported(module)}")
         elif split_style.is_experts(module):
             why = unsupported(module)
             if why is not None:

@@ -53,6 +53,10 @@ def unsupported(module: nn.Module) -> Optional[str]:
                 f"forward not known here (litgpt's LLaMAMoE is placed): hold them in a lightning_scale.nn.ExpertList "
                 f"and call it on the router's choices (experts(x, ids, weights), docs/models.md), or split every "
                 f"expert over tp with style 'experts' (tensor.expert_parallel=False)")
+    if split_style.is_fused_experts(module):
+        return (f"{kind} keeps every expert in 2-D w1 / v1 / w2 rows (DBRX) and its forward indexes them by the global "
+                f"expert id: its experts cannot be placed (expert_parallel, ep); split every expert over tp instead "
+                f"(tp > 1: the built-in plan's style 'experts')")
     if not split_style.is_experts(module):
         return (f"{kind} is not a transformers experts module (3-D gate_up_proj / down_proj weights with the layout "
                 f"use_experts_implementation records)")

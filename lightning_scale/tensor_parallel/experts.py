@@ -18,9 +18,17 @@ earlier layers' gradients come out whole. Exact up to the order of the sum; the 
 
 The built-in Hugging Face plan adds ``experts`` for every such module tp can split, and splits the gated MLP next
 to it (Qwen2-MoE's ``shared_expert``) column / row-wise. Left whole (the startup table's ``tensor parallel`` row
-shows what stays whole): experts with biases (the down projection's bias would be added tp times), a norm after
-each expert (not linear), and experts whose intermediate width tp does not divide (a user's own plan naming such
-a module with ``experts`` gets a ConfigError).
+shows what stays whole): a norm after each expert (not linear), and experts whose intermediate width tp does not
+divide (a user's own plan naming such a module with ``experts`` gets a ConfigError).
+
+Expert biases (GPT-OSS: ``gate_up_proj_bias`` (E, 2I), ``down_proj_bias`` (E, H)): the gate / up bias is cut with
+its columns; the down projection's bias is added by tp rank 0 only. The other ranks' forward reads ``b - b.detach()``
+in its place (exactly zero, gradient one), so every rank's bias gets the whole gradient (the output's gradient is the
+same on every rank, and so is the routing) and the copies stay equal without a collective.
+
+DBRX keeps its experts in one ``mlp`` module as 2-D parameters ``w1`` / ``v1`` / ``w2`` of (E * I, H) rows (gate,
+up, down; the down projection stored transposed) and reads I from ``ffn_hidden_size``: each expert's I rows are cut
+over tp (E fused sections) and the module's ``ffn_hidden_size`` becomes the local width.
 
 The same style splits a mixture-of-experts *block* that holds its router: a ``gate`` and an ``experts`` list of MLP
 modules (litgpt's ``LLaMAMoE``, with its optional ``shared_experts``; also the per-expert ``w1 / w3 / w2`` layout
@@ -51,6 +59,21 @@ def is_experts(module: nn.Module) -> bool:
     """A transformers experts module (3-D expert weights, layout recorded by ``use_experts_implementation``)."""
     return (all(isinstance(getattr(module, a, None), bool) for a in _LAYOUT_ATTRS)
             and isinstance(getattr(module, "down_proj", None), nn.Parameter) and module.down_proj.dim() == 3)
+
+
+_FUSED = ("w1", "v1", "w2")  # DBRX's gate, up and down projections of every expert, (E * I, H) each
+
+
+def is_fused_experts(module: nn.Module) -> bool:
+    """DBRX's experts module: an ``mlp`` holding every expert's weights as 2-D ``w1`` / ``v1`` / ``w2`` of
+    ``num_experts * ffn_hidden_size`` rows."""
+    mlp, e, i = getattr(module, "mlp", None), getattr(module, "num_experts", None), getattr(module, "ffn_hidden_size",
+                                                                                            None)
+    if not isinstance(mlp, nn.Module) or not isinstance(e, int) or not isinstance(i, int):
+        return False
+    ws = [getattr(mlp, n, None) for n in _FUSED]
+    return all(isinstance(w, nn.Parameter) and w.dim() == 2 and w.shape[0] == e * i for w in ws) and (
+        getattr(mlp, "ffn_hidden_size", i) == i)
 
 
 def _up_name(module: nn.Module) -> str:
@@ -111,12 +134,12 @@ def unsupported(module: nn.Module) -> Optional[str]:
     """Why ``experts`` cannot split ``module`` (None when it can)."""
     if is_moe_block(module):
         return _block_unsupported(module)
+    if is_fused_experts(module):
+        return None
     if not is_experts(module):
         return (f"{type(module).__name__} is not a transformers experts module (3-D gate_up_proj / down_proj "
                 f"weights with the layout use_experts_implementation records) nor a mixture-of-experts block "
                 f"(a gate and an experts list of MLPs)")
-    if module.has_bias:
-        return f"{type(module).__name__} has expert biases (the down projection's would be added once per tp rank)"
     if getattr(module, "has_post_expert_norm", False):
         return f"{type(module).__name__} normalizes each expert's output (not linear in the split)"
     up = getattr(module, _up_name(module), None)
@@ -133,6 +156,12 @@ def expert_specs(name: str, module: nn.Module, tp: int) -> Dict[str, ShardSpec]:
         raise ValueError(f"style 'experts' on {name!r}: {why}")
     if is_moe_block(module):
         return _block_specs(name, module, tp)
+    if is_fused_experts(module):
+        e, width = module.num_experts, module.ffn_hidden_size
+        if width % tp:
+            raise ValueError(f"tp={tp} does not divide the intermediate width {width} (ffn_hidden_size) of the "
+                             f"experts {name!r}")
+        return {f"mlp.{n}": make_spec(0, e * width, tp, sections=e, what=f"{name}.mlp.{n}") for n in _FUSED}
     up_name = _up_name(module)
     up, down = getattr(module, up_name), module.down_proj
     up_dim, down_dim = (2, 1) if module.is_transposed else (1, 2)
@@ -144,7 +173,11 @@ def expert_specs(name: str, module: nn.Module, tp: int) -> Dict[str, ShardSpec]:
     # keeps every pair on one rank); no gate: the up projection's I rows
     up_spec = make_spec(up_dim, up.shape[up_dim], tp, sections=2 if gated_fused else 1, what=f"{name}.{up_name}")
     down_spec = make_spec(down_dim, width, tp, what=f"{name}.down_proj")
-    return {up_name: up_spec, "down_proj": down_spec}
+    specs = {up_name: up_spec, "down_proj": down_spec}
+    if module.has_bias:  # the up bias (E, 2I or I) cut with its columns; the down bias (E, H) stays whole
+        specs[f"{up_name}_bias"] = make_spec(1, up.shape[up_dim], tp, sections=2 if gated_fused else 1,
+                                             what=f"{name}.{up_name}_bias")
+    return specs
 
 
 def _block_specs(name: str, module: nn.Module, tp: int) -> Dict[str, ShardSpec]:
@@ -170,6 +203,18 @@ def _apply(self, fn, recurse=True):
     for pname, spec in self._tp_expert_specs.items():
         mark_sharded(self.get_parameter(pname), spec)
     return out
+
+
+def _forward_without_down_bias(self, *args, **kwargs):
+    """The experts' forward on tp ranks > 0: the down projection's bias read as ``b - b.detach()`` (zero, with b's
+    gradient), so only rank 0 adds it to the sum over tp. Installed per instance (module-level, so the split model
+    still pickles and deep-copies)."""
+    bias = self._parameters["down_proj_bias"]
+    self._parameters["down_proj_bias"] = bias - bias.detach()
+    try:
+        return type(self).forward(self, *args, **kwargs)
+    finally:
+        self._parameters["down_proj_bias"] = bias
 
 
 def _enter(group, tag: str):
@@ -252,6 +297,14 @@ def split_experts(name: str, module: nn.Module, specs: Dict[str, ShardSpec], gro
             owner.out_features, owner.in_features = local.shape
     module._tp_expert_specs = dict(specs)
     module._apply = types.MethodType(_apply, module)
+    if set(specs) == {f"mlp.{n}" for n in _FUSED}:  # DBRX: its forward views the rows as (E, ffn_hidden_size, H)
+        local = module.mlp.w1.shape[0] // module.num_experts
+        module.ffn_hidden_size = local
+        if hasattr(module.mlp, "ffn_hidden_size"):
+            module.mlp.ffn_hidden_size = local
+    if rank > 0 and getattr(module, "has_bias", False) and isinstance(getattr(module, "down_proj_bias", None),
+                                                                      nn.Parameter):
+        module.forward = types.MethodType(_forward_without_down_bias, module)
     tag = f"tp/{name}"
     handles = [module.register_forward_pre_hook(_enter(group, tag), with_kwargs=True),
                module.register_forward_hook(_leave(group, tag, name), with_kwargs=True)]
@@ -278,7 +331,7 @@ def expert_plan_entries(model: nn.Module, covered, tp: int,
     whole: Dict[str, str] = {}
     modules = dict(model.named_modules())
     for name, module in modules.items():
-        if not name or covered(name) or not is_experts(module):
+        if not name or covered(name) or not (is_experts(module) or is_fused_experts(module)):
             continue
         try:
             (placed_specs if placed else expert_specs)(name, module, tp)

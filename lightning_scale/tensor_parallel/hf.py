@@ -160,7 +160,20 @@ def _falcon_plan(model: nn.Module, prefix: str) -> Dict[str, object]:
     if why:
         raise ConfigError(f"tensor.plan: {type(model).__name__} with {why}; train it with ZeRO / pp, or pass "
                           f"plan={{pattern: style}} of your own")
-    plan = {prefix + k: hf_style(v, k) for k, v in FALCON_PLAN.items()}
+    return _built_in_plan(model, prefix, FALCON_PLAN)
+
+
+# DBRX declares no tp plan (its class's lm_head entry only): its fused Wqkv ``[q | k | v]`` is split per part by
+# whole heads (style qkv_colwise; the parts from the attention's head counts), out_proj by rows; its experts get
+# style ``experts`` from the built-in rules (every expert's ffn_hidden_size rows cut over tp, experts.py)
+DBRX_PLAN: Dict[str, str] = {
+    "wte": "embedding_rowwise", "blocks.*.norm_attn_norm.attn.Wqkv": "qkv_colwise",
+    "blocks.*.norm_attn_norm.attn.out_proj": "rowwise",
+}
+
+
+def _built_in_plan(model: nn.Module, prefix: str, layout: Dict[str, str]) -> Dict[str, object]:
+    plan = {prefix + k: hf_style(v, k) for k, v in layout.items()}
     if isinstance(getattr(model, "lm_head", None), nn.Linear):
         plan["lm_head"] = hf_style("colwise_gather_output", "lm_head")
     return _untie_head(plan, model)
@@ -194,6 +207,8 @@ def hf_plan(model: nn.Module) -> Dict[str, str]:
         if isinstance(getattr(model, "lm_head", None), nn.Linear):
             plan["lm_head"] = "colwise_gather"  # HF computes the loss from full logits
         return plan
+    if model.config.model_type == "dbrx" and not getattr(model.config, "base_model_tp_plan", None):
+        return _built_in_plan(model, prefix, DBRX_PLAN)
     declared = getattr(model, "tp_plan", None) or getattr(model, "_tp_plan", None)
     if declared:
         return _untie_head({k: hf_style(v, k) for k, v in _own_experts(dict(declared)).items()}, model)

@@ -28,7 +28,9 @@ from lightning_scale.testing import HF_RANK_PRELOAD, run_distributed
 # llama4 / llama4_ep: Llama 4's dense experts routed (tensor_parallel/routed_experts.py), transposed 3-D weights
 # (gate_up_proj (E, H, 2I) split along dim 2 in two sections, down_proj (E, I, H) along dim 1), or placed whole; built
 # without rotary layers (its complex float32 rotary moves split float64 runs by ~1e-8)
-FAMILIES = ["gpt2", "phi3", "gpt_neox", "llama", "qwen2_moe", "qwen2_moe_ep", "llama4", "llama4_ep"]
+# dbrx: its fused Wqkv split per part and its 2-D experts (E * I, H) cut per expert (E sections along dim 0); gpt_oss:
+# its expert biases (the gate / up bias cut with its columns, the down bias whole, added by rank 0)
+FAMILIES = ["gpt2", "phi3", "gpt_neox", "llama", "qwen2_moe", "qwen2_moe_ep", "llama4", "llama4_ep", "dbrx", "gpt_oss"]
 OVERRIDES = {"llama4": dict(no_rope_layers=[0] * 4, layer_types=["chunked_attention", "full_attention"] * 2)}
 STEPS, SAVE_AT, LR = 3, 2, 1e-2
 

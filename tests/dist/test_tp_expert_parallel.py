@@ -3,7 +3,7 @@ the experts of every mixture-of-experts layer, whole, and the model equals one p
 
 One 2-rank launch, float64. (1) Forward and backward of unchanged Hugging Face MoE models built from their config
 classes (Mixtral, Qwen2-MoE with its shared expert through transformers' ``batched_mm`` experts, DeepSeek-V3 with
-multi-head latent attention, GPT-OSS with per-expert biases, which style ``experts`` cannot split): every expert
+multi-head latent attention, GPT-OSS with per-expert biases, each living on the rank of its expert): every expert
 weight keeps its full shape but for the expert axis (E / 2 per rank), the loss and every consolidated gradient equal
 one process's within 1e-12 relative (top-2 routing: each token's two expert outputs meet once, so the all-reduce
 adds what one process adds; measured ~1e-15). A rank that picked its routes before entering the region (the

@@ -8,7 +8,8 @@ consolidated gradient equal one process's. Qwen2-MoE to 1e-12 relative; Mixtral'
 in float32 (``softmax(logits.float())``, not cast back), so the gradients reaching the router are float32 partial
 sums on each rank, summed by the all-reduce: its router and the layers below it agree to 1e-6 relative (the float32
 rounding of the router itself; the unsplit model's tp=2 run differs from one process the same way in the matrix).
-A rank that did not all-reduce the routing weights' gradient would be off by half. The training side (ZeRO-1 at
+A rank that did not all-reduce the routing weights' gradient would be off by half. GPT-OSS's experts carry biases
+(every bias drawn at random here: transformers initializes them to zero) and DBRX keeps its experts as 2-D rows. The training side (ZeRO-1 at
 tp=2, a universal checkpoint of the split experts resumed at dp=2) is tests/dist/test_hf_tp_universal.py.
 """
 
@@ -23,10 +24,32 @@ from lightning_scale.testing import HF_RANK_PRELOAD, run_distributed
 # k_rot of kv_a_proj_with_mqa feeds this rank's heads only: style mla_kv_a_proj all-reduces its gradient)
 # Llama 4: its dense experts routed (tensor_parallel/routed_experts.py; transposed layout, gate_up_proj (E, H, 2I)), the
 # router score scaling each route's input; built without rotary layers (its rotary runs in complex float32)
-FAMILIES = {"mixtral": 1e-6, "qwen2_moe": 1e-12, "deepseek_v3": 1e-6, "llama4": 1e-12}
+# GPT-OSS: biases on every expert (the gate / up bias cut with its columns, the down bias added by rank 0 only; a rank
+# adding it too would be off by one bias); DBRX: its experts as 2-D (E * I, H) w1 / v1 / w2, each expert's rows cut
+FAMILIES = {"mixtral": 1e-6, "qwen2_moe": 1e-12, "deepseek_v3": 1e-6, "llama4": 1e-12, "gpt_oss": 1e-12,
+            "dbrx": 1e-12}
 OVERRIDES = {"llama4": dict(no_rope_layers=[0] * 4, layer_types=["chunked_attention", "full_attention"] * 2)}
 # the share of parameters split at tp=2 (DeepSeek-V3: the latent projections kv_a / q_a and the routers stay whole)
-SPLIT = {"mixtral": 0.95, "qwen2_moe": 0.95, "deepseek_v3": 0.9, "llama4": 0.95}
+SPLIT = {"mixtral": 0.95, "qwen2_moe": 0.95, "deepseek_v3": 0.9, "llama4": 0.95, "gpt_oss": 0.85, "dbrx": 0.95}
+# the dimension each expert parameter is cut along (by its name's end); None: whole on every rank
+SPLIT_DIM = {"gate_up_proj": 1, "down_proj": 2}
+SPLIT_DIMS = {"llama4": {"gate_up_proj": 2, "down_proj": 1},  # transposed: (E, H, 2I) and (E, I, H)
+              "gpt_oss": {"gate_up_proj": 2, "down_proj": 1, "gate_up_proj_bias": 1, "down_proj_bias": None},
+              "dbrx": {"w1": 0, "v1": 0, "w2": 0}}  # (E * I, H): each expert's I rows
+
+
+def _build(family: str):
+    """The family's tiny model with every bias drawn at random (transformers initializes biases to zero: a bias added
+    once per tp rank would go unseen)."""
+    from lightning_scale.models import hf_families as F
+
+    model = F.build(family, "eager", overrides=OVERRIDES.get(family))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.5)
+    return model
 
 
 def _batch():
@@ -45,7 +68,6 @@ def worker(rank: int, world_size: int) -> dict:
     import torch.distributed as dist
 
     from lightning_scale.comm.accounting import CommCounter
-    from lightning_scale.models import hf_families as F
     from lightning_scale.tensor_parallel import apply_tensor_parallel, consolidate_state_dict
     from lightning_scale.tensor_parallel.state import split_summary
 
@@ -53,7 +75,7 @@ def worker(rank: int, world_size: int) -> dict:
     torch.set_num_threads(1)
     out = {}
     for family in FAMILIES:
-        whole = F.build(family, "eager", overrides=OVERRIDES.get(family))
+        whole = _build(family)
         shapes = {n: tuple(p.shape) for n, p in whole.named_parameters() if ".experts." in n}
         model = apply_tensor_parallel(whole, None, dist.group.WORLD)
         x, y = _batch()
@@ -77,9 +99,7 @@ def runs():
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_moe_at_tp2_splits_the_experts_and_equals_one_process(runs, family):
-    from lightning_scale.models import hf_families as F
-
-    ref = F.build(family, "eager", overrides=OVERRIDES.get(family))
+    ref = _build(family)
     x, y = _batch()
     loss = _loss(ref(input_ids=x).logits, y)
     loss.backward()
@@ -88,9 +108,7 @@ def test_moe_at_tp2_splits_the_experts_and_equals_one_process(runs, family):
         r = run[family]
         assert r["full_shapes"], "no expert weights found"
         for name, full in r["full_shapes"].items():  # (E, 2I, H) -> (E, I, H); (E, H, I) -> (E, H, I / 2)
-            dim = 1 if name.endswith("gate_up_proj") else 2
-            if family == "llama4":  # transposed: (E, H, 2I) -> (E, H, I); (E, I, H) -> (E, I / 2, H)
-                dim = 3 - dim
+            dim = SPLIT_DIMS.get(family, SPLIT_DIM)[name.rsplit(".", 1)[1]]
             want = tuple(n // 2 if d == dim else n for d, n in enumerate(full))
             assert r["local_shapes"][name] == want, (name, r["local_shapes"][name], want)
         assert r["fraction"] > SPLIT[family], r["fraction"]  # was 0.16 for this Mixtral with its own plan

@@ -72,6 +72,10 @@ def test_the_plan_places_every_experts_module_and_refuses_what_it_cannot():
         expert_data_parallel_plan(F.build("llama", "eager"), 2)
     with pytest.raises(ConfigError, match=r"^ep=8: model.layers.0.mlp.experts: 4 experts do not split over ep=8"):
         expert_data_parallel_plan(F.build("mixtral", "eager"), 8)
+    # DBRX is a mixture of experts whose experts cannot be placed: said so by name, not "no experts module"
+    with pytest.raises(ConfigError, match=r"^ep=2: transformer.blocks.0.ffn.experts: DbrxExperts keeps every expert "
+                                          r"in 2-D w1 / v1 / w2 rows.*split every expert over tp instead"):
+        expert_data_parallel_plan(F.build("dbrx", "eager"), 2)
 
     class Block(nn.Module):  # litgpt's LLaMAMoE layout: a gate and an experts list of MLPs
         def __init__(self):

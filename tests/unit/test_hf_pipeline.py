@@ -42,7 +42,9 @@ def test_chain_equals_model_with_and_without_padding(name, attn):
     # once its dense experts are routed, as parallelize() does)
     route_experts(model)
     assert any(is_experts(m) for m in model.modules()) == (name in F.MOE), name
-    assert (ref_pad[1] - ref[1]).abs().max() == 0  # the unpadded row is untouched
+    # the unpadded row is untouched, up to rounding: a mixture of experts gathers other rows' tokens into each expert's
+    # matmul, and another row count may take another BLAS blocking (PhiMoE: 8.3e-17 on one machine, 0 on another)
+    assert (ref_pad[1] - ref[1]).abs().max() <= 1e-12
     assert (ref_pad[0, -3:] - ref[0, -3:]).abs().max() > 1e-4  # the padding mask matters (pad queries)
 
 

@@ -214,9 +214,14 @@ def test_builtin_plan_places_hugging_face_experts_and_refuses_what_it_cannot():
                              expert_parallel=True)
     with pytest.raises(ConfigError, match="no experts of LlamaForCausalLM can be placed.*no transformers experts"):
         plan_tensor_parallel(F.build("llama", "eager"), None, 2, expert_parallel=True)
-    # GPT-OSS: per-expert biases (the split refuses them) placed whole; its eager forward gets the local routes only
+    # GPT-OSS: per-expert biases placed whole with their experts; its eager forward gets the local routes only
     gpt_oss = plan_tensor_parallel(F.build("gpt_oss", "eager"), None, 2, expert_parallel=True).styles
     assert gpt_oss["model.layers.0.mlp.experts"] == "expert_parallel"
+    # DBRX: its experts as 2-D rows indexed by the global expert id: split (style experts), never placed, and said so
+    assert plan_tensor_parallel(F.build("dbrx", "eager"), None, 2).styles["transformer.blocks.0.ffn.experts"] == \
+        "experts"
+    with pytest.raises(ConfigError, match="no experts of DbrxForCausalLM can be placed.*DBRX.*style 'experts'"):
+        plan_tensor_parallel(F.build("dbrx", "eager"), None, 2, expert_parallel=True)
 
 
 def test_the_memory_plan_counts_placed_experts_per_rank():
