@@ -77,7 +77,7 @@ FAMILIES: Dict[str, Tuple[str, dict, str]] = {
     "phimoe": ("phimoe", dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
                               experts_implementation="eager"), "mixture of experts, LayerNorm (pp: the Llama pattern)"),
     "hunyuan_v1_dense": ("hunyuan_v1_dense", dict(num_key_value_heads=2, head_dim=8),
-                         "q/k norms after rotary (pp: the Llama pattern)"),
+                         "q/k norms after rotary (pp: the Llama pattern; tp: the Llama plan)"),
     "hunyuan_v1_moe": ("hunyuan_v1_moe", dict(num_key_value_heads=2, head_dim=8, num_experts=4, moe_topk=2,
                                               experts_implementation="eager"),
                        "mixture of experts, q/k norms after rotary (pp: the Llama pattern)"),

@@ -121,6 +121,11 @@ LLAMA_LAYOUT_PLAN: Dict[str, str] = {
 }
 # model type -> (config flags refused, entries added to the Llama plan)
 _LLAMA_LAYOUT = {"stablelm": (("qk_layernorm",), {}),
+                 # HunYuan dense: its config's plan names the embedding only (every layer stayed whole at tp=2); its
+                 # q / k norms over head_dim run on this rank's heads: their gradients summed over tp (as Qwen3's plan
+                 # does for its q / k norms; left out, its tp2 rows were 6.7e-6 off)
+                 "hunyuan_v1_dense": ((), {"layers.*.self_attn.query_layernorm": "replicated_with_grad_allreduce",
+                                           "layers.*.self_attn.key_layernorm": "replicated_with_grad_allreduce"}),
                  # BitNet: an RMSNorm over the attention's output (every head) and over the MLP's intermediate, between
                  # the column- and the row-parallel layers: kept split, the mean square summed over tp (norms.py)
                  "bitnet": ((), {"layers.*.self_attn.attn_sub_norm": "rmsnorm_split",
@@ -197,7 +202,10 @@ BROKEN_PLANS = {"doge": "its declared plan splits the key / value heads but leav
 
 
 def hf_plan(model: nn.Module) -> Dict[str, str]:
-    """The plan of a Hugging Face model: GPT-2's built-in one, else the model's declared ``tp_plan``."""
+    """The plan of a Hugging Face model: GPT-2's built-in one; a built-in one for the families whose declared plan
+    splits no layer (StableLM, BitNet, HunYuan dense: the Llama layout; Falcon; DBRX); else the model's declared
+    ``tp_plan``. (:func:`~lightning_scale.tensor_parallel.plan.plan_tensor_parallel` then adds the experts and the
+    MLPs a plan leaves out, :mod:`~lightning_scale.tensor_parallel.hf_rules`.)"""
     prefix = _base_prefix(model)
     if model.config.model_type in BROKEN_PLANS:
         raise ConfigError(f"tensor.plan: {type(model).__name__}: {BROKEN_PLANS[model.config.model_type]}; "
@@ -207,18 +215,19 @@ def hf_plan(model: nn.Module) -> Dict[str, str]:
         if isinstance(getattr(model, "lm_head", None), nn.Linear):
             plan["lm_head"] = "colwise_gather"  # HF computes the loss from full logits
         return plan
-    if model.config.model_type == "dbrx" and not getattr(model.config, "base_model_tp_plan", None):
-        return _built_in_plan(model, prefix, DBRX_PLAN)
     declared = getattr(model, "tp_plan", None) or getattr(model, "_tp_plan", None)
+    base = getattr(model.config, "base_model_tp_plan", None)
+    if not any("*" in p for p in {**(declared or {}), **(base or {})}):  # a declared plan that splits no layer
+        if model.config.model_type in _LLAMA_LAYOUT:
+            return _llama_layout_plan(model, prefix)
+        if model.config.model_type == "falcon":
+            return _falcon_plan(model, prefix)
+        if model.config.model_type == "dbrx":  # its class names the head only
+            return _built_in_plan(model, prefix, DBRX_PLAN)
     if declared:
         return _untie_head({k: hf_style(v, k) for k, v in _own_experts(dict(declared)).items()}, model)
-    base = getattr(model.config, "base_model_tp_plan", None)
     if base:
         return _untie_head({prefix + k: hf_style(v, k) for k, v in _own_experts(base).items()}, model)
-    if model.config.model_type in _LLAMA_LAYOUT:
-        return _llama_layout_plan(model, prefix)
-    if model.config.model_type == "falcon":
-        return _falcon_plan(model, prefix)
     raise ConfigError(f"tensor.plan: {type(model).__name__} declares no tp_plan (base_model_tp_plan); "
                       f"pass plan={{pattern: style}}")
 

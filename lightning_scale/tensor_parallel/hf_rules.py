@@ -75,3 +75,55 @@ def scalars_on_split_features(model: nn.Module, plan: Dict[str, object]) -> Dict
             if kinds[cname] is None and params and all(p.numel() == 1 for p in params):
                 out[_generic(f"{pname}.{cname}" if pname else cname)] = "replicated_with_grad_allreduce"
     return out
+
+
+# an MLP whose up projection is fused ``[gate | up]`` (Granite 4's shared_mlp): (the fused up, the down projection)
+_PACKED_MLPS = (("input_linear", "output_linear"),)
+
+
+def _packed_mlp(module: nn.Module):
+    for up, down in _PACKED_MLPS:
+        u, d = getattr(module, up, None), getattr(module, down, None)
+        if type(u) is nn.Linear and type(d) is nn.Linear and u.out_features == 2 * d.in_features:
+            return (up,), down
+    return None
+
+
+def mlps_left_out(model: nn.Module, plan: Dict[str, object], tp: int) -> Dict[str, str]:
+    """``{pattern: style}`` for every MLP of linear layers a Hugging Face model's plan leaves out entirely (no entry for
+    it, its projections or a module above it): the up projections ``colwise`` (a fused ``[gate | up]``:
+    ``packed_colwise``), the down projection ``rowwise``. Exact for any such MLP (its input whole on every rank, the
+    activation elementwise, the down projection's partial outputs all-reduced). The dense layers of hybrid families
+    whose declared plans split attention only (Jamba's, Falcon-H1's, LFM2's MLPs, Granite 4's shared MLP: 75% of that
+    model) stayed whole on every rank. Left out: an MLP holding other parameters between its projections (a norm over
+    the intermediate), one in an experts list (its block's style decides), a width tp does not divide."""
+    from lightning_scale.tensor_parallel.experts import _mlp_layout
+
+    rules = [_pattern_regex(p) for p in plan]
+
+    def covered(name: str) -> bool:
+        return any(rx.match(name) for rx in rules)
+
+    out: Dict[str, str] = {}
+    for name, module in model.named_modules():
+        if not name:
+            continue
+        layout, packed = _mlp_layout(module), None
+        if layout is None:
+            layout = packed = _packed_mlp(module)
+        if layout is None:
+            continue
+        ups, down = layout
+        parts = name.split(".")
+        if "experts" in parts or any(covered(".".join(parts[:i])) for i in range(1, len(parts) + 1)):
+            continue
+        if any(covered(f"{name}.{n}") for n in (*ups, down)):
+            continue
+        holders = {n for n, c in module.named_children() if any(True for _ in c.parameters())}
+        if holders - {*ups, down} or getattr(module, down).in_features % tp:
+            continue
+        generic = _generic(name)
+        for n in ups:
+            out[f"{generic}.{n}"] = "packed_colwise" if packed else "colwise"
+        out[f"{generic}.{down}"] = "rowwise"
+    return out

@@ -323,13 +323,15 @@ def plan_tensor_parallel(model: nn.Module, plan: Optional[Dict[str, object]], tp
     if plan is None:
         plan = default_plan(model, sequence_parallel)
         if is_hf_model(model) and tp > 1:
-            from lightning_scale.tensor_parallel.hf_rules import scalars_on_split_features, split_gathered_pairs
+            from lightning_scale.tensor_parallel.hf_rules import (mlps_left_out, scalars_on_split_features,
+                                                                  split_gathered_pairs)
 
             plan, views = split_gathered_pairs(model, plan, tp)
             patterns = [_pattern_regex(p) for p in plan]
             add, whole = experts.expert_plan_entries(model, lambda n: any(rx.match(n) for rx in patterns), tp,
                                                      placed=expert_parallel)
             plan.update(add)
+            plan.update(mlps_left_out(model, plan, tp))
             plan.update(scalars_on_split_features(model, plan))
     if sequence_parallel and is_hf_model(model):
         raise ConfigError("tensor.sequence_parallel=True is supported for the project GPT only: Hugging Face "
