@@ -199,12 +199,26 @@ def experts_per_token(unit) -> int:
     return 1
 
 
+def _eager_attention(unit) -> bool:
+    """A Hugging Face unit whose attention runs transformers' eager implementation (its score matrices live)."""
+    return any(getattr(getattr(m, "config", None), "_attn_implementation", None) == "eager" for m in unit.modules())
+
+
+def _fused_experts(unit) -> list:
+    """DBRX's experts modules in ``unit``: every expert's weights as 2-D (E * I, H) rows."""
+    from lightning_scale.tensor_parallel.experts import is_fused_experts
+
+    return [m for m in unit.modules() if is_fused_experts(m)]
+
+
 def _expert_weights(unit) -> list:
-    """The unit's 3-D parameters outside Linear layers: stacked expert weights ``(experts, out, in)``."""
+    """The unit's 3-D parameters outside Linear layers: stacked expert weights ``(experts, out, in)``; and DBRX's
+    2-D expert rows (``w1`` / ``v1`` / ``w2``, each (E * I, H))."""
     import torch.nn as nn
 
     in_linear = {id(p) for m in unit.modules() if isinstance(m, nn.Linear) for p in m.parameters(recurse=False)}
-    return [p for p in unit.parameters() if p.dim() == 3 and id(p) not in in_linear]
+    fused = [getattr(m.mlp, n) for m in _fused_experts(unit) for n in ("w1", "v1", "w2")]
+    return [p for p in unit.parameters() if p.dim() == 3 and id(p) not in in_linear] + fused
 
 
 def _expert_matmuls(unit, tp: int) -> list:
@@ -217,6 +231,12 @@ def _expert_matmuls(unit, tp: int) -> list:
 
     shapes = {id(p): tuple(p.shape) for p in _expert_weights(unit)}
     transposed, placed = set(), {}
+    for m in _fused_experts(unit):  # DBRX: w1 / v1 as (E, I, H) = (experts, out, in); w2 read transposed (E, in, out)
+        cut = tp if tp > 1 and tp_spec(m.mlp.w1) is None and m.ffn_hidden_size % tp == 0 else 1  # split by 'experts'
+        for n in ("w1", "v1", "w2"):
+            p = getattr(m.mlp, n)
+            shapes[id(p)] = (m.num_experts, p.shape[0] // m.num_experts // cut, p.shape[1])
+        transposed.add(id(m.mlp.w2))
     for m in unit.modules():
         if not is_experts(m):
             continue
@@ -273,7 +293,7 @@ def _experts_stubbed(unit):
     import torch
     import torch.nn as nn
 
-    from lightning_scale.tensor_parallel.experts import is_experts
+    from lightning_scale.tensor_parallel.experts import is_experts, is_fused_experts
 
     class Stub(nn.Module):
         def forward(self, hidden_states, *args, **kwargs):
@@ -282,7 +302,7 @@ def _experts_stubbed(unit):
     swapped = []
     for parent in list(unit.modules()):
         for name, child in list(parent.named_children()):
-            if is_experts(child):
+            if is_experts(child) or is_fused_experts(child):
                 swapped.append((parent, name, child))
                 parent._modules[name] = Stub()
     try:
@@ -383,10 +403,11 @@ def _profile_one(unit, hidden: int, tokens: int, sp: int, tp: int, tiled_mlp: in
 
     notes: list = []
     try:
-        if _expert_weights(unit) and _mask_inputs(unit, tokens):
-            # a mixture of experts whose attention runs with an explicit mask (Llama 4's chunks, a sliding window):
-            # the counted path misses what the mask makes (the sdpa mask per layer: 1.5-1.9x under for Llama 4), so
-            # the unit runs on fake tensors with its experts stubbed and the experts are counted on top
+        if _expert_weights(unit) and (_mask_inputs(unit, tokens) or _eager_attention(unit)):
+            # a mixture of experts whose attention runs with an explicit mask (Llama 4's chunks, a sliding window) or
+            # eager (a score matrix per head: GPT-OSS, which transformers runs eager only): the counted path misses
+            # what the mask / the scores make (the sdpa mask per layer: 1.5-1.9x under for Llama 4; GPT-OSS 7.2x
+            # under), so the unit runs on fake tensors with its experts stubbed and the experts are counted on top
             extra = _expert_bytes(unit, tp)
             with _experts_stubbed(unit) as stubbed:
                 if not stubbed:
@@ -394,7 +415,7 @@ def _profile_one(unit, hidden: int, tokens: int, sp: int, tp: int, tiled_mlp: in
                 per_token = profile_unit(unit, tokens, tp=tp, hidden=hidden or None, sp=sp)
             per_token = {key: (max(v, extra.get(key, 0.0)) if key == "backward" else v + extra.get(key, 0.0))
                          for key, v in per_token.items()}
-            notes.append(f"{type(unit).__name__}: a mixture of experts with masked attention: profiled with its "
+            notes.append(f"{type(unit).__name__}: a mixture of experts with masked or eager attention: profiled with its "
                          f"experts stubbed, and its {len(_expert_weights(unit))} stacked expert weights counted "
                          f"(each token through {experts_per_token(unit)} experts)")
             return per_token, "profiled", notes

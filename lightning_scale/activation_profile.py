@@ -124,11 +124,15 @@ def _rotary_inputs(unit: nn.Module, tokens: int) -> Dict[str, Any]:
     types = {getattr(getattr(m, "config", None), "model_type", None) for m in unit.modules()}
     if types & set(_COMPLEX_ROTARY):  # Llama 4: one complex table (1, tokens, head_dim / 2), not (cos, sin)
         return {"position_embeddings": torch.empty(1, tokens, dim // 2, dtype=torch.complex64)}
+    if types & set(_HALF_ROTARY):
+        dim //= 2
     return {"position_embeddings": (torch.empty(1, tokens, dim), torch.empty(1, tokens, dim))}
 
 
 # families whose rotary embedding is one complex tensor (freqs_cis), not a (cos, sin) pair
 _COMPLEX_ROTARY = ("llama4_text",)
+# families whose (cos, sin) cover half the head (the rotation applied to its two halves): GPT-OSS
+_HALF_ROTARY = ("gpt_oss",)
 
 
 def _mask_inputs(unit: nn.Module, tokens: int) -> Dict[str, Any]:
