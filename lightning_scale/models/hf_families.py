@@ -183,8 +183,9 @@ FAMILIES: Dict[str, Tuple[str, dict, str]] = {
     "bamba": ("bamba", dict(num_key_value_heads=2, head_dim=8, mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1,
                             mamba_d_state=4, attn_layer_indices=[1, 3]), "Bamba: Mamba-2 and attention layers"),
     "nemotron_h": ("nemotron_h", dict(num_key_value_heads=2, head_dim=8, hybrid_override_pattern="M*M*",
-                                      mamba_num_heads=4, mamba_head_dim=16, n_groups=1, ssm_state_size=4),
-                   "Nemotron-H: Mamba-2 and attention blocks"),
+                                      mamba_num_heads=4, mamba_head_dim=16, n_groups=2, ssm_state_size=4),
+                   "Nemotron-H: Mamba-2 and attention blocks (2 groups, as its releases have 8: tp splits the "
+                   "mixers; the other Mamba-2 families keep 1 group, their mixers whole at tp)"),
     "falcon_h1": ("falcon_h1", dict(num_key_value_heads=2, head_dim=8, mamba_d_ssm=64, mamba_n_heads=4,
                                     mamba_d_head=16, mamba_n_groups=1, mamba_d_state=4),
                   "Falcon-H1: attention and Mamba-2 side by side in every layer, muP multipliers"),

@@ -267,7 +267,7 @@ def tensor_parallel_row(summary: Optional[Dict[str, Any]]) -> Optional[Tuple[str
         text += (f"; experts placed whole (expert_parallel) in {modules} layer{'s' if modules > 1 else ''}: "
                  f"{local} of {total} per rank")
     for pattern, why in (summary.get("experts_whole") or {}).items():
-        text += f"; experts {pattern} left whole: {why}"
+        text += f"; {pattern} left whole: {why}"
     if summary["fraction"] < TP_MOSTLY_REPLICATED:
         text += (" - WARNING: most parameters are not split (the plan covers little of this model), so tp saves "
                  "little memory here; zero.stage=3 shards what tp leaves whole over dp")

@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from lightning_scale.tensor_parallel import expert_alltoall
 from lightning_scale.tensor_parallel import expert_parallel as expert_parallel_style
-from lightning_scale.tensor_parallel import expert_lists, experts, grads, mla, norms
+from lightning_scale.tensor_parallel import expert_lists, experts, grads, mamba, mla, norms
 from lightning_scale.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from lightning_scale.tensor_parallel.hf import LocalHeadsConfig
 from lightning_scale.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, SharedInput,
@@ -113,6 +113,8 @@ def apply_tensor_parallel(model: nn.Module, plan: Optional[Dict[str, object]] = 
             state.hooks.append(act.module.register_forward_pre_hook(hook))
         elif act.style.kind == "experts":
             state.hooks.extend(experts.split_experts(act.name, act.module, act.param_specs, group))
+        elif act.style.kind == "mamba2":
+            state.hooks.extend(mamba.split_mixer(act.name, act.module, act.param_specs, group))
         elif act.style.kind == "expert_parallel":
             state.hooks.extend(expert_parallel_style.place_experts(act.name, act.module, act.param_specs, group))
         elif act.style.kind == "expert_data_parallel":

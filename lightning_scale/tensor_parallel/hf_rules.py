@@ -127,3 +127,20 @@ def mlps_left_out(model: nn.Module, plan: Dict[str, object], tp: int) -> Dict[st
             out[f"{generic}.{n}"] = "packed_colwise" if packed else "colwise"
         out[f"{generic}.{down}"] = "rowwise"
     return out
+
+
+def head_left_out(model: nn.Module, plan: Dict[str, object]) -> Dict[str, str]:
+    """``{head: 'colwise_gather_output'}`` when a Hugging Face model's plan leaves its untied LM head out (Nemotron-H's
+    declares its embedding and attention only: its head, whole on every rank, was the largest replicated weight); the
+    logits gathered as transformers' own plans do, so the model's loss runs unchanged."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if type(head) is not nn.Linear:
+        return {}
+    emb = model.get_input_embeddings() if callable(getattr(model, "get_input_embeddings", None)) else None
+    if emb is not None and getattr(emb, "weight", None) is head.weight:
+        return {}  # tied: split (or not) with the embedding, as the plan says
+    name = next(n for n, m in model.named_modules() if m is head)
+    if any(_pattern_regex(p).match(name) for p in plan):
+        return {}
+    return {name: "colwise_gather_output"}

@@ -11,7 +11,7 @@ from typing import Dict, Iterator, Optional
 import torch
 import torch.nn as nn
 
-from lightning_scale.tensor_parallel import experts
+from lightning_scale.tensor_parallel import experts, mamba
 from lightning_scale.tensor_parallel.hf import LocalHeadsConfig
 from lightning_scale.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, dense_features
 from lightning_scale.tensor_parallel.plan import plan_tensor_parallel
@@ -60,6 +60,8 @@ def local_on_meta(model: nn.Module, plan: Optional[Dict[str, object]], tp: int, 
         elif act.style.kind == "vocab" and act.weight_spec is not None:
             emb = act.module
             model.set_submodule(act.name, nn.Embedding(act.weight_spec.local_size, emb.embedding_dim, device="meta"))
+        elif act.style.kind == "mamba2":
+            mamba.localize(act.module, act.param_specs, tp, 0)
         elif act.style.kind in ("experts", "expert_parallel", "expert_data_parallel", "norm_split"):
             for pname, spec in act.param_specs.items():
                 owner_name, _, leaf = pname.rpartition(".")

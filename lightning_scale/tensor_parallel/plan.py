@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 
 from lightning_scale.config import ConfigError
-from lightning_scale.tensor_parallel import expert_lists, experts, mla, norms
+from lightning_scale.tensor_parallel import expert_lists, experts, mamba, mla, norms
 from lightning_scale.tensor_parallel import expert_parallel as expert_parallel_style
 from lightning_scale.tensor_parallel.hf import default_plan, is_hf_model
 from lightning_scale.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
@@ -140,6 +140,8 @@ def _check_module(name: str, module: nn.Module, style: Style) -> None:
         raise ConfigError(f"tensor.plan: style {style.name!r} on {name!r}: {why}")
     if style.kind == "mla_kv_a" and not isinstance(module, nn.Linear):
         raise ConfigError(f"tensor.plan: style {style.name!r} needs nn.Linear; {name!r} is {type(module).__name__}")
+    if style.kind == "mamba2" and not mamba.is_mamba2_mixer(module):
+        raise ConfigError(f"tensor.plan: style {style.name!r} on {name!r}: {mamba.unsupported(module, 1)}")
     if style.kind == "experts" and (why := experts.unsupported(module)) is not None:
         raise ConfigError(f"tensor.plan: style {style.name!r} on {name!r}: {why}")
     if style.kind in ("expert_parallel", "expert_data_parallel") and (
@@ -211,6 +213,9 @@ def _resolve(name: str, module: nn.Module, style: Style, parent: Optional[nn.Mod
             if expert_lists.is_expert_list(module):  # placed by ownership: no parameter is cut
                 return Action(name, module, style, specs[""], {})
             return Action(name, module, style, next(iter(specs.values())), specs)
+        if style.kind == "mamba2":
+            specs = mamba.mixer_specs(name, module, tp)
+            return Action(name, module, style, specs["in_proj.weight"], specs)
         if style.kind == "norm_split":
             specs = norms.norm_specs(name, module, tp)
             return Action(name, module, style, specs["weight"], specs)
@@ -323,8 +328,8 @@ def plan_tensor_parallel(model: nn.Module, plan: Optional[Dict[str, object]], tp
     if plan is None:
         plan = default_plan(model, sequence_parallel)
         if is_hf_model(model) and tp > 1:
-            from lightning_scale.tensor_parallel.hf_rules import (mlps_left_out, scalars_on_split_features,
-                                                                  split_gathered_pairs)
+            from lightning_scale.tensor_parallel.hf_rules import (head_left_out, mlps_left_out,
+                                                                  scalars_on_split_features, split_gathered_pairs)
 
             plan, views = split_gathered_pairs(model, plan, tp)
             patterns = [_pattern_regex(p) for p in plan]
@@ -332,6 +337,11 @@ def plan_tensor_parallel(model: nn.Module, plan: Optional[Dict[str, object]], tp
                                                      placed=expert_parallel)
             plan.update(add)
             plan.update(mlps_left_out(model, plan, tp))
+            plan.update(head_left_out(model, plan))
+            patterns = [_pattern_regex(p) for p in plan]
+            mixers, mixers_whole = mamba.mixer_plan_entries(model, lambda n: any(rx.match(n) for rx in patterns), tp)
+            plan.update(mixers)
+            whole.update(mixers_whole)
             plan.update(scalars_on_split_features(model, plan))
     if sequence_parallel and is_hf_model(model):
         raise ConfigError("tensor.sequence_parallel=True is supported for the project GPT only: Hugging Face "

@@ -89,6 +89,7 @@ _STYLES = {
     "packed_rowwise": Style("rowwise", sections=2),
     "vocab": Style("vocab"),
     "experts": Style("experts"),
+    "mamba2": Style("mamba2"),
     "expert_parallel": Style("expert_parallel"),
     "expert_data_parallel": Style("expert_data_parallel"),
     "vocab_colwise": Style("colwise", sections=1, pad=True),
