@@ -212,11 +212,14 @@ def _fused_experts(unit) -> list:
 
 
 def _expert_weights(unit) -> list:
-    """The unit's 3-D parameters outside Linear layers: stacked expert weights ``(experts, out, in)``; and DBRX's
-    2-D expert rows (``w1`` / ``v1`` / ``w2``, each (E * I, H))."""
+    """The unit's 3-D parameters outside Linear and convolution layers: stacked expert weights ``(experts, out, in)``;
+    and DBRX's 2-D expert rows (``w1`` / ``v1`` / ``w2``, each (E * I, H)). (A Mamba mixer's depthwise ``conv1d``
+    weight is 3-D too: taken for experts, the hybrid families' units were counted as a mixture of experts, 3.4x
+    under the measured step for Nemotron-H.)"""
     import torch.nn as nn
 
-    in_linear = {id(p) for m in unit.modules() if isinstance(m, nn.Linear) for p in m.parameters(recurse=False)}
+    in_linear = {id(p) for m in unit.modules() if isinstance(m, (nn.Linear, nn.modules.conv._ConvNd))
+                 for p in m.parameters(recurse=False)}
     fused = [getattr(m.mlp, n) for m in _fused_experts(unit) for n in ("w1", "v1", "w2")]
     return [p for p in unit.parameters() if p.dim() == 3 and id(p) not in in_linear] + fused
 
@@ -394,6 +397,9 @@ def mix_units(tiled: ActivationEstimate, untiled: Optional[ActivationEstimate]) 
                                     "tiled, each kind profiled",))
 
 
+_NO_ATTENTION_TOKENS = 64
+
+
 def _profile_one(unit, hidden: int, tokens: int, sp: int, tp: int, tiled_mlp: int, tiled_attention: int
                  ) -> Tuple[Dict[str, float], str, list]:
     """(per-token bytes, "profiled" | "counted", notes) of one unit."""
@@ -402,12 +408,19 @@ def _profile_one(unit, hidden: int, tokens: int, sp: int, tp: int, tiled_mlp: in
     from lightning_scale.tiled_mlp import tiled_unit
 
     notes: list = []
+    if not any("Attention" in type(m).__name__ for m in unit.modules()):
+        # a unit without attention (a hybrid's Mamba or convolution layer) makes the same bytes per token at any length:
+        # profiled over one Mamba-2 chunk (its chunk_size: no padding to it), else _NO_ATTENTION_TOKENS positions
+        # (Jamba's Mamba-1 scan loops over the positions in Python: 67 s on fake tensors at 1024 tokens, 3.5 s at 256,
+        # 0.95 s at 64, the bytes per token within 0.6% of each other)
+        chunk = max((c for m in unit.modules() if isinstance(c := getattr(m, "chunk_size", None), int)), default=0)
+        tokens = min(tokens, chunk or _NO_ATTENTION_TOKENS)
     try:
-        if _expert_weights(unit) and (_mask_inputs(unit, tokens) or _eager_attention(unit)):
-            # a mixture of experts whose attention runs with an explicit mask (Llama 4's chunks, a sliding window) or
-            # eager (a score matrix per head: GPT-OSS, which transformers runs eager only): the counted path misses
-            # what the mask / the scores make (the sdpa mask per layer: 1.5-1.9x under for Llama 4; GPT-OSS 7.2x
-            # under), so the unit runs on fake tensors with its experts stubbed and the experts are counted on top
+        if _expert_weights(unit):
+            # a mixture of experts: the unit runs on fake tensors with its experts stubbed and the experts are counted
+            # on top. Counted from its Linear sizes instead, what its attention's mask / eager scores (the sdpa mask
+            # per layer: 1.5-1.9x under for Llama 4; GPT-OSS 7.2x under) or a Mamba mixer beside the experts (Jamba,
+            # Granite 4 hybrid: 1.46x under) make was missed
             extra = _expert_bytes(unit, tp)
             with _experts_stubbed(unit) as stubbed:
                 if not stubbed:
@@ -415,7 +428,7 @@ def _profile_one(unit, hidden: int, tokens: int, sp: int, tp: int, tiled_mlp: in
                 per_token = profile_unit(unit, tokens, tp=tp, hidden=hidden or None, sp=sp)
             per_token = {key: (max(v, extra.get(key, 0.0)) if key == "backward" else v + extra.get(key, 0.0))
                          for key, v in per_token.items()}
-            notes.append(f"{type(unit).__name__}: a mixture of experts with masked or eager attention: profiled with its "
+            notes.append(f"{type(unit).__name__}: a mixture of experts: profiled with its "
                          f"experts stubbed, and its {len(_expert_weights(unit))} stacked expert weights counted "
                          f"(each token through {experts_per_token(unit)} experts)")
             return per_token, "profiled", notes
@@ -455,9 +468,12 @@ def profile_model(module, *, seq_len: int, sp: int = 1, tp: int = 1, chunked_los
     vocab, chunk = _vocab_and_chunk(module, chunked_loss)
     tokens = max(1, seq_len // max(sp, 1))
     kinds: Dict[Tuple[Any, ...], list] = {}
-    for u in units:  # of a kind: the same class, experts or not, an explicit attention mask or not
-        kinds.setdefault((type(u), bool(_expert_weights(u)), bool(_mask_inputs(u, tokens))), []).append(u)
-    if len(kinds) == 1 or len({k[0] for k in kinds}) > 1:  # one kind (or unrelated classes): the largest unit
+    for u in units:  # of a kind: the same class holding the same classes (a hybrid's block holds a Mamba mixer or an
+        # attention: Nemotron-H's largest, a Mamba block, taken for all was 1.7x over), experts or not, an explicit
+        # attention mask or not
+        inner = tuple(sorted({type(m).__name__ for m in u.modules()}))
+        kinds.setdefault((type(u), inner, bool(_expert_weights(u)), bool(_mask_inputs(u, tokens))), []).append(u)
+    if len(kinds) == 1:  # one kind: the largest unit (several, of one class or not: Jamba's Mamba and attention layers)
         per_token, source, notes = _profile_one(unit, hidden, tokens, sp, tp, tiled_mlp, tiled_attention)
         return UnitProfile(per_token=per_token, layers=len(units), hidden=hidden, vocab=vocab, chunk=chunk,
                            unit_type=type(unit), source=source, notes=tuple(notes))

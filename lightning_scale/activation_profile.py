@@ -116,8 +116,10 @@ def _rotary_inputs(unit: nn.Module, tokens: int) -> Dict[str, Any]:
     # the layer's own signature, or (GPT-NeoX: the layer passes **kwargs on) its attention's
     if not takes(unit) and not any(takes(c) for c in unit.children()):
         return {}
-    # the rotary width: the attention's rotary_ndims under partial rotary (GPT-NeoX), else its head_dim
-    dims = [getattr(m, "rotary_ndims", None) or getattr(m, "head_dim", None) for m in unit.modules()]
+    # the rotary width: the attention's rotary_ndims under partial rotary (GPT-NeoX), else its head_dim; the attention's
+    # first (Falcon-H1's layer holds a Mamba mixer with a head_dim of its own before its attention)
+    modules = sorted(unit.modules(), key=lambda m: "Attention" not in type(m).__name__)
+    dims = [getattr(m, "rotary_ndims", None) or getattr(m, "head_dim", None) for m in modules]
     dim = next((int(d) for d in dims if isinstance(d, int)), None)
     if dim is None:
         return {}

@@ -68,8 +68,24 @@ CASES = {  # name: (family, Zero3DStrategy kwargs)
     "dbrx_tp2": ("dbrx", {"tp": 2}),
     "gpt_oss_tp2": ("gpt_oss", {"tp": 2}),
     "gpt_oss_zero2": ("gpt_oss", {"stage": 2}),
+    # Nemotron-H at tp=2: its Mamba-2 mixers split (style mamba2: a region with its own all-reduces); with ZeRO-3 the
+    # model rebuilt on meta as one tp rank holds it (tensor_parallel.local_view.local_on_meta)
+    "nemotron_h_zero2": ("nemotron_h", {"stage": 2}),
+    "bamba_zero2": ("bamba", {"stage": 2}),
+    # hybrids: a Mamba mixer's 3-D conv1d weight was taken for stacked experts (Nemotron-H counted as a mixture of
+    # experts: 3.4x under), a block's Mamba and attention kinds profiled as the largest (1.7x over), Falcon-H1's
+    # profile failed on the Mamba mixer's head_dim taken for the rotary width (counted: 5.1x under), Jamba / Granite 4
+    # hybrid counted with their experts from Linear sizes (1.46x under)
+    "jamba_zero2": ("jamba", {"stage": 2}),
+    "lfm2_zero2": ("lfm2", {"stage": 2}),
+    "falcon_h1_zero2": ("falcon_h1", {"stage": 2}),
+    "granitemoehybrid_zero2": ("granitemoehybrid", {"stage": 2}),
+    "nemotron_h_tp2": ("nemotron_h", {"tp": 2}),
+    "nemotron_h_tp2_zero3": ("nemotron_h", {"tp": 2, "stage": 3}),
 }
 SEQ, BATCH = 1024, 2
+# families of CASES without experts (the hybrids' Mamba / convolution layers beside attention)
+DENSE = ("bamba", "lfm2", "falcon_h1", "nemotron_h")
 
 
 def _litgpt_moe():
@@ -127,7 +143,12 @@ def _fit(name: str) -> dict:
             "warned": [str(w.message) for w in caught if "[lightning_scale memory]" in str(w.message)]}
 
 
-@pytest.mark.parametrize("name", list(CASES))
+# Jamba's Mamba-1 scan loops over the 1024 positions in Python (no mamba kernels on CPU): its measured step runs ~67k
+# ops through the live-bytes dispatch mode, ~25 s
+SLOW = ("jamba_zero2",)
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in CASES])
 def test_counted_step1_peak_within_15_percent(tmp_path, name):
     pytest.importorskip("transformers")
     if name.startswith("litgpt"):
@@ -135,7 +156,7 @@ def test_counted_step1_peak_within_15_percent(tmp_path, name):
     from test_memory_plan_dist import launch_and_check
 
     for r in launch_and_check(__file__, tmp_path, name, timeout=300):
-        if "tp" not in CASES[name][1] and CASES[name][0] not in ("litgpt_moe", "mistral"):  # the one-unit profile's
+        if "tp" not in CASES[name][1] and CASES[name][0] not in ("litgpt_moe", "mistral", *DENSE):  # the unit profile's
             # note (at tp the live split unit is counted; litgpt's experts are nn.Linear layers, no stacked weights)
             assert any("stacked expert weights" in n for n in r["notes"]), r["notes"]
 
