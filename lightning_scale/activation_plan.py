@@ -199,6 +199,11 @@ def experts_per_token(unit) -> int:
     return 1
 
 
+def _mixer(unit) -> bool:
+    """A unit holding a Mamba mixer (its scan's intermediates: no Linear layer says them)."""
+    return any("Mamba" in type(m).__name__ for m in unit.modules())
+
+
 def _eager_attention(unit) -> bool:
     """A Hugging Face unit whose attention runs transformers' eager implementation (its score matrices live)."""
     return any(getattr(getattr(m, "config", None), "_attn_implementation", None) == "eager" for m in unit.modules())
@@ -416,11 +421,12 @@ def _profile_one(unit, hidden: int, tokens: int, sp: int, tp: int, tiled_mlp: in
         chunk = max((c for m in unit.modules() if isinstance(c := getattr(m, "chunk_size", None), int)), default=0)
         tokens = min(tokens, chunk or _NO_ATTENTION_TOKENS)
     try:
-        if _expert_weights(unit):
-            # a mixture of experts: the unit runs on fake tensors with its experts stubbed and the experts are counted
-            # on top. Counted from its Linear sizes instead, what its attention's mask / eager scores (the sdpa mask
-            # per layer: 1.5-1.9x under for Llama 4; GPT-OSS 7.2x under) or a Mamba mixer beside the experts (Jamba,
-            # Granite 4 hybrid: 1.46x under) make was missed
+        if _expert_weights(unit) and (_mask_inputs(unit, tokens) or _eager_attention(unit) or _mixer(unit)):
+            # a mixture of experts whose attention runs with an explicit mask (Llama 4's chunks, a sliding window) or
+            # eager (a score matrix per head: GPT-OSS, which transformers runs eager only), or with a Mamba mixer
+            # beside its experts (Granite 4 hybrid): the unit runs on fake tensors with its experts stubbed and the
+            # experts are counted on top. Counted from its Linear sizes (as the others are: Mixtral / Qwen2-MoE within
+            # 7%), what the mask / the scores / the scan make was missed (Llama 4 1.5-1.9x under, GPT-OSS 7.2x)
             extra = _expert_bytes(unit, tp)
             with _experts_stubbed(unit) as stubbed:
                 if not stubbed:
@@ -428,7 +434,8 @@ def _profile_one(unit, hidden: int, tokens: int, sp: int, tp: int, tiled_mlp: in
                 per_token = profile_unit(unit, tokens, tp=tp, hidden=hidden or None, sp=sp)
             per_token = {key: (max(v, extra.get(key, 0.0)) if key == "backward" else v + extra.get(key, 0.0))
                          for key, v in per_token.items()}
-            notes.append(f"{type(unit).__name__}: a mixture of experts: profiled with its "
+            notes.append(f"{type(unit).__name__}: a mixture of experts with masked or eager attention or a Mamba mixer: "
+                         f"profiled with its "
                          f"experts stubbed, and its {len(_expert_weights(unit))} stacked expert weights counted "
                          f"(each token through {experts_per_token(unit)} experts)")
             return per_token, "profiled", notes

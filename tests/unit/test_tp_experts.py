@@ -172,9 +172,10 @@ def test_builtin_plan_splits_moe_experts_and_shared_expert():
 
 def test_the_estimator_counts_experts_split_at_tp_without_trying_fake_tensors():
     """The memory estimator / autotuner count a mixture-of-experts unit's experts (their routing cannot run on fake
-    tensors; the rest of the unit is profiled with them stubbed): at tp > 1 every expert's intermediate width is now
-    split, so the count uses the local widths. The experts never run on fake tensors: with transformers' default
-    grouped_mm experts torch logged that at ERROR level (an 'E...' RuntimeError line in the autotuner's output)."""
+    tensors; with eager attention the rest of the unit is profiled with them stubbed): at tp > 1 every expert's
+    intermediate width is now split, so the count uses the local widths. The experts never run on fake tensors: with
+    transformers' default grouped_mm experts torch logged that at ERROR level (an 'E...' RuntimeError line in the
+    autotuner's output)."""
     import logging
 
     pytest.importorskip("transformers")
@@ -192,7 +193,7 @@ def test_the_estimator_counts_experts_split_at_tp_without_trying_fake_tensors():
     finally:
         fake_log.removeHandler(handler)
     assert not logged, [r.getMessage() for r in logged]
-    assert whole.source == "profiled" and "experts stubbed" in whole.notes[0], whole.notes
+    assert whole.source == "profiled" and "experts stubbed" in whole.notes[0], whole.notes  # eager attention
     experts = model.model.layers[0].mlp.experts
     e, two_i, h = experts.gate_up_proj.shape
     unit = next(u for u in _units(model) if any(True for _ in u.parameters()))
