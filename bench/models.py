@@ -46,6 +46,13 @@ Rows ddp, fsdp2 (per block), ls_z2, ls_z3, ls_tp2 (litgpt's built-in plan: every
 (``expert_parallel=True``: the list placed by ownership, 2 of 4 experts per rank whole,
 ``tensor_parallel/expert_lists.py``) and ls_ep2 (the same placement over the data ranks, routes exchanged).
 
+``--model dbrx`` / ``gpt_oss`` / ``nemotron_h``: models whose declared tp plans split little (DBRX's names its head
+only; GPT-OSS's leaves its biased experts whole; Nemotron-H's its Mamba-2 mixers and head): ``ls_tp2`` is the
+built-in plan (DBRX's fused Wqkv and 2-D experts, GPT-OSS's experts with the down bias on one rank, Nemotron-H's
+mixers by heads and groups, 2 groups here), ``ls_tp2_own`` the declared plan alone (what transformers' own tp
+gives); compare their peak RSS. Rows: ddp, fsdp2, ls_z3, ls_tp2, ls_tp2_own (torch's dtensor plans name Llama's
+layers).
+
 ``--model mixtral``: an unchanged ``MixtralForCausalLM`` instead (8 experts of MLP width ``--hidden * 2``, top-2,
 transformers' default experts implementation), and one more row, ``ls_tp2_own``: tp=2 with the model's own
 ``tp_plan`` (attention only, the experts whole on every rank: what lightning_scale did before its ``experts`` style
@@ -78,7 +85,7 @@ from common import peak_rss_mb, peer_table, ratio_table, round_ratios, write_plo
 SYSTEMS = ["ddp", "ls_z2", "ls_z3", "ls_tp2", "ls_tp2_vp", "ls_tp2_vp_unshared", "ls_pp2", "fsdp2", "dtensor_tp",
            "lightning_fsdp2", "lightning_tp", "ls_tp2_own", "ls_tp2_ep", "ls_ep2", "ddp_routed"]
 PEERS = {"ls_z3": [("lightning_fsdp2", 1.05), ("fsdp2", 1.05)], "ls_tp2": [("lightning_tp", 1.3),
-         ("dtensor_tp", 1.3)], "ls_tp2_vp": [("lightning_tp", 1.3), ("dtensor_tp", 1.3), ("ls_tp2", None),
+         ("dtensor_tp", 1.3), ("ls_tp2_own", None)], "ls_tp2_vp": [("lightning_tp", 1.3), ("dtensor_tp", 1.3), ("ls_tp2", None),
                                              ("ls_tp2_vp_unshared", None)],
          "ls_tp2_vp_unshared": [("dtensor_tp", 1.3)],
          "ls_z2": [("ddp", None), ("ddp_routed", None)], "ls_pp2": [("ddp", None)], "ls_tp2_own": [("dtensor_tp", None)],
@@ -123,6 +130,43 @@ def build_llama(kw: dict):
                                   interleave_moe_layer_step=1, tie_word_embeddings=False, attn_implementation="sdpa")
         torch.manual_seed(0)
         return Llama4ForCausalLM(config)
+    if kw.get("model") == "dbrx":  # DBRX in small: fused Wqkv with clipping, experts as 2-D w1 / v1 / w2 rows
+        from transformers import DbrxConfig, DbrxForCausalLM
+
+        h = kw["hidden"]
+        config = DbrxConfig(d_model=h, n_heads=kw["heads"], n_layers=kw["layers"], max_seq_len=kw["seq"],
+                            vocab_size=kw["vocab"],
+                            attn_config=dict(kv_n_heads=kw["kv_heads"], clip_qkv=8.0, rope_theta=10000.0),
+                            ffn_config=dict(hidden_size=h, ffn_hidden_size=kw.get("expert_width") or h * 2,
+                                            moe_num_experts=kw.get("experts", 8), moe_top_k=kw.get("top_k", 2)),
+                            attn_implementation="sdpa")
+        torch.manual_seed(0)
+        return DbrxForCausalLM(config)
+    if kw.get("model") == "gpt_oss":  # GPT-OSS in small: experts with biases, attention sinks (eager only)
+        from transformers import GptOssConfig, GptOssForCausalLM
+
+        h = kw["hidden"]
+        config = GptOssConfig(vocab_size=kw["vocab"], hidden_size=h, intermediate_size=kw.get("expert_width") or h * 2,
+                              num_hidden_layers=kw["layers"], num_attention_heads=kw["heads"],
+                              num_key_value_heads=kw["kv_heads"], head_dim=h // kw["heads"],
+                              num_local_experts=kw.get("experts", 8), num_experts_per_tok=kw.get("top_k", 2),
+                              max_position_embeddings=kw["seq"], layer_types=["full_attention"] * kw["layers"],
+                              attn_implementation="eager")
+        torch.manual_seed(0)
+        return GptOssForCausalLM(config)
+    if kw.get("model") == "nemotron_h":  # Nemotron-H in small: Mamba-2 (2 groups), attention and MLP layers
+        from transformers import NemotronHConfig, NemotronHForCausalLM
+
+        h = kw["hidden"]
+        pattern = ("M-M*" * kw["layers"])[:kw["layers"]]
+        config = NemotronHConfig(vocab_size=kw["vocab"], hidden_size=h, intermediate_size=h * 2,
+                                 num_hidden_layers=kw["layers"], hybrid_override_pattern=pattern,
+                                 num_attention_heads=kw["heads"], num_key_value_heads=kw["kv_heads"],
+                                 head_dim=h // kw["heads"], mamba_num_heads=8, mamba_head_dim=h // 4, n_groups=2,
+                                 ssm_state_size=16, chunk_size=64, max_position_embeddings=kw["seq"],
+                                 attn_implementation="sdpa")
+        torch.manual_seed(0)
+        return NemotronHForCausalLM(config)
     if kw.get("model") == "litgpt_moe":  # litgpt's GPT, Mixtral-style LLaMAMoE (a list of experts)
         from litgpt import GPT, Config
 
@@ -192,19 +236,28 @@ def _dtensor_plan(model, mesh) -> None:
     parallelize_module(model, mesh, plan)
 
 
+# models whose built-in plan here splits what their declared plan leaves whole (DBRX: its head only; GPT-OSS: its
+# biased experts; Nemotron-H: its Mamba-2 mixers and head): ls_tp2_own is their declared plan
+NEW_PLANS = ("dbrx", "gpt_oss", "nemotron_h")
+
+
 def _own_plan(model) -> dict:
     """The model's own tp_plan, as the built-in path applies it: patterns that match no module dropped (DeepSeek-V3's
     declares q_proj, which it does not build with q_lora_rank set); a plan passed by the user must match."""
     from lightning_scale.tensor_parallel.hf import _matches, hf_plan
 
     names = [n for n, _ in model.named_modules() if n]
-    return {p: s for p, s in hf_plan(model).items() if any(_matches(p, n) for n in names)}
+    plan = hf_plan(model)
+    if model.config.model_type in NEW_PLANS:  # what transformers declares, not the built-in plan that replaces it
+        plan = dict(getattr(model, "tp_plan", None) or getattr(model, "_tp_plan", None) or {})
+    return {p: s for p, s in plan.items() if any(_matches(p, n) for n in names)}
 
 
 def _fsdp2(model, mesh=None) -> None:
     from torch.distributed.fsdp import fully_shard
 
-    layers = model.transformer.h if hasattr(model, "transformer") else model.model.layers  # litgpt / HF
+    base = getattr(model, "transformer", None)  # litgpt / DBRX, else HF
+    layers = (base.h if hasattr(base, "h") else base.blocks) if base is not None else model.model.layers
     for layer in layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=True)
     fully_shard(model, mesh=mesh, reshard_after_forward=True)
@@ -405,7 +458,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--model", choices=["llama", "mixtral", "deepseek_v3", "llama4", "litgpt_moe"], default="llama")
+    ap.add_argument("--model", choices=["llama", "mixtral", "deepseek_v3", "llama4", "litgpt_moe", *NEW_PLANS],
+                    default="llama")
     ap.add_argument("--experts", type=int, default=8, help="MoE models: routed experts per layer")
     ap.add_argument("--top-k", type=int, default=2, help="MoE models: experts per token")
     ap.add_argument("--expert-width", type=int, default=None,
@@ -455,7 +509,7 @@ def main() -> None:
     rounds = [{k: r[k] for k in ok if k in r} for r in rounds]
     label = "litgpt GPT (LLaMAMoE)" if args.model == "litgpt_moe" else f"HF {args.model.capitalize()}"
     name = f"{label} {_params_m(kw):.1f}M"
-    if args.model != "llama":
+    if args.model not in ("llama", "nemotron_h"):
         width = args.expert_width or (args.hidden if args.model == "deepseek_v3" else args.hidden * 2)
         name += f" ({args.experts} experts of width {width}, top-{args.top_k})"
     print(f"\n## {name} ({datetime.date.today()}, 2 CPU ranks, {tokens} tokens/step, "

@@ -37,7 +37,7 @@ from lightning_scale.tensor_parallel.sharding import ShardSpec, make_spec, mark_
 
 _ATTRS = ("num_heads", "head_dim", "n_groups", "ssm_state_size", "intermediate_size", "conv_dim")
 _PER_HEAD = ("A_log", "D", "dt_bias")
-# attributes holding a count that tp divides, besides the ones the parts give: (name, what it counts in)
+# the mixer's attributes holding a count that becomes the local one (divided by tp)
 _LOCAL_COUNTS = ("num_heads", "intermediate_size", "n_groups", "conv_dim", "groups_time_state_size")
 
 
