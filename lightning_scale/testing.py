@@ -415,3 +415,39 @@ def dp_step(model, opt, topo, x, y, loss_fn, *, device=None, before_step=None) -
     if n > topo.dp:
         dist.all_reduce(loss, group=topo.tp_group)
     return float(loss / n)
+
+
+def random_biases(model, seed: int = 1, scale: float = 0.5):
+    """Every parameter of ``model`` named ``*bias`` drawn at random, in place (returns the model). transformers
+    initializes biases to zero: a bias a split adds once per tp rank would go unseen in a one-step comparison."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * scale)
+    return model
+
+
+def tp_step(model, loss_fn: Callable, targets, shapes_of: Callable[[str], bool], **inputs) -> Dict[str, Any]:
+    """One forward and backward of a tensor-parallel Hugging Face ``model`` (``loss_fn(logits, targets)``): the loss,
+    every gradient consolidated under the whole model's names, the local shapes of the parameters ``shapes_of`` picks
+    and the share of the model tp split. What the tp parity tests compare with one process."""
+    from lightning_scale.tensor_parallel import consolidate_state_dict
+    from lightning_scale.tensor_parallel.state import split_summary
+
+    loss = loss_fn(model(**inputs).logits, targets)
+    loss.backward()
+    grads = consolidate_state_dict(model, values={n: p.grad for n, p in model.named_parameters()})
+    return dict(loss=loss.item(), grads=grads, fraction=split_summary(model, 2)["fraction"],
+                local_shapes={n: tuple(p.shape) for n, p in model.named_parameters() if shapes_of(n)})
+
+
+def worst_grad_errors(ref, grads: Dict[str, Any], tol: float) -> Dict[str, float]:
+    """``{name: relative max error}`` of every gradient of ``grads`` against ``ref``'s ``.grad`` above ``tol``."""
+    worst = {}
+    for name, p in ref.named_parameters():
+        g = grads[name]
+        worst[name] = ((g - p.grad).abs().max() / p.grad.abs().max().clamp_min(1e-300)).item()
+    return {n: w for n, w in worst.items() if not w <= tol}

@@ -205,16 +205,24 @@ def _apply(self, fn, recurse=True):
     return out
 
 
-def _forward_without_down_bias(self, *args, **kwargs):
-    """The experts' forward on tp ranks > 0: the down projection's bias read as ``b - b.detach()`` (zero, with b's
-    gradient), so only rank 0 adds it to the sum over tp. Installed per instance (module-level, so the split model
-    still pickles and deep-copies)."""
-    bias = self._parameters["down_proj_bias"]
-    self._parameters["down_proj_bias"] = bias - bias.detach()
+def add_bias_once(module: nn.Module, owner: str, leaf: str) -> None:
+    """On a tp rank > 0: ``module``'s forward reads the bias ``owner.leaf`` (``owner`` a submodule name, "" for the
+    module) as ``b - b.detach()``: zero, with b's whole gradient, so only rank 0 adds it to a sum over tp and every
+    rank's copy gets the same gradient (the output's gradient and the rest of the forward are the same on every
+    rank). Installed per instance (a module-level function, so the split model still pickles and deep-copies)."""
+    module._tp_bias_once = (owner, leaf)
+    module.forward = types.MethodType(_forward_adding_bias_once, module)
+
+
+def _forward_adding_bias_once(self, *args, **kwargs):
+    owner_name, leaf = self._tp_bias_once
+    owner = self.get_submodule(owner_name) if owner_name else self
+    bias = owner._parameters[leaf]
+    owner._parameters[leaf] = bias - bias.detach()
     try:
         return type(self).forward(self, *args, **kwargs)
     finally:
-        self._parameters["down_proj_bias"] = bias
+        owner._parameters[leaf] = bias
 
 
 def _enter(group, tag: str):
@@ -304,7 +312,7 @@ def split_experts(name: str, module: nn.Module, specs: Dict[str, ShardSpec], gro
             module.mlp.ffn_hidden_size = local
     if rank > 0 and getattr(module, "has_bias", False) and isinstance(getattr(module, "down_proj_bias", None),
                                                                       nn.Parameter):
-        module.forward = types.MethodType(_forward_without_down_bias, module)
+        add_bias_once(module, "", "down_proj_bias")
     tag = f"tp/{name}"
     handles = [module.register_forward_pre_hook(_enter(group, tag), with_kwargs=True),
                module.register_forward_hook(_leave(group, tag, name), with_kwargs=True)]

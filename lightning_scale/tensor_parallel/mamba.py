@@ -31,7 +31,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.nn as nn
 
-from lightning_scale.tensor_parallel.experts import _enter, _leave, keep_local
+from lightning_scale.tensor_parallel.experts import _enter, _leave, add_bias_once, keep_local
 from lightning_scale.tensor_parallel.mappings import tp_rank
 from lightning_scale.tensor_parallel.sharding import ShardSpec, make_spec, mark_sharded, shard_tensor
 
@@ -138,18 +138,6 @@ def _apply(self, fn, recurse=True):
     return out
 
 
-def _forward_without_out_bias(self, *args, **kwargs):
-    """The mixer's forward on tp ranks > 0: ``out_proj``'s bias read as ``b - b.detach()`` (zero, with b's gradient),
-    so only rank 0 adds it to the sum over tp."""
-    proj = self.out_proj
-    bias = proj._parameters["bias"]
-    proj._parameters["bias"] = bias - bias.detach()
-    try:
-        return type(self).forward(self, *args, **kwargs)
-    finally:
-        proj._parameters["bias"] = bias
-
-
 def split_mixer(name: str, module: nn.Module, specs: Dict[str, ShardSpec], group) -> List[object]:
     """Keep this rank's heads and groups of ``module`` (in place: same module, same parameter names) and draw the
     region around it. Returns the hook handles."""
@@ -158,7 +146,7 @@ def split_mixer(name: str, module: nn.Module, specs: Dict[str, ShardSpec], group
     module._tp_mamba_specs = dict(specs)
     module._apply = types.MethodType(_apply, module)
     if rank > 0 and module.out_proj.bias is not None:
-        module.forward = types.MethodType(_forward_without_out_bias, module)
+        add_bias_once(module, "out_proj", "bias")
     tag = f"tp/{name}"
     return [module.register_forward_pre_hook(_enter(group, tag), with_kwargs=True),
             module.register_forward_hook(_leave(group, tag, name), with_kwargs=True)]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_scale.testing import HF_RANK_PRELOAD, run_distributed
+from lightning_scale.testing import HF_RANK_PRELOAD, random_biases, run_distributed, tp_step, worst_grad_errors
 
 # DeepSeek-V3: its router scores in float32 like Mixtral's; its attention is multi-head latent attention (the shared
 # k_rot of kv_a_proj_with_mqa feeds this rank's heads only: style mla_kv_a_proj all-reduces its gradient)
@@ -43,13 +43,7 @@ def _build(family: str):
     once per tp rank would go unseen)."""
     from lightning_scale.models import hf_families as F
 
-    model = F.build(family, "eager", overrides=OVERRIDES.get(family))
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.5)
-    return model
+    return random_biases(F.build(family, "eager", overrides=OVERRIDES.get(family)))
 
 
 def _batch():
@@ -68,8 +62,7 @@ def worker(rank: int, world_size: int) -> dict:
     import torch.distributed as dist
 
     from lightning_scale.comm.accounting import CommCounter
-    from lightning_scale.tensor_parallel import apply_tensor_parallel, consolidate_state_dict
-    from lightning_scale.tensor_parallel.state import split_summary
+    from lightning_scale.tensor_parallel import apply_tensor_parallel
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
@@ -80,13 +73,8 @@ def worker(rank: int, world_size: int) -> dict:
         model = apply_tensor_parallel(whole, None, dist.group.WORLD)
         x, y = _batch()
         with CommCounter() as counter:
-            loss = _loss(model(input_ids=x).logits, y)
-            loss.backward()
-        grads = consolidate_state_dict(model, values={n: p.grad for n, p in model.named_parameters()})
-        out[family] = dict(loss=loss.item(), grads=grads, full_shapes=shapes,
-                           local_shapes={n: tuple(p.shape) for n, p in model.named_parameters() if n in shapes},
-                           fraction=split_summary(model, 2)["fraction"],
-                           experts_tags=sorted(t for t in counter.by_tag if t.endswith(".experts")))
+            out[family] = tp_step(model, _loss, y, shapes.__contains__, input_ids=x)
+        out[family].update(full_shapes=shapes, experts_tags=sorted(t for t in counter.by_tag if t.endswith(".experts")))
     return out
 
 
@@ -114,11 +102,7 @@ def test_moe_at_tp2_splits_the_experts_and_equals_one_process(runs, family):
         assert r["fraction"] > SPLIT[family], r["fraction"]  # was 0.16 for this Mixtral with its own plan
         assert r["experts_tags"], "no all-reduce tagged by an experts module"
         assert abs(r["loss"] - loss.item()) <= 1e-12 * abs(loss.item()), (rank, r["loss"], loss.item())
-        worst = {}
-        for name, p in ref.named_parameters():
-            g = r["grads"][name]
-            worst[name] = ((g - p.grad).abs().max() / p.grad.abs().max().clamp_min(1e-300)).item()
-        bad = {n: w for n, w in worst.items() if not w <= tol}
+        bad = worst_grad_errors(ref, r["grads"], tol)
         assert not bad, (family, rank, bad)
 
 

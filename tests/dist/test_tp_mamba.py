@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_scale.testing import HF_RANK_PRELOAD, run_distributed
+from lightning_scale.testing import HF_RANK_PRELOAD, random_biases, run_distributed, tp_step, worst_grad_errors
 
 GROUPS = {"bamba": "mamba_n_groups", "nemotron_h": "n_groups", "falcon_h1": "mamba_n_groups",
           "granitemoehybrid": "mamba_n_groups"}
@@ -29,13 +29,7 @@ TOL = {"nemotron_h": 1e-6}  # its float32 logits (hf_families.FLOAT32_LOGITS_TOL
 def _build(family: str):
     from lightning_scale.models import hf_families as F
 
-    model = F.build(family, "eager", overrides={GROUPS[family]: 2, **EXTRA.get(family, {})})
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.5)
-    return model
+    return random_biases(F.build(family, "eager", overrides={GROUPS[family]: 2, **EXTRA.get(family, {})}))
 
 
 def _batch():
@@ -56,8 +50,7 @@ def worker(rank: int, world_size: int) -> dict:
 
     import torch.distributed as dist
 
-    from lightning_scale.tensor_parallel import apply_tensor_parallel, consolidate_state_dict
-    from lightning_scale.tensor_parallel.state import split_summary
+    from lightning_scale.tensor_parallel import apply_tensor_parallel
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
@@ -67,12 +60,8 @@ def worker(rank: int, world_size: int) -> dict:
         shapes = {n: tuple(p.shape) for n, p in whole.named_parameters() if n.endswith("in_proj.weight")}
         model = apply_tensor_parallel(whole, None, dist.group.WORLD)
         x, y, mask = _batch()
-        loss = _loss(model(input_ids=x, attention_mask=mask).logits, y)
-        loss.backward()
-        grads = consolidate_state_dict(model, values={n: p.grad for n, p in model.named_parameters()})
-        out[family] = dict(loss=loss.item(), grads=grads, full_shapes=shapes,
-                           local_shapes={n: tuple(p.shape) for n, p in model.named_parameters() if n in shapes},
-                           fraction=split_summary(model, 2)["fraction"])
+        out[family] = dict(tp_step(model, _loss, y, shapes.__contains__, input_ids=x, attention_mask=mask),
+                           full_shapes=shapes)
     return out
 
 
@@ -97,9 +86,5 @@ def test_mamba2_mixers_at_tp2_equal_one_process(runs, family):
             assert r["local_shapes"][name] == (full[0] // 2, full[1]), (name, r["local_shapes"][name], full)
         assert r["fraction"] > SPLIT[family], r["fraction"]
         assert abs(r["loss"] - loss.item()) <= tol * abs(loss.item()), (rank, r["loss"], loss.item())
-        worst = {}
-        for name, p in ref.named_parameters():
-            g = r["grads"][name]
-            worst[name] = ((g - p.grad).abs().max() / p.grad.abs().max().clamp_min(1e-300)).item()
-        bad = {n: w for n, w in worst.items() if not w <= tol}
+        bad = worst_grad_errors(ref, r["grads"], tol)
         assert not bad, (family, rank, bad)
