@@ -84,7 +84,8 @@ def _up_name(module: nn.Module) -> str:
 _MLP_LAYOUTS = ((("fc_1", "fc_2"), "proj"),  # litgpt LLaMAMLP / GemmaMLP
                 (("fc",), "proj"),  # litgpt GptNeoxMLP
                 (("gate_proj", "up_proj"), "down_proj"),  # Hugging Face gated MLPs
-                (("w1", "w3"), "w2"))  # Mixtral's experts as older transformers built them
+                (("w1", "w3"), "w2"),  # Mixtral's experts as older transformers built them
+                (("up_proj",), "down_proj"))  # Hugging Face MLPs without a gate (Nemotron-H's ReLU^2 layers)
 _SHARED = ("shared_experts", "shared_expert")
 
 

@@ -122,10 +122,9 @@ def mlps_left_out(model: nn.Module, plan: Dict[str, object], tp: int) -> Dict[st
         holders = {n for n, c in module.named_children() if any(True for _ in c.parameters())}
         if holders - {*ups, down} or getattr(module, down).in_features % tp:
             continue
-        generic = _generic(name)
-        for n in ups:
-            out[f"{generic}.{n}"] = "packed_colwise" if packed else "colwise"
-        out[f"{generic}.{down}"] = "rowwise"
+        for n in ups:  # by name: a hybrid's layers may hold another module under the same attribute (Nemotron-H's mixer)
+            out[f"{name}.{n}"] = "packed_colwise" if packed else "colwise"
+        out[f"{name}.{down}"] = "rowwise"
     return out
 
 

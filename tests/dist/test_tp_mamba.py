@@ -20,7 +20,9 @@ from lightning_scale.testing import HF_RANK_PRELOAD, random_biases, run_distribu
 
 GROUPS = {"bamba": "mamba_n_groups", "nemotron_h": "n_groups", "falcon_h1": "mamba_n_groups",
           "granitemoehybrid": "mamba_n_groups"}
-EXTRA = {"bamba": {"mamba_proj_bias": True}}
+# Bamba's out_proj bias; Nemotron-H with an MLP layer ('-': up / down projections, no gate) beside its Mamba and
+# attention layers (its own plan leaves the MLP whole: split by hf_rules.mlps_left_out)
+EXTRA = {"bamba": {"mamba_proj_bias": True}, "nemotron_h": {"hybrid_override_pattern": "M-M*"}}
 # the share of parameters split at tp=2 (Falcon-H1's and Nemotron-H's small MLP / attention widths leave norms whole)
 SPLIT = {"bamba": 0.95, "nemotron_h": 0.85, "falcon_h1": 0.8, "granitemoehybrid": 0.95}
 TOL = {"nemotron_h": 1e-6}  # its float32 logits (hf_families.FLOAT32_LOGITS_TOL)

@@ -81,9 +81,15 @@ def test_mlps_a_plan_leaves_out_are_split_and_the_rest_is_left_alone():
     model = nn.Module()
     model.layers = nn.ModuleList([layer])
     got = mlps_left_out(model, {"layers.*.planned": "replicate"}, 2)
-    assert got == {"layers.*.mlp.gate_proj": "colwise", "layers.*.mlp.up_proj": "colwise",
-                   "layers.*.mlp.down_proj": "rowwise", "layers.*.ffn.w1": "colwise", "layers.*.ffn.w3": "colwise",
-                   "layers.*.ffn.w2": "rowwise", "layers.*.shared_mlp.input_linear": "packed_colwise",
-                   "layers.*.shared_mlp.output_linear": "rowwise"}, got
+    # by name, not by pattern: another layer may hold something else under the same attribute (Nemotron-H's mixer)
+    assert got == {"layers.0.mlp.gate_proj": "colwise", "layers.0.mlp.up_proj": "colwise",
+                   "layers.0.mlp.down_proj": "rowwise", "layers.0.ffn.w1": "colwise", "layers.0.ffn.w3": "colwise",
+                   "layers.0.ffn.w2": "rowwise", "layers.0.shared_mlp.input_linear": "packed_colwise",
+                   "layers.0.shared_mlp.output_linear": "rowwise"}, got
     # a plan naming one projection of an MLP keeps the whole MLP as the plan says
-    assert "layers.*.mlp.up_proj" not in mlps_left_out(model, {"layers.*.mlp.gate_proj": "colwise"}, 2)
+    assert "layers.0.mlp.up_proj" not in mlps_left_out(model, {"layers.*.mlp.gate_proj": "colwise"}, 2)
+    ungated = nn.Module()
+    ungated.up_proj, ungated.down_proj, ungated.act = nn.Linear(4, 8), nn.Linear(8, 4), nn.ReLU()
+    model.layers.append(ungated)  # Nemotron-H's ReLU^2 MLP layer: up / down, no gate
+    got = mlps_left_out(model, {"layers.*.planned": "replicate"}, 2)
+    assert got["layers.1.up_proj"] == "colwise" and got["layers.1.down_proj"] == "rowwise", got
