@@ -121,6 +121,9 @@ LLAMA_LAYOUT_PLAN: Dict[str, str] = {
 }
 # model type -> (config flags refused, entries added to the Llama plan)
 _LLAMA_LAYOUT = {"stablelm": (("qk_layernorm",), {}),
+                 # Falcon-H1: its config's plan names the embedding only; attention q / k / v / o_proj as Llama's (its
+                 # MLP is `feed_forward`, split by hf_rules.mlps_left_out; its Mamba-2 mixers by mamba.py)
+                 "falcon_h1": ((), {}),
                  # HunYuan dense: its config's plan names the embedding only (every layer stayed whole at tp=2); its
                  # q / k norms over head_dim run on this rank's heads: their gradients summed over tp (as Qwen3's plan
                  # does for its q / k norms; left out, its tp2 rows were 6.7e-6 off)

@@ -17,10 +17,22 @@ the groups, each rank keeps whole heads and whole groups:
   read ``b - b.detach()``: zero, with the whole gradient).
 
 The module's head, width and group counts (``num_heads``, ``intermediate_size``, ``n_groups``, ``conv_dim``, ...) and its
-``conv1d`` channel counts become the local ones, so the same forward runs on the slices. Every parameter is split,
-so nothing else needs a gradient sum. Left whole (named in the startup table's ``tensor parallel`` row): a mixer
-whose groups or heads tp does not divide (Megatron requires the same: ``n_groups % tp == 0``; most released Bamba,
-Falcon-H1 and Granite 4 checkpoints have one group).
+``conv1d`` channel counts become the local ones, so the same forward runs on the slices.
+
+**Fewer groups than ranks** (``tp % n_groups == 0``: the released Bamba, Falcon-H1 and Granite 4 hybrids have one
+group; Megatron refuses them, ``n_groups % tp == 0``). Rank r keeps heads ``r*H/tp ...``, which all read group
+``g = r*G // tp``, and a copy of that group's ``B`` / ``C`` rows (the ``splits`` of the kv-heads-below-tp layout,
+:class:`~lightning_scale.tensor_parallel.sharding.ShardSpec`): in_proj's and conv1d's B / C rows are replicated over the
+``tp / G`` ranks sharing the group, and their gradients (each rank's from its own heads only) are summed over those
+ranks in the backward (:func:`~lightning_scale.tensor_parallel.layers.replica_grad_sum`; the grad norm counts them
+once, a checkpoint takes them from the first holder). The gated RMSNorm normalizes over a whole group (``d / G``
+channels) that now spans ``tp / G`` ranks: its sum of squares is summed over them (forward and backward) and the rest
+is per channel. The fused training kernel (``mamba_split_conv1d_scan_combined``, GPU) normalizes inside and cannot
+see the other ranks' channels, so such a mixer takes the unfused path (kernels for the conv and the scan still apply):
+the mixer reads ``training=False`` during its forward, the only thing that flag selects there.
+
+Left whole (named in the startup table's ``tensor parallel`` row): a mixer whose heads tp does not divide, or whose
+groups tp neither divides nor is a multiple of, or with a gated norm of an unknown form.
 """
 
 from __future__ import annotations
@@ -31,14 +43,18 @@ from typing import Dict, List, Optional
 import torch
 import torch.nn as nn
 
+import torch.nn.functional as F
+
 from lightning_scale.tensor_parallel.experts import _enter, _leave, add_bias_once, keep_local
-from lightning_scale.tensor_parallel.mappings import tp_rank
+from lightning_scale.tensor_parallel.layers import replica_grad_sum
+from lightning_scale.tensor_parallel.mappings import _reduce, tp_rank
 from lightning_scale.tensor_parallel.sharding import ShardSpec, make_spec, mark_sharded, shard_tensor
 
 _ATTRS = ("num_heads", "head_dim", "n_groups", "ssm_state_size", "intermediate_size", "conv_dim")
 _PER_HEAD = ("A_log", "D", "dt_bias")
 # the mixer's attributes holding a count that becomes the local one (divided by tp)
-_LOCAL_COUNTS = ("num_heads", "intermediate_size", "n_groups", "conv_dim", "groups_time_state_size")
+_LOCAL_COUNTS = ("num_heads", "intermediate_size", "n_groups", "groups_time_state_size")
+_GROUP_COUNTS = ("n_groups", "groups_time_state_size")  # local: this rank's groups (one when G < tp)
 
 
 def is_mamba2_mixer(module: nn.Module) -> bool:
@@ -56,6 +72,30 @@ def _parts(module: nn.Module):
     return (d, d, gn, gn, h), (d, gn, gn)
 
 
+def _splits(module: nn.Module, tp: int):
+    """(in_proj, conv1d) ``splits`` of :func:`make_spec`: () when tp divides the groups, else the B / C parts cut in
+    ``n_groups`` pieces only (each replicated over the ``tp / G`` ranks whose heads read it)."""
+    g = module.n_groups
+    if g % tp == 0:
+        return (), ()
+    return (tp, tp, g, g, tp), (tp, g, g)
+
+
+def _norm_kind(norm) -> Optional[str]:
+    """The gated RMSNorm forms whose group statistics this module can sum over ranks: transformers' ``group_size``
+    one (Mamba-2, Bamba, Nemotron-H, Granite 4: gate, then norm per group, weight after the cast) and Falcon-H1's
+    (``n_groups``, ``norm_before_gate``, weight before the cast). None for anything else."""
+    if norm is None or isinstance(norm, nn.Identity):
+        return "none"
+    if not type(norm).__name__.endswith("RMSNormGated") or not isinstance(getattr(norm, "variance_epsilon", None), float):
+        return None
+    if isinstance(norm.__dict__.get("group_size"), int):
+        return "group_size"
+    if isinstance(norm.__dict__.get("n_groups"), int) and isinstance(norm.__dict__.get("norm_before_gate"), bool):
+        return "falcon_h1"
+    return None
+
+
 def unsupported(module: nn.Module, tp: int) -> Optional[str]:
     """Why ``mamba2`` cannot split ``module`` over ``tp`` ranks (None when it can)."""
     kind = type(module).__name__
@@ -68,14 +108,19 @@ def unsupported(module: nn.Module, tp: int) -> Optional[str]:
     if module.in_proj.out_features != sum(proj) or module.conv1d.in_channels != sum(conv) or (
             module.conv1d.groups != module.conv1d.in_channels):
         return f"{kind}: in_proj / conv1d are not the Mamba-2 layout [z | x | B | C | dt] / depthwise [x | B | C]"
-    if h % tp or g % tp:
-        return (f"{kind}: tp={tp} does not divide its {g} group(s) and {h} heads (each rank keeps whole groups, as "
-                f"Megatron's Mamba: n_groups % tp == 0)")
+    if h % tp:
+        return f"{kind}: tp={tp} does not divide its {h} heads"
+    if g % tp and tp % g:
+        return (f"{kind}: tp={tp} neither divides its {g} groups nor is a multiple of them (each rank's heads must "
+                f"read one group, or whole groups)")
     norm = getattr(module, "norm", None)
     if norm is not None and not isinstance(norm, nn.Identity):
         w = getattr(norm, "weight", None)
         if not isinstance(w, nn.Parameter) or w.shape != (module.intermediate_size,):
             return f"{kind}: its norm ({type(norm).__name__}) has no weight over the intermediate width"
+        if g % tp and _norm_kind(norm) is None:
+            return (f"{kind}: its gated norm {type(norm).__name__} is of an unknown form (its groups would span ranks "
+                    f"at tp={tp} > {g} groups)")
     return None
 
 
@@ -85,12 +130,15 @@ def mixer_specs(name: str, module: nn.Module, tp: int) -> Dict[str, ShardSpec]:
     if why is not None:
         raise ValueError(f"style 'mamba2' on {name!r}: {why}")
     proj, conv = _parts(module)
-    specs = {"in_proj.weight": make_spec(0, sum(proj), tp, parts=proj, what=f"{name}.in_proj")}
+    proj_splits, conv_splits = _splits(module, tp)
+    specs = {"in_proj.weight": make_spec(0, sum(proj), tp, parts=proj, splits=proj_splits, what=f"{name}.in_proj")}
     if module.in_proj.bias is not None:
-        specs["in_proj.bias"] = make_spec(0, sum(proj), tp, parts=proj, what=f"{name}.in_proj.bias")
-    specs["conv1d.weight"] = make_spec(0, sum(conv), tp, parts=conv, what=f"{name}.conv1d")
+        specs["in_proj.bias"] = make_spec(0, sum(proj), tp, parts=proj, splits=proj_splits,
+                                          what=f"{name}.in_proj.bias")
+    specs["conv1d.weight"] = make_spec(0, sum(conv), tp, parts=conv, splits=conv_splits, what=f"{name}.conv1d")
     if module.conv1d.bias is not None:
-        specs["conv1d.bias"] = make_spec(0, sum(conv), tp, parts=conv, what=f"{name}.conv1d.bias")
+        specs["conv1d.bias"] = make_spec(0, sum(conv), tp, parts=conv, splits=conv_splits,
+                                         what=f"{name}.conv1d.bias")
     for p in _PER_HEAD:
         specs[p] = make_spec(0, module.num_heads, tp, what=f"{name}.{p}")
     norm = getattr(module, "norm", None)
@@ -109,7 +157,7 @@ def localize(module: nn.Module, specs: Dict[str, ShardSpec], tp: int, rank: int)
     for bname, buf in list(module.named_buffers(recurse=False)):  # Falcon-H1's mup_vector: one factor per in_proj row
         if buf is not None and buf.dim() >= 1 and buf.shape[-1] == width:
             spec = ShardSpec(dim=buf.dim() - 1, size=width, tp=tp, padded=width, sections=proj_spec.sections,
-                             parts=proj_spec.parts)
+                             parts=proj_spec.parts, splits=proj_spec.splits)
             local = (torch.empty(spec.local_shape(buf.shape), device="meta", dtype=buf.dtype) if buf.is_meta
                      else shard_tensor(buf, spec, rank).contiguous())
             persistent = bname not in module._non_persistent_buffers_set
@@ -117,13 +165,23 @@ def localize(module: nn.Module, specs: Dict[str, ShardSpec], tp: int, rank: int)
     for pname, spec in specs.items():
         owner_name, _, leaf = pname.rpartition(".")
         keep_local(module.get_submodule(owner_name) if owner_name else module, leaf, spec, rank)
+    groups = module.n_groups
+    local_groups = groups // tp if groups % tp == 0 else 1  # fewer groups than ranks: each rank reads one
+    norm = getattr(module, "norm", None)
+    if groups % tp and norm is not None and not isinstance(norm, nn.Identity):
+        # a group spans tp / G ranks: the norm's local "group" is this rank's width (split_mixer sums the
+        # statistics over the sharing ranks; the memory plan's local view runs it as it is, same shapes)
+        norm._tp_full_group = module.intermediate_size // groups
+        if isinstance(norm.__dict__.get("group_size"), int):
+            norm.group_size = module.intermediate_size // tp
     for attr in _LOCAL_COUNTS:
         value = module.__dict__.get(attr)
         if isinstance(value, int):
-            setattr(module, attr, value // tp)
-    norm = getattr(module, "norm", None)
+            setattr(module, attr, value * local_groups // groups if attr in _GROUP_COUNTS else value // tp)
+    if isinstance(module.__dict__.get("conv_dim"), int):
+        module.conv_dim = module.intermediate_size + 2 * local_groups * module.ssm_state_size
     if isinstance(norm.__dict__.get("n_groups") if norm is not None else None, int):  # Falcon-H1's gated norm
-        norm.n_groups //= tp
+        norm.n_groups = local_groups
     conv = module.conv1d
     conv.in_channels = conv.out_channels = conv.groups = module.conv_dim
     module.in_proj.out_features = module.in_proj.weight.shape[0]
@@ -142,14 +200,103 @@ def split_mixer(name: str, module: nn.Module, specs: Dict[str, ShardSpec], group
     """Keep this rank's heads and groups of ``module`` (in place: same module, same parameter names) and draw the
     region around it. Returns the hook handles."""
     rank = tp_rank(group)
-    localize(module, specs, torch.distributed.get_world_size(group), rank)
+    tp = torch.distributed.get_world_size(group)
+    groups = module.n_groups
+    localize(module, specs, tp, rank)
     module._tp_mamba_specs = dict(specs)
     module._apply = types.MethodType(_apply, module)
     if rank > 0 and module.out_proj.bias is not None:
         add_bias_once(module, "out_proj", "bias")
     tag = f"tp/{name}"
-    return [module.register_forward_pre_hook(_enter(group, tag), with_kwargs=True),
-            module.register_forward_hook(_leave(group, tag, name), with_kwargs=True)]
+    hooks = [module.register_forward_pre_hook(_enter(group, tag), with_kwargs=True),
+             module.register_forward_hook(_leave(group, tag, name), with_kwargs=True)]
+    if groups % tp == 0:
+        return hooks
+    # fewer groups than ranks: B / C rows replicated (gradients summed over their holders), the norm's statistics
+    # summed over the ranks sharing a group, and no fused kernel (it normalizes inside)
+    norm = getattr(module, "norm", None)
+    kind = _norm_kind(norm)
+    if kind not in ("none", None):
+        norm._tp_norm = (group, rank * groups // tp, groups, f"{tag}/norm")
+        norm.forward = types.MethodType(_group_size_norm if kind == "group_size" else _falcon_h1_norm, norm)
+    replicated = {p: spec for p, spec in specs.items() if spec.replicated_parts}
+    return hooks + [module.register_forward_pre_hook(_replicas_enter(replicated, rank, group, f"{tag}/replicas")),
+                    module.register_forward_hook(_replicas_leave, always_call=True)]
+
+
+def _replicas_enter(specs: Dict[str, ShardSpec], rank: int, group, tag: str):
+    def hook(module, args):
+        saved = {}
+        for pname, spec in specs.items():
+            owner_name, _, leaf = pname.rpartition(".")
+            owner = module.get_submodule(owner_name)
+            param = owner._parameters[leaf]
+            saved[pname] = param
+            owner._parameters[leaf] = replica_grad_sum(param, spec, rank, group, tag)
+        module.__dict__["_tp_replicas_saved"] = (saved, module.training)
+        module.training = False  # the unfused path (see the module docstring); restored on the way out
+
+    return hook
+
+
+def _replicas_leave(module, args, output):
+    saved, training = module.__dict__.pop("_tp_replicas_saved", ({}, module.training))
+    for pname, param in saved.items():
+        owner_name, _, leaf = pname.rpartition(".")
+        module.get_submodule(owner_name)._parameters[leaf] = param
+    module.training = training
+
+
+class _SumOverSharers(torch.autograd.Function):
+    """Forward and backward: ``x`` summed over the tp ranks that share this rank's group (``slots`` groups; the
+    ranks holding slot ``slot``). One all-reduce over tp of a buffer with a row per group, this rank's at its slot
+    (the kv-replica trick); over the whole tp group when there is one group. The backward sums too: each rank's
+    gradient reaches only its own channels' use of the statistic."""
+
+    @staticmethod
+    def forward(ctx, x, group, slot, slots, tag):
+        ctx.args = (group, slot, slots, tag)
+        return _sum_over_sharers(x, group, slot, slots, tag)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _sum_over_sharers(grad, *ctx.args), None, None, None, None
+
+
+def _sum_over_sharers(x, group, slot, slots, tag):
+    if slots == 1:
+        return _reduce(x, group, tag)
+    buf = x.new_zeros((slots,) + tuple(x.shape))
+    buf[slot].copy_(x)
+    return _reduce(buf, group, tag)[slot]
+
+
+def _variance(norm, h: torch.Tensor) -> torch.Tensor:
+    """The mean of ``h``'s squares over its whole group, whose channels span the ranks sharing it."""
+    group, slot, slots, tag = norm._tp_norm
+    return _SumOverSharers.apply(h.pow(2).sum(-1, keepdim=True), group, slot, slots, tag) / norm._tp_full_group
+
+
+def _group_size_norm(self, hidden_states, gate=None):
+    """transformers' ``*RMSNormGated`` (``group_size`` form) over a group spanning ranks."""
+    input_dtype = hidden_states.dtype
+    hidden_states = hidden_states.to(torch.float32)
+    if gate is not None:
+        hidden_states = hidden_states * F.silu(gate.to(torch.float32))
+    hidden_states = hidden_states * torch.rsqrt(_variance(self, hidden_states) + self.variance_epsilon)
+    return self.weight * hidden_states.to(input_dtype)
+
+
+def _falcon_h1_norm(self, hidden_states, gate=None):
+    """Falcon-H1's gated RMSNorm (``n_groups``, ``norm_before_gate``) over a group spanning ranks."""
+    input_dtype = hidden_states.dtype
+    if not self.norm_before_gate and gate is not None:
+        hidden_states = hidden_states * F.silu(gate.to(torch.float32))
+    hidden_states = hidden_states.to(torch.float32)
+    hidden_states = self.weight * (hidden_states * torch.rsqrt(_variance(self, hidden_states) + self.variance_epsilon))
+    if self.norm_before_gate and gate is not None:
+        hidden_states = hidden_states * F.silu(gate.to(torch.float32))
+    return hidden_states.to(input_dtype)
 
 
 def mixer_plan_entries(model: nn.Module, covered, tp: int):

@@ -82,6 +82,9 @@ CASES = {  # name: (family, Zero3DStrategy kwargs)
     "granitemoehybrid_zero2": ("granitemoehybrid", {"stage": 2}),
     "nemotron_h_tp2": ("nemotron_h", {"tp": 2}),
     "nemotron_h_tp2_zero3": ("nemotron_h", {"tp": 2, "stage": 3}),
+    # one group over both ranks (the released layout): B / C rows replicated, the norm's statistics summed over tp
+    "bamba_tp2": ("bamba", {"tp": 2}),
+    "falcon_h1_tp2": ("falcon_h1", {"tp": 2}),
 }
 SEQ, BATCH = 1024, 2
 # families of CASES without experts (the hybrids' Mamba / convolution layers beside attention)

@@ -17,10 +17,9 @@ import torch
 import torch.nn as nn
 
 FLOOR = 0.85
-# family -> (its floor, what stays whole): Mamba-2 mixers with one group (style mamba2 needs tp to divide the groups;
-# Nemotron-H is built with 2 and split) and Jamba's Mamba-1 mixers, which no plan here splits
-WHOLE = {"falcon_h1": (0.4, "Mamba-2 mixers with one group"), "bamba": (0.7, "Mamba-2 mixers with one group"),
-         "jamba": (0.8, "Mamba-1 mixers")}
+# family -> (its floor, what stays whole): Jamba's Mamba-1 mixers, which no plan here splits (the Mamba-2 mixers with
+# one group, Bamba / Falcon-H1 / Granite 4 hybrid, were left whole until their B / C rows were replicated over tp)
+WHOLE = {"jamba": (0.8, "Mamba-1 mixers")}
 REFUSED = {"codegen": "mp_num = 4", "doge": "dynamic mask"}  # tensor_parallel.hf.BROKEN_PLANS
 
 
