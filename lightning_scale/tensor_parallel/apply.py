@@ -113,7 +113,7 @@ def apply_tensor_parallel(model: nn.Module, plan: Optional[Dict[str, object]] = 
             state.hooks.append(act.module.register_forward_pre_hook(hook))
         elif act.style.kind == "experts":
             state.hooks.extend(experts.split_experts(act.name, act.module, act.param_specs, group))
-        elif act.style.kind == "mamba2":
+        elif act.style.kind == "mamba":
             state.hooks.extend(mamba.split_mixer(act.name, act.module, act.param_specs, group))
         elif act.style.kind == "expert_parallel":
             state.hooks.extend(expert_parallel_style.place_experts(act.name, act.module, act.param_specs, group))

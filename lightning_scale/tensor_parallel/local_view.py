@@ -60,7 +60,7 @@ def local_on_meta(model: nn.Module, plan: Optional[Dict[str, object]], tp: int, 
         elif act.style.kind == "vocab" and act.weight_spec is not None:
             emb = act.module
             model.set_submodule(act.name, nn.Embedding(act.weight_spec.local_size, emb.embedding_dim, device="meta"))
-        elif act.style.kind == "mamba2":
+        elif act.style.kind == "mamba":
             mamba.localize(act.module, act.param_specs, tp, 0)
         elif act.style.kind in ("experts", "expert_parallel", "expert_data_parallel", "norm_split"):
             for pname, spec in act.param_specs.items():

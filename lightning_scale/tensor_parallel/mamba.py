@@ -1,4 +1,5 @@
-"""Tensor parallelism inside a Mamba-2 mixer (style ``mamba2``): its heads and groups split over tp, Megatron's way.
+"""Tensor parallelism inside a Mamba mixer: Mamba-2 (style ``mamba2``: its heads and groups split over tp, Megatron's
+way) and Mamba-1 (style ``mamba1``: its channels split, Jamba's mixers; see the end).
 
 transformers' Mamba-2 mixers (Bamba, Nemotron-H, Falcon-H1, Granite 4 hybrid; ``*Mixer`` with ``in_proj``, a depthwise
 ``conv1d``, ``A_log`` / ``D`` / ``dt_bias`` per head, a gated RMSNorm over groups and ``out_proj``) compute, per head,
@@ -33,6 +34,16 @@ the mixer reads ``training=False`` during its forward, the only thing that flag 
 
 Left whole (named in the startup table's ``tensor parallel`` row): a mixer whose heads tp does not divide, or whose
 groups tp neither divides nor is a multiple of, or with a gated norm of an unknown form.
+
+**Mamba-1** (transformers' Jamba mixer: ``in_proj`` to ``[x | z]``, a depthwise ``conv1d``, ``x_proj`` from the
+channels to ``[dt | B | C]`` (rank R, N, N), ``dt_proj`` back to the channels, ``A_log`` (d, N), ``D`` and
+``out_proj``; Jamba adds RMSNorms on dt, B and C). Every channel's selective scan reads its own channel and the shared
+``dt`` / ``B`` / ``C``; so each rank keeps d / tp channels: in_proj's rows per part, conv1d's channels, ``x_proj``'s
+columns (its output is then a partial sum: all-reduced over tp, and its gradient too, since each rank's channels use
+it), ``dt_proj``'s rows and bias, ``A_log`` / ``D``'s rows, ``out_proj``'s columns (the region's sum on the way out,
+as above). What stays whole inside the mixer (Jamba's dt / B / C norms) sits on the all-reduced values and feeds
+only this rank's channels: its gradients are summed over tp in the backward
+(:func:`~lightning_scale.tensor_parallel.grads.install_grad_allreduce`). Megatron and vLLM split Mamba-1 the same way.
 """
 
 from __future__ import annotations
@@ -46,6 +57,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lightning_scale.tensor_parallel.experts import _enter, _leave, add_bias_once, keep_local
+from lightning_scale.tensor_parallel.grads import install_grad_allreduce
 from lightning_scale.tensor_parallel.layers import replica_grad_sum
 from lightning_scale.tensor_parallel.mappings import _reduce, tp_rank
 from lightning_scale.tensor_parallel.sharding import ShardSpec, make_spec, mark_sharded, shard_tensor
@@ -96,11 +108,37 @@ def _norm_kind(norm) -> Optional[str]:
     return None
 
 
-def unsupported(module: nn.Module, tp: int) -> Optional[str]:
-    """Why ``mamba2`` cannot split ``module`` over ``tp`` ranks (None when it can)."""
+_M1_LINEARS = ("in_proj", "x_proj", "dt_proj", "out_proj")
+_M1_SPLIT = ("in_proj", "x_proj", "dt_proj", "out_proj", "conv1d")  # submodules whose parameters are cut
+
+
+def is_mamba1_mixer(module: nn.Module) -> bool:
+    """A transformers Mamba-1 mixer (Jamba's): the submodules and parameters its forward reads."""
+    if not isinstance(getattr(module, "intermediate_size", None), int) or is_mamba2_mixer(module):
+        return False
+    if not all(type(getattr(module, n, None)) is nn.Linear for n in _M1_LINEARS):
+        return False
+    return (isinstance(getattr(module, "conv1d", None), nn.Conv1d) and isinstance(getattr(module, "A_log", None),
+                                                                                   nn.Parameter)
+            and isinstance(getattr(module, "D", None), nn.Parameter))
+
+
+def mixer_style(module: nn.Module) -> Optional[str]:
+    """The style that splits ``module`` (``mamba2`` / ``mamba1``), None for anything else."""
+    return "mamba2" if is_mamba2_mixer(module) else "mamba1" if is_mamba1_mixer(module) else None
+
+
+def unsupported(module: nn.Module, tp: int, style: str = "") -> Optional[str]:
+    """Why style ``style`` (default: the module's own kind) cannot split ``module`` over ``tp`` ranks (None when it
+    can)."""
     kind = type(module).__name__
-    if not is_mamba2_mixer(module):
-        return f"{kind} is not a transformers Mamba-2 mixer (in_proj, conv1d, A_log / D / dt_bias, out_proj)"
+    own = mixer_style(module)
+    if own is None or (style and style != own):
+        return (f"{kind} is not a transformers Mamba-{(style or 'mamba2')[-1]} mixer (Mamba-2: in_proj, conv1d, A_log / "
+                f"D / dt_bias, out_proj; Mamba-1: in_proj, conv1d, x_proj, dt_proj, A_log, D, out_proj)"
+                + (f"; style {own!r} splits it" if own else ""))
+    if own == "mamba1":
+        return _m1_unsupported(module, tp)
     proj, conv = _parts(module)
     h, g = module.num_heads, module.n_groups
     if module.intermediate_size != h * module.head_dim:
@@ -128,7 +166,9 @@ def mixer_specs(name: str, module: nn.Module, tp: int) -> Dict[str, ShardSpec]:
     """The shard spec of every parameter of the mixer over ``tp`` ranks; ValueError naming why it cannot be split."""
     why = unsupported(module, tp)
     if why is not None:
-        raise ValueError(f"style 'mamba2' on {name!r}: {why}")
+        raise ValueError(f"style {mixer_style(module) or 'mamba2'!r} on {name!r}: {why}")
+    if is_mamba1_mixer(module):
+        return _m1_specs(name, module, tp)
     proj, conv = _parts(module)
     proj_splits, conv_splits = _splits(module, tp)
     specs = {"in_proj.weight": make_spec(0, sum(proj), tp, parts=proj, splits=proj_splits, what=f"{name}.in_proj")}
@@ -152,6 +192,8 @@ def mixer_specs(name: str, module: nn.Module, tp: int) -> Dict[str, ShardSpec]:
 def localize(module: nn.Module, specs: Dict[str, ShardSpec], tp: int, rank: int) -> None:
     """Keep this rank's slice of every parameter under ``specs`` (meta stays meta), of every buffer as wide as the
     in_proj output, and make the module's counts local. No hook, no group (the memory plan's local view uses it)."""
+    if is_mamba1_mixer(module):
+        return _m1_localize(module, specs, tp, rank)
     proj_spec = specs["in_proj.weight"]
     width = proj_spec.size
     for bname, buf in list(module.named_buffers(recurse=False)):  # Falcon-H1's mup_vector: one factor per in_proj row
@@ -201,6 +243,8 @@ def split_mixer(name: str, module: nn.Module, specs: Dict[str, ShardSpec], group
     region around it. Returns the hook handles."""
     rank = tp_rank(group)
     tp = torch.distributed.get_world_size(group)
+    if is_mamba1_mixer(module):
+        return _m1_split(name, module, specs, group, rank, tp)
     groups = module.n_groups
     localize(module, specs, tp, rank)
     module._tp_mamba_specs = dict(specs)
@@ -300,20 +344,99 @@ def _falcon_h1_norm(self, hidden_states, gate=None):
 
 
 def mixer_plan_entries(model: nn.Module, covered, tp: int):
-    """(entries to add to a Hugging Face model's built-in plan, mixers left whole -> why): ``mamba2`` for every Mamba-2
-    mixer no entry covers (nor its projections) that tp can split."""
+    """(entries to add to a Hugging Face model's built-in plan, mixers left whole -> why): ``mamba2`` / ``mamba1`` for
+    every Mamba mixer no entry covers (nor its projections) that tp can split."""
     from lightning_scale.tensor_parallel.plan import _generic
 
     add: Dict[str, str] = {}
     whole: Dict[str, str] = {}
     for name, module in model.named_modules():
-        if not name or not is_mamba2_mixer(module) or covered(name):
+        style = mixer_style(module) if name else None
+        if style is None or covered(name):
             continue
-        if any(covered(f"{name}.{c}") for c in ("in_proj", "out_proj", "conv1d")):
+        if any(covered(f"{name}.{c}") for c in ("in_proj", "out_proj", "conv1d", "x_proj", "dt_proj")):
             continue
         why = unsupported(module, tp)
         if why is not None:
             whole.setdefault(_generic(name), why)
             continue
-        add[name] = "mamba2"  # by name: a hybrid may hold attention under the same attribute (Nemotron-H's mixer)
+        add[name] = style  # by name: a hybrid may hold attention under the same attribute (Nemotron-H's mixer)
     return add, whole
+
+
+# ----------------------------------------------------------------------------------------------------- Mamba-1
+
+
+def _m1_unsupported(module: nn.Module, tp: int) -> Optional[str]:
+    kind = type(module).__name__
+    d = module.intermediate_size
+    if d % tp:
+        return f"{kind}: tp={tp} does not divide its {d} channels"
+    conv = module.conv1d
+    if module.in_proj.out_features != 2 * d or conv.in_channels != d or conv.groups != d:
+        return f"{kind}: in_proj / conv1d are not the Mamba-1 layout [x | z] / depthwise over {d} channels"
+    if (module.x_proj.in_features != d or module.dt_proj.out_features != d or module.out_proj.in_features != d
+            or module.A_log.shape[0] != d or module.D.shape != (d,)):
+        return f"{kind}: x_proj / dt_proj / A_log / D / out_proj are not over its {d} channels"
+    if module.x_proj.bias is not None:
+        return f"{kind}: x_proj has a bias (its output is summed over tp: the bias would be added tp times)"
+    return None
+
+
+def _m1_specs(name: str, module: nn.Module, tp: int) -> Dict[str, ShardSpec]:
+    d = module.intermediate_size
+    specs = {"in_proj.weight": make_spec(0, 2 * d, tp, parts=(d, d), what=f"{name}.in_proj")}
+    if module.in_proj.bias is not None:
+        specs["in_proj.bias"] = make_spec(0, 2 * d, tp, parts=(d, d), what=f"{name}.in_proj.bias")
+    specs["conv1d.weight"] = make_spec(0, d, tp, what=f"{name}.conv1d")
+    if module.conv1d.bias is not None:
+        specs["conv1d.bias"] = make_spec(0, d, tp, what=f"{name}.conv1d.bias")
+    specs["x_proj.weight"] = make_spec(1, d, tp, what=f"{name}.x_proj")
+    specs["dt_proj.weight"] = make_spec(0, d, tp, what=f"{name}.dt_proj")
+    if module.dt_proj.bias is not None:
+        specs["dt_proj.bias"] = make_spec(0, d, tp, what=f"{name}.dt_proj.bias")
+    specs["A_log"] = make_spec(0, d, tp, what=f"{name}.A_log")
+    specs["D"] = make_spec(0, d, tp, what=f"{name}.D")
+    specs["out_proj.weight"] = make_spec(1, d, tp, what=f"{name}.out_proj")
+    return specs
+
+
+@torch.no_grad()
+def _m1_localize(module: nn.Module, specs: Dict[str, ShardSpec], tp: int, rank: int) -> None:
+    for pname, spec in specs.items():
+        owner_name, _, leaf = pname.rpartition(".")
+        keep_local(module.get_submodule(owner_name) if owner_name else module, leaf, spec, rank)
+    module.intermediate_size //= tp
+    conv = module.conv1d
+    conv.in_channels = conv.out_channels = conv.groups = module.intermediate_size
+    module.in_proj.out_features = module.in_proj.weight.shape[0]
+    module.x_proj.in_features = module.x_proj.weight.shape[1]
+    module.dt_proj.out_features = module.dt_proj.weight.shape[0]
+    module.out_proj.in_features = module.out_proj.weight.shape[1]
+
+
+def _m1_split(name: str, module: nn.Module, specs: Dict[str, ShardSpec], group, rank: int, tp: int) -> List[object]:
+    _m1_localize(module, specs, tp, rank)
+    module._tp_mamba_specs = dict(specs)
+    module._apply = types.MethodType(_apply, module)
+    if rank > 0 and module.out_proj.bias is not None:
+        add_bias_once(module, "out_proj", "bias")
+    tag = f"tp/{name}"
+    hooks = [module.register_forward_pre_hook(_enter(group, tag), with_kwargs=True),
+             module.register_forward_hook(_leave(group, tag, name), with_kwargs=True),
+             module.x_proj.register_forward_hook(_sum_output(group, f"{tag}/x_proj"))]
+    for sub_name, sub in module.named_modules():  # what stays whole (Jamba's dt / B / C norms): gradients summed
+        top = sub_name.split(".")[0]
+        if sub_name and top not in _M1_SPLIT and any(True for _ in sub.parameters(recurse=False)):
+            hooks.extend(install_grad_allreduce(sub, group, f"{tag}/{sub_name}"))
+    own = [n for n, p in module.named_parameters(recurse=False) if n not in specs]
+    if own:
+        raise ValueError(f"style 'mamba1' on {name!r}: its own parameters {own} are neither split nor in a submodule")
+    return hooks
+
+
+def _sum_output(group, tag: str):
+    def hook(module, args, output):  # a partial sum over this rank's channels -> the whole; gradient summed too
+        return _SumOverSharers.apply(output, group, 0, 1, tag)
+
+    return hook

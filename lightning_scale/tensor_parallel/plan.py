@@ -140,8 +140,8 @@ def _check_module(name: str, module: nn.Module, style: Style) -> None:
         raise ConfigError(f"tensor.plan: style {style.name!r} on {name!r}: {why}")
     if style.kind == "mla_kv_a" and not isinstance(module, nn.Linear):
         raise ConfigError(f"tensor.plan: style {style.name!r} needs nn.Linear; {name!r} is {type(module).__name__}")
-    if style.kind == "mamba2" and not mamba.is_mamba2_mixer(module):
-        raise ConfigError(f"tensor.plan: style {style.name!r} on {name!r}: {mamba.unsupported(module, 1)}")
+    if style.kind == "mamba" and (why := mamba.unsupported(module, 1, style.name)) is not None:
+        raise ConfigError(f"tensor.plan: style {style.name!r} on {name!r}: {why}")
     if style.kind == "experts" and (why := experts.unsupported(module)) is not None:
         raise ConfigError(f"tensor.plan: style {style.name!r} on {name!r}: {why}")
     if style.kind in ("expert_parallel", "expert_data_parallel") and (
@@ -213,7 +213,7 @@ def _resolve(name: str, module: nn.Module, style: Style, parent: Optional[nn.Mod
             if expert_lists.is_expert_list(module):  # placed by ownership: no parameter is cut
                 return Action(name, module, style, specs[""], {})
             return Action(name, module, style, next(iter(specs.values())), specs)
-        if style.kind == "mamba2":
+        if style.kind == "mamba":
             specs = mamba.mixer_specs(name, module, tp)
             return Action(name, module, style, specs["in_proj.weight"], specs)
         if style.kind == "norm_split":

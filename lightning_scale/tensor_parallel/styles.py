@@ -26,6 +26,10 @@ style                           effect
                                 every expert's intermediate width split, gate / up column-wise, down
                                 row-wise, one all-reduce of the layer's output
                                 (:mod:`~lightning_scale.tensor_parallel.experts`)
+``mamba2`` / ``mamba1``         a transformers Mamba-2 mixer (Bamba, Nemotron-H, Falcon-H1, Granite 4 hybrid): its
+                                heads split, whole groups per rank or, with fewer groups than ranks, each rank's
+                                group's B / C replicated; a Mamba-1 mixer (Jamba): its channels split, x_proj's
+                                output all-reduced (:mod:`~lightning_scale.tensor_parallel.mamba`)
 ``expert_data_parallel``        (``ep=N``; the plan :mod:`~lightning_scale.tensor_parallel.expert_alltoall` builds) a
                                 transformers experts module's experts placed whole on the group's ranks, which hold
                                 different tokens: routes exchanged by all-to-all; every other parameter's gradient
@@ -89,7 +93,8 @@ _STYLES = {
     "packed_rowwise": Style("rowwise", sections=2),
     "vocab": Style("vocab"),
     "experts": Style("experts"),
-    "mamba2": Style("mamba2"),
+    "mamba2": Style("mamba"),
+    "mamba1": Style("mamba"),
     "expert_parallel": Style("expert_parallel"),
     "expert_data_parallel": Style("expert_data_parallel"),
     "vocab_colwise": Style("colwise", sections=1, pad=True),

@@ -85,6 +85,8 @@ CASES = {  # name: (family, Zero3DStrategy kwargs)
     # one group over both ranks (the released layout): B / C rows replicated, the norm's statistics summed over tp
     "bamba_tp2": ("bamba", {"tp": 2}),
     "falcon_h1_tp2": ("falcon_h1", {"tp": 2}),
+    # Jamba's Mamba-1 mixers split by channels (style mamba1)
+    "jamba_tp2": ("jamba", {"tp": 2}),
 }
 SEQ, BATCH = 1024, 2
 # families of CASES without experts (the hybrids' Mamba / convolution layers beside attention)
@@ -148,7 +150,7 @@ def _fit(name: str) -> dict:
 
 # Jamba's Mamba-1 scan loops over the 1024 positions in Python (no mamba kernels on CPU): its measured step runs ~67k
 # ops through the live-bytes dispatch mode, ~25 s
-SLOW = ("jamba_zero2",)
+SLOW = ("jamba_zero2", "jamba_tp2")
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in CASES])

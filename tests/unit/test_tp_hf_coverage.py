@@ -17,9 +17,10 @@ import torch
 import torch.nn as nn
 
 FLOOR = 0.85
-# family -> (its floor, what stays whole): Jamba's Mamba-1 mixers, which no plan here splits (the Mamba-2 mixers with
-# one group, Bamba / Falcon-H1 / Granite 4 hybrid, were left whole until their B / C rows were replicated over tp)
-WHOLE = {"jamba": (0.8, "Mamba-1 mixers")}
+# family -> (its floor, what stays whole): none since 2026-12-07 (the Mamba-2 mixers with one group, Bamba / Falcon-H1 /
+# Granite 4 hybrid, were left whole until their B / C rows were replicated over tp, Jamba's Mamba-1 mixers until
+# style mamba1: 0.43 / 0.72 / 0.82 split at tp=2 before)
+WHOLE: dict = {}
 REFUSED = {"codegen": "mp_num = 4", "doge": "dynamic mask"}  # tensor_parallel.hf.BROKEN_PLANS
 
 
@@ -92,3 +93,22 @@ def test_mlps_a_plan_leaves_out_are_split_and_the_rest_is_left_alone():
     model.layers.append(ungated)  # Nemotron-H's ReLU^2 MLP layer: up / down, no gate
     got = mlps_left_out(model, {"layers.*.planned": "replicate"}, 2)
     assert got["layers.1.up_proj"] == "colwise" and got["layers.1.down_proj"] == "rowwise", got
+
+
+def test_a_mamba_mixer_of_the_other_kind_or_that_tp_cannot_cut_is_named():
+    """A user's plan naming the wrong Mamba style is refused with the right one; a mixer tp cannot cut (more ranks than
+    heads) is left whole and named in what the startup table reports."""
+    pytest.importorskip("transformers")
+    from lightning_scale.config import ConfigError
+    from lightning_scale.models import hf_families as F
+    from lightning_scale.tensor_parallel.plan import plan_tensor_parallel
+
+    warnings.filterwarnings("ignore")
+    jamba = F.build("jamba", dtype=torch.float32)
+    mixer = next(n for n, m in jamba.named_modules() if n.endswith(".mamba"))
+    with pytest.raises(ConfigError, match="not a transformers Mamba-2 mixer.*style 'mamba1' splits it"):
+        plan_tensor_parallel(jamba, {mixer: "mamba2"}, 2)
+    assert plan_tensor_parallel(jamba, {mixer: "mamba1"}, 2).styles[mixer] == "mamba1"
+    bamba = F.build("bamba", dtype=torch.float32, overrides=dict(mamba_n_heads=1, mamba_d_head=64))  # one Mamba head
+    whole = plan_tensor_parallel(bamba, None, 2).experts_whole
+    assert any("tp=2 does not divide its 1 heads" in why for why in whole.values()), whole
