@@ -191,6 +191,26 @@ def profile_unit(unit: nn.Module, tokens: int, tp: int = 1, hidden: Optional[int
 
     for c in regions:
         handles += [c.register_forward_pre_hook(enter), c.register_forward_hook(leave)]
+    # score matrices are an attention's: a Mamba-2 scan's (chunk x chunk) segment sums are not, and under Ulysses they
+    # stay per chunk (its heads split over sp, the sequence gathered), not (L x L)
+    attending = [0]
+
+    def enter_attention(*_a: Any) -> None:
+        attending[0] += 1
+
+    def leave_attention(*_a: Any) -> None:
+        attending[0] -= 1
+
+    from lightning_scale.tensor_parallel.mamba import mixer_style
+
+    # a unit with no module named *Attention* (the project GPT's core, a user's block) keeps every square; one with a
+    # Mamba mixer counts those of its attention modules only
+    attention_squares_only = False
+    for m in unit.modules():
+        if "Attention" in type(m).__name__ or mixer_style(m):
+            attention_squares_only = True
+        if "Attention" in type(m).__name__:
+            handles += [m.register_forward_pre_hook(enter_attention), m.register_forward_hook(leave_attention)]
     # the outputs of the parameter-owning modules, as a split (zero-bubble) backward records them
     outputs: Dict[int, tuple] = {}
 
@@ -222,7 +242,8 @@ def profile_unit(unit: nn.Module, tokens: int, tp: int = 1, hidden: Optional[int
                 if key not in own:
                     saved[key] = t.untyped_storage().nbytes()
                     refs[key] = StorageWeakRef(t.untyped_storage())
-                    if t.dim() >= 2 and t.shape[-1] == t.shape[-2] == tokens:  # position x position
+                    if t.dim() >= 2 and t.shape[-1] == t.shape[-2] == tokens and (
+                            attending[0] or not attention_squares_only):  # position x position
                         squares[key] = "mask" if t.dim() < 3 or t.shape[-3] == 1 else "heads"
                 return t
 
@@ -274,6 +295,11 @@ def profile_unit(unit: nn.Module, tokens: int, tp: int = 1, hidden: Optional[int
             for key in ("selective", "backward", "recorded"):
                 out[key] = flat[key] + (out[key] - flat[key]) * sp
         out["mask"] *= sp * sp
+    if sp > 1:  # a Mamba mixer under sp keeps its input gathered over the whole sequence (sequence_parallel/mamba.py)
+        from lightning_scale.tensor_parallel.mamba import mixer_style
+
+        mixers = sum(1 for m in unit.modules() if mixer_style(m))
+        out["saved"] += mixers * (sp - 1) * input_b / tokens
     return out
 
 

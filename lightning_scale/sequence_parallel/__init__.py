@@ -4,7 +4,9 @@
   of the loss, the next-token labels across slice boundaries, and :func:`shard_sequence` (a batch -> this rank's
   slice);
 * :mod:`~lightning_scale.sequence_parallel.models` — :func:`apply_sequence_parallel` on the project GPT and on
-  Hugging Face models (through ``transformers.AttentionInterface``; no model edits).
+  Hugging Face models (through ``transformers.AttentionInterface``; no model edits);
+* :mod:`~lightning_scale.sequence_parallel.mamba` — a hybrid model's Mamba mixers under sp: the sequence gathered,
+  1/sp of the heads run on all of it, the output reduce-scattered back.
 
 ``lightning_scale.parallelize.apply_sp`` is the step of the composition order that calls it.
 """

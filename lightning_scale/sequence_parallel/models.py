@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 import sys
 from typing import Optional
 
@@ -104,12 +105,15 @@ def _sp_hf_pipeline(model: nn.Module, stage: nn.Module, group, inner_name: str) 
 
 @torch.no_grad()
 def _whole_sequence_mask(group, config, layer_type: str, h: torch.Tensor, padding: Optional[torch.Tensor],
-                         position_ids: torch.Tensor):
+                         position_ids: torch.Tensor, extra_type: Optional[str] = None):
     """An :class:`~lightning_scale.models.hf_pipeline.HFDecoderLayer`'s mask under sp: what one process builds for
     the whole sequence of ``sp x`` this slice's length (None for a plain causal one: sdpa's ``is_causal``, or the
-    causal mask :func:`_hf_attention` builds for eager). Every sp rank of a stage runs the same layers in the same
+    causal mask :func:`_hf_attention` builds for eager). ``extra_type``: the type of a second mask the layer takes
+    (Falcon-H1's Mamba mask beside its attention's). Every sp rank of a stage runs the same layers in the same
     order, so the padding gather lines up."""
     from lightning_scale.models.hf_pipeline import mask_function
+
+    layer_type = extra_type or layer_type
 
     if padding is None and layer_type == "full_attention":
         return None
@@ -343,17 +347,21 @@ def _sp_hf(model: nn.Module, group, tp: int = 1, stage: Optional[nn.Module] = No
                           f"their indexer scores every earlier position from the hidden states and keeps the top ones "
                           f"before attention, which sequence parallelism (each rank one chunk of every sequence) "
                           f"would score on its chunk only; use tp, pp or ZeRO-3 for it", settings=("sp",))
-    recurrent = sorted(types & RECURRENT_LAYERS)
-    if recurrent:  # Qwen3-Next's gated DeltaNet: a state carried along the whole sequence, not attention to swap
-        raise ConfigError(f"sp={sp}: {type(model).__name__} has {recurrent[0]!r} layers (config.layer_types): a "
-                          f"recurrent layer carries its state along the whole sequence, which sequence parallelism "
-                          f"(each rank one chunk of every sequence) would cut; use tp, pp or ZeRO-3 for it",
-                          settings=("sp",))
+    from lightning_scale.sequence_parallel import mamba as sp_mamba
+
+    left = sp_mamba.recurrent_left(model, list(getattr(cfg, "layer_types", None) or ()), RECURRENT_LAYERS)
+    if left:  # Qwen3-Next's gated DeltaNet, LFM2's convolutions: a state carried along the whole sequence
+        raise ConfigError(f"sp={sp}: {type(model).__name__} has {left!r} layers (config.layer_types): a recurrent "
+                          f"layer carries its state along the whole sequence, which sequence parallelism (each rank "
+                          f"one chunk of every sequence) would cut (Mamba mixers run split by heads over sp; this "
+                          f"layer is not one); use tp, pp or ZeRO-3 for it", settings=("sp",))
     inner_name = cfg._attn_implementation
     if inner_name not in ("eager", "sdpa"):
         raise ConfigError(f"sp={sp} with attn_implementation={inner_name!r}: sequence parallelism wraps 'eager' or "
                           "'sdpa' attention (block-sparse Hugging Face attention under sp is not supported yet; the "
                           "project GPT's block-sparse core is)", settings=("sp",))
+    # Mamba mixers: their heads split over sp on the whole sequence (mamba.py); under pp those of this rank's stage
+    sp_mamba.split_mixers(model if stage is None else stage, group)
     _mark(model, sp)
     # eager attention is each modeling file's own function (the interface's default), sdpa a registered one
     inner = getattr(sys.modules[type(model).__module__], "eager_attention_forward", None) \
@@ -429,6 +437,8 @@ class _FullMasks:
         self.by_type = "causal_mask_mapping" in source  # Qwen2, Gemma2/3...: a dict per layer type
         window = getattr(model.config, "sliding_window", None)
         types = set(getattr(model.config, "layer_types", None) or ())
+        keys = set(re.findall(r'"(\w+)": create_\w+', source))  # the mask mapping's own keys (Falcon-H1: 'hybrid'
+        types = keys if self.by_type and keys else types  # layers read two of them)
         self.types = types if self.by_type and types else \
             {"sliding_attention" if window is not None and "create_sliding_window_causal_mask" in source
              else "full_attention"}

@@ -49,7 +49,7 @@ only this rank's channels: its gradients are summed over tp in the backward
 from __future__ import annotations
 
 import types
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -93,7 +93,7 @@ def _splits(module: nn.Module, tp: int):
     return (tp, tp, g, g, tp), (tp, g, g)
 
 
-def _norm_kind(norm) -> Optional[str]:
+def norm_kind(norm) -> Optional[str]:
     """The gated RMSNorm forms whose group statistics this module can sum over ranks: transformers' ``group_size``
     one (Mamba-2, Bamba, Nemotron-H, Granite 4: gate, then norm per group, weight after the cast) and Falcon-H1's
     (``n_groups``, ``norm_before_gate``, weight before the cast). None for anything else."""
@@ -128,9 +128,9 @@ def mixer_style(module: nn.Module) -> Optional[str]:
     return "mamba2" if is_mamba2_mixer(module) else "mamba1" if is_mamba1_mixer(module) else None
 
 
-def unsupported(module: nn.Module, tp: int, style: str = "") -> Optional[str]:
+def unsupported(module: nn.Module, tp: int, style: str = "", setting: str = "tp") -> Optional[str]:
     """Why style ``style`` (default: the module's own kind) cannot split ``module`` over ``tp`` ranks (None when it
-    can)."""
+    can); ``setting``: the name the message gives the rank count (``sp`` when sequence parallelism splits it)."""
     kind = type(module).__name__
     own = mixer_style(module)
     if own is None or (style and style != own):
@@ -138,7 +138,7 @@ def unsupported(module: nn.Module, tp: int, style: str = "") -> Optional[str]:
                 f"D / dt_bias, out_proj; Mamba-1: in_proj, conv1d, x_proj, dt_proj, A_log, D, out_proj)"
                 + (f"; style {own!r} splits it" if own else ""))
     if own == "mamba1":
-        return _m1_unsupported(module, tp)
+        return _m1_unsupported(module, tp, setting)
     proj, conv = _parts(module)
     h, g = module.num_heads, module.n_groups
     if module.intermediate_size != h * module.head_dim:
@@ -147,18 +147,18 @@ def unsupported(module: nn.Module, tp: int, style: str = "") -> Optional[str]:
             module.conv1d.groups != module.conv1d.in_channels):
         return f"{kind}: in_proj / conv1d are not the Mamba-2 layout [z | x | B | C | dt] / depthwise [x | B | C]"
     if h % tp:
-        return f"{kind}: tp={tp} does not divide its {h} heads"
+        return f"{kind}: {setting}={tp} does not divide its {h} heads"
     if g % tp and tp % g:
-        return (f"{kind}: tp={tp} neither divides its {g} groups nor is a multiple of them (each rank's heads must "
+        return (f"{kind}: {setting}={tp} neither divides its {g} groups nor is a multiple of them (each rank's heads must "
                 f"read one group, or whole groups)")
     norm = getattr(module, "norm", None)
     if norm is not None and not isinstance(norm, nn.Identity):
         w = getattr(norm, "weight", None)
         if not isinstance(w, nn.Parameter) or w.shape != (module.intermediate_size,):
             return f"{kind}: its norm ({type(norm).__name__}) has no weight over the intermediate width"
-        if g % tp and _norm_kind(norm) is None:
+        if g % tp and norm_kind(norm) is None:
             return (f"{kind}: its gated norm {type(norm).__name__} is of an unknown form (its groups would span ranks "
-                    f"at tp={tp} > {g} groups)")
+                    f"at {setting}={tp} > {g} groups)")
     return None
 
 
@@ -207,27 +207,52 @@ def localize(module: nn.Module, specs: Dict[str, ShardSpec], tp: int, rank: int)
     for pname, spec in specs.items():
         owner_name, _, leaf = pname.rpartition(".")
         keep_local(module.get_submodule(owner_name) if owner_name else module, leaf, spec, rank)
+    set_counts(module, local_counts(module, specs, tp))
+
+
+def local_counts(module: nn.Module, specs: Dict[str, ShardSpec], tp: int) -> Dict[Tuple[str, str], object]:
+    """``{(submodule name, attribute): value}``: the counts the mixer's forward reads, as one of ``tp`` ranks holding
+    its slices under ``specs`` sees them (the whole mixer's counts in, nothing changed). A Mamba-2 group spread over
+    ranks also gets ``norm._tp_full_group`` (the norm's local "group" is this rank's width; split_mixer sums the
+    statistics over the sharing ranks, the memory plan's local view runs it as it is, same shapes)."""
+    d = module.intermediate_size
+    if is_mamba1_mixer(module):
+        local = d // tp
+        return {("", "intermediate_size"): local, ("conv1d", "in_channels"): local, ("conv1d", "out_channels"): local,
+                ("conv1d", "groups"): local, ("in_proj", "out_features"): 2 * local, ("x_proj", "in_features"): local,
+                ("dt_proj", "out_features"): local, ("out_proj", "in_features"): local}
     groups = module.n_groups
     local_groups = groups // tp if groups % tp == 0 else 1  # fewer groups than ranks: each rank reads one
+    out: Dict[Tuple[str, str], object] = {}
     norm = getattr(module, "norm", None)
     if groups % tp and norm is not None and not isinstance(norm, nn.Identity):
-        # a group spans tp / G ranks: the norm's local "group" is this rank's width (split_mixer sums the
-        # statistics over the sharing ranks; the memory plan's local view runs it as it is, same shapes)
-        norm._tp_full_group = module.intermediate_size // groups
+        out["norm", "_tp_full_group"] = d // groups
         if isinstance(norm.__dict__.get("group_size"), int):
-            norm.group_size = module.intermediate_size // tp
+            out["norm", "group_size"] = d // tp
     for attr in _LOCAL_COUNTS:
         value = module.__dict__.get(attr)
         if isinstance(value, int):
-            setattr(module, attr, value * local_groups // groups if attr in _GROUP_COUNTS else value // tp)
+            out["", attr] = value * local_groups // groups if attr in _GROUP_COUNTS else value // tp
+    conv_dim = d // tp + 2 * local_groups * module.ssm_state_size
     if isinstance(module.__dict__.get("conv_dim"), int):
-        module.conv_dim = module.intermediate_size + 2 * local_groups * module.ssm_state_size
+        out["", "conv_dim"] = conv_dim
     if isinstance(norm.__dict__.get("n_groups") if norm is not None else None, int):  # Falcon-H1's gated norm
-        norm.n_groups = local_groups
-    conv = module.conv1d
-    conv.in_channels = conv.out_channels = conv.groups = module.conv_dim
-    module.in_proj.out_features = module.in_proj.weight.shape[0]
-    module.out_proj.in_features = module.out_proj.weight.shape[1]
+        out["norm", "n_groups"] = local_groups
+    for attr in ("in_channels", "out_channels", "groups"):
+        out["conv1d", attr] = conv_dim
+    out["in_proj", "out_features"] = specs["in_proj.weight"].local_size
+    out["out_proj", "in_features"] = d // tp
+    return out
+
+
+def set_counts(module: nn.Module, counts: Dict[Tuple[str, str], object]) -> Dict[Tuple[str, str], object]:
+    """Set ``counts`` (:func:`local_counts`) on ``module``; returns the values they replaced (None: absent)."""
+    before = {}
+    for (owner, attr), value in counts.items():
+        sub = module.get_submodule(owner) if owner else module
+        before[owner, attr] = sub.__dict__.get(attr)
+        setattr(sub, attr, value)
+    return before
 
 
 def _apply(self, fn, recurse=True):
@@ -259,13 +284,19 @@ def split_mixer(name: str, module: nn.Module, specs: Dict[str, ShardSpec], group
     # fewer groups than ranks: B / C rows replicated (gradients summed over their holders), the norm's statistics
     # summed over the ranks sharing a group, and no fused kernel (it normalizes inside)
     norm = getattr(module, "norm", None)
-    kind = _norm_kind(norm)
+    kind = norm_kind(norm)
     if kind not in ("none", None):
         norm._tp_norm = (group, rank * groups // tp, groups, f"{tag}/norm")
-        norm.forward = types.MethodType(_group_size_norm if kind == "group_size" else _falcon_h1_norm, norm)
+        norm.forward = bound_norm_forward(kind, norm)
     replicated = {p: spec for p, spec in specs.items() if spec.replicated_parts}
     return hooks + [module.register_forward_pre_hook(_replicas_enter(replicated, rank, group, f"{tag}/replicas")),
                     module.register_forward_hook(_replicas_leave, always_call=True)]
+
+
+def bound_norm_forward(kind: str, norm: nn.Module):
+    """The forward of a gated norm (:func:`norm_kind` ``kind``) whose group spans ranks, bound to ``norm`` (which
+    holds ``_tp_norm`` = (group, slot, slots, tag) and ``_tp_full_group``)."""
+    return types.MethodType(_group_size_norm if kind == "group_size" else _falcon_h1_norm, norm)
 
 
 def _replicas_enter(specs: Dict[str, ShardSpec], rank: int, group, tag: str):
@@ -367,11 +398,11 @@ def mixer_plan_entries(model: nn.Module, covered, tp: int):
 # ----------------------------------------------------------------------------------------------------- Mamba-1
 
 
-def _m1_unsupported(module: nn.Module, tp: int) -> Optional[str]:
+def _m1_unsupported(module: nn.Module, tp: int, setting: str = "tp") -> Optional[str]:
     kind = type(module).__name__
     d = module.intermediate_size
     if d % tp:
-        return f"{kind}: tp={tp} does not divide its {d} channels"
+        return f"{kind}: {setting}={tp} does not divide its {d} channels"
     conv = module.conv1d
     if module.in_proj.out_features != 2 * d or conv.in_channels != d or conv.groups != d:
         return f"{kind}: in_proj / conv1d are not the Mamba-1 layout [x | z] / depthwise over {d} channels"
@@ -379,7 +410,7 @@ def _m1_unsupported(module: nn.Module, tp: int) -> Optional[str]:
             or module.A_log.shape[0] != d or module.D.shape != (d,)):
         return f"{kind}: x_proj / dt_proj / A_log / D / out_proj are not over its {d} channels"
     if module.x_proj.bias is not None:
-        return f"{kind}: x_proj has a bias (its output is summed over tp: the bias would be added tp times)"
+        return f"{kind}: x_proj has a bias (its output is summed over {setting}: the bias would be added {tp} times)"
     return None
 
 
@@ -406,13 +437,7 @@ def _m1_localize(module: nn.Module, specs: Dict[str, ShardSpec], tp: int, rank: 
     for pname, spec in specs.items():
         owner_name, _, leaf = pname.rpartition(".")
         keep_local(module.get_submodule(owner_name) if owner_name else module, leaf, spec, rank)
-    module.intermediate_size //= tp
-    conv = module.conv1d
-    conv.in_channels = conv.out_channels = conv.groups = module.intermediate_size
-    module.in_proj.out_features = module.in_proj.weight.shape[0]
-    module.x_proj.in_features = module.x_proj.weight.shape[1]
-    module.dt_proj.out_features = module.dt_proj.weight.shape[0]
-    module.out_proj.in_features = module.out_proj.weight.shape[1]
+    set_counts(module, local_counts(module, specs, tp))
 
 
 def _m1_split(name: str, module: nn.Module, specs: Dict[str, ShardSpec], group, rank: int, tp: int) -> List[object]:
@@ -424,7 +449,7 @@ def _m1_split(name: str, module: nn.Module, specs: Dict[str, ShardSpec], group, 
     tag = f"tp/{name}"
     hooks = [module.register_forward_pre_hook(_enter(group, tag), with_kwargs=True),
              module.register_forward_hook(_leave(group, tag, name), with_kwargs=True),
-             module.x_proj.register_forward_hook(_sum_output(group, f"{tag}/x_proj"))]
+             module.x_proj.register_forward_hook(summed_output_hook(group, f"{tag}/x_proj"))]
     for sub_name, sub in module.named_modules():  # what stays whole (Jamba's dt / B / C norms): gradients summed
         top = sub_name.split(".")[0]
         if sub_name and top not in _M1_SPLIT and any(True for _ in sub.parameters(recurse=False)):
@@ -435,7 +460,7 @@ def _m1_split(name: str, module: nn.Module, specs: Dict[str, ShardSpec], group, 
     return hooks
 
 
-def _sum_output(group, tag: str):
+def summed_output_hook(group, tag: str):
     def hook(module, args, output):  # a partial sum over this rank's channels -> the whole; gradient summed too
         return _SumOverSharers.apply(output, group, 0, 1, tag)
 

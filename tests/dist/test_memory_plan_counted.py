@@ -87,6 +87,10 @@ CASES = {  # name: (family, Zero3DStrategy kwargs)
     "falcon_h1_tp2": ("falcon_h1", {"tp": 2}),
     # Jamba's Mamba-1 mixers split by channels (style mamba1)
     "jamba_tp2": ("jamba", {"tp": 2}),
+    # Ulysses through Mamba mixers: each gathers the sequence and runs 1 / sp of its heads on all of it (predicted 1.85x
+    # over at first: the scan's (chunk x chunk) segment sums taken for attention scores, scaled by sp)
+    "bamba_sp2": ("bamba", {"sp": 2}),
+    "falcon_h1_sp2": ("falcon_h1", {"sp": 2}),
 }
 SEQ, BATCH = 1024, 2
 # families of CASES without experts (the hybrids' Mamba / convolution layers beside attention)

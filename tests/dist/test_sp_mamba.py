@@ -1,0 +1,127 @@
+"""Hybrid Mamba + attention models under Ulysses sp equal one process (sequence_parallel/mamba.py).
+
+Until 2026-12-07 sp refused every model with recurrent layers by name: a Mamba mixer carries its state along the
+whole sequence, which a rank holding one chunk of it cannot run. Now each Mamba mixer gathers the sequence and runs
+its 1 / sp of the heads (Mamba-2) or channels (Mamba-1) on all of it, the tp split over the sp group, and the output
+is reduce-scattered back; attention layers run Ulysses as before. One 2-rank launch, float64, 3 AdamW steps of each
+family from one seed with random biases and a padding mask on one row (labels -100 there): the losses and every
+parameter after the steps equal one process's on the whole sequence (1e-10; a group of B / C shared by both ranks
+puts the gated norm's float32 statistics in another order: 1e-7 for those). Bamba has one group (its releases too:
+the norm's statistics summed over both ranks), Nemotron-H two (one per rank), Falcon-H1 its optional gated norm and
+attention beside the mixer in every layer, Jamba Mamba-1 (x_proj's output summed over sp). ZeRO-3 with activation
+checkpointing for two of them (the gathers rerun in the backward). Breaking any piece (the norm's sum, the output's
+reduce-scatter, rank 0 alone adding out_proj's bias, x_proj's sum) fails here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_scale.testing import HF_RANK_PRELOAD, random_biases, run_distributed
+
+LR = 0.1
+STEPS = 3
+FAMILIES = {
+    "bamba": dict(mamba_proj_bias=True),
+    "nemotron_h": dict(n_groups=2, hybrid_override_pattern="M-M*"),
+    "falcon_h1": dict(mamba_rms_norm=True),
+    "granitemoehybrid": {},
+    "jamba": dict(mamba_proj_bias=True),
+}
+# the float32 gated norm over a group both ranks share; Nemotron-H's float32 logits; Jamba's float32 router / norms
+TOL = {"bamba": 1e-7, "granitemoehybrid": 1e-7, "falcon_h1": 1e-7, "nemotron_h": 1e-6, "jamba": 1e-7}
+
+
+def _build(family: str):
+    from lightning_scale.models import hf_families as F
+
+    return random_biases(F.build(family, "sdpa", overrides=FAMILIES[family]))
+
+
+def _batch(step: int):
+    from lightning_scale.models import hf_families as F
+
+    x, y = F.batch(2, 16, seed=step)
+    mask = torch.ones_like(x)
+    mask[0, -4:] = 0
+    y = y.masked_fill(mask == 0, -100)
+    return x, y, mask
+
+
+def _loss(logits, y):
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100)
+
+
+def _reference(family: str):
+    model = _build(family)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for step in range(STEPS):
+        x, y, mask = _batch(step)
+        loss = _loss(model(input_ids=x, attention_mask=mask).logits, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _train_one(rank: int, world_size: int, family: str, stage: int, ac) -> tuple:
+    from lightning_scale.config import from_flat_kwargs
+    from lightning_scale.parallelize import local_topology, parallelize
+    from lightning_scale.sequence_parallel import sequence_mean, shard_sequence
+
+    config = from_flat_kwargs(sp=2, stage=stage, activation_checkpointing=ac)
+    topo = local_topology(config, world_size, rank)
+    model = _build(family)
+    pm = parallelize(model, config, topo, "cpu", optimizers=lambda: [torch.optim.SGD(model.parameters(), lr=LR)])
+    (engine,) = pm.make_engines()
+    losses = []
+    for step in range(STEPS):
+        x, y, mask = _batch(step)
+        x, y, mask = shard_sequence((x, y, mask), topo.sp_rank, topo.sp)
+        logits = model(input_ids=x, attention_mask=mask).logits
+        total = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100,
+                                                  reduction="sum")
+        loss = sequence_mean(total, (y != -100).sum(), topo.sp_group)
+        loss.backward()
+        engine.step()
+        engine.zero_grad()
+        losses.append(loss.item())
+    state = pm.sharded.full_state_dict(dtype=None) if pm.sharded is not None else model.state_dict()
+    keys = set(model.state_dict(keep_vars=True))
+    return losses, {k: v.detach().clone() for k, v in state.items() if k in keys}
+
+
+def worker(rank: int, world_size: int, cases) -> dict:
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    return {case: _train_one(rank, world_size, *case) for case in cases}
+
+
+CASES = [(f, 0, None) for f in FAMILIES] + [("bamba", 3, "full"), ("jamba", 3, "full")]
+
+
+@pytest.fixture(scope="module")
+def runs():
+    pytest.importorskip("transformers")
+    return run_distributed(worker, 2, (CASES,), timeout=300, preload=HF_RANK_PRELOAD)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-zero{c[1]}" + ("-ac" if c[2] else ""))
+def test_hybrid_models_under_sp2_equal_one_process(runs, case):
+    family = case[0]
+    ref_losses, ref_state = _reference(family)
+    tol = TOL.get(family, 1e-10)
+    for rank, run in enumerate(runs):
+        losses, state = run[case]
+        assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= tol * max(ref_losses), (rank, losses,
+                                                                                              ref_losses)
+        assert sorted(state) == sorted(ref_state)
+        worst = {k: (state[k] - ref_state[k]).abs().max().item() for k in ref_state}
+        bad = {k: w for k, w in worst.items() if not w <= tol}
+        assert not bad, (case, rank, sorted(bad.items(), key=lambda t: -t[1])[:5])
