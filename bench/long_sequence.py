@@ -6,6 +6,7 @@
     python bench/long_sequence.py --model llama --systems dense,ac_chunked,ac_chunked_tiled   # HF Llama, rotary
     python bench/long_sequence.py --model llama --sp 2 --systems dense,ac_chunked   # HF Llama at sp=1 (dp=2) and sp=2
     python bench/long_sequence.py --position rotary --sp 2 --systems dense,ac_chunked   # the GPT with rotary positions
+    python bench/long_sequence.py --model bamba --sp 2 --systems dense,ac_chunked   # HF Bamba (Mamba-2 + attention)
 
 Systems (one rank: a world-1 gloo group, the real ``parallelize()`` + engine path at ZeRO stage 0, AdamW, fp32):
 
@@ -193,7 +194,7 @@ def one_step(args, name: str, length: int, topo) -> Tuple[int, float]:
     import lightning_scale.tiled_mlp as tiled
 
     tiled.TILE_NORMS = spec.get("norms", True)  # tile_mlps' default, read when parallelize() tiles
-    if args.model == "llama":
+    if args.model in ("llama", "bamba"):
         return _llama_step(args, spec, length, topo)
     config = from_flat_kwargs(stage=spec.get("stage", args.stage), activation_checkpointing=spec["ac"], sp=topo.sp,
                               tp=topo.tp, tiled_mlp=spec.get("tiled", 0), offload=spec.get("offload", "none"),
@@ -243,7 +244,18 @@ HOST: Dict[Tuple[str, int], Tuple[int, int, int]] = {}  # offload rows: (host pe
 
 def _llama(args, length: int):
     """An unchanged Hugging Face LlamaForCausalLM of the bench GPT's width (rotary positions: no table that grows
-    with L; SwiGLU MLP of 4 x d; sdpa), fp32."""
+    with L; SwiGLU MLP of 4 x d; sdpa), fp32. ``--model bamba``: BambaForCausalLM of that width instead, a hybrid
+    (Mamba-2 layers with one group of B / C, as its releases, 16 heads of 64; attention in the middle layer; under sp
+    each mixer gathers the sequence and runs its 1 / sp of the heads, sequence_parallel/mamba.py)."""
+    if args.model == "bamba":
+        from transformers import BambaConfig, BambaForCausalLM
+
+        cfg = BambaConfig(vocab_size=args.vocab, hidden_size=512, intermediate_size=2048,
+                          num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                          num_key_value_heads=args.heads, mamba_n_heads=16, mamba_d_head=64, mamba_n_groups=1,
+                          mamba_d_state=64, mamba_chunk_size=256, attn_layer_indices=[args.layers // 2],
+                          max_position_embeddings=length, attn_implementation="sdpa", use_cache=False)
+        return BambaForCausalLM(cfg)
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=512, intermediate_size=2048, num_hidden_layers=args.layers,
@@ -260,7 +272,7 @@ def _llama_step(args, spec: dict, length: int, topo) -> Tuple[int, float]:
     from lightning_scale.nn.chunked_loss import chunked_cross_entropy
 
     if spec["sparse"] or topo.tp > 1:
-        raise SystemExit("--model llama: the sparse systems and --tp are GPT-only in this bench")
+        raise SystemExit(f"--model {args.model}: the sparse systems and --tp are GPT-only in this bench")
     config = from_flat_kwargs(stage=args.stage, activation_checkpointing=spec["ac"], tiled_mlp=spec.get("tiled", 0),
                               sp=topo.sp, tiled_attention=spec.get("heads", 0) * topo.sp)  # a group per sp rank
     torch.manual_seed(0)
@@ -335,8 +347,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--budget-mib", type=float, default=512)
     ap.add_argument("--systems", default=",".join(SYSTEMS))
-    ap.add_argument("--model", choices=("gpt", "llama"), default="gpt",
-                    help="llama: an unchanged HF LlamaForCausalLM of the same width (rotary positions); with --sp")
+    ap.add_argument("--model", choices=("gpt", "llama", "bamba"), default="gpt",
+                    help="llama: an unchanged HF LlamaForCausalLM of the same width (rotary positions); bamba: an "
+                         "unchanged HF BambaForCausalLM (Mamba-2 + attention); with --sp")
     ap.add_argument("--position", choices=("learned", "rotary"), default="learned",
                     help="the GPT's positions: its learned table (grows with L) or rotary (GPTConfig(position=...))")
     ap.add_argument("--layers", type=int, default=2)
@@ -378,7 +391,7 @@ def run(rank: int, args, names, store: str) -> None:
     topo = local_topology(from_flat_kwargs(stage=args.stage, tp=tp), world, rank)  # tp > 1: tp=T at dp=sp
     topo_of = lambda name: sp_topo if name.startswith("sp") and sp > 1 else topo  # noqa: E731
     spec_of = lambda name: name.split("_", 1)[1] if name.startswith("sp") and sp > 1 else name  # noqa: E731
-    say(f"# long_sequence: {f'GPT ({args.position} positions)' if args.model == 'gpt' else 'HF Llama'} d512 x {args.layers} layers, {args.heads} heads, vocab {args.vocab}, fp32, batch 1, "
+    say(f"# long_sequence: {f'GPT ({args.position} positions)' if args.model == 'gpt' else 'HF ' + args.model.capitalize()} d512 x {args.layers} layers, {args.heads} heads, vocab {args.vocab}, fp32, batch 1, "
         f"AdamW, ZeRO {args.stage}, {world} rank(s){f', tp={tp} in every row' if tp > 1 else ''}; budget {args.budget_mib:.0f} MiB of live tensor bytes per rank; "
         f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} CPUs")
     if args.check_peers:

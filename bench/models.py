@@ -46,10 +46,11 @@ Rows ddp, fsdp2 (per block), ls_z2, ls_z3, ls_tp2 (litgpt's built-in plan: every
 (``expert_parallel=True``: the list placed by ownership, 2 of 4 experts per rank whole,
 ``tensor_parallel/expert_lists.py``) and ls_ep2 (the same placement over the data ranks, routes exchanged).
 
-``--model dbrx`` / ``gpt_oss`` / ``nemotron_h``: models whose declared tp plans split little (DBRX's names its head
-only; GPT-OSS's leaves its biased experts whole; Nemotron-H's its Mamba-2 mixers and head): ``ls_tp2`` is the
-built-in plan (DBRX's fused Wqkv and 2-D experts, GPT-OSS's experts with the down bias on one rank, Nemotron-H's
-mixers by heads and groups, 2 groups here), ``ls_tp2_own`` the declared plan alone (what transformers' own tp
+``--model dbrx`` / ``gpt_oss`` / ``nemotron_h`` / ``bamba`` / ``jamba``: models whose declared tp plans split little
+(DBRX's names its head only; GPT-OSS's leaves its biased experts whole; Nemotron-H's, Bamba's and Jamba's their Mamba
+mixers): ``ls_tp2`` is the built-in plan (DBRX's fused Wqkv and 2-D experts, GPT-OSS's experts with the down bias on
+one rank, Nemotron-H's mixers by heads and groups, 2 groups here; Bamba's with one group, as its releases: B / C
+replicated; Jamba's Mamba-1 mixers by channels), ``ls_tp2_own`` the declared plan alone (what transformers' own tp
 gives); compare their peak RSS. Rows: ddp, fsdp2, ls_z3, ls_tp2, ls_tp2_own (torch's dtensor plans name Llama's
 layers).
 
@@ -167,6 +168,31 @@ def build_llama(kw: dict):
                                  attn_implementation="sdpa")
         torch.manual_seed(0)
         return NemotronHForCausalLM(config)
+    if kw.get("model") == "bamba":  # Bamba in small: Mamba-2 with one group (as its releases), one attention layer
+        from transformers import BambaConfig, BambaForCausalLM
+
+        h = kw["hidden"]
+        config = BambaConfig(vocab_size=kw["vocab"], hidden_size=h, intermediate_size=h * 2,
+                             num_hidden_layers=kw["layers"], num_attention_heads=kw["heads"],
+                             num_key_value_heads=kw["kv_heads"], mamba_n_heads=8, mamba_d_head=h // 4,
+                             mamba_n_groups=1, mamba_d_state=16, mamba_chunk_size=64,
+                             attn_layer_indices=[kw["layers"] // 2], max_position_embeddings=kw["seq"],
+                             attn_implementation="sdpa")
+        torch.manual_seed(0)
+        return BambaForCausalLM(config)
+    if kw.get("model") == "jamba":  # Jamba in small: Mamba-1 layers, attention every 4th, experts every other layer
+        from transformers import JambaConfig, JambaForCausalLM
+
+        h = kw["hidden"]
+        config = JambaConfig(vocab_size=kw["vocab"], hidden_size=h, intermediate_size=h * 2,
+                             num_hidden_layers=kw["layers"], num_attention_heads=kw["heads"],
+                             num_key_value_heads=kw["kv_heads"], num_experts=kw.get("experts", 8),
+                             num_experts_per_tok=kw.get("top_k", 2), expert_layer_period=2, expert_layer_offset=1,
+                             attn_layer_period=4, attn_layer_offset=2, mamba_d_state=16, mamba_expand=2,
+                             mamba_dt_rank=max(1, h // 16), use_mamba_kernels=False,
+                             max_position_embeddings=kw["seq"], attn_implementation="sdpa")
+        torch.manual_seed(0)
+        return JambaForCausalLM(config)
     if kw.get("model") == "litgpt_moe":  # litgpt's GPT, Mixtral-style LLaMAMoE (a list of experts)
         from litgpt import GPT, Config
 
@@ -238,7 +264,7 @@ def _dtensor_plan(model, mesh) -> None:
 
 # models whose built-in plan here splits what their declared plan leaves whole (DBRX: its head only; GPT-OSS: its
 # biased experts; Nemotron-H: its Mamba-2 mixers and head): ls_tp2_own is their declared plan
-NEW_PLANS = ("dbrx", "gpt_oss", "nemotron_h")
+NEW_PLANS = ("dbrx", "gpt_oss", "nemotron_h", "bamba", "jamba")
 
 
 def _own_plan(model) -> dict:
@@ -509,7 +535,7 @@ def main() -> None:
     rounds = [{k: r[k] for k in ok if k in r} for r in rounds]
     label = "litgpt GPT (LLaMAMoE)" if args.model == "litgpt_moe" else f"HF {args.model.capitalize()}"
     name = f"{label} {_params_m(kw):.1f}M"
-    if args.model not in ("llama", "nemotron_h"):
+    if args.model not in ("llama", "nemotron_h", "bamba"):
         width = args.expert_width or (args.hidden if args.model == "deepseek_v3" else args.hidden * 2)
         name += f" ({args.experts} experts of width {width}, top-{args.top_k})"
     print(f"\n## {name} ({datetime.date.today()}, 2 CPU ranks, {tokens} tokens/step, "
