@@ -268,9 +268,7 @@ def split_mixer(name: str, module: nn.Module, specs: Dict[str, ShardSpec], group
     region around it. Returns the hook handles."""
     rank = tp_rank(group)
     tp = torch.distributed.get_world_size(group)
-    if is_mamba1_mixer(module):
-        return _m1_split(name, module, specs, group, rank, tp)
-    groups = module.n_groups
+    groups = None if is_mamba1_mixer(module) else module.n_groups
     localize(module, specs, tp, rank)
     module._tp_mamba_specs = dict(specs)
     module._apply = types.MethodType(_apply, module)
@@ -279,6 +277,8 @@ def split_mixer(name: str, module: nn.Module, specs: Dict[str, ShardSpec], group
     tag = f"tp/{name}"
     hooks = [module.register_forward_pre_hook(_enter(group, tag), with_kwargs=True),
              module.register_forward_hook(_leave(group, tag, name), with_kwargs=True)]
+    if groups is None:
+        return hooks + _m1_hooks(name, module, specs, group, tag)
     if groups % tp == 0:
         return hooks
     # fewer groups than ranks: B / C rows replicated (gradients summed over their holders), the norm's statistics
@@ -409,6 +409,9 @@ def _m1_unsupported(module: nn.Module, tp: int, setting: str = "tp") -> Optional
     if (module.x_proj.in_features != d or module.dt_proj.out_features != d or module.out_proj.in_features != d
             or module.A_log.shape[0] != d or module.D.shape != (d,)):
         return f"{kind}: x_proj / dt_proj / A_log / D / out_proj are not over its {d} channels"
+    own = [n for n, _ in module.named_parameters(recurse=False) if n not in ("A_log", "D")]
+    if own:
+        return f"{kind}: parameters of its own besides A_log / D ({', '.join(own)}): not a Mamba-1 layout known here"
     if module.x_proj.bias is not None:
         return f"{kind}: x_proj has a bias (its output is summed over {setting}: the bias would be added {tp} times)"
     return None
@@ -440,23 +443,14 @@ def _m1_localize(module: nn.Module, specs: Dict[str, ShardSpec], tp: int, rank: 
     set_counts(module, local_counts(module, specs, tp))
 
 
-def _m1_split(name: str, module: nn.Module, specs: Dict[str, ShardSpec], group, rank: int, tp: int) -> List[object]:
-    _m1_localize(module, specs, tp, rank)
-    module._tp_mamba_specs = dict(specs)
-    module._apply = types.MethodType(_apply, module)
-    if rank > 0 and module.out_proj.bias is not None:
-        add_bias_once(module, "out_proj", "bias")
-    tag = f"tp/{name}"
-    hooks = [module.register_forward_pre_hook(_enter(group, tag), with_kwargs=True),
-             module.register_forward_hook(_leave(group, tag, name), with_kwargs=True),
-             module.x_proj.register_forward_hook(summed_output_hook(group, f"{tag}/x_proj"))]
+def _m1_hooks(name: str, module: nn.Module, specs: Dict[str, ShardSpec], group, tag: str) -> List[object]:
+    """A split Mamba-1 mixer's hooks besides the region's: x_proj's output summed over tp, the gradients of what
+    stays whole summed."""
+    hooks = [module.x_proj.register_forward_hook(summed_output_hook(group, f"{tag}/x_proj"))]
     for sub_name, sub in module.named_modules():  # what stays whole (Jamba's dt / B / C norms): gradients summed
         top = sub_name.split(".")[0]
         if sub_name and top not in _M1_SPLIT and any(True for _ in sub.parameters(recurse=False)):
             hooks.extend(install_grad_allreduce(sub, group, f"{tag}/{sub_name}"))
-    own = [n for n, p in module.named_parameters(recurse=False) if n not in specs]
-    if own:
-        raise ValueError(f"style 'mamba1' on {name!r}: its own parameters {own} are neither split nor in a submodule")
     return hooks
 
 
