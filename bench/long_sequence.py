@@ -7,6 +7,7 @@
     python bench/long_sequence.py --model llama --sp 2 --systems dense,ac_chunked   # HF Llama at sp=1 (dp=2) and sp=2
     python bench/long_sequence.py --position rotary --sp 2 --systems dense,ac_chunked   # the GPT with rotary positions
     python bench/long_sequence.py --model bamba --sp 2 --systems dense,ac_chunked   # HF Bamba (Mamba-2 + attention)
+    python bench/long_sequence.py --model qwen3_5 --sp 2 --systems dense,ac_chunked   # Qwen 3.5 (gated DeltaNet)
 
 Systems (one rank: a world-1 gloo group, the real ``parallelize()`` + engine path at ZeRO stage 0, AdamW, fp32):
 
@@ -194,7 +195,7 @@ def one_step(args, name: str, length: int, topo) -> Tuple[int, float]:
     import lightning_scale.tiled_mlp as tiled
 
     tiled.TILE_NORMS = spec.get("norms", True)  # tile_mlps' default, read when parallelize() tiles
-    if args.model in ("llama", "bamba"):
+    if args.model in ("llama", "bamba", "qwen3_5"):
         return _llama_step(args, spec, length, topo)
     config = from_flat_kwargs(stage=spec.get("stage", args.stage), activation_checkpointing=spec["ac"], sp=topo.sp,
                               tp=topo.tp, tiled_mlp=spec.get("tiled", 0), offload=spec.get("offload", "none"),
@@ -247,6 +248,17 @@ def _llama(args, length: int):
     with L; SwiGLU MLP of 4 x d; sdpa), fp32. ``--model bamba``: BambaForCausalLM of that width instead, a hybrid
     (Mamba-2 layers with one group of B / C, as its releases, 16 heads of 64; attention in the middle layer; under sp
     each mixer gathers the sequence and runs its 1 / sp of the heads, sequence_parallel/mamba.py)."""
+    if args.model == "qwen3_5":  # Qwen 3.5 dense: gated DeltaNet layers, full attention every 4th (as its releases)
+        from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+        types = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
+        cfg = Qwen3_5TextConfig(vocab_size=args.vocab, hidden_size=512, intermediate_size=2048,
+                                num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                                num_key_value_heads=2, head_dim=64, linear_num_key_heads=4, linear_num_value_heads=8,
+                                linear_key_head_dim=64, linear_value_head_dim=64,
+                                layer_types=(types * args.layers)[:args.layers - 1] + ["full_attention"],
+                                max_position_embeddings=length, attn_implementation="sdpa", use_cache=False)
+        return Qwen3_5ForCausalLM(cfg)
     if args.model == "bamba":
         from transformers import BambaConfig, BambaForCausalLM
 
@@ -347,9 +359,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--budget-mib", type=float, default=512)
     ap.add_argument("--systems", default=",".join(SYSTEMS))
-    ap.add_argument("--model", choices=("gpt", "llama", "bamba"), default="gpt",
+    ap.add_argument("--model", choices=("gpt", "llama", "bamba", "qwen3_5"), default="gpt",
                     help="llama: an unchanged HF LlamaForCausalLM of the same width (rotary positions); bamba: an "
-                         "unchanged HF BambaForCausalLM (Mamba-2 + attention); with --sp")
+                         "unchanged HF BambaForCausalLM (Mamba-2 + attention); qwen3_5: Qwen 3.5 dense (gated "
+                         "DeltaNet + attention); with --sp")
     ap.add_argument("--position", choices=("learned", "rotary"), default="learned",
                     help="the GPT's positions: its learned table (grows with L) or rotary (GPTConfig(position=...))")
     ap.add_argument("--layers", type=int, default=2)

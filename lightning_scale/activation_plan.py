@@ -200,8 +200,10 @@ def experts_per_token(unit) -> int:
 
 
 def _mixer(unit) -> bool:
-    """A unit holding a Mamba mixer (its scan's intermediates: no Linear layer says them)."""
-    return any("Mamba" in type(m).__name__ for m in unit.modules())
+    """A unit holding a Mamba mixer or a gated DeltaNet (their scans' intermediates: no Linear layer says them)."""
+    from lightning_scale.sequence_parallel.mamba import mixer_kind
+
+    return any("Mamba" in type(m).__name__ or mixer_kind(m) for m in unit.modules())
 
 
 def _eager_attention(unit) -> bool:

@@ -121,6 +121,8 @@ def _rotary_inputs(unit: nn.Module, tokens: int) -> Dict[str, Any]:
     modules = sorted(unit.modules(), key=lambda m: "Attention" not in type(m).__name__)
     dims = [getattr(m, "rotary_ndims", None) or getattr(m, "head_dim", None) for m in modules]
     dim = next((int(d) for d in dims if isinstance(d, int)), None)
+    if dim is None and not any("Attention" in type(m).__name__ for m in modules):
+        dim = 2  # a layer without attention that takes them anyway (Qwen 3.5's gated DeltaNet layers): unused
     if dim is None:
         return {}
     types = {getattr(getattr(m, "config", None), "model_type", None) for m in unit.modules()}
@@ -201,13 +203,13 @@ def profile_unit(unit: nn.Module, tokens: int, tp: int = 1, hidden: Optional[int
     def leave_attention(*_a: Any) -> None:
         attending[0] -= 1
 
-    from lightning_scale.tensor_parallel.mamba import mixer_style
+    from lightning_scale.sequence_parallel.mamba import mixer_kind
 
     # a unit with no module named *Attention* (the project GPT's core, a user's block) keeps every square; one with a
     # Mamba mixer counts those of its attention modules only
     attention_squares_only = False
     for m in unit.modules():
-        if "Attention" in type(m).__name__ or mixer_style(m):
+        if "Attention" in type(m).__name__ or mixer_kind(m):
             attention_squares_only = True
         if "Attention" in type(m).__name__:
             handles += [m.register_forward_pre_hook(enter_attention), m.register_forward_hook(leave_attention)]
@@ -295,10 +297,8 @@ def profile_unit(unit: nn.Module, tokens: int, tp: int = 1, hidden: Optional[int
             for key in ("selective", "backward", "recorded"):
                 out[key] = flat[key] + (out[key] - flat[key]) * sp
         out["mask"] *= sp * sp
-    if sp > 1:  # a Mamba mixer under sp keeps its input gathered over the whole sequence (sequence_parallel/mamba.py)
-        from lightning_scale.tensor_parallel.mamba import mixer_style
-
-        mixers = sum(1 for m in unit.modules() if mixer_style(m))
+    if sp > 1:  # a Mamba mixer / DeltaNet under sp keeps its input gathered over the sequence (sequence_parallel/mamba.py)
+        mixers = sum(1 for m in unit.modules() if mixer_kind(m))
         out["saved"] += mixers * (sp - 1) * input_b / tokens
     return out
 

@@ -1,4 +1,4 @@
-"""Sequence parallelism through Mamba mixers (hybrid Mamba + attention models under ``sp``).
+"""Sequence parallelism through Mamba mixers and gated DeltaNet layers (hybrid models under ``sp``).
 
 Ulysses swaps the sequence split for a head split around attention (all-to-all in, all-to-all out). A Mamba mixer
 carries a state along the whole sequence, so a rank cannot run it on its chunk; but its heads (Mamba-2) or channels
@@ -22,6 +22,9 @@ reduction over sp, which sums the ranks' contributions for every parameter, comp
 the optimizer see the unchanged model. Traffic per mixer and step: one all-gather and one reduce-scatter of the
 hidden states (forward), the same pair backward: Megatron's sequence-parallel pattern around a tp region.
 
+Gated DeltaNet layers (Qwen3-Next, Qwen 3.5: linear attention with a delta-rule state per head) run the same way,
+cut by key-head groups (:mod:`lightning_scale.tensor_parallel.deltanet`).
+
 The padding mask a mixer reads is the whole sequence's (:mod:`~lightning_scale.sequence_parallel.models` builds
 every layer type's mask over the whole sequence), which is what the gathered input needs.
 """
@@ -36,14 +39,27 @@ import torch.nn as nn
 
 from lightning_scale.comm import collectives as C
 from lightning_scale.config import ConfigError
+from lightning_scale.tensor_parallel import deltanet
 from lightning_scale.tensor_parallel import mamba as tpm
 from lightning_scale.tensor_parallel.mappings import gather_from_sequence_region, reduce_scatter_to_sequence_region
 from lightning_scale.tensor_parallel.sharding import ShardSpec
 
 
+def mixer_kind(module: nn.Module) -> Optional[str]:
+    """``mamba2`` / ``mamba1`` (tensor_parallel/mamba.py) or ``gated_deltanet`` (tensor_parallel/deltanet.py): a
+    recurrent layer sp runs cut by heads; None for anything else."""
+    return tpm.mixer_style(module) or ("gated_deltanet" if deltanet.is_gated_deltanet(module) else None)
+
+
+def _unsupported(module: nn.Module, sp: int) -> Optional[str]:
+    if mixer_kind(module) == "gated_deltanet":
+        return deltanet.unsupported(module, sp, "sp")
+    return tpm.unsupported(module, sp, setting="sp")
+
+
 def recurrent_left(model: nn.Module, layer_types: Sequence[str], recurrent: frozenset) -> Optional[str]:
     """The first recurrent layer type (``config.layer_types``) of ``model`` whose decoder layer holds no Mamba mixer
-    (a gated DeltaNet, a short convolution: no split here), None when every recurrent layer holds one."""
+    or gated DeltaNet (a short convolution: no split here), None when every recurrent layer holds one."""
     from lightning_scale.models.hf_pipeline import hf_base_model
 
     layers = getattr(hf_base_model(model), "layers", None)
@@ -53,7 +69,7 @@ def recurrent_left(model: nn.Module, layer_types: Sequence[str], recurrent: froz
     if layers is None or len(layers) != len(layer_types):
         return wanted[0]
     for kind, layer in zip(layer_types, layers):
-        if kind in recurrent and not any(tpm.mixer_style(m) for m in layer.modules()):
+        if kind in recurrent and not any(mixer_kind(m) for m in layer.modules()):
             return kind
     return None
 
@@ -62,13 +78,13 @@ def split_mixers(model: nn.Module, group) -> int:
     """Run every Mamba mixer of ``model`` over the sp ``group`` (see the module docstring); returns how many.
     ConfigError, before anything changes, naming ``sp`` and the mixer when one cannot be split."""
     sp = C.group_size(group)
-    mixers = [(n, m) for n, m in model.named_modules() if tpm.mixer_style(m)]
+    mixers = [(n, m) for n, m in model.named_modules() if mixer_kind(m)]
     for name, module in mixers:
         if getattr(module, "_tp_mamba_specs", None) is not None:
             raise ConfigError(f"sp={sp} with tp > 1: {name!r} ({type(module).__name__}) is split over tp already; "
                               f"sequence parallelism through a tp-split Mamba mixer is not supported; use sp or tp "
                               f"for this model", settings=("sp",))
-        why = tpm.unsupported(module, sp, setting="sp")
+        why = _unsupported(module, sp)
         if why is not None:
             raise ConfigError(f"sp={sp}: {name!r}: {why} (sequence parallelism splits a Mamba mixer's heads over the "
                               f"sp ranks); use tp, pp or ZeRO-3 for it", settings=("sp",))
@@ -85,20 +101,26 @@ def _slice(param: torch.Tensor, spec: ShardSpec, rank: int) -> torch.Tensor:
 
 def _over_sequence(name: str, module: nn.Module, group) -> None:
     sp, rank = C.group_size(group), C.group_rank(group)
-    specs = tpm.mixer_specs(name, module, sp)
-    counts = tpm.local_counts(module, specs, sp)
+    kind = mixer_kind(module)
+    if kind == "gated_deltanet":  # the norm's weight stays whole: its partial gradients are summed over sp like any
+        specs = deltanet.specs(name, module, sp)  # weight's
+        counts = deltanet.local_counts(module, specs, sp)
+    else:
+        specs = tpm.mixer_specs(name, module, sp)
+        counts = tpm.local_counts(module, specs, sp)
     tag = f"sp/{name}"
+    proj = specs.get("in_proj.weight")
     state = dict(specs=specs, counts=counts, rank=rank, group=group, tag=tag, shared_group=False,
-                 width=specs["in_proj.weight"].size)
-    if tpm.is_mamba1_mixer(module):
+                 width=proj.size if proj is not None else None)
+    if kind == "mamba1":
         module.x_proj.register_forward_hook(tpm.summed_output_hook(group, f"{tag}/x_proj"))
-    elif module.n_groups % sp:  # a group over several ranks: its norm's statistics summed over them
+    elif kind == "mamba2" and module.n_groups % sp:  # a group over several ranks: its norm's statistics summed
         state["shared_group"] = True
         norm = getattr(module, "norm", None)
-        kind = tpm.norm_kind(norm)
-        if kind not in ("none", None):
+        norm_kind = tpm.norm_kind(norm)
+        if norm_kind not in ("none", None):
             norm._tp_norm = (group, rank * module.n_groups // sp, module.n_groups, f"{tag}/norm")
-            norm.forward = tpm.bound_norm_forward(kind, norm)
+            norm.forward = tpm.bound_norm_forward(norm_kind, norm)
     module._sp_mamba = state
     module.register_forward_pre_hook(functools.partial(_enter, state), with_kwargs=True)
     module.register_forward_hook(functools.partial(_leave, state), always_call=True)
@@ -118,9 +140,9 @@ def _enter(state: Dict, module: nn.Module, args, kwargs):
         saved_params.setdefault("out_proj.bias", bias)  # which the average over sp then counts once; here zero
         module.out_proj._parameters["bias"] = bias * 0  # (a zero gradient, not none: ZeRO's hooks fire alike)
     saved_buffers = {}
-    spec = state["specs"]["in_proj.weight"]
+    spec = state["specs"].get("in_proj.weight")
     for bname, buf in list(module._buffers.items()):  # Falcon-H1's mup_vector: one factor per in_proj row
-        if buf is not None and buf.dim() >= 1 and buf.shape[-1] == state["width"]:
+        if spec is not None and buf is not None and buf.dim() >= 1 and buf.shape[-1] == state["width"]:
             saved_buffers[bname] = buf
             module._buffers[bname] = _slice(buf, ShardSpec(dim=buf.dim() - 1, size=spec.size, tp=spec.tp,
                                                            padded=spec.padded, sections=spec.sections,

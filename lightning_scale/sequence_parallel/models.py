@@ -349,12 +349,18 @@ def _sp_hf(model: nn.Module, group, tp: int = 1, stage: Optional[nn.Module] = No
                           f"would score on its chunk only; use tp, pp or ZeRO-3 for it", settings=("sp",))
     from lightning_scale.sequence_parallel import mamba as sp_mamba
 
-    left = sp_mamba.recurrent_left(model, list(getattr(cfg, "layer_types", None) or ()), RECURRENT_LAYERS)
-    if left:  # Qwen3-Next's gated DeltaNet, LFM2's convolutions: a state carried along the whole sequence
+    layer_types = list(getattr(cfg, "layer_types", None) or ())
+    if tp > 1 and set(layer_types) & RECURRENT_LAYERS:
+        raise ConfigError(f"sp={sp} with tp={tp}: {type(model).__name__} has recurrent layers "
+                          f"({', '.join(sorted(set(layer_types) & RECURRENT_LAYERS))}; config.layer_types), which sp "
+                          f"runs cut by heads over the sp ranks without tp only; use sp or tp for it",
+                          settings=("sp", "tp"))
+    left = sp_mamba.recurrent_left(model, layer_types, RECURRENT_LAYERS)
+    if left:  # LFM2's short convolutions: a state carried along the whole sequence
         raise ConfigError(f"sp={sp}: {type(model).__name__} has {left!r} layers (config.layer_types): a recurrent "
                           f"layer carries its state along the whole sequence, which sequence parallelism (each rank "
-                          f"one chunk of every sequence) would cut (Mamba mixers run split by heads over sp; this "
-                          f"layer is not one); use tp, pp or ZeRO-3 for it", settings=("sp",))
+                          f"one chunk of every sequence) would cut (Mamba mixers and gated DeltaNet layers run cut by "
+                          f"heads over sp; this layer is neither); use tp, pp or ZeRO-3 for it", settings=("sp",))
     inner_name = cfg._attn_implementation
     if inner_name not in ("eager", "sdpa"):
         raise ConfigError(f"sp={sp} with attn_implementation={inner_name!r}: sequence parallelism wraps 'eager' or "

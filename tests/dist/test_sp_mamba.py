@@ -8,7 +8,8 @@ family from one seed with random biases and a padding mask on one row (labels -1
 parameter after the steps equal one process's on the whole sequence (1e-10; a group of B / C shared by both ranks
 puts the gated norm's float32 statistics in another order: 1e-7 for those). Bamba has one group (its releases too:
 the norm's statistics summed over both ranks), Nemotron-H two (one per rank), Falcon-H1 its optional gated norm and
-attention beside the mixer in every layer, Jamba Mamba-1 (x_proj's output summed over sp). ZeRO-3 with activation
+attention beside the mixer in every layer, Jamba Mamba-1 (x_proj's output summed over sp), Qwen3-Next and Qwen 3.5
+their gated DeltaNet layers (cut by key-head groups, tensor_parallel/deltanet.py). ZeRO-3 with activation
 checkpointing for two of them (the gathers rerun in the backward). Breaking any piece (the norm's sum, the output's
 reduce-scatter, rank 0 alone adding out_proj's bias, x_proj's sum) fails here.
 """
@@ -28,9 +29,14 @@ FAMILIES = {
     "falcon_h1": dict(mamba_rms_norm=True),
     "granitemoehybrid": {},
     "jamba": dict(mamba_proj_bias=True),
+    # gated DeltaNet (linear attention) + attention: Qwen3-Next (in_proj_qkvz grouped per key head, experts), Qwen 3.5
+    # (in_proj_qkv / z / b / a); 2 key heads, 4 value heads
+    "qwen3_next": {},
+    "qwen3_5": {},
 }
 # the float32 gated norm over a group both ranks share; Nemotron-H's float32 logits; Jamba's float32 router / norms
-TOL = {"bamba": 1e-7, "granitemoehybrid": 1e-7, "falcon_h1": 1e-7, "nemotron_h": 1e-6, "jamba": 1e-7}
+TOL = {"bamba": 1e-7, "granitemoehybrid": 1e-7, "falcon_h1": 1e-7, "nemotron_h": 1e-6, "jamba": 1e-7,
+       "qwen3_next": 1e-7, "qwen3_5": 1e-7}
 
 
 def _build(family: str):
