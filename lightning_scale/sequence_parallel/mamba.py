@@ -23,7 +23,8 @@ the optimizer see the unchanged model. Traffic per mixer and step: one all-gathe
 hidden states (forward), the same pair backward: Megatron's sequence-parallel pattern around a tp region.
 
 Gated DeltaNet layers (Qwen3-Next, Qwen 3.5: linear attention with a delta-rule state per head) run the same way,
-cut by key-head groups (:mod:`lightning_scale.tensor_parallel.deltanet`).
+cut by key-head groups (:mod:`lightning_scale.tensor_parallel.deltanet`), and LFM2's short gated convolutions by
+channels (:mod:`lightning_scale.tensor_parallel.short_conv`).
 
 The padding mask a mixer reads is the whole sequence's (:mod:`~lightning_scale.sequence_parallel.models` builds
 every layer type's mask over the whole sequence), which is what the gathered input needs.
@@ -39,27 +40,36 @@ import torch.nn as nn
 
 from lightning_scale.comm import collectives as C
 from lightning_scale.config import ConfigError
-from lightning_scale.tensor_parallel import deltanet
+from lightning_scale.tensor_parallel import deltanet, short_conv
 from lightning_scale.tensor_parallel import mamba as tpm
 from lightning_scale.tensor_parallel.mappings import gather_from_sequence_region, reduce_scatter_to_sequence_region
 from lightning_scale.tensor_parallel.sharding import ShardSpec
 
 
+# recurrent layers cut by heads / channels besides the Mamba mixers: kind -> (detector, its module of specs / counts)
+_OTHER_KINDS = {"gated_deltanet": (deltanet.is_gated_deltanet, deltanet),
+                "short_conv": (short_conv.is_short_conv, short_conv)}
+
+
 def mixer_kind(module: nn.Module) -> Optional[str]:
-    """``mamba2`` / ``mamba1`` (tensor_parallel/mamba.py) or ``gated_deltanet`` (tensor_parallel/deltanet.py): a
-    recurrent layer sp runs cut by heads; None for anything else."""
-    return tpm.mixer_style(module) or ("gated_deltanet" if deltanet.is_gated_deltanet(module) else None)
+    """``mamba2`` / ``mamba1`` (tensor_parallel/mamba.py), ``gated_deltanet`` (tensor_parallel/deltanet.py) or
+    ``short_conv`` (tensor_parallel/short_conv.py): a recurrent layer sp runs cut by heads / channels; None else."""
+    style = tpm.mixer_style(module)
+    if style is not None:
+        return style
+    return next((kind for kind, (found, _) in _OTHER_KINDS.items() if found(module)), None)
 
 
 def _unsupported(module: nn.Module, sp: int) -> Optional[str]:
-    if mixer_kind(module) == "gated_deltanet":
-        return deltanet.unsupported(module, sp, "sp")
+    kind = mixer_kind(module)
+    if kind in _OTHER_KINDS:
+        return _OTHER_KINDS[kind][1].unsupported(module, sp, "sp")
     return tpm.unsupported(module, sp, setting="sp")
 
 
 def recurrent_left(model: nn.Module, layer_types: Sequence[str], recurrent: frozenset) -> Optional[str]:
     """The first recurrent layer type (``config.layer_types``) of ``model`` whose decoder layer holds no Mamba mixer
-    or gated DeltaNet (a short convolution: no split here), None when every recurrent layer holds one."""
+    nor any other layer :func:`mixer_kind` knows, None when every recurrent layer holds one."""
     from lightning_scale.models.hf_pipeline import hf_base_model
 
     layers = getattr(hf_base_model(model), "layers", None)
@@ -102,9 +112,10 @@ def _slice(param: torch.Tensor, spec: ShardSpec, rank: int) -> torch.Tensor:
 def _over_sequence(name: str, module: nn.Module, group) -> None:
     sp, rank = C.group_size(group), C.group_rank(group)
     kind = mixer_kind(module)
-    if kind == "gated_deltanet":  # the norm's weight stays whole: its partial gradients are summed over sp like any
-        specs = deltanet.specs(name, module, sp)  # weight's
-        counts = deltanet.local_counts(module, specs, sp)
+    if kind in _OTHER_KINDS:  # a DeltaNet's norm weight stays whole: its partial gradients are summed over sp like any
+        layout = _OTHER_KINDS[kind][1]  # weight's
+        specs = layout.specs(name, module, sp)
+        counts = layout.local_counts(module, specs, sp)
     else:
         specs = tpm.mixer_specs(name, module, sp)
         counts = tpm.local_counts(module, specs, sp)

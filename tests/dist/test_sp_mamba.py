@@ -9,7 +9,8 @@ parameter after the steps equal one process's on the whole sequence (1e-10; a gr
 puts the gated norm's float32 statistics in another order: 1e-7 for those). Bamba has one group (its releases too:
 the norm's statistics summed over both ranks), Nemotron-H two (one per rank), Falcon-H1 its optional gated norm and
 attention beside the mixer in every layer, Jamba Mamba-1 (x_proj's output summed over sp), Qwen3-Next and Qwen 3.5
-their gated DeltaNet layers (cut by key-head groups, tensor_parallel/deltanet.py). ZeRO-3 with activation
+their gated DeltaNet layers (cut by key-head groups, tensor_parallel/deltanet.py), LFM2 its short convolutions (by
+channels, tensor_parallel/short_conv.py). ZeRO-3 with activation
 checkpointing for two of them (the gathers rerun in the backward). Breaking any piece (the norm's sum, the output's
 reduce-scatter, rank 0 alone adding out_proj's bias, x_proj's sum) fails here.
 """
@@ -33,6 +34,8 @@ FAMILIES = {
     # (in_proj_qkv / z / b / a); 2 key heads, 4 value heads
     "qwen3_next": {},
     "qwen3_5": {},
+    # LFM2's short gated convolutions (cut by channels), with their biases (out_proj's added by sp rank 0)
+    "lfm2": dict(conv_bias=True),
 }
 # the float32 gated norm over a group both ranks share; Nemotron-H's float32 logits; Jamba's float32 router / norms
 TOL = {"bamba": 1e-7, "granitemoehybrid": 1e-7, "falcon_h1": 1e-7, "nemotron_h": 1e-6, "jamba": 1e-7,
