@@ -46,11 +46,11 @@ Rows ddp, fsdp2 (per block), ls_z2, ls_z3, ls_tp2 (litgpt's built-in plan: every
 (``expert_parallel=True``: the list placed by ownership, 2 of 4 experts per rank whole,
 ``tensor_parallel/expert_lists.py``) and ls_ep2 (the same placement over the data ranks, routes exchanged).
 
-``--model dbrx`` / ``gpt_oss`` / ``nemotron_h`` / ``bamba`` / ``jamba``: models whose declared tp plans split little
-(DBRX's names its head only; GPT-OSS's leaves its biased experts whole; Nemotron-H's, Bamba's and Jamba's their Mamba
-mixers): ``ls_tp2`` is the built-in plan (DBRX's fused Wqkv and 2-D experts, GPT-OSS's experts with the down bias on
+``--model dbrx`` / ``gpt_oss`` / ``nemotron_h`` / ``bamba`` / ``jamba`` / ``qwen3_5``: models whose declared tp plans
+split little or run every head on every rank (DBRX's names its head only; GPT-OSS's leaves its biased experts whole;
+Nemotron-H's, Bamba's and Jamba's their Mamba mixers; Qwen 3.5's gathers its DeltaNet projections, the core whole): ``ls_tp2`` is the built-in plan (DBRX's fused Wqkv and 2-D experts, GPT-OSS's experts with the down bias on
 one rank, Nemotron-H's mixers by heads and groups, 2 groups here; Bamba's with one group, as its releases: B / C
-replicated; Jamba's Mamba-1 mixers by channels), ``ls_tp2_own`` the declared plan alone (what transformers' own tp
+replicated; Jamba's Mamba-1 mixers by channels; Qwen 3.5's DeltaNet layers by key-head groups), ``ls_tp2_own`` the declared plan alone (what transformers' own tp
 gives); compare their peak RSS. Rows: ddp, fsdp2, ls_z3, ls_tp2, ls_tp2_own (torch's dtensor plans name Llama's
 layers).
 
@@ -180,6 +180,19 @@ def build_llama(kw: dict):
                              attn_implementation="sdpa")
         torch.manual_seed(0)
         return BambaForCausalLM(config)
+    if kw.get("model") == "qwen3_5":  # Qwen 3.5 dense in small: gated DeltaNet layers, full attention every 4th
+        from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+        h = kw["hidden"]
+        types = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
+        config = Qwen3_5TextConfig(vocab_size=kw["vocab"], hidden_size=h, intermediate_size=h * 2,
+                                   num_hidden_layers=kw["layers"], num_attention_heads=kw["heads"],
+                                   num_key_value_heads=kw["kv_heads"], head_dim=h // kw["heads"],
+                                   linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=h // 8,
+                                   linear_value_head_dim=h // 8, layer_types=(types * kw["layers"])[:kw["layers"]],
+                                   max_position_embeddings=kw["seq"], attn_implementation="sdpa")
+        torch.manual_seed(0)
+        return Qwen3_5ForCausalLM(config)
     if kw.get("model") == "jamba":  # Jamba in small: Mamba-1 layers, attention every 4th, experts every other layer
         from transformers import JambaConfig, JambaForCausalLM
 
@@ -264,7 +277,7 @@ def _dtensor_plan(model, mesh) -> None:
 
 # models whose built-in plan here splits what their declared plan leaves whole (DBRX: its head only; GPT-OSS: its
 # biased experts; Nemotron-H: its Mamba-2 mixers and head): ls_tp2_own is their declared plan
-NEW_PLANS = ("dbrx", "gpt_oss", "nemotron_h", "bamba", "jamba")
+NEW_PLANS = ("dbrx", "gpt_oss", "nemotron_h", "bamba", "jamba", "qwen3_5")
 
 
 def _own_plan(model) -> dict:
@@ -535,7 +548,7 @@ def main() -> None:
     rounds = [{k: r[k] for k in ok if k in r} for r in rounds]
     label = "litgpt GPT (LLaMAMoE)" if args.model == "litgpt_moe" else f"HF {args.model.capitalize()}"
     name = f"{label} {_params_m(kw):.1f}M"
-    if args.model not in ("llama", "nemotron_h", "bamba"):
+    if args.model not in ("llama", "nemotron_h", "bamba", "qwen3_5"):
         width = args.expert_width or (args.hidden if args.model == "deepseek_v3" else args.hidden * 2)
         name += f" ({args.experts} experts of width {width}, top-{args.top_k})"
     print(f"\n## {name} ({datetime.date.today()}, 2 CPU ranks, {tokens} tokens/step, "

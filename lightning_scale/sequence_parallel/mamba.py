@@ -40,31 +40,15 @@ import torch.nn as nn
 
 from lightning_scale.comm import collectives as C
 from lightning_scale.config import ConfigError
-from lightning_scale.tensor_parallel import deltanet, short_conv
 from lightning_scale.tensor_parallel import mamba as tpm
 from lightning_scale.tensor_parallel.mappings import gather_from_sequence_region, reduce_scatter_to_sequence_region
 from lightning_scale.tensor_parallel.sharding import ShardSpec
 
 
-# recurrent layers cut by heads / channels besides the Mamba mixers: kind -> (detector, its module of specs / counts)
-_OTHER_KINDS = {"gated_deltanet": (deltanet.is_gated_deltanet, deltanet),
-                "short_conv": (short_conv.is_short_conv, short_conv)}
-
-
 def mixer_kind(module: nn.Module) -> Optional[str]:
-    """``mamba2`` / ``mamba1`` (tensor_parallel/mamba.py), ``gated_deltanet`` (tensor_parallel/deltanet.py) or
-    ``short_conv`` (tensor_parallel/short_conv.py): a recurrent layer sp runs cut by heads / channels; None else."""
-    style = tpm.mixer_style(module)
-    if style is not None:
-        return style
-    return next((kind for kind, (found, _) in _OTHER_KINDS.items() if found(module)), None)
-
-
-def _unsupported(module: nn.Module, sp: int) -> Optional[str]:
-    kind = mixer_kind(module)
-    if kind in _OTHER_KINDS:
-        return _OTHER_KINDS[kind][1].unsupported(module, sp, "sp")
-    return tpm.unsupported(module, sp, setting="sp")
+    """``mamba2`` / ``mamba1`` / ``gated_deltanet`` / ``short_conv`` (:func:`lightning_scale.tensor_parallel.mamba.
+    mixer_style`): a recurrent layer sp runs cut by heads / channels; None for anything else."""
+    return tpm.mixer_style(module)
 
 
 def recurrent_left(model: nn.Module, layer_types: Sequence[str], recurrent: frozenset) -> Optional[str]:
@@ -94,7 +78,7 @@ def split_mixers(model: nn.Module, group) -> int:
             raise ConfigError(f"sp={sp} with tp > 1: {name!r} ({type(module).__name__}) is split over tp already; "
                               f"sequence parallelism through a tp-split Mamba mixer is not supported; use sp or tp "
                               f"for this model", settings=("sp",))
-        why = _unsupported(module, sp)
+        why = tpm.unsupported(module, sp, setting="sp")
         if why is not None:
             raise ConfigError(f"sp={sp}: {name!r}: {why} (sequence parallelism splits a Mamba mixer's heads over the "
                               f"sp ranks); use tp, pp or ZeRO-3 for it", settings=("sp",))
@@ -112,13 +96,8 @@ def _slice(param: torch.Tensor, spec: ShardSpec, rank: int) -> torch.Tensor:
 def _over_sequence(name: str, module: nn.Module, group) -> None:
     sp, rank = C.group_size(group), C.group_rank(group)
     kind = mixer_kind(module)
-    if kind in _OTHER_KINDS:  # a DeltaNet's norm weight stays whole: its partial gradients are summed over sp like any
-        layout = _OTHER_KINDS[kind][1]  # weight's
-        specs = layout.specs(name, module, sp)
-        counts = layout.local_counts(module, specs, sp)
-    else:
-        specs = tpm.mixer_specs(name, module, sp)
-        counts = tpm.local_counts(module, specs, sp)
+    specs = tpm.mixer_specs(name, module, sp)  # a DeltaNet's norm weight stays whole: its partial gradients are summed
+    counts = tpm.local_counts(module, specs, sp)  # over sp like every weight's
     tag = f"sp/{name}"
     proj = specs.get("in_proj.weight")
     state = dict(specs=specs, counts=counts, rank=rank, group=group, tag=tag, shared_group=False,

@@ -16,9 +16,10 @@ rank can run ``1 / n`` of the key heads with their value heads:
 * the counts the forward reads (``num_k_heads``, ``num_v_heads``, ``key_dim``, ``value_dim``, ``conv_dim``, the conv's
   channels) become the local ones.
 
-Sequence parallelism (:mod:`lightning_scale.sequence_parallel.mamba`) runs these layers this way over the sp group on
-the whole sequence. Tensor parallelism keeps the models' own declared plans for them (their projections split and
-all-gathered, the core on every rank).
+Tensor parallelism runs them this way as one region (style ``gated_deltanet``: the gradients of its inputs summed over
+tp on the way in, its output on the way out, the norm's gradient summed), in place of the models' declared plans
+(their projections split and all-gathered, every head's core on every rank: :func:`released_projections`); sequence
+parallelism (:mod:`lightning_scale.sequence_parallel.mamba`) over the sp group on the whole sequence.
 """
 
 from __future__ import annotations
@@ -31,6 +32,27 @@ from lightning_scale.tensor_parallel.sharding import ShardSpec, make_spec
 
 _COUNTS = ("num_v_heads", "num_k_heads", "head_k_dim", "head_v_dim", "key_dim", "value_dim", "conv_dim")
 _LAYOUTS = {"qkvz": ("in_proj_qkvz", "in_proj_ba"), "split": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")}
+PROJECTIONS = tuple(p for names in _LAYOUTS.values() for p in names)
+
+
+def released_projections(model: nn.Module, plan: Dict[str, object], n: int) -> Dict[str, object]:
+    """``plan`` without the entries that only split the projections of gated DeltaNet layers ``n`` ranks can cut by
+    heads (the models' declared ``colwise_gather_output`` on ``in_proj_*`` / ``out_proj``: every rank then runs every
+    head on gathered projections); those layers get style ``gated_deltanet`` instead (one region, the core cut)."""
+    import re
+
+    layers = {name for name, m in model.named_modules() if name and is_gated_deltanet(m) and unsupported(m, n) is None}
+    if not layers:
+        return plan
+    names = [name for name, _ in model.named_modules() if name]
+    owned = {f"{layer}.{p}" for layer in layers for p in (*PROJECTIONS, "out_proj")}
+    kept = {}
+    for pattern, style in plan.items():
+        rx = re.compile("^" + re.escape(pattern).replace(r"\*", r"[^.]+") + "$")
+        hits = [name for name in names if rx.match(name)]
+        if not (hits and all(h in owned for h in hits)):
+            kept[pattern] = style
+    return kept
 
 
 def _layout(module: nn.Module) -> Optional[str]:

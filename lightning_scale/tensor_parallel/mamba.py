@@ -56,6 +56,7 @@ import torch.nn as nn
 
 import torch.nn.functional as F
 
+from lightning_scale.tensor_parallel import deltanet, short_conv
 from lightning_scale.tensor_parallel.experts import _enter, _leave, add_bias_once, keep_local
 from lightning_scale.tensor_parallel.grads import install_grad_allreduce
 from lightning_scale.tensor_parallel.layers import replica_grad_sum
@@ -123,9 +124,19 @@ def is_mamba1_mixer(module: nn.Module) -> bool:
             and isinstance(getattr(module, "D", None), nn.Parameter))
 
 
+# recurrent layers cut the same way whose layouts live in their own modules: style -> (detector, layout module)
+OTHER_LAYOUTS = {"gated_deltanet": (deltanet.is_gated_deltanet, deltanet),
+                 "short_conv": (short_conv.is_short_conv, short_conv)}
+
+
 def mixer_style(module: nn.Module) -> Optional[str]:
-    """The style that splits ``module`` (``mamba2`` / ``mamba1``), None for anything else."""
-    return "mamba2" if is_mamba2_mixer(module) else "mamba1" if is_mamba1_mixer(module) else None
+    """The style that splits ``module`` (``mamba2`` / ``mamba1`` / ``gated_deltanet`` / ``short_conv``), None for
+    anything else."""
+    if is_mamba2_mixer(module):
+        return "mamba2"
+    if is_mamba1_mixer(module):
+        return "mamba1"
+    return next((style for style, (found, _) in OTHER_LAYOUTS.items() if found(module)), None)
 
 
 def unsupported(module: nn.Module, tp: int, style: str = "", setting: str = "tp") -> Optional[str]:
@@ -134,9 +145,14 @@ def unsupported(module: nn.Module, tp: int, style: str = "", setting: str = "tp"
     kind = type(module).__name__
     own = mixer_style(module)
     if own is None or (style and style != own):
-        return (f"{kind} is not a transformers Mamba-{(style or 'mamba2')[-1]} mixer (Mamba-2: in_proj, conv1d, A_log / "
-                f"D / dt_bias, out_proj; Mamba-1: in_proj, conv1d, x_proj, dt_proj, A_log, D, out_proj)"
-                + (f"; style {own!r} splits it" if own else ""))
+        wanted = style or "mamba2"
+        what = {"gated_deltanet": "a transformers gated DeltaNet layer (Qwen3-Next, Qwen 3.5)",
+                "short_conv": "a transformers short gated convolution (LFM2)"}.get(
+            wanted, f"a transformers Mamba-{wanted[-1]} mixer (Mamba-2: in_proj, conv1d, A_log / D / dt_bias, out_proj; "
+                    f"Mamba-1: in_proj, conv1d, x_proj, dt_proj, A_log, D, out_proj)")
+        return f"{kind} is not {what}" + (f"; style {own!r} splits it" if own else "")
+    if own in OTHER_LAYOUTS:
+        return OTHER_LAYOUTS[own][1].unsupported(module, tp, setting)
     if own == "mamba1":
         return _m1_unsupported(module, tp, setting)
     proj, conv = _parts(module)
@@ -167,6 +183,9 @@ def mixer_specs(name: str, module: nn.Module, tp: int) -> Dict[str, ShardSpec]:
     why = unsupported(module, tp)
     if why is not None:
         raise ValueError(f"style {mixer_style(module) or 'mamba2'!r} on {name!r}: {why}")
+    style = mixer_style(module)
+    if style in OTHER_LAYOUTS:
+        return OTHER_LAYOUTS[style][1].specs(name, module, tp)
     if is_mamba1_mixer(module):
         return _m1_specs(name, module, tp)
     proj, conv = _parts(module)
@@ -192,8 +211,8 @@ def mixer_specs(name: str, module: nn.Module, tp: int) -> Dict[str, ShardSpec]:
 def localize(module: nn.Module, specs: Dict[str, ShardSpec], tp: int, rank: int) -> None:
     """Keep this rank's slice of every parameter under ``specs`` (meta stays meta), of every buffer as wide as the
     in_proj output, and make the module's counts local. No hook, no group (the memory plan's local view uses it)."""
-    if is_mamba1_mixer(module):
-        return _m1_localize(module, specs, tp, rank)
+    if is_mamba1_mixer(module) or mixer_style(module) in OTHER_LAYOUTS:
+        return _localize_params(module, specs, tp, rank)
     proj_spec = specs["in_proj.weight"]
     width = proj_spec.size
     for bname, buf in list(module.named_buffers(recurse=False)):  # Falcon-H1's mup_vector: one factor per in_proj row
@@ -215,6 +234,9 @@ def local_counts(module: nn.Module, specs: Dict[str, ShardSpec], tp: int) -> Dic
     its slices under ``specs`` sees them (the whole mixer's counts in, nothing changed). A Mamba-2 group spread over
     ranks also gets ``norm._tp_full_group`` (the norm's local "group" is this rank's width; split_mixer sums the
     statistics over the sharing ranks, the memory plan's local view runs it as it is, same shapes)."""
+    style = mixer_style(module)
+    if style in OTHER_LAYOUTS:
+        return OTHER_LAYOUTS[style][1].local_counts(module, specs, tp)
     d = module.intermediate_size
     if is_mamba1_mixer(module):
         local = d // tp
@@ -268,7 +290,8 @@ def split_mixer(name: str, module: nn.Module, specs: Dict[str, ShardSpec], group
     region around it. Returns the hook handles."""
     rank = tp_rank(group)
     tp = torch.distributed.get_world_size(group)
-    groups = None if is_mamba1_mixer(module) else module.n_groups
+    style = mixer_style(module)
+    groups = module.n_groups if style == "mamba2" else None
     localize(module, specs, tp, rank)
     module._tp_mamba_specs = dict(specs)
     module._apply = types.MethodType(_apply, module)
@@ -277,8 +300,12 @@ def split_mixer(name: str, module: nn.Module, specs: Dict[str, ShardSpec], group
     tag = f"tp/{name}"
     hooks = [module.register_forward_pre_hook(_enter(group, tag), with_kwargs=True),
              module.register_forward_hook(_leave(group, tag, name), with_kwargs=True)]
-    if groups is None:
+    if style == "mamba1":
         return hooks + _m1_hooks(name, module, specs, group, tag)
+    if style == "gated_deltanet":  # the norm's one weight over head_v_dim, used by this rank's heads: partial grads
+        return hooks + install_grad_allreduce(module.norm, group, f"{tag}/norm")
+    if groups is None:  # short_conv: nothing stays whole inside
+        return hooks
     if groups % tp == 0:
         return hooks
     # fewer groups than ranks: B / C rows replicated (gradients summed over their holders), the norm's statistics
@@ -385,7 +412,8 @@ def mixer_plan_entries(model: nn.Module, covered, tp: int):
         style = mixer_style(module) if name else None
         if style is None or covered(name):
             continue
-        if any(covered(f"{name}.{c}") for c in ("in_proj", "out_proj", "conv1d", "x_proj", "dt_proj")):
+        if any(covered(f"{name}.{c}") for c in ("in_proj", "out_proj", "conv1d", "x_proj", "dt_proj", "conv",
+                                                   *deltanet.PROJECTIONS)):
             continue
         why = unsupported(module, tp)
         if why is not None:
@@ -436,7 +464,7 @@ def _m1_specs(name: str, module: nn.Module, tp: int) -> Dict[str, ShardSpec]:
 
 
 @torch.no_grad()
-def _m1_localize(module: nn.Module, specs: Dict[str, ShardSpec], tp: int, rank: int) -> None:
+def _localize_params(module: nn.Module, specs: Dict[str, ShardSpec], tp: int, rank: int) -> None:
     for pname, spec in specs.items():
         owner_name, _, leaf = pname.rpartition(".")
         keep_local(module.get_submodule(owner_name) if owner_name else module, leaf, spec, rank)

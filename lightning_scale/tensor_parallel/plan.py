@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 
 from lightning_scale.config import ConfigError
-from lightning_scale.tensor_parallel import expert_lists, experts, mamba, mla, norms
+from lightning_scale.tensor_parallel import deltanet, expert_lists, experts, mamba, mla, norms
 from lightning_scale.tensor_parallel import expert_parallel as expert_parallel_style
 from lightning_scale.tensor_parallel.hf import default_plan, is_hf_model
 from lightning_scale.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
@@ -215,7 +215,7 @@ def _resolve(name: str, module: nn.Module, style: Style, parent: Optional[nn.Mod
             return Action(name, module, style, next(iter(specs.values())), specs)
         if style.kind == "mamba":
             specs = mamba.mixer_specs(name, module, tp)
-            return Action(name, module, style, specs["in_proj.weight"], specs)
+            return Action(name, module, style, next(iter(specs.values())), specs)
         if style.kind == "norm_split":
             specs = norms.norm_specs(name, module, tp)
             return Action(name, module, style, specs["weight"], specs)
@@ -338,6 +338,7 @@ def plan_tensor_parallel(model: nn.Module, plan: Optional[Dict[str, object]], tp
             plan.update(add)
             plan.update(mlps_left_out(model, plan, tp))
             plan.update(head_left_out(model, plan))
+            plan = deltanet.released_projections(model, plan, tp)  # their declared gathers give way to the region
             patterns = [_pattern_regex(p) for p in plan]
             mixers, mixers_whole = mamba.mixer_plan_entries(model, lambda n: any(rx.match(n) for rx in patterns), tp)
             plan.update(mixers)

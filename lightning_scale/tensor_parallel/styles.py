@@ -30,6 +30,10 @@ style                           effect
                                 heads split, whole groups per rank or, with fewer groups than ranks, each rank's
                                 group's B / C replicated; a Mamba-1 mixer (Jamba): its channels split, x_proj's
                                 output all-reduced (:mod:`~lightning_scale.tensor_parallel.mamba`)
+``gated_deltanet``              a gated DeltaNet layer (Qwen3-Next, Qwen 3.5) cut by key-head groups, one region
+                                (:mod:`~lightning_scale.tensor_parallel.deltanet`)
+``short_conv``                  a short gated convolution (LFM2) cut by channels, one region
+                                (:mod:`~lightning_scale.tensor_parallel.short_conv`)
 ``expert_data_parallel``        (``ep=N``; the plan :mod:`~lightning_scale.tensor_parallel.expert_alltoall` builds) a
                                 transformers experts module's experts placed whole on the group's ranks, which hold
                                 different tokens: routes exchanged by all-to-all; every other parameter's gradient
@@ -95,6 +99,8 @@ _STYLES = {
     "experts": Style("experts"),
     "mamba2": Style("mamba"),
     "mamba1": Style("mamba"),
+    "gated_deltanet": Style("mamba"),
+    "short_conv": Style("mamba"),
     "expert_parallel": Style("expert_parallel"),
     "expert_data_parallel": Style("expert_data_parallel"),
     "vocab_colwise": Style("colwise", sections=1, pad=True),

@@ -96,6 +96,9 @@ CASES = {  # name: (family, Zero3DStrategy kwargs)
     "qwen3_5_zero2": ("qwen3_5", {"stage": 2}),
     "qwen3_5_sp2": ("qwen3_5", {"sp": 2}),
     "lfm2_sp2": ("lfm2", {"sp": 2}),
+    # their DeltaNet / convolution layers cut by heads / channels at tp (one region each)
+    "qwen3_5_tp2": ("qwen3_5", {"tp": 2}),
+    "lfm2_tp2": ("lfm2", {"tp": 2}),
     # Qwen3-Next: a mixture of experts beside its DeltaNet: profiled with its experts stubbed (counted: 2.0x under)
     "qwen3_next_sp2": ("qwen3_next", {"sp": 2}),
 }

@@ -22,8 +22,10 @@ from lightning_scale.testing import HF_RANK_PRELOAD, random_biases, run_distribu
 
 GROUPS = {"bamba": "mamba_n_groups", "nemotron_h": "n_groups", "falcon_h1": "mamba_n_groups",
           "granitemoehybrid": "mamba_n_groups"}
-# Mamba-1 (style mamba1): Jamba, with in_proj / out_proj biases (mamba_proj_bias) beside conv1d's and dt_proj's
-MAMBA1 = {"jamba": {"mamba_proj_bias": True}}
+# no groups: Mamba-1 (style mamba1) Jamba, with in_proj / out_proj biases (mamba_proj_bias) beside conv1d's and
+# dt_proj's; gated DeltaNet layers (style gated_deltanet: Qwen3-Next, Qwen 3.5; their declared plans gathered the
+# projections and ran every head on every rank); LFM2's short convolutions (style short_conv) with their biases
+MAMBA1 = {"jamba": {"mamba_proj_bias": True}, "qwen3_next": {}, "qwen3_5": {}, "lfm2": {"conv_bias": True}}
 # Bamba's out_proj bias; Nemotron-H with an MLP layer ('-': up / down projections, no gate) beside its Mamba and
 # attention layers (its own plan leaves the MLP whole: split by hf_rules.mlps_left_out)
 EXTRA = {"bamba": {"mamba_proj_bias": True}, "nemotron_h": {"hybrid_override_pattern": "M-M*"}}
@@ -31,14 +33,17 @@ EXTRA = {"bamba": {"mamba_proj_bias": True}, "nemotron_h": {"hybrid_override_pat
 VARIANTS = {"falcon_h1_norm": ("falcon_h1", {"mamba_rms_norm": True, "mamba_norm_before_gate": False}),
             "falcon_h1_norm_first": ("falcon_h1", {"mamba_rms_norm": True, "mamba_norm_before_gate": True})}
 # the share of parameters split at tp=2 (Falcon-H1's and Nemotron-H's small MLP / attention widths leave norms whole)
-SPLIT = {"bamba": 0.95, "nemotron_h": 0.85, "falcon_h1": 0.8, "granitemoehybrid": 0.95}
+SPLIT = {"bamba": 0.95, "nemotron_h": 0.85, "falcon_h1": 0.8, "granitemoehybrid": 0.95, "lfm2": 0.9}
 # Nemotron-H's float32 logits (hf_families.FLOAT32_LOGITS_TOL); Jamba's float32 router and dt / B / C norms, which
-# read x_proj's output summed over ranks in another order
-TOL = {"nemotron_h": 1e-6, "jamba": 2e-6}
+# read x_proj's output summed over ranks in another order; the DeltaNets' float32 internals
+TOL = {"nemotron_h": 1e-6, "jamba": 2e-6, "qwen3_next": 2e-6, "qwen3_5": 2e-6}
 # a group over several ranks: the gated norm computes in float32 (transformers casts), its sum of squares now added
 # in another order than one process's (8.4e-6 on the last attention layer's k_proj: exactly what one process gets
 # summing it in the same two halves)
 SHARED_GROUP_TOL = 2e-5
+
+
+IN_PROJ = ("in_proj.weight", "in_proj_qkvz.weight", "in_proj_qkv.weight")  # the rows tp cuts in each layout
 
 
 def _build(case: str, groups: int):
@@ -76,7 +81,7 @@ def worker(rank: int, world_size: int, cases) -> dict:
     out = {}
     for family, groups in cases:
         whole = _build(family, groups)
-        shapes = {n: tuple(p.shape) for n, p in whole.named_parameters() if n.endswith("in_proj.weight")}
+        shapes = {n: tuple(p.shape) for n, p in whole.named_parameters() if n.endswith(IN_PROJ)}
         model = apply_tensor_parallel(whole, None, dist.group.WORLD)
         x, y, mask = _batch()
         out[family, groups] = dict(tp_step(model, _loss, y, shapes.__contains__, input_ids=x, attention_mask=mask),
@@ -84,7 +89,8 @@ def worker(rank: int, world_size: int, cases) -> dict:
     return out
 
 
-TP2 = [(family, groups) for groups in (2, 1) for family in sorted(GROUPS)] + [("falcon_h1_norm", 1), ("jamba", 0)]
+TP2 = [(family, groups) for groups in (2, 1) for family in sorted(GROUPS)] + [("falcon_h1_norm", 1)] + [
+    (family, 0) for family in MAMBA1]
 TP4 = [("bamba", 2), ("nemotron_h", 1), ("falcon_h1_norm_first", 2), ("jamba", 0)]
 
 
