@@ -1,5 +1,10 @@
 """Tensor parallelism inside a Mamba mixer: Mamba-2 (style ``mamba2``: its heads and groups split over tp, Megatron's
-way) and Mamba-1 (style ``mamba1``: its channels split, Jamba's mixers; see the end).
+way) and Mamba-1 (style ``mamba1``: its channels split, Jamba's mixers; see the end). The other recurrent layouts,
+gated DeltaNet (style ``gated_deltanet``, :mod:`~lightning_scale.tensor_parallel.deltanet`) and short convolutions
+(style ``short_conv``, :mod:`~lightning_scale.tensor_parallel.short_conv`), keep their cuts in their own modules; this
+module's functions (:func:`mixer_style`, :func:`unsupported`, :func:`mixer_specs`, :func:`local_counts`,
+:func:`localize`, :func:`split_mixer`) dispatch to them, for tp and for sequence parallelism
+(:mod:`lightning_scale.sequence_parallel.mamba`) alike.
 
 transformers' Mamba-2 mixers (Bamba, Nemotron-H, Falcon-H1, Granite 4 hybrid; ``*Mixer`` with ``in_proj``, a depthwise
 ``conv1d``, ``A_log`` / ``D`` / ``dt_bias`` per head, a gated RMSNorm over groups and ``out_proj``) compute, per head,
