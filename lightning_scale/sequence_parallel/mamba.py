@@ -99,9 +99,12 @@ def _over_sequence(name: str, module: nn.Module, group) -> None:
     specs = tpm.mixer_specs(name, module, sp)  # a DeltaNet's norm weight stays whole: its partial gradients are summed
     counts = tpm.local_counts(module, specs, sp)  # over sp like every weight's
     tag = f"sp/{name}"
-    proj = specs.get("in_proj.weight")
-    state = dict(specs=specs, counts=counts, rank=rank, group=group, tag=tag, shared_group=False,
-                 width=proj.size if proj is not None else None)
+    proj = specs.get("in_proj.weight")  # a buffer as wide as in_proj's output (Falcon-H1's mup_vector) is cut with it
+    buffers = {} if proj is None else {
+        b: ShardSpec(dim=buf.dim() - 1, size=proj.size, tp=proj.tp, padded=proj.padded, sections=proj.sections,
+                     parts=proj.parts, splits=proj.splits)
+        for b, buf in module._buffers.items() if buf is not None and buf.dim() >= 1 and buf.shape[-1] == proj.size}
+    state = dict(specs=specs, counts=counts, rank=rank, group=group, tag=tag, shared_group=False, buffers=buffers)
     if kind == "mamba1":
         module.x_proj.register_forward_hook(tpm.summed_output_hook(group, f"{tag}/x_proj"))
     elif kind == "mamba2" and module.n_groups % sp:  # a group over several ranks: its norm's statistics summed
@@ -130,13 +133,9 @@ def _enter(state: Dict, module: nn.Module, args, kwargs):
         saved_params.setdefault("out_proj.bias", bias)  # which the average over sp then counts once; here zero
         module.out_proj._parameters["bias"] = bias * 0  # (a zero gradient, not none: ZeRO's hooks fire alike)
     saved_buffers = {}
-    spec = state["specs"].get("in_proj.weight")
-    for bname, buf in list(module._buffers.items()):  # Falcon-H1's mup_vector: one factor per in_proj row
-        if spec is not None and buf is not None and buf.dim() >= 1 and buf.shape[-1] == state["width"]:
-            saved_buffers[bname] = buf
-            module._buffers[bname] = _slice(buf, ShardSpec(dim=buf.dim() - 1, size=spec.size, tp=spec.tp,
-                                                           padded=spec.padded, sections=spec.sections,
-                                                           parts=spec.parts, splits=spec.splits), rank)
+    for bname, spec in state["buffers"].items():  # specs found once (_over_sequence), not per call
+        saved_buffers[bname] = module._buffers[bname]
+        module._buffers[bname] = _slice(saved_buffers[bname], spec, rank)
     saved_counts = tpm.set_counts(module, state["counts"])
     module.__dict__["_sp_saved"] = (saved_params, saved_buffers, saved_counts, module.training)
     if state["shared_group"]:
