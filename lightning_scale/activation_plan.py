@@ -7,7 +7,9 @@ once, for the model's shapes, the checkpointing policy, ``sp``, ``tp``, the micr
 
 Notation: ``T = micro_batch * seq_len / sp`` positions per rank, ``n`` repeated units (blocks), ``b`` bytes of an
 activation element (the compute dtype: 2 under bf16/16 mixed or true, 4 under 32-true, 8 under 64-true), ``H`` the
-hidden width, ``V`` the head's vocabulary width (``V / tp`` per rank), ``C`` the loss chunk (0: not chunked).
+hidden width, ``V`` the head's vocabulary width (``V / tp`` per rank where the model's loss takes the vocabulary-split
+logits, the project GPT's ``vocab_parallel_loss``; a Hugging Face / litgpt head gathers them: ``V``), ``C`` the loss
+chunk (0: not chunked).
 One unit's per-token bytes come from a fake-tensor run of the largest unit
 (:func:`lightning_scale.activation_profile.profile_unit`, float32, scaled by ``b / 4``; tp applied there):
 ``s`` saved for backward without checkpointing, ``s_in`` its input, ``s_sel`` what the selective policy keeps,
@@ -24,7 +26,7 @@ selective    n * s_sel * T               (max(s - s_sel, 0) + g) * T
 * ``offload_activations`` (needs full or selective): the unit inputs ``n * s_in * T`` are on the host; the device
   keeps ``min(n, 2)`` of them (the one in use + the prefetched one), so kept drops by ``(n - min(n, 2)) * s_in * T``.
 * head: ``2 * T * H * b`` (the final norm's input and the head's input).
-* loss: ``T_c * (V / tp) * (12 + b')`` with ``T_c = micro_batch * min(C, L/sp)`` when chunked (else ``T``):
+* loss: ``T_c * V' * (12 + b')`` (``V' = V / tp`` or ``V``, above) with ``T_c = micro_batch * min(C, L/sp)`` when chunked (else ``T``):
   the fp32 log-softmax kept + its gradient + the logits' gradient (3 x 4 bytes) and the ``b``-byte logits when
   the compute dtype is not fp32 (``b' = b``, else 0).
 * peak = kept + max(head + loss, recompute).
@@ -118,9 +120,12 @@ def _policy(activation_checkpointing) -> str:
 def estimate_activations(*, seq_len: int, micro_batch: int = 1, layers: int, per_token: Dict[str, float],
                          hidden: int, vocab: int, precision: str = "bf16-mixed", activation_checkpointing=None,
                          offload_activations: bool = False, sp: int = 1, tp: int = 1, loss_chunk: int = 0,
-                         source: str = "given", notes: Sequence[str] = ()) -> ActivationEstimate:
+                         source: str = "given", notes: Sequence[str] = (), vocab_parallel: bool = True
+                         ) -> ActivationEstimate:
     """The activation plan from one unit's per-token bytes (float32 profile: ``saved``, ``input``, ``selective``,
-    ``backward``; tp already applied) -- the formulas of the module docstring. Pure python."""
+    ``backward``; tp already applied) -- the formulas of the module docstring. Pure python. ``vocab_parallel``:
+    the loss runs on this rank's ``vocab / tp`` columns (the project GPT); False: on all ``vocab`` (a model whose
+    head gathers its logits, as every Hugging Face model's does)."""
     for name, value in (("seq_len", seq_len), ("micro_batch", micro_batch), ("sp", sp), ("tp", tp),
                         ("layers", layers)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -150,17 +155,44 @@ def estimate_activations(*, seq_len: int, micro_batch: int = 1, layers: int, per
     chunk_tokens = micro_batch * (min(loss_chunk, local) if loss_chunk and local > loss_chunk else local)
     # loss in fp32 (lm_loss): the log-softmax kept + its gradient + the logits' gradient; + the b-byte logits
     # when they are not fp32 already
-    loss = chunk_tokens * (vocab / tp) * (3 * 4 + (b if b != 4 else 0))
+    loss = chunk_tokens * loss_vocab(vocab, tp, vocab_parallel) * (3 * 4 + (b if b != 4 else 0))
     head = 2 * T * hidden * b  # the final norm's input and the head's input
     return ActivationEstimate(tokens=T, layers=layers, policy=policy, per_token_layer=s, kept=kept_per_token * T,
                               recompute=extra * T, head=head, loss=loss, host=host, source=source, notes=tuple(notes))
 
 
+def loss_vocab(vocab: int, tp: int, vocab_parallel: bool) -> float:
+    """The logits columns the loss runs on per rank: ``vocab / tp`` when the loss takes the vocabulary-split logits,
+    else all ``vocab`` (the head gathered them)."""
+    return vocab / tp if vocab_parallel else float(vocab)
+
+
+def vocab_parallel_loss(module) -> bool:
+    """Whether ``module``'s loss takes the vocabulary-split logits at tp > 1 (a model declaring
+    ``vocab_parallel_loss``: the project GPT). A Hugging Face or litgpt model's head gathers them and its loss runs on
+    the whole vocabulary on every rank: counted at ``V / tp``, an HF Llama's step-1 plan at tp=2 was 10% under."""
+    return any(getattr(m, "vocab_parallel_loss", False) for m in [module, *module.modules()])
+
+
+def _config_vocab(module) -> int:
+    """The vocabulary size a model's config declares (a multimodal config's text config's), 0 where none."""
+    for m in [module, *module.modules()]:
+        cfg = getattr(m, "cfg", None) or getattr(m, "config", None)
+        text = getattr(cfg, "get_text_config", None)
+        for c in (cfg, text() if callable(text) else None):
+            v = getattr(c, "vocab_size", None)
+            if isinstance(v, int) and v > 0:
+                return v
+    return 0
+
+
 def _vocab_and_chunk(module, chunked_loss) -> Tuple[int, int]:
-    """(vocabulary width of the head, this rank's; loss chunk) read from the model (GPT: cfg.loss_chunk)."""
+    """(vocabulary width of the head, this rank's; loss chunk) read from the model (GPT: cfg.loss_chunk). A model
+    without :func:`vocab_parallel_loss` gets the whole vocabulary, whatever the width of its (maybe split, or
+    ``local_linears``) head."""
     import torch.nn as nn
 
-    vocab = 0
+    vocab = 0 if vocab_parallel_loss(module) else _config_vocab(module)
     head = getattr(module, "lm_head", None)
     if head is None:
         for m in module.modules():
@@ -168,7 +200,7 @@ def _vocab_and_chunk(module, chunked_loss) -> Tuple[int, int]:
                 head = m.lm_head
                 break
     if isinstance(head, nn.Linear):
-        vocab = head.out_features
+        vocab = max(vocab, head.out_features)
     if not vocab:
         cfg = getattr(module, "cfg", None) or getattr(module, "config", None)
         vocab = int(getattr(cfg, "vocab_size", 0) or 0)
@@ -387,6 +419,7 @@ class UnitProfile:
     # tiled_mlp_modules tiling only some units: the untiled units' per-token bytes and how many of the units
     # they are (``per_token`` is then the tiled units')
     untiled: Optional[Tuple[Dict[str, float], int]] = None
+    vocab_parallel: bool = True  # the loss runs on vocab / tp columns per rank (vocab_parallel_loss)
 
 
 def mix_units(tiled: ActivationEstimate, untiled: Optional[ActivationEstimate]) -> ActivationEstimate:
@@ -475,6 +508,7 @@ def profile_model(module, *, seq_len: int, sp: int = 1, tp: int = 1, chunked_los
     unit = max(units, key=lambda u: sum(p.numel() for p in u.parameters()))
     hidden = hidden_size(unit) or 0
     vocab, chunk = _vocab_and_chunk(module, chunked_loss)
+    split_loss = vocab_parallel_loss(module)
     tokens = max(1, seq_len // max(sp, 1))
     kinds: Dict[Tuple[Any, ...], list] = {}
     for u in units:  # of a kind: the same class holding the same classes (a hybrid's block holds a Mamba mixer or an
@@ -485,7 +519,7 @@ def profile_model(module, *, seq_len: int, sp: int = 1, tp: int = 1, chunked_los
     if len(kinds) == 1:  # one kind: the largest unit (several, of one class or not: Jamba's Mamba and attention layers)
         per_token, source, notes = _profile_one(unit, hidden, tokens, sp, tp, tiled_mlp, tiled_attention)
         return UnitProfile(per_token=per_token, layers=len(units), hidden=hidden, vocab=vocab, chunk=chunk,
-                           unit_type=type(unit), source=source, notes=tuple(notes))
+                           unit_type=type(unit), source=source, notes=tuple(notes), vocab_parallel=split_loss)
     parts, notes, sources = [], [], set()
     for group in kinds.values():
         largest = max(group, key=lambda u: sum(p.numel() for p in u.parameters()))
@@ -500,7 +534,7 @@ def profile_model(module, *, seq_len: int, sp: int = 1, tp: int = 1, chunked_los
                  "profiled, the per-token bytes their mean")
     return UnitProfile(per_token=mean, layers=len(units), hidden=hidden, vocab=vocab, chunk=chunk,
                        unit_type=type(unit), source="counted" if sources == {"counted"} else "profiled",
-                       notes=tuple(notes))
+                       notes=tuple(notes), vocab_parallel=split_loss)
 
 
 def activations_for_model(module, *, seq_len: int, micro_batch: int = 1, precision: str = "bf16-mixed",
@@ -521,4 +555,4 @@ def activations_for_model(module, *, seq_len: int, micro_batch: int = 1, precisi
                                 per_token=prof.per_token, hidden=prof.hidden, vocab=prof.vocab, precision=precision,
                                 activation_checkpointing=activation_checkpointing,
                                 offload_activations=offload_activations, sp=sp, tp=tp, loss_chunk=prof.chunk,
-                                source=prof.source, notes=prof.notes)
+                                source=prof.source, notes=prof.notes, vocab_parallel=prof.vocab_parallel)

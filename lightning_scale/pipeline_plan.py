@@ -221,14 +221,15 @@ def pipeline_activations(*, schedule, pp_rank: int, units: Dict[int, int], seq_l
                          per_token: Dict[str, float], hidden: int, vocab: int, precision: str = "bf16-mixed",
                          activation_checkpointing=None, offload_activations: bool = False, sp: int = 1,
                          tp: int = 1, prefetch: int = 2, tied_numel: int = 0, source: str = "given",
-                         notes: Sequence[str] = (), split_widths: Optional[Dict[int, Tuple[float, float]]] = None):
+                         notes: Sequence[str] = (), split_widths: Optional[Dict[int, Tuple[float, float]]] = None,
+                         vocab_parallel: bool = True):
     """The activation plan of pipeline rank ``pp_rank``: ``units`` maps its stage ids to their unit counts,
     ``micro_batch`` is the sequences of one pipeline micro-batch; ``split_widths`` its stage ids to
     :func:`split_backward_width` (read when the schedule splits the backward; missing: 0). Returns an ``ActivationEstimate`` whose
     ``pipeline`` holds the schedule walk (its ``peak`` is the walk's)."""
     import dataclasses
 
-    from lightning_scale.activation_plan import _act_bytes, estimate_activations
+    from lightning_scale.activation_plan import _act_bytes, estimate_activations, loss_vocab
 
     last_id = schedule.num_stages - 1
     b = _act_bytes(precision)
@@ -242,12 +243,12 @@ def pipeline_activations(*, schedule, pp_rank: int, units: Dict[int, int], seq_l
                                    hidden=hidden, vocab=vocab, precision=precision,
                                    activation_checkpointing=activation_checkpointing,
                                    offload_activations=offload_activations, sp=sp, tp=tp, loss_chunk=0,
-                                   source=source, notes=notes)
+                                   source=source, notes=notes, vocab_parallel=vocab_parallel)
         kept, recompute = (est.kept, est.recompute) if n else (0.0, 0.0)
         hidden_bytes = est.tokens * hidden * b  # one micro-batch's hidden states between stages
         keep, backward = kept, recompute
         if s == last_id:
-            lsm = est.tokens * (vocab / tp) * 4  # the fp32 log-softmax the loss keeps for its backward
+            lsm = est.tokens * loss_vocab(vocab, tp, vocab_parallel) * 4  # the fp32 log-softmax the loss keeps for its backward
             keep = kept + est.head + lsm
             backward = max(est.head + est.loss, recompute) - est.head - lsm
         work = 0.0

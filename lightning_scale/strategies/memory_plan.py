@@ -91,7 +91,7 @@ def _hf_on_meta(model: Any) -> Any:
 
 def _profile(strategy: Any, module: Any, seq_len: int) -> Tuple[Any, int]:
     """(the unit profile the plan uses, the tp split applied to it) for ``seq_len`` positions per rank."""
-    from lightning_scale.activation_plan import UnitProfile, profile_model
+    from lightning_scale.activation_plan import UnitProfile, profile_model, vocab_parallel_loss
     from lightning_scale.activation_profile import hidden_size
     from lightning_scale.estimate import _counted_profile, _units, _vocab_and_chunk
 
@@ -126,7 +126,8 @@ def _profile(strategy: Any, module: Any, seq_len: int) -> Tuple[Any, int]:
     hidden = hidden_size(units[0]) or 0
     vocab, chunk = _vocab_and_chunk(inner, None)
     return UnitProfile(per_token=_counted_profile(units[0], hidden, 1), layers=len(units), hidden=hidden,
-                       vocab=vocab, chunk=chunk, unit_type=type(units[0]), source="counted", notes=()), 1
+                       vocab=vocab, chunk=chunk, unit_type=type(units[0]), source="counted", notes=(),
+                       vocab_parallel=vocab_parallel_loss(inner)), 1
 
 
 def _step_numel(strategy: Any) -> Optional[float]:
@@ -164,7 +165,8 @@ def stage_plan(strategy: Any, prof: Any, tp: int, micro_batch: int, seq_len: int
         per_token=prof.per_token, hidden=prof.hidden, vocab=prof.vocab,
         precision=str(getattr(strategy.precision_plugin, "precision", "32-true")),
         activation_checkpointing=getattr(cfg, "activation_checkpointing", None), offload_activations=offload, tp=tp,
-        prefetch=prefetch, tied_numel=tied_numel, source=prof.source, notes=prof.notes, split_widths=split_widths)
+        prefetch=prefetch, tied_numel=tied_numel, source=prof.source, notes=prof.notes, split_widths=split_widths,
+        vocab_parallel=prof.vocab_parallel)
 
 
 def plan_for_batch(strategy: Any, micro_batch: int, seq_len: int) -> Optional[Any]:
@@ -197,7 +199,7 @@ def plan_for_batch(strategy: Any, micro_batch: int, seq_len: int) -> Optional[An
     else:
         common = dict(seq_len=seq_len, micro_batch=micro_batch, hidden=prof.hidden, vocab=prof.vocab,
                       precision=precision, activation_checkpointing=ac, offload_activations=offload, sp=1, tp=tp,
-                      loss_chunk=prof.chunk, source=prof.source, notes=prof.notes)
+                      loss_chunk=prof.chunk, source=prof.source, notes=prof.notes, vocab_parallel=prof.vocab_parallel)
         acts = estimate_activations(layers=prof.layers, per_token=prof.per_token, **common)
         if prof.untiled is not None:  # tiled_mlp_modules tiled only some units
             acts = mix_units(acts, estimate_activations(layers=prof.untiled[1], per_token=prof.untiled[0], **common))
