@@ -74,14 +74,14 @@ def split_mixers(model: nn.Module, group) -> int:
     sp = C.group_size(group)
     mixers = [(n, m) for n, m in model.named_modules() if mixer_kind(m)]
     for name, module in mixers:
-        if getattr(module, "_tp_mamba_specs", None) is not None:
-            raise ConfigError(f"sp={sp} with tp > 1: {name!r} ({type(module).__name__}) is split over tp already; "
-                              f"sequence parallelism through a tp-split Mamba mixer is not supported; use sp or tp "
-                              f"for this model", settings=("sp",))
         why = tpm.unsupported(module, sp, setting="sp")
         if why is not None:
-            raise ConfigError(f"sp={sp}: {name!r}: {why} (sequence parallelism splits a Mamba mixer's heads over the "
-                              f"sp ranks); use tp, pp or ZeRO-3 for it", settings=("sp",))
+            split = getattr(module, "_tp_mamba_specs", None) is not None  # its counts are one tp rank's already
+            raise ConfigError(f"sp={sp}{' with tp > 1' if split else ''}: {name!r}: {why}"
+                              f"{' (what one tp rank holds of it)' if split else ''} (sequence parallelism splits a "
+                              f"recurrent layer's heads / channels over the sp ranks); use "
+                              f"{'a smaller sp or tp' if split else 'tp, pp or ZeRO-3'} for it",
+                              settings=("sp", "tp") if split else ("sp",))
     for name, module in mixers:
         _over_sequence(name, module, group)
     return len(mixers)
@@ -98,6 +98,9 @@ def _over_sequence(name: str, module: nn.Module, group) -> None:
     kind = mixer_kind(module)
     specs = tpm.mixer_specs(name, module, sp)  # a DeltaNet's norm weight stays whole: its partial gradients are summed
     counts = tpm.local_counts(module, specs, sp)  # over sp like every weight's
+    norm = getattr(module, "norm", None)
+    if norm is not None and isinstance(norm.__dict__.get("_tp_full_group"), int):  # tp split a group over its ranks:
+        counts.pop(("norm", "_tp_full_group"), None)  # the whole group's width is set already (not this rank's)
     tag = f"sp/{name}"
     proj = specs.get("in_proj.weight")  # a buffer as wide as in_proj's output (Falcon-H1's mup_vector) is cut with it
     buffers = {} if proj is None else {
@@ -109,14 +112,18 @@ def _over_sequence(name: str, module: nn.Module, group) -> None:
         module.x_proj.register_forward_hook(tpm.summed_output_hook(group, f"{tag}/x_proj"))
     elif kind == "mamba2" and module.n_groups % sp:  # a group over several ranks: its norm's statistics summed
         state["shared_group"] = True
-        norm = getattr(module, "norm", None)
         norm_kind = tpm.norm_kind(norm)
-        if norm_kind not in ("none", None):
-            norm._tp_norm = (group, rank * module.n_groups // sp, module.n_groups, f"{tag}/norm")
+        if norm_kind not in ("none", None):  # summed over the sp ranks sharing the group; then, where tp split the
+            prior = norm.__dict__.get("_tp_norm")  # group over its ranks too, over those
+            prior = [] if prior is None else prior if isinstance(prior, list) else [prior]
+            norm._tp_norm = [(group, rank * module.n_groups // sp, module.n_groups, f"{tag}/norm")] + prior
             norm.forward = tpm.bound_norm_forward(norm_kind, norm)
     module._sp_mamba = state
+    # after a tp split's hooks on the way in (its copy into the region sees this rank's chunk), before them on the way
+    # out (the output reduce-scattered over sp first: tp's all-reduce then sums the chunk, and its parameter swaps are
+    # undone after this one's)
     module.register_forward_pre_hook(functools.partial(_enter, state), with_kwargs=True)
-    module.register_forward_hook(functools.partial(_leave, state), always_call=True)
+    module.register_forward_hook(functools.partial(_leave, state), always_call=True, prepend=True)
 
 
 def _enter(state: Dict, module: nn.Module, args, kwargs):

@@ -350,11 +350,6 @@ def _sp_hf(model: nn.Module, group, tp: int = 1, stage: Optional[nn.Module] = No
     from lightning_scale.sequence_parallel import mamba as sp_mamba
 
     layer_types = list(getattr(cfg, "layer_types", None) or ())
-    if tp > 1 and set(layer_types) & RECURRENT_LAYERS:
-        raise ConfigError(f"sp={sp} with tp={tp}: {type(model).__name__} has recurrent layers "
-                          f"({', '.join(sorted(set(layer_types) & RECURRENT_LAYERS))}; config.layer_types), which sp "
-                          f"runs cut by heads over the sp ranks without tp only; use sp or tp for it",
-                          settings=("sp", "tp"))
     left = sp_mamba.recurrent_left(model, layer_types, RECURRENT_LAYERS)
     if left:  # LFM2's short convolutions: a state carried along the whole sequence
         raise ConfigError(f"sp={sp}: {type(model).__name__} has {left!r} layers (config.layer_types): a recurrent "

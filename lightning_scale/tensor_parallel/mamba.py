@@ -379,9 +379,14 @@ def _sum_over_sharers(x, group, slot, slots, tag):
 
 
 def _variance(norm, h: torch.Tensor) -> torch.Tensor:
-    """The mean of ``h``'s squares over its whole group, whose channels span the ranks sharing it."""
-    group, slot, slots, tag = norm._tp_norm
-    return _SumOverSharers.apply(h.pow(2).sum(-1, keepdim=True), group, slot, slots, tag) / norm._tp_full_group
+    """The mean of ``h``'s squares over its whole group, whose channels span the ranks sharing it. ``norm._tp_norm``
+    is one (group, slot, slots, tag) or a list of them, summed over in turn (sp x tp: the sp ranks sharing the
+    tp-local group, then the tp ranks sharing the group)."""
+    stages = norm._tp_norm if isinstance(norm._tp_norm, list) else [norm._tp_norm]
+    squares = h.pow(2).sum(-1, keepdim=True)
+    for group, slot, slots, tag in stages:
+        squares = _SumOverSharers.apply(squares, group, slot, slots, tag)
+    return squares / norm._tp_full_group
 
 
 def _group_size_norm(self, hidden_states, gate=None):

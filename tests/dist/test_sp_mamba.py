@@ -13,6 +13,11 @@ their gated DeltaNet layers (cut by key-head groups, tensor_parallel/deltanet.py
 channels, tensor_parallel/short_conv.py). ZeRO-3 with activation
 checkpointing for two of them (the gathers rerun in the backward). Breaking any piece (the norm's sum, the output's
 reduce-scatter, rank 0 alone adding out_proj's bias, x_proj's sum) fails here.
+
+sp=2 x tp=2 on 4 ranks (refused by name until 2026-12-07): tp splits each recurrent layer first, sp then cuts the
+heads / channels one tp rank holds over the sp ranks (Bamba's one group over all 4 ranks: the norm's statistics
+summed over sp, then over tp), = one process; a layer whose tp-local heads sp does not divide (Qwen 3.5 with 2 key
+heads: 1 per tp rank) is a ConfigError naming sp and tp on every rank.
 """
 
 from __future__ import annotations
@@ -42,10 +47,16 @@ TOL = {"bamba": 1e-7, "granitemoehybrid": 1e-7, "falcon_h1": 1e-7, "nemotron_h":
        "qwen3_next": 1e-7, "qwen3_5": 1e-7}
 
 
-def _build(family: str):
+# sp x tp: the DeltaNets with 4 key heads (2 per tp rank, 1 per sp x tp rank)
+SP_TP = {"bamba": {}, "nemotron_h": {}, "falcon_h1": {}, "jamba": {}, "lfm2": {},
+         "qwen3_5": dict(linear_num_key_heads=4, linear_num_value_heads=8)}
+
+
+def _build(family: str, tp: int = 1):
     from lightning_scale.models import hf_families as F
 
-    return random_biases(F.build(family, "sdpa", overrides=FAMILIES[family]))
+    extra = SP_TP.get(family, {}) if tp > 1 else {}
+    return random_biases(F.build(family, "sdpa", overrides={**FAMILIES[family], **extra}))
 
 
 def _batch(step: int):
@@ -62,8 +73,8 @@ def _loss(logits, y):
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100)
 
 
-def _reference(family: str):
-    model = _build(family)
+def _reference(family: str, tp: int = 1):
+    model = _build(family, tp)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
     for step in range(STEPS):
@@ -76,14 +87,14 @@ def _reference(family: str):
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _train_one(rank: int, world_size: int, family: str, stage: int, ac) -> tuple:
+def _train_one(rank: int, world_size: int, family: str, stage: int, ac, tp: int = 1) -> tuple:
     from lightning_scale.config import from_flat_kwargs
     from lightning_scale.parallelize import local_topology, parallelize
     from lightning_scale.sequence_parallel import sequence_mean, shard_sequence
 
-    config = from_flat_kwargs(sp=2, stage=stage, activation_checkpointing=ac)
+    config = from_flat_kwargs(sp=2, tp=tp, stage=stage, activation_checkpointing=ac)
     topo = local_topology(config, world_size, rank)
-    model = _build(family)
+    model = _build(family, tp)
     pm = parallelize(model, config, topo, "cpu", optimizers=lambda: [torch.optim.SGD(model.parameters(), lr=LR)])
     (engine,) = pm.make_engines()
     losses = []
@@ -98,7 +109,11 @@ def _train_one(rank: int, world_size: int, family: str, stage: int, ac) -> tuple
         engine.step()
         engine.zero_grad()
         losses.append(loss.item())
-    state = pm.sharded.full_state_dict(dtype=None) if pm.sharded is not None else model.state_dict()
+    if pm.sharded is not None:
+        state = pm.sharded.full_state_dict(dtype=None)
+        state = pm.consolidate_stage3(state) if tp > 1 else state
+    else:
+        state = pm.full_state_dict()  # tp: the whole model's names and shapes
     keys = set(model.state_dict(keep_vars=True))
     return losses, {k: v.detach().clone() for k, v in state.items() if k in keys}
 
@@ -123,8 +138,12 @@ def runs():
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-zero{c[1]}" + ("-ac" if c[2] else ""))
 def test_hybrid_models_under_sp2_equal_one_process(runs, case):
+    _check(runs, case)
+
+
+def _check(runs, case, tp: int = 1) -> None:
     family = case[0]
-    ref_losses, ref_state = _reference(family)
+    ref_losses, ref_state = _reference(family, tp)
     tol = TOL.get(family, 1e-10)
     for rank, run in enumerate(runs):
         losses, state = run[case]
@@ -134,3 +153,49 @@ def test_hybrid_models_under_sp2_equal_one_process(runs, case):
         worst = {k: (state[k] - ref_state[k]).abs().max().item() for k in ref_state}
         bad = {k: w for k, w in worst.items() if not w <= tol}
         assert not bad, (case, rank, sorted(bad.items(), key=lambda t: -t[1])[:5])
+
+
+def worker_sp_tp(rank: int, world_size: int, cases) -> dict:
+    import warnings
+
+    from lightning_scale.config import ConfigError, from_flat_kwargs
+    from lightning_scale.models import hf_families as F
+    from lightning_scale.parallelize import local_topology, parallelize
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    out = {case: _train_one(rank, world_size, *case, tp=2) for case in cases}
+    config = from_flat_kwargs(sp=2, tp=2)  # Qwen 3.5 with its 2 key heads: 1 per tp rank, which sp=2 cannot cut
+    model = F.build("qwen3_5", "sdpa")
+    try:
+        parallelize(model, config, local_topology(config, world_size, rank), "cpu")
+        out["refused"] = None
+    except ConfigError as err:
+        out["refused"] = (str(err), err.settings)
+    return out
+
+
+SP_TP_CASES = [(f, 0, None) for f in SP_TP] + [("bamba", 3, "full")]
+
+
+@pytest.fixture(scope="module")
+def runs_sp_tp():
+    pytest.importorskip("transformers")
+    return run_distributed(worker_sp_tp, 4, (SP_TP_CASES,), timeout=500, preload=HF_RANK_PRELOAD)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", SP_TP_CASES, ids=lambda c: f"{c[0]}-zero{c[1]}" + ("-ac" if c[2] else ""))
+def test_hybrid_models_under_sp2_tp2_equal_one_process(runs_sp_tp, case):
+    _check(runs_sp_tp, case, tp=2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_sp_tp_refuses_a_layer_whose_tp_local_heads_sp_cannot_cut(runs_sp_tp):
+    for run in runs_sp_tp:
+        message, settings = run["refused"]
+        assert message.startswith("sp=2 with tp > 1: 'model.layers.0.linear_attn'"), message
+        assert "does not divide its 1 key heads (what one tp rank holds of it)" in message, message
+        assert set(settings) == {"sp", "tp"}
