@@ -61,7 +61,9 @@ attention's all-to-alls differ). DeepSpeed must be importable (``DS_ACCELERATOR=
 project's environment has no DeepSpeed; bench/RESULTS.md says how it was installed for the recorded run (a venv).
 
 ``--sp N --tp T``: N x T ranks; every row is tensor-parallel (tp=T: heads, MLP and vocabulary split; each rank builds
-its slices on meta), searched at dp=N and at sp=N (Ulysses over the tp-local heads, H / (T x N) per rank).
+its slices on meta), searched at dp=N and at sp=N (Ulysses over the tp-local heads, H / (T x N) per rank). With
+``--model llama|bamba|qwen3_5`` the Hugging Face model is split by its built-in tp plan (a hybrid's recurrent layers
+too: sp then cuts each tp rank's share of them over the sp ranks).
 
 ``--check-peers``: whether torch's own tools take a training step here (FlexAttention with a block mask; with --sp
 its ``context_parallel`` ring attention over the sp group). On torch 2.13's CPU build neither does (FlexAttention:
@@ -283,13 +285,19 @@ def _llama_step(args, spec: dict, length: int, topo) -> Tuple[int, float]:
     sequence through ``sequence_mean``."""
     from lightning_scale.nn.chunked_loss import chunked_cross_entropy
 
-    if spec["sparse"] or topo.tp > 1:
-        raise SystemExit(f"--model {args.model}: the sparse systems and --tp are GPT-only in this bench")
+    if spec["sparse"]:
+        raise SystemExit(f"--model {args.model}: the sparse systems are GPT-only in this bench")
     config = from_flat_kwargs(stage=args.stage, activation_checkpointing=spec["ac"], tiled_mlp=spec.get("tiled", 0),
-                              sp=topo.sp, tiled_attention=spec.get("heads", 0) * topo.sp)  # a group per sp rank
+                              sp=topo.sp, tp=topo.tp, tiled_attention=spec.get("heads", 0) * topo.sp)  # a group per sp rank
     torch.manual_seed(0)
     with LiveTensorBytes() as mem:
-        model = _llama(args, length)
+        if topo.tp > 1:  # parameters on meta: each rank allocates only its tp slices (the Trainer's meta init)
+            from lightning_scale.materialize import parameters_on_meta
+
+            with parameters_on_meta():
+                model = _llama(args, length)
+        else:
+            model = _llama(args, length)
         pm = parallelize(model, config, topo, "cpu", optimizers=lambda m=model: [torch.optim.AdamW(m.parameters())])
         (engine,) = pm.make_engines()
         idx = torch.randint(0, args.vocab, (1, length + 1), generator=torch.Generator().manual_seed(length))
@@ -313,6 +321,10 @@ def _llama_step(args, spec: dict, length: int, topo) -> Tuple[int, float]:
         seconds = time.perf_counter() - start
         engine.remove_hooks()
         del engine, pm, model, loss
+    if dist.get_world_size() > 1:  # every rank probes the same lengths: the largest peak decides
+        peak = torch.tensor([float(mem.peak)], dtype=torch.float64)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        return int(peak.item()), seconds
     return mem.peak, seconds
 
 
