@@ -203,6 +203,9 @@ FAMILIES: Dict[str, Tuple[str, dict, str]] = {
                                                   mamba_n_groups=1, mamba_d_state=4, experts_implementation="eager",
                                                   layer_types=["mamba", "attention"] * 2),
                          "Granite 4 (MoE hybrid): Mamba-2 and attention layers, experts"),
+    "jetmoe": ("jetmoe", dict(num_key_value_heads=2, kv_channels=8, num_local_experts=4, num_experts_per_tok=2,
+                              tie_word_embeddings=False),
+               "JetMoE: mixture of attention heads (routed q / o experts) and MoE MLP"),
 }
 
 

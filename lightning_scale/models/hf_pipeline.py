@@ -208,7 +208,7 @@ class HFHead(nn.Module):
 # the rotary table, every decoder layer, norm; the head lm_head): each is a family of hf_families, so the layer chain
 # is checked equal to the model (tests/unit/test_hf_pipeline.py) and pp=2 to one process (tests/dist/test_hf_matrix.py).
 _LLAMA_PATTERN = ("olmoe", "phimoe", "hunyuan_v1_dense", "hunyuan_v1_moe", "nemotron", "stablelm", "bitnet",
-                  "granitemoe", "llama4_text")
+                  "granitemoe", "llama4_text", "jetmoe")
 # the mask function (transformers.masking_utils) of each layer type; another type is refused by name
 _MASKS = {"full_attention": "create_causal_mask", "sliding_attention": "create_sliding_window_causal_mask",
           "chunked_attention": "create_chunked_causal_mask",

@@ -195,6 +195,13 @@ def expert_data_parallel_plan(model: nn.Module, ep: int) -> Dict[str, str]:
     if refused:
         raise ConfigError(f"ep={ep}: {'; '.join(refused[:3])}", settings=("ep",))
     if not plan:
+        stacked = next(((n, m) for n, m in model.named_modules() if "expert" in type(m).__name__.lower()
+                        and any(p.dim() == 3 for p in m.parameters(recurse=False))), None)
+        if stacked is not None:  # a mixture of experts of a layout not known here (JetMoE's JetMoeParallelExperts)
+            raise ConfigError(f"ep={ep}: {stacked[0]} ({type(stacked[1]).__name__}) holds stacked 3-D expert weights "
+                              "of a layout expert parallelism does not place (it places transformers experts modules, "
+                              "litgpt MoE blocks and lightning_scale.nn.ExpertList); train it with ZeRO-3, pp or sp",
+                              settings=("ep",))
         raise ConfigError(f"ep={ep}: {type(model).__name__} has no transformers experts module (3-D expert weights), "
                           "litgpt MoE block nor lightning_scale.nn.ExpertList to place: expert parallelism needs a "
                           "mixture-of-experts model",

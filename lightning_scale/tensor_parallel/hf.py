@@ -196,8 +196,12 @@ def _own_experts(plan: Dict[str, str]) -> Dict[str, str]:
     return {k: v for k, v in plan.items() if v != "moe_tp_experts"}
 
 
-# model type -> why its declared tp plan cannot run split (refused by name instead of a shape error inside the forward)
-BROKEN_PLANS = {"doge": "its declared plan splits the key / value heads but leaves the dynamic mask (dt_proj's output "
+# model type -> why its declared tp plan cannot run split, or why no plan can (refused by name instead of a shape error
+# inside the forward, or a split that runs wrong)
+BROKEN_PLANS = {"jetmoe": "its attention is a mixture of attention heads (each expert's query and output "
+                          "projections stacked in a JetMoeParallelExperts, routed per token) and its MLP a mixture "
+                          "of experts of the same kind: no tensor-parallel layout splits them here",
+                "doge": "its declared plan splits the key / value heads but leaves the dynamic mask (dt_proj's output "
                         "and A: one value per key / value head) whole, so the mask does not match the local heads",
                 "codegen": "its fused qkv_proj is laid out in model-parallel blocks that its forward re-cuts by "
                            "a fixed count (mp_num = 4) whatever the rows a rank holds (split as declared, tp=2 losses "

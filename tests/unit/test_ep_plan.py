@@ -76,6 +76,12 @@ def test_the_plan_places_every_experts_module_and_refuses_what_it_cannot():
     with pytest.raises(ConfigError, match=r"^ep=2: transformer.blocks.0.ffn.experts: DbrxExperts keeps every expert "
                                           r"in 2-D w1 / v1 / w2 rows.*split every expert over tp instead"):
         expert_data_parallel_plan(F.build("dbrx", "eager"), 2)
+    # JetMoE's experts (attention and MLP) are stacked 3-D weights in a module of its own: named, not "no experts"
+    with pytest.raises(ConfigError, match=r"^ep=2: model.layers.0.mlp.input_linear \(JetMoeParallelExperts\) holds "
+                                          r"stacked 3-D expert weights of a layout expert parallelism does not place"):
+        expert_data_parallel_plan(F.build("jetmoe", "eager"), 2)
+    with pytest.raises(ConfigError, match=r"^ep=2: .*no transformers experts module"):  # a Mamba conv: not experts
+        expert_data_parallel_plan(F.build("bamba", "eager"), 2)
 
     class Block(nn.Module):  # litgpt's LLaMAMoE layout: a gate and an experts list of MLPs
         def __init__(self):

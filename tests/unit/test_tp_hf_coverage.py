@@ -21,7 +21,7 @@ FLOOR = 0.85
 # Granite 4 hybrid, were left whole until their B / C rows were replicated over tp, Jamba's Mamba-1 mixers until
 # style mamba1: 0.43 / 0.72 / 0.82 split at tp=2 before)
 WHOLE: dict = {}
-REFUSED = {"codegen": "mp_num = 4", "doge": "dynamic mask"}  # tensor_parallel.hf.BROKEN_PLANS
+REFUSED = {"codegen": "mp_num = 4", "doge": "dynamic mask", "jetmoe": "mixture of attention heads"}  # hf.BROKEN_PLANS
 
 
 def _split_share(model: nn.Module) -> float:
