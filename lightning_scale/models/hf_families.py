@@ -203,6 +203,18 @@ FAMILIES: Dict[str, Tuple[str, dict, str]] = {
                                                   mamba_n_groups=1, mamba_d_state=4, experts_implementation="eager",
                                                   layer_types=["mamba", "attention"] * 2),
                          "Granite 4 (MoE hybrid): Mamba-2 and attention layers, experts"),
+    "gemma4": ("gemma4_text", dict(num_key_value_heads=2, head_dim=8, global_head_dim=16, sliding_window=5,
+                                   hidden_size_per_layer_input=0, layer_types=["sliding_attention", "full_attention"] * 2),
+               "Gemma 4 (text): sliding / full layers of two head widths and rotary kinds, q / k / v norms"),
+    "gemma4_moe": ("gemma4_text", dict(num_key_value_heads=2, head_dim=8, global_head_dim=16, sliding_window=5,
+                                       hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=4,
+                                       top_k_experts=2, moe_intermediate_size=16, experts_implementation="eager",
+                                       layer_types=["sliding_attention", "full_attention"] * 2),
+                   "Gemma 4 MoE: a mixture of experts beside each layer's dense MLP"),
+    "gemma4_ple": ("gemma4_text", dict(num_key_value_heads=2, head_dim=8, global_head_dim=16, sliding_window=5,
+                                       vocab_size_per_layer_input=96, hidden_size_per_layer_input=8,
+                                       layer_types=["sliding_attention", "full_attention"] * 2),
+                   "Gemma 4 E2B / E4B: per-layer input embeddings (pp refused by name)"),
     "jetmoe": ("jetmoe", dict(num_key_value_heads=2, kv_channels=8, num_local_experts=4, num_experts_per_tok=2,
                               tie_word_embeddings=False),
                "JetMoE: mixture of attention heads (routed q / o experts) and MoE MLP"),
@@ -211,11 +223,15 @@ FAMILIES: Dict[str, Tuple[str, dict, str]] = {
 
 # families pp refuses by name -> what the refusal says (the matrix checks the refusal). None now: LFM2 and Falcon-H1
 # were ("declares no pipeline structure") until 2026-12-07; hf_pipeline._NAMED_STRUCTURE / _LAYER_MASKS run them
-NO_PP: Dict[str, str] = {}
+NO_PP: Dict[str, str] = {"gemma4_ple": "hidden_size_per_layer_input=8"}
 # families whose forward upcasts the logits to float32 (Nemotron-H): a float64 run's loss is a float32 number, so
 # another split of the batch or of the layers moves it by float32 rounding (one ulp of the loss: 4.8e-7 seen); the
 # matrix's tolerance for them
-FLOAT32_LOGITS_TOL = {"nemotron_h": 1e-6}
+FLOAT32_LOGITS_TOL = {"nemotron_h": 1e-6,
+                      # Gemma 4 casts its q / k / v projections and norms to float32 inside the layer: a data-parallel
+                      # split of the batch changes those gradients by float32 rounding (8.7e-8 relative in one
+                      # process: the full batch's against the mean of its halves), 1.6e-6 on the loss after 3 steps
+                      "gemma4": 5e-6, "gemma4_moe": 5e-6, "gemma4_ple": 5e-6}
 # families transformers runs with eager attention only (it refuses sdpa for them)
 NO_SDPA = ("gemma2", "gpt_oss", "vaultgemma")
 # families whose layers hold transformers experts modules (3-D expert weights): the matrix also runs them with the
@@ -223,7 +239,7 @@ NO_SDPA = ("gemma2", "gpt_oss", "vaultgemma")
 MOE = ("mixtral", "qwen2_moe", "deepseek_v3", "granitemoe", "qwen3_moe", "glm4_moe", "ernie4_5_moe", "gpt_oss",
        "olmoe", "phimoe", "hunyuan_v1_moe", "llama4", "qwen3_next", "deepseek_v2", "qwen3_5_moe", "cohere2_moe",
        "minimax_m2", "afmoe", "solar_open", "exaone_moe", "flex_olmo", "dots1", "glm4_moe_lite", "deepseek_v32",
-       "jamba", "granitemoehybrid")
+       "jamba", "granitemoehybrid", "gemma4_moe")
 
 
 def build(name: str, attn: str = "eager", dtype: torch.dtype = torch.float64, seed: int = 0,

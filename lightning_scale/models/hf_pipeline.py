@@ -50,8 +50,11 @@ from lightning_scale.pipeline.layers import register_layer_provider
 
 # Config attributes whose math sits in a forward this adapter does not run: refuse rather than be wrong.
 _UNSUPPORTED_CONFIG = ("embedding_multiplier", "logit_scale", "logits_scaling", "use_bidirectional_attention",
-                       "altup_num_inputs", "hidden_size_per_layer_input",
+                       "altup_num_inputs", "hidden_size_per_layer_input", "num_kv_shared_layers",
                        "alibi")  # Falcon's ALiBi: a per-head bias its base model adds onto the mask
+# ... whose neutral value is not 1: Gemma 3n / 4's per-layer input embeddings (made by the base model from the ids, one
+# slice per layer) and Gemma 4's key / value states shared from earlier layers (across stages under pp) are off at 0
+_NEUTRAL_AT_0 = ("hidden_size_per_layer_input", "num_kv_shared_layers")
 
 
 def is_hf_causal_lm(model: nn.Module) -> bool:
@@ -150,6 +153,9 @@ class HFDecoderLayer(nn.Module):
                               f"{', '.join(_MASKS)}); define pipeline_layers() on your LightningModule")
         self._rotary_by_type = rotary is not None and "layer_type" in inspect.signature(rotary.forward).parameters
         self.extra_masks = fixed  # keyword -> layer type, besides attention_mask
+        # Gemma 4's layers record their key / value states for later layers to share (none do: num_kv_shared_layers
+        # is 0, or the adapter refuses the model): a fresh record per call
+        self._records_kv = "shared_kv_states" in inspect.signature(layer.forward).parameters
 
     def _mask(self, h: torch.Tensor, padding: Optional[torch.Tensor], position_ids: torch.Tensor,
               layer_type: Optional[str] = None):
@@ -168,6 +174,8 @@ class HFDecoderLayer(nn.Module):
             pe = (self.rotary(h, position_ids, self.layer_type) if self._rotary_by_type
                   else self.rotary(h, position_ids))
             kwargs["position_embeddings"] = pe
+        if self._records_kv:
+            kwargs["shared_kv_states"] = {}
         out = self.layer(h, **kwargs)
         out = out[0] if isinstance(out, (tuple, list)) else out
         return _join_mask(out, padding)
@@ -314,7 +322,8 @@ def _structure(model: nn.Module):
     # `True in (1, 1.0)` holds in Python: a flag set to True (use_bidirectional_attention, Falcon's alibi) passed as
     # the neutral scale 1 and ran the adapter's causal math, silently; a flag is compared by identity
     bad = [a for a in _UNSUPPORTED_CONFIG if a not in applied and (
-        (v := getattr(config, a, None)) is True or (v is not False and v not in (None, 1, 1.0)))]
+        (v := getattr(config, a, None)) is True or (v is not False and v not in (
+            (None, 0) if a in _NEUTRAL_AT_0 else (None, 1, 1.0))))]
     if bad:
         raise ConfigError(f"pipeline: {family} uses config.{bad[0]}={getattr(config, bad[0])!r}, math in the "
                           f"model's forward that the built-in adapter does not run; {_hook_hint(model)}")

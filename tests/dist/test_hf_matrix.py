@@ -281,7 +281,7 @@ def run_matrix(families, timeout: float = 600.0, both_attn_everywhere: bool = Tr
 # and BitNet have the Llama layout, tensor_parallel.hf.LLAMA_LAYOUT_PLAN; BitNet's sub-layer norms 'rmsnorm_split')
 # Families whose declared plan cannot run split: refused by name (tensor_parallel.hf.BROKEN_PLANS)
 REFUSED: dict = {"doge": "dynamic mask", "codegen": "mp_num = 4", "jetmoe": "mixture of attention heads"}
-# Families pp refuses by name: hf_families.NO_PP (none now)
+# Families pp refuses by name: hf_families.NO_PP
 
 
 def _check(result):
