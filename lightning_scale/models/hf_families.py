@@ -215,6 +215,11 @@ FAMILIES: Dict[str, Tuple[str, dict, str]] = {
                                        vocab_size_per_layer_input=96, hidden_size_per_layer_input=8,
                                        layer_types=["sliding_attention", "full_attention"] * 2),
                    "Gemma 4 E2B / E4B: per-layer input embeddings (pp refused by name)"),
+    "mimo_v2_flash": ("mimo_v2_flash", dict(num_key_value_heads=2, head_dim=12, v_head_dim=8, sliding_window=5,
+                                             n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                             experts_implementation="eager", mlp_layer_types=["dense"] + ["sparse"] * 3,
+                                             layer_types=["sliding_attention", "full_attention"] * 2),
+                      "MiMo-V2-Flash: attention sinks, sliding / full layers, q / k wider than v, MoE"),
     "jetmoe": ("jetmoe", dict(num_key_value_heads=2, kv_channels=8, num_local_experts=4, num_experts_per_tok=2,
                               tie_word_embeddings=False),
                "JetMoE: mixture of attention heads (routed q / o experts) and MoE MLP"),
@@ -233,13 +238,13 @@ FLOAT32_LOGITS_TOL = {"nemotron_h": 1e-6,
                       # process: the full batch's against the mean of its halves), 1.6e-6 on the loss after 3 steps
                       "gemma4": 5e-6, "gemma4_moe": 5e-6, "gemma4_ple": 5e-6}
 # families transformers runs with eager attention only (it refuses sdpa for them)
-NO_SDPA = ("gemma2", "gpt_oss", "vaultgemma")
+NO_SDPA = ("gemma2", "gpt_oss", "vaultgemma", "mimo_v2_flash")
 # families whose layers hold transformers experts modules (3-D expert weights): the matrix also runs them with the
 # experts placed whole at tp=2 (expert_parallel); tests/unit/test_hf_pipeline.py checks the list against the models
 MOE = ("mixtral", "qwen2_moe", "deepseek_v3", "granitemoe", "qwen3_moe", "glm4_moe", "ernie4_5_moe", "gpt_oss",
        "olmoe", "phimoe", "hunyuan_v1_moe", "llama4", "qwen3_next", "deepseek_v2", "qwen3_5_moe", "cohere2_moe",
        "minimax_m2", "afmoe", "solar_open", "exaone_moe", "flex_olmo", "dots1", "glm4_moe_lite", "deepseek_v32",
-       "jamba", "granitemoehybrid", "gemma4_moe")
+       "jamba", "granitemoehybrid", "gemma4_moe", "mimo_v2_flash")
 
 
 def build(name: str, attn: str = "eager", dtype: torch.dtype = torch.float64, seed: int = 0,

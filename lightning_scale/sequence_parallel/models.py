@@ -307,10 +307,13 @@ def _hf_kv_repeat(heads: int, kv_heads: int, sp: int) -> int:
 
 
 class _LocalHeads:
-    """The attention module as the wrapped implementation sees it when key/value heads were repeated."""
+    """The attention module as the wrapped implementation sees it when key/value heads were repeated, or with its
+    attention sinks cut to this rank's heads (``sinks``: GPT-OSS's eager attention reads ``module.sinks``)."""
 
-    def __init__(self, module: nn.Module, groups: int) -> None:
+    def __init__(self, module: nn.Module, groups: int, sinks: Optional[torch.Tensor] = None) -> None:
         self._module, self.num_key_value_groups = module, groups
+        if sinks is not None:
+            self.sinks = sinks
 
     def __getattr__(self, name: str):
         return getattr(self._module, name)
@@ -400,6 +403,16 @@ def _hf_attention(module, query, key, value, attention_mask, *, inner, eager: bo
     if repeat > 1:
         key, value = repeat_kv(key, repeat), repeat_kv(value, repeat)
         seen = _LocalHeads(module, module.num_key_value_groups // repeat)
+    # attention sinks (GPT-OSS, MiMo-V2-Flash: one logit per query head, read from the module or passed as s_aux): this
+    # rank's heads' after the exchange (their gradients summed over sp by the data-parallel reduction, as every
+    # parameter's under sp)
+    n, r = C.group_size(group), C.group_rank(group)
+    sinks = kwargs.get("s_aux")
+    if isinstance(sinks, torch.Tensor) and sinks.dim() >= 1 and sinks.shape[0] == query.shape[1]:
+        kwargs = dict(kwargs, s_aux=sinks.chunk(n)[r])
+    own = getattr(module, "sinks", None)
+    if isinstance(own, torch.Tensor) and own.dim() >= 1 and own.shape[0] == query.shape[1]:
+        seen = _LocalHeads(module, getattr(seen, "num_key_value_groups", None), sinks=own.chunk(n)[r])
     query, = heads_to_sequence((query,), group)  # (B, H/sp, L, D)
     key, value = heads_to_sequence((key, value), group)
     mask = attention_mask  # None, or the whole sequence's (B, 1, L, L) mask built before the first layer

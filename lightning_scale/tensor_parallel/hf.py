@@ -187,6 +187,25 @@ def _built_in_plan(model: nn.Module, prefix: str, layout: Dict[str, str]) -> Dic
     return _untie_head(plan, model)
 
 
+def _local_params(plan: Dict[str, str], model: nn.Module) -> Dict[str, str]:
+    """transformers' ``local_params`` on a module whose own parameters the plan then names ``colwise`` (MiMo-V2-Flash:
+    ``self_attn`` and ``self_attn.sinks``, one sink per head): the module gets style ``head_params`` (its per-head
+    parameters cut by heads, :mod:`~lightning_scale.tensor_parallel.head_params`) and the parameter entries, which
+    name no module, go. Any other ``local_params`` stays, refused by name with the styles not implemented here."""
+    out = dict(plan)
+    modules = dict(model.named_modules())
+    for key, style in plan.items():
+        if style != "local_params":
+            continue
+        leaves = {k[len(key) + 1:] for k in plan if k.startswith(key + ".") and "." not in k[len(key) + 1:]}
+        own = {leaf for leaf in leaves if any(_matches(key, n) and leaf in m._parameters for n, m in modules.items())}
+        if own:
+            out[key] = "head_params"
+            for leaf in own:
+                out.pop(f"{key}.{leaf}", None)
+    return out
+
+
 def _own_experts(plan: Dict[str, str]) -> Dict[str, str]:
     """A declared plan without transformers' ``moe_tp_experts`` entries (Llama 4's experts module: every expert's
     width split, the output all-reduced): the built-in plan gives each experts module tp can split this package's
@@ -232,9 +251,11 @@ def hf_plan(model: nn.Module) -> Dict[str, str]:
         if model.config.model_type == "dbrx":  # its class names the head only
             return _built_in_plan(model, prefix, DBRX_PLAN)
     if declared:
-        return _untie_head({k: hf_style(v, k) for k, v in _own_experts(dict(declared)).items()}, model)
+        declared = _local_params(_own_experts(dict(declared)), model)
+        return _untie_head({k: hf_style(v, k) for k, v in declared.items()}, model)
     if base:
-        return _untie_head({prefix + k: hf_style(v, k) for k, v in _own_experts(base).items()}, model)
+        base = _local_params({prefix + k: v for k, v in _own_experts(base).items()}, model)
+        return _untie_head({k: hf_style(v, k) for k, v in base.items()}, model)
     raise ConfigError(f"tensor.plan: {type(model).__name__} declares no tp_plan (base_model_tp_plan); "
                       f"pass plan={{pattern: style}}")
 

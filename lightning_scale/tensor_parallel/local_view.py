@@ -62,7 +62,7 @@ def local_on_meta(model: nn.Module, plan: Optional[Dict[str, object]], tp: int, 
             model.set_submodule(act.name, nn.Embedding(act.weight_spec.local_size, emb.embedding_dim, device="meta"))
         elif act.style.kind == "mamba":
             mamba.localize(act.module, act.param_specs, tp, 0)
-        elif act.style.kind in ("experts", "expert_parallel", "expert_data_parallel", "norm_split"):
+        elif act.style.kind in ("experts", "expert_parallel", "expert_data_parallel", "norm_split", "head_params"):
             for pname, spec in act.param_specs.items():
                 owner_name, _, leaf = pname.rpartition(".")
                 experts.keep_local(act.module.get_submodule(owner_name) if owner_name else act.module, leaf, spec, 0)

@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 
 from lightning_scale.config import ConfigError
-from lightning_scale.tensor_parallel import deltanet, expert_lists, experts, mamba, mla, norms
+from lightning_scale.tensor_parallel import deltanet, expert_lists, experts, head_params, mamba, mla, norms
 from lightning_scale.tensor_parallel import expert_parallel as expert_parallel_style
 from lightning_scale.tensor_parallel.hf import default_plan, is_hf_model
 from lightning_scale.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
@@ -138,6 +138,8 @@ def _check_module(name: str, module: nn.Module, style: Style) -> None:
         raise ConfigError(f"tensor.plan: {name!r} is already tensor-parallel (plan applied twice?)")
     if style.kind == "norm_split" and (why := norms.unsupported(module)) is not None:
         raise ConfigError(f"tensor.plan: style {style.name!r} on {name!r}: {why}")
+    if style.kind == "head_params" and (why := head_params.unsupported(module)) is not None:
+        raise ConfigError(f"tensor.plan: style {style.name!r} on {name!r}: {why}")
     if style.kind == "mla_kv_a" and not isinstance(module, nn.Linear):
         raise ConfigError(f"tensor.plan: style {style.name!r} needs nn.Linear; {name!r} is {type(module).__name__}")
     if style.kind == "mamba" and (why := mamba.unsupported(module, 1, style.name)) is not None:
@@ -219,6 +221,9 @@ def _resolve(name: str, module: nn.Module, style: Style, parent: Optional[nn.Mod
         if style.kind == "norm_split":
             specs = norms.norm_specs(name, module, tp)
             return Action(name, module, style, specs["weight"], specs)
+        if style.kind == "head_params":
+            specs = head_params.head_specs(name, module, tp)
+            return Action(name, module, style, next(iter(specs.values()), None), specs)
         if style.kind == "mla_kv_a":
             mla.rope_width(name, module, parent)  # checked now: a missing width is a ConfigError before anything moves
         if not style.shards_linear:

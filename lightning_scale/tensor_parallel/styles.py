@@ -46,6 +46,9 @@ style                           effect
 ``rmsnorm_split``               an RMSNorm between a column- and a row-parallel layer (BitNet's sub-layer norms):
                                 its weight cut along the features, the mean square summed over tp
                                 (:mod:`~lightning_scale.tensor_parallel.norms`)
+``head_params``                 an attention module's own per-head parameters (MiMo-V2-Flash's attention sinks) cut by
+                                heads over tp, beside its split projections (transformers' ``local_params`` on the
+                                module with its parameter ``colwise``; :mod:`~lightning_scale.tensor_parallel.head_params`)
 ``replicate``                   nothing (documents that the module stays whole)
 ``replicated_with_grad_allreduce``  stays whole, but sits on split activations (per-head q/k norms after a
                                 ``colwise`` q/k projection see only this rank's heads): its gradient is
@@ -108,6 +111,7 @@ _STYLES = {
     "sequence_gather": Style("sequence_gather"),
     "mla_kv_a_proj": Style("mla_kv_a"),
     "rmsnorm_split": Style("norm_split"),
+    "head_params": Style("head_params"),
     "replicate": Style("replicate"),
     "replicated_with_grad_allreduce": Style("grad_allreduce"),
     "sequence_parallel": Style("replicate"),
