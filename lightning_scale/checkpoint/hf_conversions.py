@@ -9,8 +9,10 @@ transformers itself (``get_model_conversion_mapping(model)``), so a family it co
 
 :func:`conversions_for` keeps the parts a region read can follow: renamings with literal patterns
 (``.block_sparse_moe.`` -> ``.mlp.``) and converters made of ``MergeModulelist(dim=0)`` optionally followed by
-``Concatenate(dim=d)``. :class:`FusedTensor` is such a model tensor seen through its sources: a region of it (a tp
-slice of every expert, a ZeRO-3 flat shard's rows) reads only the matching rows of the matching experts' tensors.
+``Concatenate(dim=d)``, or of a ``Concatenate(dim=d)`` of several file tensors alone (Kimi Linear's ``q_conv1d`` /
+``k_conv1d`` / ``v_conv1d`` into its ``conv1d``); patterns written as escaped literals (``\\.experts.*.w1.weight``) are
+followed as the literals they are. :class:`FusedTensor` is such a model tensor seen through its sources: a region of
+it (a tp slice of every expert, a ZeRO-3 flat shard's rows) reads only the matching rows of the matching tensors.
 Other conversions (permutations, splits, dequantization) are not followed: those keys stay unresolved and the
 usual ``no tensor for ...`` error names them.
 """
@@ -39,8 +41,9 @@ def _literal(pattern: str) -> Optional[Tuple[str, bool]]:
 @dataclass(frozen=True)
 class Conversions:
     renames: Tuple[Tuple[str, str, bool], ...] = ()  # (file literal, model literal, anchored at the key's start)
-    # (model key suffix, file key suffixes with '*' = the expert index, concatenation dim of the stacked tensors)
-    fused: Tuple[Tuple[str, Tuple[str, ...], Optional[int]], ...] = ()
+    # (model key suffix, file key suffixes with '*' = the expert index, concatenation dim of the stacked tensors,
+    # stacked over experts: False for a plain concatenation of single file tensors)
+    fused: Tuple[Tuple[str, Tuple[str, ...], Optional[int], bool], ...] = ()
 
     def __bool__(self) -> bool:
         return bool(self.renames or self.fused)
@@ -68,15 +71,21 @@ def conversions_for(model: Any) -> Optional[Conversions]:
             if file_lit is not None and model_lit is not None:
                 renames.append((file_lit[0], model_lit[0], file_lit[1]))
             continue
-        if any(_REGEX.search(p) for p in src + dst):
+        literal = [_literal(p) for p in src + dst]  # escaped literals (Kimi Linear's "\\.experts.*.w1.weight")
+        if any(lit is None or lit[1] for lit in literal):
+            continue
+        src, dst = [lit[0] for lit in literal[:len(src)]], [lit[0] for lit in literal[len(src):]]
+        if (len(dst) == 1 and len(src) > 1 and len(ops) == 1 and isinstance(ops[0], cm.Concatenate)
+                and not any("*" in p for p in src + dst)):  # single file tensors concatenated
+            fused.append((dst[0], tuple(src), int(ops[0].dim), False))
             continue
         if (len(dst) != 1 or not ops or not isinstance(ops[0], cm.MergeModulelist) or ops[0].dim != 0
                 or not all("*" in s for s in src)):
             continue
         if len(ops) == 1 and len(src) == 1:
-            fused.append((dst[0], tuple(src), None))
+            fused.append((dst[0], tuple(src), None, True))
         elif len(ops) == 2 and isinstance(ops[1], cm.Concatenate):
-            fused.append((dst[0], tuple(src), int(ops[1].dim)))
+            fused.append((dst[0], tuple(src), int(ops[1].dim), True))
     return Conversions(tuple(renames), tuple(fused)) or None
 
 
@@ -94,14 +103,20 @@ def renamed(key: str, conversions: Optional[Conversions]) -> List[str]:
 @dataclass
 class FusedTensor:
     """A model tensor made of the file tensors ``parts[p][e]`` (source pattern p, expert e): stacked over the experts
-    (dim 0), the parts concatenated along ``cat_dim`` (None: one part)."""
+    (dim 0), the parts concatenated along ``cat_dim`` (None: one part). ``stacked=False``: one file tensor per part,
+    concatenated along ``cat_dim`` of their own dims (no expert dim)."""
 
     parts: List[List[str]]
     part_shapes: List[Tuple[int, ...]]  # one file tensor's shape per part
     cat_dim: Optional[int]
+    stacked: bool = True
 
     @property
     def shape(self) -> Tuple[int, ...]:
+        if not self.stacked:
+            first = self.part_shapes[0]
+            return tuple(sum(s[self.cat_dim] for s in self.part_shapes) if d == self.cat_dim else n
+                         for d, n in enumerate(first))
         first = (len(self.parts[0]),) + self.part_shapes[0]
         if self.cat_dim is None:
             return first
@@ -116,6 +131,18 @@ class FusedTensor:
         one file tensor."""
         out = torch.empty(tuple(sizes), dtype=dtype)
         cat = self.cat_dim
+        if not self.stacked:  # one tensor per part along cat: each part's overlap with the region
+            start = 0
+            for names, shape in zip(self.parts, self.part_shapes):
+                lo, hi = max(offsets[cat], start), min(offsets[cat] + sizes[cat], start + shape[cat])
+                if lo < hi:
+                    off, size = list(offsets), list(sizes)
+                    off[cat], size[cat] = lo - start, hi - lo
+                    dst = [slice(None)] * len(sizes)
+                    dst[cat] = slice(lo - offsets[cat], hi - offsets[cat])
+                    out[tuple(dst)] = read(names[0], off, size).to(dtype)
+                start += shape[cat]
+            return out
         for e in range(offsets[0], offsets[0] + sizes[0]):
             start = 0  # where the current part begins along the concatenation dim
             for p, names in enumerate(self.parts):
@@ -136,10 +163,19 @@ class FusedTensor:
 def fuse(key: str, conversions: Optional[Conversions], find: Callable[[str], Optional[str]],
          shape_of: Callable[[str], Tuple[int, ...]]) -> Optional[FusedTensor]:
     """``key`` as a fused tensor of the files (``find``: a file name for a candidate name, or None), or None."""
-    for suffix, patterns, cat in (conversions.fused if conversions else ()):
+    for suffix, patterns, cat, stacked in (conversions.fused if conversions else ()):
         if not key.endswith(suffix):
             continue
         base = key[: len(key) - len(suffix)]
+        if not stacked:  # single file tensors concatenated along cat
+            names = [find(base + pattern) for pattern in patterns]
+            if any(n is None for n in names):
+                continue
+            shapes = [shape_of(n) for n in names]
+            if any(len(s) != len(shapes[0]) or s[:cat] + s[cat + 1:] != shapes[0][:cat] + shapes[0][cat + 1:]
+                   for s in shapes):
+                continue
+            return FusedTensor([[n] for n in names], shapes, cat, stacked=False)
         parts = []
         for pattern in patterns:
             names, e = [], 0

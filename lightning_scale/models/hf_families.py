@@ -182,6 +182,13 @@ FAMILIES: Dict[str, Tuple[str, dict, str]] = {
                                         index_n_heads=2, index_head_dim=16, index_topk=8,
                                         mlp_layer_types=["dense"] + ["sparse"] * 3, experts_implementation="eager"),
                     "GLM-5 (GLM-MoE-DSA): multi-head latent attention with the sparse-attention indexer, MoE"),
+    "kimi_linear": ("kimi_linear", dict(num_key_value_heads=4, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                        kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+                                        num_experts=4, num_experts_per_token=2, moe_intermediate_size=16,
+                                        linear_head_dim=8, linear_num_heads=4, experts_implementation="eager",
+                                        layer_types=["linear_attention", "full_attention"] * 2,
+                                        mlp_layer_types=["dense"] + ["sparse"] * 3),
+                    "Kimi Linear: Kimi delta attention (linear, a state per head) and latent attention, MoE"),
     "jamba": ("jamba", dict(num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
                             attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
                             mamba_d_state=4, mamba_expand=2, use_mamba_kernels=False, experts_implementation="eager"),
@@ -250,7 +257,7 @@ NO_SDPA = ("gemma2", "gpt_oss", "vaultgemma", "mimo_v2_flash")
 MOE = ("mixtral", "qwen2_moe", "deepseek_v3", "granitemoe", "qwen3_moe", "glm4_moe", "ernie4_5_moe", "gpt_oss",
        "olmoe", "phimoe", "hunyuan_v1_moe", "llama4", "qwen3_next", "deepseek_v2", "qwen3_5_moe", "cohere2_moe",
        "minimax_m2", "afmoe", "solar_open", "exaone_moe", "flex_olmo", "dots1", "glm4_moe_lite", "deepseek_v32",
-       "jamba", "granitemoehybrid", "gemma4_moe", "mimo_v2_flash", "glm_moe_dsa")
+       "jamba", "granitemoehybrid", "gemma4_moe", "mimo_v2_flash", "glm_moe_dsa", "kimi_linear")
 
 
 def build(name: str, attn: str = "eager", dtype: torch.dtype = torch.float64, seed: int = 0,

@@ -233,3 +233,31 @@ def test_every_family_from_pretrained_in_the_strategies_context_gives_the_saved_
         if diff != 0:
             bad[name] = diff
     assert not bad, bad
+
+
+def test_concatenated_file_tensors_are_read_by_region(tmp_path):
+    """Kimi Linear keeps ``q_conv1d`` / ``k_conv1d`` / ``v_conv1d`` in its files and ``conv1d`` (their concatenation
+    along dim 0) in the model, and writes its experts' names as escaped literals (``\\.experts.*.w1.weight``): both
+    were unresolved ("no tensor for ...") under ZeRO-3 / tp / pp. Every region of the fused tensors (a tp slice
+    crossing the parts, a flat shard's rows) equals the model's own tensor's."""
+    pytest.importorskip("transformers")
+    from lightning_scale.checkpoint.hf import Chunk, HFCheckpoint
+    from lightning_scale.checkpoint.hf_conversions import conversions_for
+    from lightning_scale.models import hf_families as F
+
+    model = F.build("kimi_linear", "eager", dtype=torch.float32)
+    model.save_pretrained(tmp_path)
+    conv = conversions_for(model)
+    assert any(not stacked for _, _, _, stacked in conv.fused), conv.fused  # the conv concatenation is followed
+    source = HFCheckpoint(str(tmp_path), conversions=conv)
+    state = model.state_dict()
+    for key in ("model.layers.0.self_attn.conv1d.weight", "model.layers.1.mlp.experts.gate_up_proj",
+                "model.layers.1.mlp.experts.down_proj"):
+        name = source.resolve(key)
+        assert name is not None, key
+        whole = state[key]
+        assert tuple(source.shape(name)) == tuple(whole.shape)
+        assert torch.equal(source.read(name), whole), key
+        if key.endswith("conv1d.weight"):  # rows 20..52 of 96: across q | k | v
+            got = source.read_chunk(name, Chunk(offsets=(20, 0, 1), sizes=(32, 1, 2)))
+            assert torch.equal(got, whole[20:52, :, 1:3])
