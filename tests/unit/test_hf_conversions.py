@@ -46,8 +46,9 @@ def test_mixtral_mapping_is_transformers_own(saved):
 
     conv = conversions_for(saved["mixtral"][0])
     assert (".block_sparse_moe.", ".mlp.", False) in conv.renames
-    assert (".experts.gate_up_proj", (".experts.*.w1.weight", ".experts.*.w3.weight"), 1) in conv.fused
-    assert (".experts.down_proj", (".experts.*.w2.weight",), None) in conv.fused
+    # (model suffix, file suffixes, concatenation dim, stacked over the experts)
+    assert (".experts.gate_up_proj", (".experts.*.w1.weight", ".experts.*.w3.weight"), 1, True) in conv.fused
+    assert (".experts.down_proj", (".experts.*.w2.weight",), None, True) in conv.fused
     assert conversions_for(torch.nn.Linear(2, 2)) is None
 
 
