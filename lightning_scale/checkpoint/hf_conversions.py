@@ -90,13 +90,26 @@ def conversions_for(model: Any) -> Optional[Conversions]:
 
 
 def renamed(key: str, conversions: Optional[Conversions]) -> List[str]:
-    """File names ``key`` may have under the renamings (the key itself first)."""
+    """File names ``key`` may have under the renamings (the key itself first). transformers applies its renamings to a
+    file key one after another, each to the previous one's result (``apply_renamings``), so a model key is undone in
+    the reverse order: DeepSeek-V4's ``attn.wq_b`` becomes ``self_attn.wq_b`` (``.attn.`` -> ``.self_attn.``), then
+    ``self_attn.q_b_proj`` (``.self_attn.wq_b.`` -> ``.self_attn.q_b_proj.``); undone in the forward order,
+    ``self_attn.q_b_proj`` never reached ``attn.wq_b`` and its pretrained read failed with "no tensor for". A renaming
+    replaces its first match only, so each occurrence of the model's literal is undone alone too (Hunyuan 4's
+    ``.hc_pre.hc_`` -> ``.hc_`` made ``hc_pre.hc_attn_layer.hc_fn`` ``hc_attn_layer.hc_fn``: undoing every ``.hc_``
+    of the latter gave ``hc_pre.hc_attn_layer.hc_pre.hc_fn``)."""
     out = [key]
-    for file_lit, model_lit, anchored in (conversions.renames if conversions else ()):
+    for file_lit, model_lit, anchored in reversed(conversions.renames if conversions else ()):
         if anchored:
             out += [file_lit + k[len(model_lit):] for k in out if k.startswith(model_lit)]
-        else:
-            out += [k.replace(model_lit, file_lit) for k in out if model_lit in k]
+            continue
+        found = []
+        for k in out:
+            starts = [m.start() for m in re.finditer(re.escape(model_lit), k)]
+            found += [k[:i] + file_lit + k[i + len(model_lit):] for i in starts]
+            if len(starts) > 1:
+                found.append(k.replace(model_lit, file_lit))
+        out += [k for k in dict.fromkeys(found) if k not in out]
     return out
 
 

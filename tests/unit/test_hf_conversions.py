@@ -105,3 +105,18 @@ def test_load_pretrained_fills_a_built_moe(saved):
         P.load_pretrained(fresh, directory)
         for key, t in model.state_dict().items():
             assert torch.equal(fresh.state_dict()[key], t), (family, key)
+
+
+def test_renamings_are_undone_in_reverse_order_and_one_occurrence_at_a_time():
+    """transformers renames a file key by each renaming in turn, every one replacing its first match. DeepSeek-V4's
+    ``attn.wq_b`` -> ``self_attn.wq_b`` -> ``self_attn.q_b_proj`` is undone last renaming first; Hunyuan 4's
+    ``.hc_pre.hc_`` -> ``.hc_`` then ``.hc_attn_layer.hc_fn`` -> ``.attn_hc.fn``: undoing every ``.hc_`` of
+    ``hc_attn_layer.hc_fn`` would add ``hc_pre`` twice."""
+    from lightning_scale.checkpoint.hf_conversions import Conversions, renamed
+
+    v4 = Conversions(renames=((".attn.", ".self_attn.", False), (".self_attn.wq_b.", ".self_attn.q_b_proj.", False)))
+    assert "model.layers.0.attn.wq_b.weight" in renamed("model.layers.0.self_attn.q_b_proj.weight", v4)
+    hy = Conversions(renames=((".hc_pre.hc_", ".hc_", False), (".hc_attn_layer.hc_fn", ".attn_hc.fn", False)))
+    names = renamed("model.layers.0.attn_hc.fn", hy)
+    assert "model.layers.0.hc_pre.hc_attn_layer.hc_fn" in names
+    assert names[0] == "model.layers.0.attn_hc.fn"  # the key itself first
