@@ -173,12 +173,19 @@ def materialize_(root: nn.Module, device: torch.device, keep: Callable[[str, nn.
             if not has_meta(m):
                 buffers_to_(m, device)  # computed at construction (parameters_on_meta): they follow the parameters
                 continue
+            # its buffers computed at construction (parameters_on_meta), as the model holds them now: a value set after
+            # construction (DeepSeek-V4's hash-routing table tid2eid, filled by the caller) is the model's, and the
+            # module's init below would write its construction value again (zeros: every token to expert 0)
+            built = {k: b.clone() for k, b in m._buffers.items() if b is not None and not b.is_meta}
             total += allocate_(m, device)
             if reader is not None and reader.covers(f"{name}." if name else ""):
                 reader.fill_module_(name, m, owners)
                 reader.release()  # the file pages mapped for this module are let go
             else:
                 init_one(name, m, owners)
+                for k, b in built.items():
+                    if m._buffers.get(k) is not None:
+                        m._buffers[k].copy_(b)
     finally:
         if reader is not None:
             reader.release()

@@ -233,6 +233,44 @@ FAMILIES: Dict[str, Tuple[str, dict, str]] = {
                                              experts_implementation="eager", mlp_layer_types=["dense"] + ["sparse"] * 3,
                                              layer_types=["sliding_attention", "full_attention"] * 2),
                       "MiMo-V2-Flash: attention sinks, sliding / full layers, q / k wider than v, MoE"),
+    "deepseek_v4": ("deepseek_v4", dict(num_key_value_heads=1, head_dim=16, qk_rope_head_dim=8, q_lora_rank=16,
+                                        o_groups=2, o_lora_rank=16, n_routed_experts=4, num_experts_per_tok=2,
+                                        intermediate_size=16, hc_mult=2, hc_sinkhorn_iters=4, index_n_heads=2,
+                                        index_head_dim=16, index_topk=4, sliding_window=4, pad_token_id=0,
+                                        experts_implementation="eager",
+                                        compress_rates=dict(compressed_sparse_attention=2,
+                                                            heavily_compressed_attention=4),
+                                        layer_types=["heavily_compressed_attention",
+                                                     "compressed_sparse_attention"] * 2,
+                                        mlp_layer_types=["hash_moe", "moe", "moe", "moe"]),
+                    "DeepSeek-V4: hyper-connections (2 residual streams), compressed / sparse attention, hash-routed "
+                    "and routed experts"),
+    "mamba": ("mamba", dict(state_size=4, expand=2, time_step_rank=4, pad_token_id=0, residual_in_fp32=False),
+              "Mamba (Mamba-1 blocks only, no attention; the residual kept in the model's dtype here, float64: its "
+              "releases keep it in float32)"),
+    "olmo_hybrid": ("olmo_hybrid", dict(num_key_value_heads=2, pad_token_id=0, linear_num_key_heads=4,
+                                        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=16,
+                                        layer_types=["linear_attention", "full_attention"] * 2),
+                    "OLMo hybrid: gated DeltaNet and attention layers"),
+    "lfm3": ("lfm3", dict(num_key_value_heads=2, head_dim=8, sliding_window=5, pad_token_id=0,
+                          layer_types=["conv", "full_attention", "conv", "sliding_attention"]),
+             "LFM3: short convolutions, full and sliding-window attention layers"),
+    "laguna": ("laguna", dict(num_key_value_heads=2, head_dim=8, sliding_window=5, num_experts=4,
+                              num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16,
+                              num_attention_heads_per_layer=[4, 2, 4, 2], pad_token_id=0,
+                              experts_implementation="eager", mlp_layer_types=["dense"] + ["sparse"] * 3,
+                              layer_types=["full_attention", "sliding_attention"] * 2),
+               "Laguna: query heads per layer, sliding / full layers, MoE"),
+    "minicpm5_moe": ("minicpm5_moe", dict(num_key_value_heads=2, head_dim=8, n_routed_experts=4, num_experts_per_tok=2,
+                                          moe_intermediate_size=16, pad_token_id=0, experts_implementation="eager",
+                                          mlp_layer_types=["dense"] + ["sparse"] * 3),
+                     "MiniCPM 5 MoE"),
+    "hy_v4": ("hy_v4", dict(num_key_value_heads=4, head_dim=8, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+                            qk_rope_head_dim=8, v_head_dim=8, qk_head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
+                            moe_intermediate_size=16, index_n_heads=2, index_head_dim=16, index_topk=8, pad_token_id=0,
+                            experts_implementation="eager", mlp_layer_types=["dense"] + ["sparse"] * 3,
+                            layer_types=["indexed_attention"] * 4),
+              "Hunyuan 4: latent attention with the sparse-attention indexer, MoE"),
     "jetmoe": ("jetmoe", dict(num_key_value_heads=2, kv_channels=8, num_local_experts=4, num_experts_per_tok=2,
                               tie_word_embeddings=False),
                "JetMoE: mixture of attention heads (routed q / o experts) and MoE MLP"),
@@ -241,7 +279,10 @@ FAMILIES: Dict[str, Tuple[str, dict, str]] = {
 
 # families pp refuses by name -> what the refusal says (the matrix checks the refusal). None now: LFM2 and Falcon-H1
 # were ("declares no pipeline structure") until 2026-12-07; hf_pipeline._NAMED_STRUCTURE / _LAYER_MASKS run them
-NO_PP: Dict[str, str] = {"gemma4_ple": "hidden_size_per_layer_input=8"}
+NO_PP: Dict[str, str] = {"gemma4_ple": "hidden_size_per_layer_input=8",
+                         # Hunyuan 4: hyper-connection streams, and each layer hands its indexer's top-k picks to the
+                         # next (prev_topk_indices): refused by name (DeepSeek-V4's streams are carried)
+                         "hy_v4": "hc_mult=4"}
 # families whose forward upcasts the logits to float32 (Nemotron-H): a float64 run's loss is a float32 number, so
 # another split of the batch or of the layers moves it by float32 rounding (one ulp of the loss: 4.8e-7 seen); the
 # matrix's tolerance for them
@@ -249,15 +290,21 @@ FLOAT32_LOGITS_TOL = {"nemotron_h": 1e-6,
                       # Gemma 4 casts its q / k / v projections and norms to float32 inside the layer: a data-parallel
                       # split of the batch changes those gradients by float32 rounding (8.7e-8 relative in one
                       # process: the full batch's against the mean of its halves), 1.6e-6 on the loss after 3 steps
-                      "gemma4": 5e-6, "gemma4_moe": 5e-6, "gemma4_ple": 5e-6}
+                      "gemma4": 5e-6, "gemma4_moe": 5e-6, "gemma4_ple": 5e-6,
+                      # Mamba: its selective scan (transformers' reference path) runs in float32 (A_log.float(), dt.float()
+                      # ...) and its logits are float32 (as Nemotron-H's): 4.8e-7 on the loss after 3 steps at dp2
+                      "mamba": 2e-6,
+                      # Hunyuan 4 adds each layer's residual streams in float32 (post.float() * ... + residual.float(),
+                      # then back to the model's dtype): 4.8e-7 on the loss at dp2
+                      "hy_v4": 2e-6}
 # families transformers runs with eager attention only (it refuses sdpa for them)
-NO_SDPA = ("gemma2", "gpt_oss", "vaultgemma", "mimo_v2_flash")
+NO_SDPA = ("gemma2", "gpt_oss", "vaultgemma", "mimo_v2_flash", "deepseek_v4", "hy_v4", "mamba")
 # families whose layers hold transformers experts modules (3-D expert weights): the matrix also runs them with the
 # experts placed whole at tp=2 (expert_parallel); tests/unit/test_hf_pipeline.py checks the list against the models
 MOE = ("mixtral", "qwen2_moe", "deepseek_v3", "granitemoe", "qwen3_moe", "glm4_moe", "ernie4_5_moe", "gpt_oss",
        "olmoe", "phimoe", "hunyuan_v1_moe", "llama4", "qwen3_next", "deepseek_v2", "qwen3_5_moe", "cohere2_moe",
        "minimax_m2", "afmoe", "solar_open", "exaone_moe", "flex_olmo", "dots1", "glm4_moe_lite", "deepseek_v32",
-       "jamba", "granitemoehybrid", "gemma4_moe", "mimo_v2_flash", "glm_moe_dsa", "kimi_linear")
+       "jamba", "granitemoehybrid", "gemma4_moe", "mimo_v2_flash", "glm_moe_dsa", "kimi_linear", "deepseek_v4", "laguna", "minicpm5_moe", "hy_v4")
 
 
 def build(name: str, attn: str = "eager", dtype: torch.dtype = torch.float64, seed: int = 0,
@@ -280,7 +327,22 @@ def build(name: str, attn: str = "eager", dtype: torch.dtype = torch.float64, se
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     if model_type == "gpt_neox":
         model.config.use_parallel_residual = True
+    _fill_hash_tables(model, seed)
     return model.eval()  # dropout off: the matrix compares exact numerics
+
+
+@torch.no_grad()
+def _fill_hash_tables(model: nn.Module, seed: int) -> None:
+    """DeepSeek-V4's hash-routed layers pick each token's experts from a fixed table (``tid2eid``, a buffer its
+    checkpoints ship); the fresh model's is all zeros (every token to expert 0, twice). A seeded table of distinct
+    experts per token instead, so the matrix routes tokens to every expert as a released model does."""
+    g = torch.Generator().manual_seed(seed)
+    for module in model.modules():
+        table = getattr(module, "tid2eid", None)
+        if isinstance(table, torch.Tensor):
+            experts = getattr(module, "num_experts", None) or int(table.max()) + 1
+            rows = [torch.randperm(experts, generator=g)[: table.shape[1]] for _ in range(table.shape[0])]
+            table.copy_(torch.stack(rows))
 
 
 def batch(n: int, seq: int, seed: int) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -51,6 +51,7 @@ from lightning_scale.pipeline.layers import register_layer_provider
 # Config attributes whose math sits in a forward this adapter does not run: refuse rather than be wrong.
 _UNSUPPORTED_CONFIG = ("embedding_multiplier", "logit_scale", "logits_scaling", "use_bidirectional_attention",
                        "altup_num_inputs", "hidden_size_per_layer_input", "num_kv_shared_layers",
+                       "hc_mult",  # hyper-connection streams: carried for the families of _STREAMS only
                        "alibi")  # Falcon's ALiBi: a per-head bias its base model adds onto the mask
 # ... whose neutral value is not 1: Gemma 3n / 4's per-layer input embeddings (made by the base model from the ids, one
 # slice per layer) and Gemma 4's key / value states shared from earlier layers (across stages under pp) are off at 0
@@ -83,14 +84,61 @@ def _join_mask(h: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
     return torch.cat([h, mask.to(h.dtype).unsqueeze(-1)], dim=-1)  # (B, T, C + 1)
 
 
+_ID_DIGITS = 3  # token ids as base-256 digits: each exact in bfloat16 / float16 (integers to 256 / 2048), ids < 2**24
+
+
+class _Carry:
+    """What travels between the stages of a family whose residual is several streams or whose layers read the token
+    ids (DeepSeek-V4: ``hc_mult`` hyper-connection streams ``(B, T, hc, C)`` between layers, hash-routed experts that
+    pick by token id): the streams flattened ``(B, T, hc * C)``, then the ids as three base-256 digit channels (exact
+    in any float dtype, so a bfloat16 / float16 activation carries them unchanged), then the padding mask channel
+    (:func:`_join_mask`). One stream and no ids: the plain ``(B, T, C [+1])``."""
+
+    def __init__(self, width: int, streams: int = 1, ids: bool = False) -> None:
+        self.width, self.streams, self.ids = width, streams, ids
+
+    @property
+    def channels(self) -> int:
+        return self.width * self.streams + (_ID_DIGITS if self.ids else 0)
+
+    def split(self, x: torch.Tensor, has_mask: Optional[bool]
+              ) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """(B, T, channels [+1]) -> hidden (B, T, C) or streams (B, T, hc, C), ids (B, T) or None, mask or None."""
+        x, mask = _split_mask(x, has_mask, self.channels)
+        ids = None
+        if self.ids:
+            digits = x[..., -_ID_DIGITS:].round().to(torch.long)
+            ids = digits[..., 0] | digits[..., 1] << 8 | digits[..., 2] << 16
+            x = x[..., :-_ID_DIGITS]
+        if self.streams > 1:
+            x = x.unflatten(-1, (self.streams, self.width))
+        return x, ids, mask
+
+    def join(self, h: torch.Tensor, ids: Optional[torch.Tensor], mask: Optional[torch.Tensor]) -> torch.Tensor:
+        if self.streams > 1:
+            h = h.flatten(-2)
+        if self.ids:
+            digits = torch.stack([(ids >> shift) & 255 for shift in (0, 8, 16)], dim=-1)
+            h = torch.cat([h, digits.to(h.dtype)], dim=-1)
+        return _join_mask(h, mask)
+
+
+def _carry(config) -> _Carry:
+    """The stages' carry layout of ``config``'s family (:data:`_STREAMS`)."""
+    streams, ids = _STREAMS.get(getattr(config, "model_type", None), (None, False))
+    return _Carry(config.hidden_size, int(getattr(config, streams)) if streams else 1, ids)
+
+
 class HFEmbedding(nn.Module):
     """input_ids (B, T) or stack([ids, attention_mask], 1) (B, 2, T) -> hidden (B, T, C [+1])."""
 
-    def __init__(self, modules: List[nn.Module], has_mask: Optional[bool], multiplier: Optional[float] = None) -> None:
+    def __init__(self, modules: List[nn.Module], has_mask: Optional[bool], multiplier: Optional[float] = None,
+                 carry: Optional[_Carry] = None) -> None:
         super().__init__()
         self.embed = nn.ModuleList(modules)  # e.g. [embed_tokens] or [embed_in, emb_dropout]
         self.has_mask = has_mask  # None: per batch, from the inputs' shape
         self.multiplier = multiplier  # Granite: inputs_embeds * embedding_multiplier
+        self.carry = carry  # DeepSeek-V4: the embedding copied into every stream, the ids carried (_Carry)
 
     def split_inputs(self, inputs: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """ids (B, T) and the padding mask (B, T) or None."""
@@ -110,7 +158,11 @@ class HFEmbedding(nn.Module):
             h = m(h)
         if self.multiplier is not None:
             h = h * self.multiplier
-        return _join_mask(h, mask)
+        if self.carry is None:
+            return _join_mask(h, mask)
+        if self.carry.streams > 1:  # as DeepseekV4Model.forward: every stream starts as the embedding
+            h = h.unsqueeze(2).expand(-1, -1, self.carry.streams, -1)
+        return self.carry.join(h, ids, mask)
 
 
 class HFLearnedPositionEmbedding(HFEmbedding):
@@ -137,6 +189,7 @@ class HFDecoderLayer(nn.Module):
         self.layer, self.index, self.has_mask = layer, index, has_mask
         self.materialize_mask = materialize_mask  # the base model asks for the mask tensor even where sdpa skips it
         self.width = config.hidden_size
+        self.carry = _carry(config)  # several residual streams, the token ids (DeepSeek-V4)
         self.rotary = rotary  # shared module (non-persistent inv_freq buffers only)
         self.config = config  # plain attribute: not a module
         types = getattr(config, "layer_types", None)
@@ -165,20 +218,29 @@ class HFDecoderLayer(nn.Module):
                   **extra)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C [+1]) -> same
-        h, padding = _split_mask(x, self.has_mask, self.width)
+        h, ids, padding = self.carry.split(x, self.has_mask)
         position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)  # (1, T), as the base model
         kwargs = dict(attention_mask=self._mask(h, padding, position_ids), position_ids=position_ids)
         for keyword, layer_type in self.extra_masks.items():
             kwargs[keyword] = self._mask(h, padding, position_ids, layer_type)
         if self.rotary is not None:
-            pe = (self.rotary(h, position_ids, self.layer_type) if self._rotary_by_type
-                  else self.rotary(h, position_ids))
+            kinds = _ROTARY_KINDS.get(self.config.model_type)
+            if kinds:  # DeepSeek-V4: a table per rotary kind, each layer picks its own
+                pe = {kind: self.rotary(h, position_ids, kind) for kind in kinds}
+            elif self._rotary_by_type and self.layer_type not in getattr(self.rotary, "layer_types",
+                                                                        (self.layer_type,)):
+                pe = None  # LFM3's convolution layers: no table of their kind (its base model passes None)
+            else:
+                pe = (self.rotary(h, position_ids, self.layer_type) if self._rotary_by_type
+                      else self.rotary(h, position_ids))
             kwargs["position_embeddings"] = pe
         if self._records_kv:
             kwargs["shared_kv_states"] = {}
+        if self.carry.ids:
+            kwargs["input_ids"] = ids
         out = self.layer(h, **kwargs)
         out = out[0] if isinstance(out, (tuple, list)) else out
-        return _join_mask(out, padding)
+        return self.carry.join(out, ids, padding)
 
 
 class HFHead(nn.Module):
@@ -193,9 +255,13 @@ class HFHead(nn.Module):
         self.logit_scale, self.logits_scaling = logit_scale, logits_scaling  # Cohere: *; Granite: /
         self.hidden_scaling = hidden_scaling  # MiniCPM3: the hidden states / logits_scaling before the head
         self.float_logits = False  # Nemotron-H: the logits upcast to float32
+        self.carry: Optional[_Carry] = None  # DeepSeek-V4's streams and ids (_Carry)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h, _ = _split_mask(x, self.has_mask, self.width)
+        if self.carry is not None:
+            h, _, _ = self.carry.split(x, self.has_mask)  # the post modules collapse the streams (hc_head)
+        else:
+            h, _ = _split_mask(x, self.has_mask, self.width)
         for m in self.post:
             h = m(h)
         if self.hidden_scaling is not None:  # as MiniCPM3ForCausalLM.forward
@@ -225,7 +291,11 @@ _MASKS = {"full_attention": "create_causal_mask", "sliding_attention": "create_s
           # DeepSeek-V3.2's layers with the sparse-attention indexer: the causal mask, always materialized
           "indexed_attention": "create_causal_mask",
           # LFM2's short gated convolutions: the 2-D padding mask, as its base model builds it
-          "conv": "create_recurrent_attention_mask"}
+          "conv": "create_recurrent_attention_mask",
+          # DeepSeek-V4's compressed (CSA) / heavily compressed (HCA) attention layers: the sliding-window mask its
+          # base model builds for every layer (the compressor appends its own block bias for the compressed entries)
+          "compressed_sparse_attention": "create_sliding_window_causal_mask",
+          "heavily_compressed_attention": "create_sliding_window_causal_mask"}
 # Families whose forward adds to that pattern only a scaling by a config value, which the adapter applies (model type
 # -> those attributes): Granite's embeddings * embedding_multiplier and logits / logits_scaling, Cohere's logits *
 # logit_scale. Another family with such an attribute is refused (its forward may use it otherwise).
@@ -253,13 +323,28 @@ _NAMED_STRUCTURE = {"jamba": (("embed_tokens",), "layers", ("final_layernorm",))
                      # Falcon (rotary; its ALiBi variant is refused: config.alibi, _UNSUPPORTED_CONFIG)
                      "falcon": (("word_embeddings",), "h", ("ln_f",)),
                      # DBRX: its blocks under transformer.blocks, the final LayerNorm norm_f
-                     "dbrx": (("wte",), "blocks", ("norm_f",))}
+                     "dbrx": (("wte",), "blocks", ("norm_f",)),
+                     # Mamba (Mamba-1 blocks only, no attention); LFM3 as LFM2 (convolution, full and sliding-window
+                     # attention layers)
+                     "mamba": (("embeddings",), "layers", ("norm_f",)),
+                     "lfm3": (("embed_tokens",), "layers", ("embedding_norm",))}
+# families whose declared base_model_pp_plan leaves out a module their forward runs, so their _NAMED_STRUCTURE entry
+# is used instead (DeepSeek-V4: hc_head, which collapses the hyper-connection streams before the final norm)
+_PLAN_INCOMPLETE = ("deepseek_v4",)
+_NAMED_STRUCTURE["deepseek_v4"] = (("embed_tokens",), "layers", ("hc_head", "norm"))
+# families whose residual between layers is several streams (the config attribute that counts them) and whether their
+# layers read the token ids (input_ids): DeepSeek-V4's hyper-connections (hc_mult) and hash-routed experts (_Carry)
+_STREAMS = {"deepseek_v4": ("hc_mult", True)}
+# families whose base model hands every layer a dict of rotary tables, one per kind (the rotary module's layer_type)
+_ROTARY_KINDS = {"deepseek_v4": ("main", "compress")}
 # families whose every layer takes fixed masks by keyword, whatever config.layer_types says (Falcon-H1's layers are
 # all "hybrid": the attention half takes the causal mask, the Mamba half the recurrent padding mask, as its base model
 # passes them): keyword -> the layer type whose mask function builds it
-_LAYER_MASKS = {"falcon_h1": {"attention_mask": "full_attention", "mamba_attention_mask": "linear_attention"}}
+_LAYER_MASKS = {"falcon_h1": {"attention_mask": "full_attention", "mamba_attention_mask": "linear_attention"},
+                # Mamba's blocks: the 2-D padding mask its base model passes (its config has no layer_types)
+                "mamba": {"attention_mask": "linear_attention"}}
 # families whose forward upcasts the logits to float32 (the head does too)
-_FLOAT_LOGITS = ("nemotron_h",)
+_FLOAT_LOGITS = ("nemotron_h", "mamba")  # their CausalLM forward upcasts the logits to float32
 # families whose base model norms the embeddings with its final norm before the first layer (NanoChat: a norm without
 # weights, so the first and the last stage each run it: nothing to tie)
 _NORM_BEFORE_LAYERS = ("nanochat",)
@@ -297,7 +382,8 @@ def _structure(model: nn.Module):
     if not plan and config.model_type in _LLAMA_PATTERN:
         plan, head_plan = {"embed_tokens": None, "layers": None, "norm": None}, {"lm_head": None}
     family = f"{type(model).__name__} (model_type {config.model_type!r})"
-    if not plan and config.model_type in _NAMED_STRUCTURE and base is not None:
+    if (not plan or config.model_type in _PLAN_INCOMPLETE) and config.model_type in _NAMED_STRUCTURE \
+            and base is not None:
         pre, layers_name, post = _NAMED_STRUCTURE[config.model_type]
         found = (list(pre), layers_name, list(post), "lm_head")
     elif not plan and config.model_type in _NORM_BEFORE_LAYERS and base is not None:
@@ -318,7 +404,7 @@ def _structure(model: nn.Module):
                               f"{_hook_hint(model)}")
         k = names.index(lists[0])
         found = (names[:k], lists[0], names[k + 1:], next(iter(head_plan)))
-    applied = _SCALES.get(config.model_type, ())
+    applied = _SCALES.get(config.model_type, ()) + tuple(v[0] for k, v in _STREAMS.items() if k == config.model_type)
     # `True in (1, 1.0)` holds in Python: a flag set to True (use_bidirectional_attention, Falcon's alibi) passed as
     # the neutral scale 1 and ran the adapter's causal math, silently; a flag is compared by identity
     bad = [a for a in _UNSUPPORTED_CONFIG if a not in applied and (
@@ -354,7 +440,13 @@ def hf_pipeline_layers(model: nn.Module, attention_mask: Optional[bool] = None) 
     layers = getattr(base, layers_name)[: getattr(config, "num_hidden_layers", None) or None]
     applied = _SCALES.get(model.config.model_type, ())
     multiplier = base.embedding_multiplier if "embedding_multiplier" in applied else None
-    out: List[nn.Module] = [HFEmbedding([getattr(base, n) for n in pre], attention_mask, multiplier)]
+    carry = _carry(config)
+    if carry.ids and config.vocab_size > 1 << 8 * _ID_DIGITS:
+        raise ConfigError(f"pipeline: {family}: vocab_size={config.vocab_size} exceeds the {1 << 8 * _ID_DIGITS} "
+                          f"token ids its stages carry to the layers that read them; {_hook_hint(model)}")
+    plain = carry.streams == 1 and not carry.ids
+    out: List[nn.Module] = [HFEmbedding([getattr(base, n) for n in pre], attention_mask, multiplier,
+                                        None if plain else carry)]
     materialize = _materializes_mask(base)
     out += [HFDecoderLayer(layer, i, config, rotary, attention_mask, materialize) for i, layer in enumerate(layers)]
     softcap = getattr(model.config, "final_logit_softcapping", None)
@@ -367,6 +459,7 @@ def hf_pipeline_layers(model: nn.Module, attention_mask: Optional[bool] = None) 
                       hidden_scaling=(model.config.logits_scaling if model.config.model_type in _HIDDEN_SCALED
                                       else None)))
     out[-1].float_logits = model.config.model_type in _FLOAT_LOGITS
+    out[-1].carry = None if plain else carry
     return nn.Sequential(*out)
 
 

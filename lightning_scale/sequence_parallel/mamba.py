@@ -40,6 +40,7 @@ import torch.nn as nn
 
 from lightning_scale.comm import collectives as C
 from lightning_scale.config import ConfigError
+from lightning_scale.tensor_parallel import deltanet
 from lightning_scale.tensor_parallel import mamba as tpm
 from lightning_scale.tensor_parallel.mappings import gather_from_sequence_region, reduce_scatter_to_sequence_region
 from lightning_scale.tensor_parallel.sharding import ShardSpec
@@ -107,7 +108,9 @@ def _over_sequence(name: str, module: nn.Module, group) -> None:
         b: ShardSpec(dim=buf.dim() - 1, size=proj.size, tp=proj.tp, padded=proj.padded, sections=proj.sections,
                      parts=proj.parts, splits=proj.splits)
         for b, buf in module._buffers.items() if buf is not None and buf.dim() >= 1 and buf.shape[-1] == proj.size}
-    state = dict(specs=specs, counts=counts, rank=rank, group=group, tag=tag, shared_group=False, buffers=buffers)
+    out = deltanet.out_name(module) if kind == "gated_deltanet" else "out_proj"
+    state = dict(specs=specs, counts=counts, rank=rank, group=group, tag=tag, shared_group=False, buffers=buffers,
+                 out=out)
     if kind == "mamba1":
         module.x_proj.register_forward_hook(tpm.summed_output_hook(group, f"{tag}/x_proj"))
     elif kind == "mamba2" and module.n_groups % sp:  # a group over several ranks: its norm's statistics summed
@@ -135,10 +138,11 @@ def _enter(state: Dict, module: nn.Module, args, kwargs):
         param = owner._parameters[leaf]
         saved_params[pname] = param
         owner._parameters[leaf] = _slice(param, spec, rank)
-    bias = module.out_proj._parameters.get("bias")
+    out = state["out"]  # out_proj (OLMo hybrid's gated DeltaNet: o_proj)
+    bias = module.get_submodule(out)._parameters.get("bias")
     if bias is not None and rank > 0:  # the output is summed over sp: rank 0 adds the bias and gets its gradient,
-        saved_params.setdefault("out_proj.bias", bias)  # which the average over sp then counts once; here zero
-        module.out_proj._parameters["bias"] = bias * 0  # (a zero gradient, not none: ZeRO's hooks fire alike)
+        saved_params.setdefault(f"{out}.bias", bias)  # which the average over sp then counts once; here zero
+        module.get_submodule(out)._parameters["bias"] = bias * 0  # (a zero gradient, not none: ZeRO's hooks fire)
     saved_buffers = {}
     for bname, spec in state["buffers"].items():  # specs found once (_over_sequence), not per call
         saved_buffers[bname] = module._buffers[bname]

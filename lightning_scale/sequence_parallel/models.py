@@ -324,7 +324,47 @@ RECURRENT_LAYERS = frozenset({"linear_attention", "mamba", "conv", "hybrid"})  #
 # model types whose attention Ulysses cannot run on a sequence chunk -> why (refused by name before training)
 SP_REFUSED = {"doge": "its attention adds a mask computed from the value states of every position (dynamic mask "
                       "attention) onto the causal one, which each rank would compute for its chunk of the sequence "
-                      "only"}
+                      "only",
+              "deepseek_v4": "its compressed attention layers (config.layer_types compressed_sparse_attention / "
+                             "heavily_compressed_attention) pool the keys / values of every block of earlier positions "
+                             "(and the sparse ones' indexer scores those blocks) from the hidden states, which each "
+                             "rank would pool over its chunk of the sequence only"}
+
+
+# model types with no attention at all (Mamba: Mamba-1 blocks only): sp runs only their mixers, cut by channels on the
+# whole sequence (mamba.py); no attention to wrap, no positions
+ATTENTION_FREE = frozenset({"mamba"})
+
+
+def _sp_attention_free(model: nn.Module, group, stage: Optional[nn.Module]) -> None:
+    """Sequence parallelism on a model of :data:`ATTENTION_FREE`: its mixers cut over sp (each on the whole sequence,
+    gathered on the way in), the padding mask its base model hands them gathered over sp (under pp: each stage's
+    layers build it from the whole sequence), the loss over every rank's positions."""
+    from lightning_scale.models.hf_pipeline import hf_base_model
+    from lightning_scale.sequence_parallel import mamba as sp_mamba
+
+    sp = C.group_size(group)
+    sp_mamba.split_mixers(model if stage is None else stage, group)
+    _mark(model, sp)
+    model.config.use_cache = False
+    if stage is not None:
+        _sp_hf_pipeline(model, stage, group, model.config._attn_implementation)
+    else:
+        hf_base_model(model).register_forward_pre_hook(functools.partial(_whole_padding, group), with_kwargs=True)
+    model.loss_function = functools.partial(_hf_causal_lm_loss, group)
+
+
+@torch.no_grad()
+def _whole_padding(group, module, args, kwargs):
+    """Forward pre-hook of an attention-free base model under sp: its (B, L/sp) padding mask -> the whole sequence's
+    (B, L), as the mixers run on the whole sequence."""
+    padding = kwargs.get("attention_mask")
+    if padding is not None:
+        if not isinstance(padding, torch.Tensor) or padding.dim() != 2:
+            raise ConfigError(f"sp={C.group_size(group)}: a prepared attention mask cannot be cut over the sequence; "
+                              "pass the (batch, seq) padding attention_mask", settings=("sp",))
+        kwargs["attention_mask"] = _gather_sequence(padding, group)
+    return args, kwargs
 
 
 def _sp_hf(model: nn.Module, group, tp: int = 1, stage: Optional[nn.Module] = None) -> None:
@@ -334,6 +374,8 @@ def _sp_hf(model: nn.Module, group, tp: int = 1, stage: Optional[nn.Module] = No
 
     sp = C.group_size(group)
     cfg = model.config
+    if getattr(cfg, "model_type", None) in ATTENTION_FREE:
+        return _sp_attention_free(model, group, stage)
     heads = cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     _check_heads(sp, tp, heads, f"{type(model).__name__}.config.num_attention_heads")

@@ -11,6 +11,8 @@ rank can run ``1 / n`` of the key heads with their value heads:
 * Qwen3-Next: ``in_proj_qkvz`` holds, per key head, ``[q | k | v | z]`` of that head's group, and ``in_proj_ba``
   ``[b | a]`` of it: a contiguous cut of their rows is a cut by whole key-head groups;
 * Qwen 3.5: ``in_proj_qkv`` rows ``[q | k | v]`` cut per part, ``in_proj_z`` / ``in_proj_b`` / ``in_proj_a`` by rows;
+* OLMo hybrid: ``q_proj`` / ``k_proj`` / ``v_proj`` / ``g_proj`` (the gate) / ``b_proj`` / ``a_proj`` each by rows, its
+  output ``o_proj`` and gated norm ``o_norm`` in place of ``out_proj`` / ``norm``;
 * ``conv1d``'s channels ``[q | k | v]`` per part, ``A_log`` / ``dt_bias`` by value head, ``out_proj`` by columns;
 * the norm's weight stays whole (each rank's heads use all of it: a partial gradient);
 * the counts the forward reads (``num_k_heads``, ``num_v_heads``, ``key_dim``, ``value_dim``, ``conv_dim``, the conv's
@@ -31,8 +33,21 @@ import torch.nn as nn
 from lightning_scale.tensor_parallel.sharding import ShardSpec, make_spec
 
 _COUNTS = ("num_v_heads", "num_k_heads", "head_k_dim", "head_v_dim", "key_dim", "value_dim", "conv_dim")
-_LAYOUTS = {"qkvz": ("in_proj_qkvz", "in_proj_ba"), "split": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")}
+_LAYOUTS = {"qkvz": ("in_proj_qkvz", "in_proj_ba"), "split": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
+            # OLMo hybrid: a projection per part (the gate g_proj), its output o_proj, its gated norm o_norm
+            "olmo": ("q_proj", "k_proj", "v_proj", "g_proj", "b_proj", "a_proj")}
 PROJECTIONS = tuple(p for names in _LAYOUTS.values() for p in names)
+_OUT_NORM = {"olmo": ("o_proj", "o_norm")}  # layout -> (output projection, gated norm); else out_proj / norm
+
+
+def out_name(module: nn.Module) -> str:
+    """The name of a gated DeltaNet layer's output projection (``out_proj``; OLMo hybrid's ``o_proj``)."""
+    return _OUT_NORM.get(_layout(module), ("out_proj", "norm"))[0]
+
+
+def norm_name(module: nn.Module) -> str:
+    """The name of its gated norm (``norm``; OLMo hybrid's ``o_norm``)."""
+    return _OUT_NORM.get(_layout(module), ("out_proj", "norm"))[1]
 
 
 def released_projections(model: nn.Module, plan: Dict[str, object], n: int) -> Dict[str, object]:
@@ -45,7 +60,8 @@ def released_projections(model: nn.Module, plan: Dict[str, object], n: int) -> D
     if not layers:
         return plan
     names = [name for name, _ in model.named_modules() if name]
-    owned = {f"{layer}.{p}" for layer in layers for p in (*PROJECTIONS, "out_proj")}
+    modules = dict(model.named_modules())
+    owned = {f"{layer}.{p}" for layer in layers for p in (*_LAYOUTS[_layout(modules[layer])], out_name(modules[layer]))}
     kept = {}
     for pattern, style in plan.items():
         rx = re.compile("^" + re.escape(pattern).replace(r"\*", r"[^.]+") + "$")
@@ -63,9 +79,10 @@ def _layout(module: nn.Module) -> Optional[str]:
 
 
 def is_gated_deltanet(module: nn.Module) -> bool:
-    """A transformers gated DeltaNet layer (Qwen3-Next's or Qwen 3.5's): the attributes and modules its forward reads."""
+    """A transformers gated DeltaNet layer (Qwen3-Next's, Qwen 3.5's or OLMo hybrid's): the attributes and modules its
+    forward reads."""
     return (all(isinstance(module.__dict__.get(a), int) for a in _COUNTS) and _layout(module) is not None
-            and isinstance(getattr(module, "conv1d", None), nn.Conv1d) and type(getattr(module, "out_proj", None))
+            and isinstance(getattr(module, "conv1d", None), nn.Conv1d) and type(getattr(module, out_name(module), None))
             is nn.Linear and isinstance(getattr(module, "A_log", None), nn.Parameter)
             and isinstance(getattr(module, "dt_bias", None), nn.Parameter))
 
@@ -81,10 +98,10 @@ def unsupported(module: nn.Module, n: int, setting: str = "tp") -> Optional[str]
     if module.conv1d.in_channels != module.conv_dim or module.conv1d.groups != module.conv_dim or (
             module.conv_dim != 2 * module.key_dim + module.value_dim):
         return f"{kind}: conv1d is not depthwise over [q | k | v]"
-    biased = [p for p in (*_LAYOUTS[_layout(module)], "out_proj", "conv1d") if getattr(module, p).bias is not None]
+    biased = [p for p in (*_LAYOUTS[_layout(module)], out_name(module), "conv1d") if getattr(module, p).bias is not None]
     if biased:
         return f"{kind}: {', '.join(biased)} with a bias (not a layout known here)"
-    norm = getattr(module, "norm", None)
+    norm = getattr(module, norm_name(module), None)
     if not isinstance(getattr(norm, "weight", None), nn.Parameter) or norm.weight.shape != (module.head_v_dim,):
         return f"{kind}: its norm is not one weight over head_v_dim shared by the heads"
     own = [p for p, _ in module.named_parameters(recurse=False) if p not in ("A_log", "dt_bias")]
@@ -101,7 +118,12 @@ def specs(name: str, module: nn.Module, n: int) -> Dict[str, ShardSpec]:
     key, value, nv = module.key_dim, module.value_dim, module.num_v_heads
     qkv = (key, key, value)
     out = {}
-    if _layout(module) == "qkvz":  # rows grouped by key head: a contiguous cut keeps whole groups
+    layout = _layout(module)
+    if layout == "olmo":  # a projection per part: each cut by rows (whole heads)
+        for proj, rows in (("q_proj", key), ("k_proj", key), ("v_proj", value), ("g_proj", value), ("b_proj", nv),
+                           ("a_proj", nv)):
+            out[f"{proj}.weight"] = make_spec(0, rows, n, what=f"{name}.{proj}")
+    elif layout == "qkvz":  # rows grouped by key head: a contiguous cut keeps whole groups
         rows = module.in_proj_qkvz.out_features
         out["in_proj_qkvz.weight"] = make_spec(0, rows, n, what=f"{name}.in_proj_qkvz")
         out["in_proj_ba.weight"] = make_spec(0, 2 * nv, n, what=f"{name}.in_proj_ba")
@@ -113,7 +135,7 @@ def specs(name: str, module: nn.Module, n: int) -> Dict[str, ShardSpec]:
     out["conv1d.weight"] = make_spec(0, sum(qkv), n, parts=qkv, what=f"{name}.conv1d")
     out["A_log"] = make_spec(0, nv, n, what=f"{name}.A_log")
     out["dt_bias"] = make_spec(0, nv, n, what=f"{name}.dt_bias")
-    out["out_proj.weight"] = make_spec(1, value, n, what=f"{name}.out_proj")
+    out[f"{out_name(module)}.weight"] = make_spec(1, value, n, what=f"{name}.{out_name(module)}")
     return out
 
 
@@ -124,9 +146,10 @@ def local_counts(module: nn.Module, specs: Dict[str, ShardSpec], n: int) -> Dict
         ("", "num_v_heads"): module.num_v_heads // n, ("", "num_k_heads"): module.num_k_heads // n,
         ("", "key_dim"): module.key_dim // n, ("", "value_dim"): module.value_dim // n, ("", "conv_dim"): conv,
         ("conv1d", "in_channels"): conv, ("conv1d", "out_channels"): conv, ("conv1d", "groups"): conv,
-        ("out_proj", "in_features"): module.value_dim // n}
+        (out_name(module), "in_features"): module.value_dim // n}
+    projections = _LAYOUTS[_layout(module)]
     for pname, spec in specs.items():
         owner, _, leaf = pname.rpartition(".")
-        if leaf == "weight" and owner.startswith("in_proj"):
+        if leaf == "weight" and owner in projections:
             out[owner, "out_features"] = spec.local_size
     return out

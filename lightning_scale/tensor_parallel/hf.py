@@ -180,6 +180,11 @@ DBRX_PLAN: Dict[str, str] = {
 }
 
 
+# Mamba (Mamba-1 only) declares no tp plan at all: its embedding split over the vocabulary here, every mixer by the
+# built-in rules (style mamba1: its channels cut over tp, mamba.py), the head as every family's
+MAMBA_PLAN: Dict[str, str] = {"embeddings": "embedding_rowwise"}
+
+
 def _built_in_plan(model: nn.Module, prefix: str, layout: Dict[str, str]) -> Dict[str, object]:
     plan = {prefix + k: hf_style(v, k) for k, v in layout.items()}
     if isinstance(getattr(model, "lm_head", None), nn.Linear):
@@ -229,7 +234,7 @@ BROKEN_PLANS = {"jetmoe": "its attention is a mixture of attention heads (each e
 
 def hf_plan(model: nn.Module) -> Dict[str, str]:
     """The plan of a Hugging Face model: GPT-2's built-in one; a built-in one for the families whose declared plan
-    splits no layer (StableLM, BitNet, HunYuan dense: the Llama layout; Falcon; DBRX); else the model's declared
+    splits no layer (StableLM, BitNet, HunYuan dense: the Llama layout; Falcon; DBRX; Mamba); else the model's declared
     ``tp_plan``. (:func:`~lightning_scale.tensor_parallel.plan.plan_tensor_parallel` then adds the experts and the
     MLPs a plan leaves out, :mod:`~lightning_scale.tensor_parallel.hf_rules`.)"""
     prefix = _base_prefix(model)
@@ -250,6 +255,8 @@ def hf_plan(model: nn.Module) -> Dict[str, str]:
             return _falcon_plan(model, prefix)
         if model.config.model_type == "dbrx":  # its class names the head only
             return _built_in_plan(model, prefix, DBRX_PLAN)
+        if model.config.model_type == "mamba":  # no plan at all
+            return _built_in_plan(model, prefix, MAMBA_PLAN)
     if declared:
         declared = _local_params(_own_experts(dict(declared)), model)
         return _untie_head({k: hf_style(v, k) for k, v in declared.items()}, model)

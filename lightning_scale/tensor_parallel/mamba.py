@@ -300,15 +300,16 @@ def split_mixer(name: str, module: nn.Module, specs: Dict[str, ShardSpec], group
     localize(module, specs, tp, rank)
     module._tp_mamba_specs = dict(specs)
     module._apply = types.MethodType(_apply, module)
-    if rank > 0 and module.out_proj.bias is not None:
-        add_bias_once(module, "out_proj", "bias")
+    out = deltanet.out_name(module) if style == "gated_deltanet" else "out_proj"
+    if rank > 0 and getattr(module, out).bias is not None:
+        add_bias_once(module, out, "bias")
     tag = f"tp/{name}"
     hooks = [module.register_forward_pre_hook(_enter(group, tag), with_kwargs=True),
              module.register_forward_hook(_leave(group, tag, name), with_kwargs=True)]
     if style == "mamba1":
         return hooks + _m1_hooks(name, module, specs, group, tag)
     if style == "gated_deltanet":  # the norm's one weight over head_v_dim, used by this rank's heads: partial grads
-        return hooks + install_grad_allreduce(module.norm, group, f"{tag}/norm")
+        return hooks + install_grad_allreduce(getattr(module, deltanet.norm_name(module)), group, f"{tag}/norm")
     if groups is None:  # short_conv: nothing stays whole inside
         return hooks
     if groups % tp == 0:
@@ -423,7 +424,7 @@ def mixer_plan_entries(model: nn.Module, covered, tp: int):
         if style is None or covered(name):
             continue
         if any(covered(f"{name}.{c}") for c in ("in_proj", "out_proj", "conv1d", "x_proj", "dt_proj", "conv",
-                                                   *deltanet.PROJECTIONS)):
+                                                   *deltanet.PROJECTIONS, "o_proj") if hasattr(module, c)):
             continue
         why = unsupported(module, tp)
         if why is not None:

@@ -122,6 +122,10 @@ _ALIASES = {
     "rowwise_rep": "rowwise_split_input",
     "embedding_rowwise": "vocab",
     "vocab_parallel": "vocab",
+    # transformers' per-head colwise for k / v projections (MiniCPM 5 MoE): each rank keeps whole heads, and where
+    # the key / value heads are fewer than the tp ranks, the head its query heads use (replicated): what colwise does
+    # here for a k / v projection (plan._kv_splits)
+    "unit_colwise": "colwise",
 }
 
 STYLE_NAMES = tuple(sorted(_STYLES)) + tuple(sorted(_ALIASES))
@@ -129,7 +133,7 @@ STYLE_NAMES = tuple(sorted(_STYLES)) + tuple(sorted(_ALIASES))
 # embeddings, local params, per-unit splits); tests/unit/test_tp_plan.py checks every style of the installed
 # transformers is either implemented above or named here, so a new release's styles are refused by name
 _NOT_IMPLEMENTED = ("moe_tp_experts", "moe_identity_expert", "embedding_colwise", "local_params",
-                    "all_reduce", "grouped_gemm", "ep_dispatch_experts", "unit_colwise", "unit_rowwise")
+                    "all_reduce", "grouped_gemm", "ep_dispatch_experts", "unit_rowwise")
 
 
 def _with_name(style: Style, name: str) -> Style:

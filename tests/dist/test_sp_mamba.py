@@ -9,8 +9,9 @@ parameter after the steps equal one process's on the whole sequence (1e-10; a gr
 puts the gated norm's float32 statistics in another order: 1e-7 for those). Bamba has one group (its releases too:
 the norm's statistics summed over both ranks), Nemotron-H two (one per rank), Falcon-H1 its optional gated norm and
 attention beside the mixer in every layer, Jamba Mamba-1 (x_proj's output summed over sp), Qwen3-Next and Qwen 3.5
-their gated DeltaNet layers (cut by key-head groups, tensor_parallel/deltanet.py), LFM2 its short convolutions (by
-channels, tensor_parallel/short_conv.py). ZeRO-3 with activation
+their gated DeltaNet layers (cut by key-head groups, tensor_parallel/deltanet.py), OLMo hybrid its (a projection per
+part), LFM2 its short convolutions (by channels, tensor_parallel/short_conv.py), Mamba (no attention: sp runs only its
+mixers, the padding mask gathered for them). ZeRO-3 with activation
 checkpointing for two of them (the gathers rerun in the backward). Breaking any piece (the norm's sum, the output's
 reduce-scatter, rank 0 alone adding out_proj's bias, x_proj's sum) fails here.
 
@@ -41,10 +42,16 @@ FAMILIES = {
     "qwen3_5": {},
     # LFM2's short gated convolutions (cut by channels), with their biases (out_proj's added by sp rank 0)
     "lfm2": dict(conv_bias=True),
+    # OLMo hybrid's gated DeltaNet (a projection per part, o_proj / o_norm); Mamba with no attention at all (its
+    # mixers the only thing sp cuts; its padding mask gathered over sp for them), with its projections' biases
+    "olmo_hybrid": {},
+    "mamba": dict(use_bias=True),
 }
 # the float32 gated norm over a group both ranks share; Nemotron-H's float32 logits; Jamba's float32 router / norms
 TOL = {"bamba": 1e-7, "granitemoehybrid": 1e-7, "falcon_h1": 1e-7, "nemotron_h": 1e-6, "jamba": 1e-7,
-       "qwen3_next": 1e-7, "qwen3_5": 1e-7}
+       "qwen3_next": 1e-7, "qwen3_5": 1e-7,
+       "olmo_hybrid": 1e-6,  # its A_log stays a float32 parameter in a float64 model (1.2e-7 after 3 steps)
+       "mamba": 1e-6}  # Mamba: its selective scan and logits in float32 (hf_families.FLOAT32_LOGITS_TOL)
 
 
 # sp x tp: the DeltaNets with 4 key heads (2 per tp rank, 1 per sp x tp rank)
@@ -56,7 +63,8 @@ def _build(family: str, tp: int = 1):
     from lightning_scale.models import hf_families as F
 
     extra = SP_TP.get(family, {}) if tp > 1 else {}
-    return random_biases(F.build(family, "sdpa", overrides={**FAMILIES[family], **extra}))
+    attn = "eager" if family in F.NO_SDPA else "sdpa"  # Mamba: transformers refuses sdpa for it
+    return random_biases(F.build(family, attn, overrides={**FAMILIES[family], **extra}))
 
 
 def _batch(step: int):

@@ -218,7 +218,8 @@ def _bad(rank: int, world_size: int):
     for model in (GPT(gpt_tiny(n_head=3, d_model=24)), GPT(gpt_tiny(seq_len=15)), torch.nn.Linear(2, 2),
                   F.build("deepseek_v32", "sdpa"), F.build("doge", "sdpa"),
                   F.build("falcon", "sdpa", overrides={"alibi": True}), unknown,
-                  F.build("bamba", "sdpa", overrides=dict(mamba_n_heads=1, mamba_d_head=64))):
+                  F.build("bamba", "sdpa", overrides=dict(mamba_n_heads=1, mamba_d_head=64)),
+                  F.build("deepseek_v4", "eager")):
         try:
             apply_sequence_parallel(model, group)
             messages.append(None)
@@ -231,7 +232,7 @@ def _bad(rank: int, world_size: int):
 @pytest.mark.timeout(120)
 def test_bad_models_are_config_errors_on_every_rank():
     for messages in run_distributed(_bad, 2, timeout=100, preload=HF_RANK_PRELOAD):
-        heads, seq, linear, indexed, dynamic, alibi, conv, mamba_heads = messages
+        heads, seq, linear, indexed, dynamic, alibi, conv, mamba_heads, compressed = messages
         assert heads.startswith("sp=2 does not divide model.n_head=3"), heads
         assert seq.startswith("sp=2 does not divide model.seq_len=15"), seq
         assert linear.startswith("sp=2: Linear holds no attention that sequence parallelism can swap"), linear
@@ -241,6 +242,8 @@ def test_bad_models_are_config_errors_on_every_rank():
         assert alibi.startswith("sp=2: FalconForCausalLM with config.alibi=True"), alibi
         assert conv.startswith("sp=2: Lfm2ForCausalLM has 'conv' layers"), conv
         assert "'model.layers.0.mamba': BambaMixer: sp=2 does not divide its 1 heads" in mamba_heads, mamba_heads
+        # DeepSeek-V4's compressor pools blocks of the whole sequence (its forward ran on each chunk before)
+        assert compressed.startswith("sp=2: DeepseekV4ForCausalLM: its compressed attention layers"), compressed
 
 
 def _distinct_sinks(model):

@@ -222,8 +222,12 @@ def test_every_family_from_pretrained_in_the_strategies_context_gives_the_saved_
         saved = _scaled(F.build(name, "eager", dtype=torch.float32), 4)
         saved.save_pretrained(tmp_path / name)
         try:
+            # the experts' implementation the saved model ran (the families set "eager"); a reload otherwise takes
+            # transformers' default (grouped_mm), whose float32 sums differ from eager's (DeepSeek-V4: 5e-7)
+            impl = getattr(saved.config, "_experts_implementation", None)
             with parameters_on_meta(), meta_from_pretrained():
-                model = AutoModelForCausalLM.from_pretrained(tmp_path / name, attn_implementation="eager")
+                model = AutoModelForCausalLM.from_pretrained(tmp_path / name, attn_implementation="eager",
+                                                             **({"experts_implementation": impl} if impl else {}))
             assert all(p.is_meta for p in model.parameters())  # recorded, not read
             check_weight_sources(model)  # parallelize's first step, every rank
             materialize_(model, torch.device("cpu"), lambda n, m: True)

@@ -158,3 +158,34 @@ def test_falcon_variants_the_adapter_and_the_plan_cannot_run_are_refused_by_name
     bidirectional = F.build("gemma3", "eager", overrides={"use_bidirectional_attention": True})
     with pytest.raises(ConfigError, match=r"config\.use_bidirectional_attention=True"):
         pipeline_layers(bidirectional)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_token_ids_ride_exactly_in_any_float_dtype_and_the_streams_come_back(dtype):
+    """DeepSeek-V4's stages carry its hyper-connection streams flattened and the token ids (its hash-routed layers pick
+    experts by id) as three base-256 digits: exact in bfloat16 / float16 too, where an id as one channel is not (129279
+    in bfloat16 is 129024)."""
+    from lightning_scale.models.hf_pipeline import _Carry
+
+    carry = _Carry(width=8, streams=2, ids=True)
+    ids = torch.tensor([[0, 1, 255, 256, 129279], [65535, 65536, 2 ** 24 - 1, 7, 100000]])
+    streams = torch.randn(2, 5, 2, 8).to(dtype)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+    x = carry.join(streams, ids, mask)
+    assert x.shape == (2, 5, 2 * 8 + 3 + 1) and x.dtype == dtype
+    back, back_ids, back_mask = carry.split(x, None)
+    assert torch.equal(back_ids, ids) and torch.equal(back_mask, mask) and torch.equal(back, streams)
+    assert torch.tensor(129279.0).to(torch.bfloat16).item() != 129279  # why one channel would not do
+
+
+def test_hyper_connection_streams_are_refused_where_the_adapter_does_not_carry_them():
+    """A config with hc_mult > 1 (several residual streams between layers) outside the families whose streams the
+    adapter carries (DeepSeek-V4) is refused by name: a stage would have cut the streams' layout silently."""
+    model = F.build("llama", "eager")
+    model.config.hc_mult = 4
+    with pytest.raises(ConfigError, match=r"config\.hc_mult=4"):
+        hf_pipeline_layers(model)
+    v4 = F.build("deepseek_v4", "eager")
+    v4.config.vocab_size = 2 ** 24 + 1  # more ids than three digits carry
+    with pytest.raises(ConfigError, match=r"vocab_size=16777217"):
+        hf_pipeline_layers(v4)
