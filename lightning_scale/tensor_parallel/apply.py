@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from lightning_scale.tensor_parallel import expert_alltoall
 from lightning_scale.tensor_parallel import expert_parallel as expert_parallel_style
-from lightning_scale.tensor_parallel import expert_lists, experts, grads, head_params, mamba, mla, norms
+from lightning_scale.tensor_parallel import expert_lists, experts, grads, grouped_attention, head_params, mamba, mla, norms
 from lightning_scale.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from lightning_scale.tensor_parallel.hf import LocalHeadsConfig
 from lightning_scale.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, SharedInput,
@@ -123,6 +123,11 @@ def apply_tensor_parallel(model: nn.Module, plan: Optional[Dict[str, object]] = 
             state.hooks.extend(norms.split_norm(act.name, act.module, act.param_specs, group))
         elif act.style.kind == "head_params":
             state.hooks.extend(head_params.split_head_params(act.name, act.module, act.param_specs, group))
+        elif act.style.kind == "grouped_rows":
+            parent = model.get_submodule(_parent_name(act.name)) if "." in act.name else None
+            state.hooks.extend(grouped_attention.split_rows(act.name, act.module, act.param_specs, group, parent))
+        elif act.style.kind == "shared_output":
+            state.hooks.append(grouped_attention.install_shared_output(act.module, group, f"tp/{act.name}"))
         elif act.style.kind == "mla_kv_a":
             parent = model.get_submodule(_parent_name(act.name)) if "." in act.name else None
             rope = mla.rope_width(act.name, act.module, parent)

@@ -26,7 +26,8 @@ import torch
 import torch.nn as nn
 
 from lightning_scale.config import ConfigError
-from lightning_scale.tensor_parallel import deltanet, expert_lists, experts, head_params, mamba, mla, norms
+from lightning_scale.tensor_parallel import (deltanet, expert_lists, experts, grouped_attention, head_params, mamba, mla,
+                                             norms)
 from lightning_scale.tensor_parallel import expert_parallel as expert_parallel_style
 from lightning_scale.tensor_parallel.hf import default_plan, is_hf_model
 from lightning_scale.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
@@ -224,6 +225,9 @@ def _resolve(name: str, module: nn.Module, style: Style, parent: Optional[nn.Mod
         if style.kind == "head_params":
             specs = head_params.head_specs(name, module, tp)
             return Action(name, module, style, next(iter(specs.values()), None), specs)
+        if style.kind == "grouped_rows":
+            specs = grouped_attention.row_specs(name, module, tp)
+            return Action(name, module, style, specs["weight"], specs)
         if style.kind == "mla_kv_a":
             mla.rope_width(name, module, parent)  # checked now: a missing width is a ConfigError before anything moves
         if not style.shards_linear:
@@ -342,6 +346,8 @@ def plan_tensor_parallel(model: nn.Module, plan: Optional[Dict[str, object]], tp
                                                      placed=expert_parallel)
             plan.update(add)
             plan.update(mlps_left_out(model, plan, tp))
+            patterns = [_pattern_regex(p) for p in plan]  # DeepSeek-V4's attention, which its plan leaves whole
+            plan.update(grouped_attention.attention_entries(model, lambda n: any(rx.match(n) for rx in patterns), tp))
             plan.update(head_left_out(model, plan))
             plan = deltanet.released_projections(model, plan, tp)  # their declared gathers give way to the region
             patterns = [_pattern_regex(p) for p in plan]

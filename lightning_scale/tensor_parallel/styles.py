@@ -112,6 +112,8 @@ _STYLES = {
     "mla_kv_a_proj": Style("mla_kv_a"),
     "rmsnorm_split": Style("norm_split"),
     "head_params": Style("head_params"),
+    "grouped_rows": Style("grouped_rows"),
+    "shared_output": Style("shared_output"),
     "replicate": Style("replicate"),
     "replicated_with_grad_allreduce": Style("grad_allreduce"),
     "sequence_parallel": Style("replicate"),

@@ -24,10 +24,7 @@ WHOLE: dict = {"kimi_linear": (0.6, "its declared plan covers the MLPs and exper
                                     "layers and its latent attention stay whole on every rank (0.62 split here; the "
                                     "released model's experts hold most of it)"),
                "lfm3": (0.8, "its four norms per layer (operator, post-operator, ffn, post-ffn), whole on every rank as "
-                             "every family's norms: 16% of this hidden-32 model, a negligible share at released widths"),
-               "deepseek_v4": (0.5, "its attention (a grouped low-rank output projection over o_groups, one key / value "
-                                    "head shared by all heads, the compressor and indexer) stays whole on every rank "
-                                    "(0.52 split here; in the released config the experts hold 98.2% of a layer)")}
+                             "every family's norms: 16% of this hidden-32 model, a negligible share at released widths")}
 REFUSED = {"codegen": "mp_num = 4", "doge": "dynamic mask", "jetmoe": "mixture of attention heads"}  # hf.BROKEN_PLANS
 
 
