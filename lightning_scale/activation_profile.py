@@ -133,6 +133,22 @@ def _rotary_inputs(unit: nn.Module, tokens: int) -> Dict[str, Any]:
     return {"position_embeddings": (torch.empty(1, tokens, dim), torch.empty(1, tokens, dim))}
 
 
+def _stream_inputs(unit: nn.Module, tokens: int, hidden: int):
+    """(input, keyword inputs) for a DeepSeek-V4 decoder layer, else None: its input is the residual's ``hc_mult``
+    streams ``(1, tokens, hc, hidden)``, and its base model hands every layer a rotary table per kind (``main`` /
+    ``compress``: ``qk_rope_head_dim / 2`` entries per position, its interleaved pairs), the positions and the token
+    ids (its hash-routed layers pick experts by id). Called inside the fake mode."""
+    config = next((c for m in unit.modules() if getattr(c := getattr(m, "config", None), "model_type", None)
+                   == "deepseek_v4"), None)
+    if config is None or not isinstance(getattr(config, "hc_mult", None), int):
+        return None
+    half = config.qk_rope_head_dim // 2
+    tables = {kind: (torch.empty(1, tokens, half), torch.empty(1, tokens, half)) for kind in ("main", "compress")}
+    x = torch.empty(1, tokens, config.hc_mult, hidden, requires_grad=True)
+    return x, dict(position_embeddings=tables, position_ids=torch.arange(tokens).unsqueeze(0),
+                   input_ids=torch.zeros(1, tokens, dtype=torch.long))
+
+
 # families whose rotary embedding is one complex tensor (freqs_cis), not a (cos, sin) pair
 _COMPLEX_ROTARY = ("llama4_text",)
 # families whose (cos, sin) cover half the head (the rotation applied to its two halves): GPT-OSS
@@ -234,6 +250,11 @@ def profile_unit(unit: nn.Module, tokens: int, tp: int = 1, hidden: Optional[int
             x = torch.empty(1, tokens, hidden, requires_grad=True)
             kwargs = _rotary_inputs(unit, tokens)  # HF decoder layers: the model's cos / sin, shared by all units
             own |= {t.untyped_storage()._cdata for t in kwargs.get("position_embeddings", ())}
+            streams = _stream_inputs(unit, tokens, hidden)
+            if streams is not None:  # DeepSeek-V4: its residual streams in, its tables and token ids beside
+                x, more = streams
+                kwargs.update(more)
+                own |= {t.untyped_storage()._cdata for pair in more["position_embeddings"].values() for t in pair}
             if mask:  # a sliding window: the model's one mask, shared by all units
                 kwargs.update(_mask_inputs(unit, tokens))
             mask_b = kwargs["attention_mask"].untyped_storage().nbytes() if "attention_mask" in kwargs else 0

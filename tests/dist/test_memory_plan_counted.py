@@ -101,6 +101,11 @@ CASES = {  # name: (family, Zero3DStrategy kwargs)
     "lfm2_tp2": ("lfm2", {"tp": 2}),
     # Qwen3-Next: a mixture of experts beside its DeltaNet: profiled with its experts stubbed (counted: 2.0x under)
     "qwen3_next_sp2": ("qwen3_next", {"sp": 2}),
+    # DeepSeek-V4: its layers take hc_mult residual streams, rotary tables per kind and the token ids; counted from
+    # its Linear sizes (they did not run alone on fake tensors) the plan was 9.9x / 6.7x under (its eager attention's
+    # scores); profiled with those inputs (activation_profile._stream_inputs): 1.005 / 1.015
+    "deepseek_v4_zero2": ("deepseek_v4", {"stage": 2}),
+    "deepseek_v4_tp2": ("deepseek_v4", {"tp": 2}),
 }
 SEQ, BATCH = 1024, 2
 # Jamba's Mamba-1 scan loops over the positions in Python (no mamba kernels on CPU): its measured step at 1024 ran ~67k
