@@ -143,3 +143,31 @@ def head_left_out(model: nn.Module, plan: Dict[str, object]) -> Dict[str, str]:
     if any(_pattern_regex(p).match(name) for p in plan):
         return {}
     return {name: "colwise_gather_output"}
+
+
+def mla_left_out(model: nn.Module, plan: Dict[str, object], tp: int) -> Dict[str, str]:
+    """``{name: style}`` for every multi-head latent attention a Hugging Face model's plan leaves out entirely (Kimi
+    Linear's: its declared plan covers its MLPs and experts only): DeepSeek-V3's own plan for it, by name (the query
+    ``q_proj`` / ``q_b_proj`` and ``kv_b_proj`` by heads, ``kv_a_proj_with_mqa`` whole with its rotary key's gradient
+    summed over tp, ``o_proj`` by rows). Left out: an attention whose heads tp does not divide."""
+    rules = [_pattern_regex(p) for p in plan]
+
+    def covered(name: str) -> bool:
+        return any(rx.match(name) for rx in rules)
+
+    out: Dict[str, str] = {}
+    for name, module in model.named_modules():
+        query = next((q for q in ("q_b_proj", "q_proj") if type(getattr(module, q, None)) is nn.Linear), None)
+        if not name or query is None or not all(
+                type(getattr(module, n, None)) is nn.Linear for n in ("kv_a_proj_with_mqa", "kv_b_proj", "o_proj")):
+            continue
+        heads = getattr(module, "num_heads", None) or getattr(getattr(module, "config", None),
+                                                               "num_attention_heads", None)
+        if not isinstance(heads, int) or heads % tp:
+            continue
+        names = (query, "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+        if covered(name) or any(covered(f"{name}.{n}") for n in names):
+            continue
+        out.update({f"{name}.{query}": "colwise", f"{name}.kv_a_proj_with_mqa": "mla_kv_a_proj",
+                    f"{name}.kv_b_proj": "colwise", f"{name}.o_proj": "rowwise"})
+    return out

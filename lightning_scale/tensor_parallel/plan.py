@@ -337,7 +337,7 @@ def plan_tensor_parallel(model: nn.Module, plan: Optional[Dict[str, object]], tp
     if plan is None:
         plan = default_plan(model, sequence_parallel)
         if is_hf_model(model) and tp > 1:
-            from lightning_scale.tensor_parallel.hf_rules import (head_left_out, mlps_left_out,
+            from lightning_scale.tensor_parallel.hf_rules import (head_left_out, mla_left_out, mlps_left_out,
                                                                   scalars_on_split_features, split_gathered_pairs)
 
             plan, views = split_gathered_pairs(model, plan, tp)
@@ -346,6 +346,7 @@ def plan_tensor_parallel(model: nn.Module, plan: Optional[Dict[str, object]], tp
                                                      placed=expert_parallel)
             plan.update(add)
             plan.update(mlps_left_out(model, plan, tp))
+            plan.update(mla_left_out(model, plan, tp))  # Kimi Linear's latent attention, which its plan leaves whole
             patterns = [_pattern_regex(p) for p in plan]  # DeepSeek-V4's attention, which its plan leaves whole
             plan.update(grouped_attention.attention_entries(model, lambda n: any(rx.match(n) for rx in patterns), tp))
             plan.update(head_left_out(model, plan))
