@@ -40,7 +40,6 @@ import torch.nn as nn
 
 from lightning_scale.comm import collectives as C
 from lightning_scale.config import ConfigError
-from lightning_scale.tensor_parallel import deltanet
 from lightning_scale.tensor_parallel import mamba as tpm
 from lightning_scale.tensor_parallel.mappings import gather_from_sequence_region, reduce_scatter_to_sequence_region
 from lightning_scale.tensor_parallel.sharding import ShardSpec
@@ -108,7 +107,7 @@ def _over_sequence(name: str, module: nn.Module, group) -> None:
         b: ShardSpec(dim=buf.dim() - 1, size=proj.size, tp=proj.tp, padded=proj.padded, sections=proj.sections,
                      parts=proj.parts, splits=proj.splits)
         for b, buf in module._buffers.items() if buf is not None and buf.dim() >= 1 and buf.shape[-1] == proj.size}
-    out = deltanet.out_name(module) if kind == "gated_deltanet" else "out_proj"
+    out = tpm.out_name(module, kind)
     state = dict(specs=specs, counts=counts, rank=rank, group=group, tag=tag, shared_group=False, buffers=buffers,
                  out=out)
     if kind == "mamba1":

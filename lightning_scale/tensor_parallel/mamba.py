@@ -61,7 +61,7 @@ import torch.nn as nn
 
 import torch.nn.functional as F
 
-from lightning_scale.tensor_parallel import deltanet, short_conv
+from lightning_scale.tensor_parallel import deltanet, kda, short_conv
 from lightning_scale.tensor_parallel.experts import _enter, _leave, add_bias_once, keep_local
 from lightning_scale.tensor_parallel.grads import install_grad_allreduce
 from lightning_scale.tensor_parallel.layers import replica_grad_sum
@@ -131,7 +131,16 @@ def is_mamba1_mixer(module: nn.Module) -> bool:
 
 # recurrent layers cut the same way whose layouts live in their own modules: style -> (detector, layout module)
 OTHER_LAYOUTS = {"gated_deltanet": (deltanet.is_gated_deltanet, deltanet),
-                 "short_conv": (short_conv.is_short_conv, short_conv)}
+                 "short_conv": (short_conv.is_short_conv, short_conv),
+                 "kimi_delta": (kda.is_kimi_delta, kda)}
+
+
+def out_name(module: nn.Module, style: Optional[str]) -> str:
+    """The output projection of a recurrent layer of ``style`` (``out_proj``; OLMo hybrid's gated DeltaNet and Kimi
+    delta attention: ``o_proj``)."""
+    if style == "gated_deltanet":
+        return deltanet.out_name(module)
+    return "o_proj" if style == "kimi_delta" else "out_proj"
 
 
 def mixer_style(module: nn.Module) -> Optional[str]:
@@ -151,7 +160,8 @@ def unsupported(module: nn.Module, tp: int, style: str = "", setting: str = "tp"
     own = mixer_style(module)
     if own is None or (style and style != own):
         wanted = style or "mamba2"
-        what = {"gated_deltanet": "a transformers gated DeltaNet layer (Qwen3-Next, Qwen 3.5)",
+        what = {"gated_deltanet": "a transformers gated DeltaNet layer (Qwen3-Next, Qwen 3.5, OLMo hybrid)",
+                "kimi_delta": "a transformers Kimi delta attention layer (Kimi Linear)",
                 "short_conv": "a transformers short gated convolution (LFM2)"}.get(
             wanted, f"a transformers Mamba-{wanted[-1]} mixer (Mamba-2: in_proj, conv1d, A_log / D / dt_bias, out_proj; "
                     f"Mamba-1: in_proj, conv1d, x_proj, dt_proj, A_log, D, out_proj)")
@@ -300,7 +310,7 @@ def split_mixer(name: str, module: nn.Module, specs: Dict[str, ShardSpec], group
     localize(module, specs, tp, rank)
     module._tp_mamba_specs = dict(specs)
     module._apply = types.MethodType(_apply, module)
-    out = deltanet.out_name(module) if style == "gated_deltanet" else "out_proj"
+    out = out_name(module, style)
     if rank > 0 and getattr(module, out).bias is not None:
         add_bias_once(module, out, "bias")
     tag = f"tp/{name}"
@@ -310,6 +320,9 @@ def split_mixer(name: str, module: nn.Module, specs: Dict[str, ShardSpec], group
         return hooks + _m1_hooks(name, module, specs, group, tag)
     if style == "gated_deltanet":  # the norm's one weight over head_v_dim, used by this rank's heads: partial grads
         return hooks + install_grad_allreduce(getattr(module, deltanet.norm_name(module)), group, f"{tag}/norm")
+    if style == "kimi_delta":  # the low-rank gates' first halves and the norm: used by every head, partial grads
+        return hooks + [h for whole in kda.WHOLE for h in install_grad_allreduce(
+            module.get_submodule(whole), group, f"{tag}/{whole}")]
     if groups is None:  # short_conv: nothing stays whole inside
         return hooks
     if groups % tp == 0:
@@ -424,7 +437,7 @@ def mixer_plan_entries(model: nn.Module, covered, tp: int):
         if style is None or covered(name):
             continue
         if any(covered(f"{name}.{c}") for c in ("in_proj", "out_proj", "conv1d", "x_proj", "dt_proj", "conv",
-                                                   *deltanet.PROJECTIONS, "o_proj") if hasattr(module, c)):
+                                                   *deltanet.PROJECTIONS, "o_proj", "g_b_proj") if hasattr(module, c)):
             continue
         why = unsupported(module, tp)
         if why is not None:

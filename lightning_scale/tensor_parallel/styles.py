@@ -34,6 +34,11 @@ style                           effect
                                 (:mod:`~lightning_scale.tensor_parallel.deltanet`)
 ``short_conv``                  a short gated convolution (LFM2) cut by channels, one region
                                 (:mod:`~lightning_scale.tensor_parallel.short_conv`)
+``kimi_delta``                  a Kimi delta attention layer (Kimi Linear) cut by heads, one region
+                                (:mod:`~lightning_scale.tensor_parallel.kda`)
+``grouped_rows``                a grouped linear layer's rows by whole groups, no communication (DeepSeek-V4's
+                                ``o_a_proj``; :mod:`~lightning_scale.tensor_parallel.grouped_attention`)
+``shared_output``               a whole module whose output feeds this rank's heads only: its gradient summed over tp
 ``expert_data_parallel``        (``ep=N``; the plan :mod:`~lightning_scale.tensor_parallel.expert_alltoall` builds) a
                                 transformers experts module's experts placed whole on the group's ranks, which hold
                                 different tokens: routes exchanged by all-to-all; every other parameter's gradient
@@ -104,6 +109,7 @@ _STYLES = {
     "mamba1": Style("mamba"),
     "gated_deltanet": Style("mamba"),
     "short_conv": Style("mamba"),
+    "kimi_delta": Style("mamba"),
     "expert_parallel": Style("expert_parallel"),
     "expert_data_parallel": Style("expert_data_parallel"),
     "vocab_colwise": Style("colwise", sections=1, pad=True),

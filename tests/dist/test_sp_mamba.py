@@ -46,12 +46,16 @@ FAMILIES = {
     # mixers the only thing sp cuts; its padding mask gathered over sp for them), with its projections' biases
     "olmo_hybrid": {},
     "mamba": dict(use_bias=True),
+    # Kimi Linear: its delta attention cut by heads over sp (tensor_parallel/kda.py), its latent attention under
+    # Ulysses (refused by name before 2026-12-07: a recurrent layer of a kind not cut here)
+    "kimi_linear": {},
 }
 # the float32 gated norm over a group both ranks share; Nemotron-H's float32 logits; Jamba's float32 router / norms
 TOL = {"bamba": 1e-7, "granitemoehybrid": 1e-7, "falcon_h1": 1e-7, "nemotron_h": 1e-6, "jamba": 1e-7,
        "qwen3_next": 1e-7, "qwen3_5": 1e-7,
        "olmo_hybrid": 1e-6,  # its A_log stays a float32 parameter in a float64 model (1.2e-7 after 3 steps)
-       "mamba": 1e-6}  # Mamba: its selective scan and logits in float32 (hf_families.FLOAT32_LOGITS_TOL)
+       "mamba": 1e-6,  # Mamba: its selective scan and logits in float32 (hf_families.FLOAT32_LOGITS_TOL)
+       "kimi_linear": 1e-5}  # its forget gate's decay in float32 (A_log.float()), its router in float32
 
 
 # sp x tp: the DeltaNets with 4 key heads (2 per tp rank, 1 per sp x tp rank)

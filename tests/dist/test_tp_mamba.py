@@ -25,7 +25,13 @@ GROUPS = {"bamba": "mamba_n_groups", "nemotron_h": "n_groups", "falcon_h1": "mam
 # no groups: Mamba-1 (style mamba1) Jamba, with in_proj / out_proj biases (mamba_proj_bias) beside conv1d's and
 # dt_proj's; gated DeltaNet layers (style gated_deltanet: Qwen3-Next, Qwen 3.5; their declared plans gathered the
 # projections and ran every head on every rank); LFM2's short convolutions (style short_conv) with their biases
-MAMBA1 = {"jamba": {"mamba_proj_bias": True}, "qwen3_next": {}, "qwen3_5": {}, "lfm2": {"conv_bias": True}}
+MAMBA1 = {"jamba": {"mamba_proj_bias": True}, "qwen3_next": {}, "qwen3_5": {}, "lfm2": {"conv_bias": True},
+          # OLMo hybrid's gated DeltaNet (a projection per part, o_proj / o_norm); Kimi Linear's delta attention (style
+          # kimi_delta: its low-rank gates' first halves and o_norm whole, their gradients summed over tp) beside its
+          # latent attention (DeepSeek-V3's plan, hf_rules.mla_left_out). Both whole on every rank before 2026-12-07
+          "olmo_hybrid": {}, "kimi_linear": {}}
+# families whose recurrent layers take the hidden states through q_proj (their attention layers' too: cut by heads)
+Q_PROJ = ("olmo_hybrid", "kimi_linear")
 # Bamba's out_proj bias; Nemotron-H with an MLP layer ('-': up / down projections, no gate) beside its Mamba and
 # attention layers (its own plan leaves the MLP whole: split by hf_rules.mlps_left_out)
 EXTRA = {"bamba": {"mamba_proj_bias": True}, "nemotron_h": {"hybrid_override_pattern": "M-M*"}}
@@ -33,10 +39,14 @@ EXTRA = {"bamba": {"mamba_proj_bias": True}, "nemotron_h": {"hybrid_override_pat
 VARIANTS = {"falcon_h1_norm": ("falcon_h1", {"mamba_rms_norm": True, "mamba_norm_before_gate": False}),
             "falcon_h1_norm_first": ("falcon_h1", {"mamba_rms_norm": True, "mamba_norm_before_gate": True})}
 # the share of parameters split at tp=2 (Falcon-H1's and Nemotron-H's small MLP / attention widths leave norms whole)
-SPLIT = {"bamba": 0.95, "nemotron_h": 0.85, "falcon_h1": 0.8, "granitemoehybrid": 0.95, "lfm2": 0.9}
+SPLIT = {"bamba": 0.95, "nemotron_h": 0.85, "falcon_h1": 0.8, "granitemoehybrid": 0.95, "lfm2": 0.9, "kimi_linear": 0.9}
 # Nemotron-H's float32 logits (hf_families.FLOAT32_LOGITS_TOL); Jamba's float32 router and dt / B / C norms, which
 # read x_proj's output summed over ranks in another order; the DeltaNets' float32 internals
-TOL = {"nemotron_h": 1e-6, "jamba": 2e-6, "qwen3_next": 2e-6, "qwen3_5": 2e-6}
+TOL = {"nemotron_h": 1e-6, "jamba": 2e-6, "qwen3_next": 2e-6, "qwen3_5": 2e-6, "olmo_hybrid": 2e-6,
+       # Kimi Linear's forget gate computes its decay in float32 (A_log.float()): A_log's gradient, a float32 sum over
+       # every position and channel of the rank's heads, 5.4e-6 relative off one process's (f_a_proj's gradient not
+       # summed over tp: 0.18)
+       "kimi_linear": 1e-5}
 # a group over several ranks: the gated norm computes in float32 (transformers casts), its sum of squares now added
 # in another order than one process's (8.4e-6 on the last attention layer's k_proj: exactly what one process gets
 # summing it in the same two halves)
@@ -81,7 +91,8 @@ def worker(rank: int, world_size: int, cases) -> dict:
     out = {}
     for family, groups in cases:
         whole = _build(family, groups)
-        shapes = {n: tuple(p.shape) for n, p in whole.named_parameters() if n.endswith(IN_PROJ)}
+        rows = IN_PROJ + (("q_proj.weight",) if family in Q_PROJ else ())
+        shapes = {n: tuple(p.shape) for n, p in whole.named_parameters() if n.endswith(rows)}
         model = apply_tensor_parallel(whole, None, dist.group.WORLD)
         x, y, mask = _batch()
         out[family, groups] = dict(tp_step(model, _loss, y, shapes.__contains__, input_ids=x, attention_mask=mask),

@@ -20,11 +20,7 @@ FLOOR = 0.85
 # family -> (its floor, what stays whole). The Mamba-2 mixers with one group, Bamba / Falcon-H1 / Granite 4 hybrid, were
 # left whole until their B / C rows were replicated over tp, Jamba's Mamba-1 mixers until style mamba1: 0.43 / 0.72 /
 # 0.82 split at tp=2 before
-WHOLE: dict = {"kimi_linear": (0.75, "its declared plan covers the MLPs and experts only: its Kimi delta attention "
-                                     "layers stay whole on every rank (its latent attention is cut by heads by the "
-                                     "built-in rule, hf_rules.mla_left_out: 0.62 -> 0.76 split here; the released "
-                                     "model's experts hold most of it)"),
-               "lfm3": (0.8, "its four norms per layer (operator, post-operator, ffn, post-ffn), whole on every rank as "
+WHOLE: dict = {"lfm3": (0.8, "its four norms per layer (operator, post-operator, ffn, post-ffn), whole on every rank as "
                              "every family's norms: 16% of this hidden-32 model, a negligible share at released widths")}
 REFUSED = {"codegen": "mp_num = 4", "doge": "dynamic mask", "jetmoe": "mixture of attention heads"}  # hf.BROKEN_PLANS
 
