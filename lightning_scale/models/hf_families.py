@@ -279,10 +279,7 @@ FAMILIES: Dict[str, Tuple[str, dict, str]] = {
 
 # families pp refuses by name -> what the refusal says (the matrix checks the refusal). None now: LFM2 and Falcon-H1
 # were ("declares no pipeline structure") until 2026-12-07; hf_pipeline._NAMED_STRUCTURE / _LAYER_MASKS run them
-NO_PP: Dict[str, str] = {"gemma4_ple": "hidden_size_per_layer_input=8",
-                         # Hunyuan 4: hyper-connection streams, and each layer hands its indexer's top-k picks to the
-                         # next (prev_topk_indices): refused by name (DeepSeek-V4's streams are carried)
-                         "hy_v4": "hc_mult=4"}
+NO_PP: Dict[str, str] = {"gemma4_ple": "hidden_size_per_layer_input=8"}
 # families whose forward upcasts the logits to float32 (Nemotron-H): a float64 run's loss is a float32 number, so
 # another split of the batch or of the layers moves it by float32 rounding (one ulp of the loss: 4.8e-7 seen); the
 # matrix's tolerance for them

@@ -87,46 +87,74 @@ def _join_mask(h: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
 _ID_DIGITS = 3  # token ids as base-256 digits: each exact in bfloat16 / float16 (integers to 256 / 2048), ids < 2**24
 
 
-class _Carry:
-    """What travels between the stages of a family whose residual is several streams or whose layers read the token
-    ids (DeepSeek-V4: ``hc_mult`` hyper-connection streams ``(B, T, hc, C)`` between layers, hash-routed experts that
-    pick by token id): the streams flattened ``(B, T, hc * C)``, then the ids as three base-256 digit channels (exact
-    in any float dtype, so a bfloat16 / float16 activation carries them unchanged), then the padding mask channel
-    (:func:`_join_mask`). One stream and no ids: the plain ``(B, T, C [+1])``."""
+def _to_digits(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Non-negative integers (< 2**24) ``(..., n)`` -> ``(..., 3 n)`` base-256 digits in ``dtype`` (exact in bfloat16)."""
+    values = values.to(torch.long)
+    return torch.stack([(values >> shift) & 255 for shift in (0, 8, 16)], dim=-1).flatten(-2).to(dtype)
 
-    def __init__(self, width: int, streams: int = 1, ids: bool = False) -> None:
-        self.width, self.streams, self.ids = width, streams, ids
+
+def _from_digits(digits: torch.Tensor) -> torch.Tensor:
+    d = digits.round().to(torch.long).unflatten(-1, (-1, _ID_DIGITS))
+    return d[..., 0] | d[..., 1] << 8 | d[..., 2] << 16
+
+
+class _Carry:
+    """What travels between the stages of a family whose residual is several streams or whose layers read more than
+    the hidden states (DeepSeek-V4: ``hc_mult`` hyper-connection streams ``(B, T, hc, C)`` between layers, hash-routed
+    experts that pick by token id; Hunyuan 4: the streams, and each layer's sparse-attention top-k picks, which the next
+    layer may reuse): the streams flattened ``(B, T, hc * C)``, then the ids as three base-256 digit channels, then the
+    ``picks`` top-k positions of each token as three digits each (exact in any float dtype, so a bfloat16 / float16
+    activation carries them unchanged), then the padding mask channel (:func:`_join_mask`). One stream, no ids, no
+    picks: the plain ``(B, T, C [+1])``."""
+
+    def __init__(self, width: int, streams: int = 1, ids: bool = False, picks: int = 0) -> None:
+        self.width, self.streams, self.ids, self.picks = width, streams, ids, picks
+
+    @property
+    def plain(self) -> bool:
+        return self.streams == 1 and not self.ids and not self.picks
 
     @property
     def channels(self) -> int:
-        return self.width * self.streams + (_ID_DIGITS if self.ids else 0)
+        return self.width * self.streams + (_ID_DIGITS if self.ids else 0) + _ID_DIGITS * self.picks
 
-    def split(self, x: torch.Tensor, has_mask: Optional[bool]
-              ) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
-        """(B, T, channels [+1]) -> hidden (B, T, C) or streams (B, T, hc, C), ids (B, T) or None, mask or None."""
+    def split(self, x: torch.Tensor, has_mask: Optional[bool]):
+        """(B, T, channels [+1]) -> hidden (B, T, C) or streams (B, T, hc, C), ids (B, T) or None, mask or None, and
+        with ``picks`` the top-k positions (B, T, picks) int32 as a fourth item."""
         x, mask = _split_mask(x, has_mask, self.channels)
+        picks = None
+        if self.picks:
+            picks = _from_digits(x[..., -_ID_DIGITS * self.picks:]).to(torch.int32)
+            x = x[..., :-_ID_DIGITS * self.picks]
         ids = None
         if self.ids:
-            digits = x[..., -_ID_DIGITS:].round().to(torch.long)
-            ids = digits[..., 0] | digits[..., 1] << 8 | digits[..., 2] << 16
+            ids = _from_digits(x[..., -_ID_DIGITS:])[..., 0]
             x = x[..., :-_ID_DIGITS]
         if self.streams > 1:
             x = x.unflatten(-1, (self.streams, self.width))
-        return x, ids, mask
+        return (x, ids, mask, picks) if self.picks else (x, ids, mask)
 
-    def join(self, h: torch.Tensor, ids: Optional[torch.Tensor], mask: Optional[torch.Tensor]) -> torch.Tensor:
+    def join(self, h: torch.Tensor, ids: Optional[torch.Tensor], mask: Optional[torch.Tensor],
+             picks: Optional[torch.Tensor] = None) -> torch.Tensor:
         if self.streams > 1:
             h = h.flatten(-2)
         if self.ids:
-            digits = torch.stack([(ids >> shift) & 255 for shift in (0, 8, 16)], dim=-1)
-            h = torch.cat([h, digits.to(h.dtype)], dim=-1)
+            h = torch.cat([h, _to_digits(ids.unsqueeze(-1), h.dtype)], dim=-1)
+        if self.picks:
+            if picks is None:  # before the first layer, which runs its own indexer
+                picks = torch.zeros(*h.shape[:-1], self.picks, dtype=torch.int32, device=h.device)
+            if picks.shape[-1] < self.picks:  # fewer positions than index_topk: a set, padded with its first pick
+                picks = torch.cat([picks, picks[..., :1].expand(*picks.shape[:-1], self.picks - picks.shape[-1])], -1)
+            h = torch.cat([h, _to_digits(picks, h.dtype)], dim=-1)
         return _join_mask(h, mask)
 
 
 def _carry(config) -> _Carry:
-    """The stages' carry layout of ``config``'s family (:data:`_STREAMS`)."""
-    streams, ids = _STREAMS.get(getattr(config, "model_type", None), (None, False))
-    return _Carry(config.hidden_size, int(getattr(config, streams)) if streams else 1, ids)
+    """The stages' carry layout of ``config``'s family (:data:`_STREAMS`, :data:`_PICKS`)."""
+    model_type = getattr(config, "model_type", None)
+    streams, ids = _STREAMS.get(model_type, (None, False))
+    picks = int(getattr(config, _PICKS[model_type])) if model_type in _PICKS else 0
+    return _Carry(config.hidden_size, int(getattr(config, streams)) if streams else 1, ids, picks)
 
 
 class HFEmbedding(nn.Module):
@@ -218,7 +246,7 @@ class HFDecoderLayer(nn.Module):
                   **extra)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C [+1]) -> same
-        h, ids, padding = self.carry.split(x, self.has_mask)
+        h, ids, padding, *picks = self.carry.split(x, self.has_mask)
         position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)  # (1, T), as the base model
         kwargs = dict(attention_mask=self._mask(h, padding, position_ids), position_ids=position_ids)
         for keyword, layer_type in self.extra_masks.items():
@@ -238,7 +266,12 @@ class HFDecoderLayer(nn.Module):
             kwargs["shared_kv_states"] = {}
         if self.carry.ids:
             kwargs["input_ids"] = ids
+        if self.carry.picks:  # Hunyuan 4: a "shared" layer reuses the previous layer's top-k picks
+            kwargs["prev_topk_indices"] = picks[0]
         out = self.layer(h, **kwargs)
+        if self.carry.picks:
+            out, new = out[0], out[1]
+            return self.carry.join(out, ids, padding, picks[0] if new is None else new)
         out = out[0] if isinstance(out, (tuple, list)) else out
         return self.carry.join(out, ids, padding)
 
@@ -256,16 +289,20 @@ class HFHead(nn.Module):
         self.hidden_scaling = hidden_scaling  # MiniCPM3: the hidden states / logits_scaling before the head
         self.float_logits = False  # Nemotron-H: the logits upcast to float32
         self.carry: Optional[_Carry] = None  # DeepSeek-V4's streams and ids (_Carry)
+        self.cast_to_head = False  # the hidden states cast to the head's dtype first (_CAST_TO_HEAD)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.carry is not None:
-            h, _, _ = self.carry.split(x, self.has_mask)  # the post modules collapse the streams (hc_head)
+            h = self.carry.split(x, self.has_mask)[0]  # the post modules collapse the streams (hc_head)
         else:
             h, _ = _split_mask(x, self.has_mask, self.width)
         for m in self.post:
             h = m(h)
         if self.hidden_scaling is not None:  # as MiniCPM3ForCausalLM.forward
             h = h / self.hidden_scaling
+        weight = getattr(self.head, "weight", None)
+        if self.cast_to_head and isinstance(weight, torch.Tensor) and weight.dtype != h.dtype:
+            h = h.to(weight.dtype)  # as HYV4ForCausalLM / MambaForCausalLM.forward (Hunyuan 4's head stays float32)
         logits = self.head(h)
         if self.logit_scale is not None:  # as CohereForCausalLM.forward (Falcon-H1's lm_head_multiplier alike)
             logits = logits * self.logit_scale
@@ -330,11 +367,14 @@ _NAMED_STRUCTURE = {"jamba": (("embed_tokens",), "layers", ("final_layernorm",))
                      "lfm3": (("embed_tokens",), "layers", ("embedding_norm",))}
 # families whose declared base_model_pp_plan leaves out a module their forward runs, so their _NAMED_STRUCTURE entry
 # is used instead (DeepSeek-V4: hc_head, which collapses the hyper-connection streams before the final norm)
-_PLAN_INCOMPLETE = ("deepseek_v4",)
-_NAMED_STRUCTURE["deepseek_v4"] = (("embed_tokens",), "layers", ("hc_head", "norm"))
+_PLAN_INCOMPLETE = ("deepseek_v4", "hy_v4")
+_NAMED_STRUCTURE["deepseek_v4"] = _NAMED_STRUCTURE["hy_v4"] = (("embed_tokens",), "layers", ("hc_head", "norm"))
 # families whose residual between layers is several streams (the config attribute that counts them) and whether their
 # layers read the token ids (input_ids): DeepSeek-V4's hyper-connections (hc_mult) and hash-routed experts (_Carry)
-_STREAMS = {"deepseek_v4": ("hc_mult", True)}
+_STREAMS = {"deepseek_v4": ("hc_mult", True), "hy_v4": ("hc_mult", False)}
+# families whose layers hand the next one their sparse-attention top-k picks (the config attribute that counts them):
+# Hunyuan 4's "shared" indexer layers reuse the previous layer's (prev_topk_indices), across a stage boundary too
+_PICKS = {"hy_v4": "index_topk"}
 # families whose base model hands every layer a dict of rotary tables, one per kind (the rotary module's layer_type)
 _ROTARY_KINDS = {"deepseek_v4": ("main", "compress")}
 # families whose every layer takes fixed masks by keyword, whatever config.layer_types says (Falcon-H1's layers are
@@ -344,6 +384,8 @@ _LAYER_MASKS = {"falcon_h1": {"attention_mask": "full_attention", "mamba_attenti
                 # Mamba's blocks: the 2-D padding mask its base model passes (its config has no layer_types)
                 "mamba": {"attention_mask": "linear_attention"}}
 # families whose forward upcasts the logits to float32 (the head does too)
+# families whose CausalLM casts the hidden states to the head's dtype (Hunyuan 4 keeps its head in float32)
+_CAST_TO_HEAD = ("hy_v4", "mamba")
 _FLOAT_LOGITS = ("nemotron_h", "mamba")  # their CausalLM forward upcasts the logits to float32
 # families whose base model norms the embeddings with its final norm before the first layer (NanoChat: a norm without
 # weights, so the first and the last stage each run it: nothing to tie)
@@ -444,7 +486,7 @@ def hf_pipeline_layers(model: nn.Module, attention_mask: Optional[bool] = None) 
     if carry.ids and config.vocab_size > 1 << 8 * _ID_DIGITS:
         raise ConfigError(f"pipeline: {family}: vocab_size={config.vocab_size} exceeds the {1 << 8 * _ID_DIGITS} "
                           f"token ids its stages carry to the layers that read them; {_hook_hint(model)}")
-    plain = carry.streams == 1 and not carry.ids
+    plain = carry.plain
     out: List[nn.Module] = [HFEmbedding([getattr(base, n) for n in pre], attention_mask, multiplier,
                                         None if plain else carry)]
     materialize = _materializes_mask(base)
@@ -460,6 +502,7 @@ def hf_pipeline_layers(model: nn.Module, attention_mask: Optional[bool] = None) 
                                       else None)))
     out[-1].float_logits = model.config.model_type in _FLOAT_LOGITS
     out[-1].carry = None if plain else carry
+    out[-1].cast_to_head = model.config.model_type in _CAST_TO_HEAD
     return nn.Sequential(*out)
 
 

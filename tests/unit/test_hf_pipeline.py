@@ -176,6 +176,12 @@ def test_token_ids_ride_exactly_in_any_float_dtype_and_the_streams_come_back(dty
     back, back_ids, back_mask = carry.split(x, None)
     assert torch.equal(back_ids, ids) and torch.equal(back_mask, mask) and torch.equal(back, streams)
     assert torch.tensor(129279.0).to(torch.bfloat16).item() != 129279  # why one channel would not do
+    # Hunyuan 4: each token's top-k picks ride too (its "shared" layers reuse the previous layer's), padded with the
+    # first pick where the sequence is shorter than index_topk (a set of positions: the same mask)
+    with_picks = _Carry(width=8, streams=2, ids=False, picks=4)
+    picks = torch.tensor([[[3, 1, 0], [70000, 2, 2]]], dtype=torch.int32)
+    back, _, _, back_picks = with_picks.split(with_picks.join(streams[:1, :2], None, None, picks), False)
+    assert torch.equal(back_picks, torch.cat([picks, picks[..., :1]], -1)) and torch.equal(back, streams[:1, :2])
 
 
 def test_hyper_connection_streams_are_refused_where_the_adapter_does_not_carry_them():
