@@ -486,7 +486,7 @@ def _profile_one(unit, hidden: int, tokens: int, sp: int, tp: int, tiled_mlp: in
     except Exception as err:  # a unit that needs more than one tensor (masks, rotary tables): count instead
         experts = _expert_weights(unit)
         why = ("is a mixture of experts (routing with data-dependent shapes: no fake-tensor profile)" if experts else
-               f"did not run alone on fake tensors ({type(err).__name__})")
+               f"did not run alone on fake tensors ({type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''})")
         notes.append(f"{type(unit).__name__} {why}; activations counted from its Linear sizes" + (
             f" and its {len(experts)} stacked expert weights (each token through {experts_per_token(unit)} experts)"
             if experts else ""))

@@ -134,19 +134,34 @@ def _rotary_inputs(unit: nn.Module, tokens: int) -> Dict[str, Any]:
 
 
 def _stream_inputs(unit: nn.Module, tokens: int, hidden: int):
-    """(input, keyword inputs) for a DeepSeek-V4 decoder layer, else None: its input is the residual's ``hc_mult``
-    streams ``(1, tokens, hc, hidden)``, and its base model hands every layer a rotary table per kind (``main`` /
-    ``compress``: ``qk_rope_head_dim / 2`` entries per position, its interleaved pairs), the positions and the token
-    ids (its hash-routed layers pick experts by id). Called inside the fake mode."""
+    """(input, keyword inputs) for a DeepSeek-V4 / Hunyuan 4 decoder layer, else None: its input is the residual's
+    ``hc_mult`` streams ``(1, tokens, hc, hidden)``; DeepSeek-V4's base model hands every layer a rotary table per kind
+    (``main`` / ``compress``: ``qk_rope_head_dim / 2`` entries per position, its interleaved pairs), the positions and
+    the token ids (its hash-routed layers pick experts by id), Hunyuan 4's its causal mask (its indexer reads it) and the
+    previous layer's top-k picks (its shared layers reuse them). Called inside the fake mode."""
+    carry = getattr(unit, "carry", None)  # a pipeline stage's layer (hf_pipeline.HFDecoderLayer): what its stages
+    if carry is not None and not getattr(carry, "plain", True):  # carry, from which it builds the rest itself
+        return torch.empty(1, tokens, carry.channels, requires_grad=True), {}
     config = next((c for m in unit.modules() if getattr(c := getattr(m, "config", None), "model_type", None)
-                   == "deepseek_v4"), None)
+                   in ("deepseek_v4", "hy_v4")), None)
     if config is None or not isinstance(getattr(config, "hc_mult", None), int):
         return None
+    x = torch.empty(1, tokens, config.hc_mult, hidden, requires_grad=True)
+    positions = torch.arange(tokens).unsqueeze(0)
+    if config.model_type == "hy_v4":  # its streams, its rotary table (the family's own module, on fake tensors: its
+        # interleaved layout) and the previous layer's top-k picks (its shared layers read them)
+        import sys
+
+        family = vars(sys.modules[type(unit).__module__])
+        rotary = next(v for k, v in family.items() if k.endswith("RotaryEmbedding") and isinstance(v, type))(config)
+        picks = torch.zeros(1, tokens, min(config.index_topk, tokens), dtype=torch.int32)
+        table = rotary(torch.empty(1, tokens, hidden), positions)
+        causal = torch.ones(tokens, tokens, dtype=torch.bool).tril()[None, None]  # its base model always builds it
+        return x, dict(prev_topk_indices=picks, position_ids=positions, position_embeddings=table,
+                       attention_mask=causal)
     half = config.qk_rope_head_dim // 2
     tables = {kind: (torch.empty(1, tokens, half), torch.empty(1, tokens, half)) for kind in ("main", "compress")}
-    x = torch.empty(1, tokens, config.hc_mult, hidden, requires_grad=True)
-    return x, dict(position_embeddings=tables, position_ids=torch.arange(tokens).unsqueeze(0),
-                   input_ids=torch.zeros(1, tokens, dtype=torch.long))
+    return x, dict(position_embeddings=tables, position_ids=positions, input_ids=torch.zeros(1, tokens, dtype=torch.long))
 
 
 # families whose rotary embedding is one complex tensor (freqs_cis), not a (cos, sin) pair
@@ -254,7 +269,9 @@ def profile_unit(unit: nn.Module, tokens: int, tp: int = 1, hidden: Optional[int
             if streams is not None:  # DeepSeek-V4: its residual streams in, its tables and token ids beside
                 x, more = streams
                 kwargs.update(more)
-                own |= {t.untyped_storage()._cdata for pair in more["position_embeddings"].values() for t in pair}
+                tables = more.get("position_embeddings")  # DeepSeek-V4: a (cos, sin) pair per kind
+                pairs = tables.values() if isinstance(tables, dict) else [tables] if tables is not None else []
+                own |= {t.untyped_storage()._cdata for pair in pairs for t in pair}
             if mask:  # a sliding window: the model's one mask, shared by all units
                 kwargs.update(_mask_inputs(unit, tokens))
             mask_b = kwargs["attention_mask"].untyped_storage().nbytes() if "attention_mask" in kwargs else 0

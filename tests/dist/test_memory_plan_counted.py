@@ -106,6 +106,9 @@ CASES = {  # name: (family, Zero3DStrategy kwargs)
     # scores); profiled with those inputs (activation_profile._stream_inputs): 1.005 / 1.015
     "deepseek_v4_zero2": ("deepseek_v4", {"stage": 2}),
     "deepseek_v4_tp2": ("deepseek_v4", {"tp": 2}),
+    # ... and at pp=2, where each of its 4 layers is a kind of its own: a kind found only on the other stage (no
+    # storage on this rank) was counted, 1.45x under; the model is rebuilt on meta for its profile (memory_plan.py)
+    "deepseek_v4_pp2": ("deepseek_v4", {"pp": 2}),
 }
 SEQ, BATCH = 1024, 2
 # Jamba's Mamba-1 scan loops over the positions in Python (no mamba kernels on CPU): its measured step at 1024 ran ~67k
