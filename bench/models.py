@@ -155,6 +155,28 @@ def build_llama(kw: dict):
                               attn_implementation="eager")
         torch.manual_seed(0)
         return GptOssForCausalLM(config)
+    if kw.get("model") == "deepseek_v4":  # DeepSeek-V4 in small: 2 hyper-connection streams, compressed attention
+        # (CSA / HCA alternating) with one shared key / value head, sinks and a grouped low-rank output; hash-routed
+        # experts in the first layer, routed after (eager only)
+        from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+        from lightning_scale.models.hf_families import _fill_hash_tables
+
+        h, heads = kw["hidden"], kw["heads"]
+        config = DeepseekV4Config(
+            vocab_size=kw["vocab"], hidden_size=h, num_hidden_layers=kw["layers"], num_attention_heads=heads,
+            num_key_value_heads=1, head_dim=2 * h // heads, qk_rope_head_dim=16, q_lora_rank=h // 2, o_groups=4,
+            o_lora_rank=h // 2, n_routed_experts=kw.get("experts", 8), num_experts_per_tok=kw.get("top_k", 2),
+            moe_intermediate_size=kw.get("expert_width") or h, hc_mult=2, hc_sinkhorn_iters=4, index_n_heads=4,
+            index_head_dim=32, index_topk=16, sliding_window=64, pad_token_id=0, max_position_embeddings=kw["seq"],
+            compress_rates=dict(compressed_sparse_attention=4, heavily_compressed_attention=16),
+            layer_types=(["heavily_compressed_attention", "compressed_sparse_attention"] * kw["layers"])[:kw["layers"]],
+            mlp_layer_types=["hash_moe"] + ["moe"] * (kw["layers"] - 1), experts_implementation="eager",
+            attn_implementation="eager")
+        torch.manual_seed(0)
+        model = DeepseekV4ForCausalLM(config)
+        _fill_hash_tables(model, 0)
+        return model
     if kw.get("model") == "nemotron_h":  # Nemotron-H in small: Mamba-2 (2 groups), attention and MLP layers
         from transformers import NemotronHConfig, NemotronHForCausalLM
 
@@ -277,7 +299,7 @@ def _dtensor_plan(model, mesh) -> None:
 
 # models whose built-in plan here splits what their declared plan leaves whole (DBRX: its head only; GPT-OSS: its
 # biased experts; Nemotron-H: its Mamba-2 mixers and head): ls_tp2_own is their declared plan
-NEW_PLANS = ("dbrx", "gpt_oss", "nemotron_h", "bamba", "jamba", "qwen3_5")
+NEW_PLANS = ("dbrx", "gpt_oss", "nemotron_h", "bamba", "jamba", "qwen3_5", "deepseek_v4")
 
 
 def _own_plan(model) -> dict:
@@ -381,7 +403,9 @@ def _plain_step(system: str, model, rank: int, world: int):
             from lightning_scale.tensor_parallel.routed_experts import route_experts
 
             route_experts(model)
-        module = torch.nn.parallel.DistributedDataParallel(model)
+        # DeepSeek-V4's indexers pick positions (top-k): their weights get no gradient, which DDP must be told of
+        unused = getattr(getattr(model, "config", None), "model_type", None) == "deepseek_v4"
+        module = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=unused)
     elif system == "fsdp2":
         _fsdp2(model)
         module = model
