@@ -72,6 +72,11 @@ def launch_and_check(script: str, tmp_path, name: str, timeout: float = 400, act
     proc = run_script([sys.executable, script, str(tmp_path), name], timeout=timeout, cwd=tmp_path, ranks=2)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     results = [json.loads((tmp_path / f"plan{r}.json").read_text()) for r in range(2)]
+    return check_plan(name, results, activation_share)
+
+
+def check_plan(name: str, results: list, activation_share: float = 0.25) -> list:
+    """Every rank's step-1 ratio within 15%, no warning, activations a real share of the plan."""
     for r in results:
         assert abs(r["ratio"] - 1) <= 0.15, (name, results)
         assert not r["warned"], (name, r)
@@ -80,12 +85,38 @@ def launch_and_check(script: str, tmp_path, name: str, timeout: float = 400, act
     return results
 
 
+def launch_many(script: str, tmp_path, names, timeout: float = 600) -> dict:
+    """One 2-rank launch of ``script`` fitting each of ``names`` in turn (one Trainer after the other, each measuring
+    its own step 1): name -> the ranks' results, or the launch's error text for every name when it failed (each test
+    then fails with it). One launch per group instead of per case: the interpreters, imports and process group are
+    paid once."""
+    from lightning_scale.testing import run_script
+
+    proc = run_script([sys.executable, script, str(tmp_path), ",".join(names)], timeout=timeout, cwd=tmp_path,
+                      ranks=2)
+    out = {}
+    for name in names:
+        files = [tmp_path / f"plan{r}_{name}.json" for r in range(2)]
+        if proc.returncode == 0 and all(f.exists() for f in files):
+            out[name] = [json.loads(f.read_text()) for f in files]
+        else:
+            out[name] = proc.stdout[-3000:] + proc.stderr[-5000:]
+    return out
+
+
 def main(fit) -> None:
-    """This file as a script: one rank of the launch, writing its plan<rank>.json."""
-    out, name = sys.argv[1], sys.argv[2]
-    result = fit(name)
-    with open(os.path.join(out, f"plan{os.environ.get('RANK', '0')}.json"), "w") as f:
-        json.dump(result, f)
+    """This file as a script: one rank of the launch, writing its plan<rank>.json (several names, comma-separated:
+    fitted one after the other, each writing plan<rank>_<name>.json)."""
+    import gc
+
+    out, names = sys.argv[1], sys.argv[2].split(",")
+    rank = os.environ.get("RANK", "0")
+    for name in names:
+        result = fit(name)
+        path = f"plan{rank}.json" if len(names) == 1 else f"plan{rank}_{name}.json"
+        with open(os.path.join(out, path), "w") as f:
+            json.dump(result, f)
+        gc.collect()  # the previous Trainer's tensors gone before the next one measures its step 1
 
 
 @pytest.mark.slow
