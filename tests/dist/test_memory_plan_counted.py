@@ -12,8 +12,8 @@ meta (``tensor_parallel.local_view.local_linears``), so sliding-window attention
 unit that still cannot run (an MoE) is counted with the parallel layers at their local widths. Each case: one Trainer
 fit, float32, 2 x 1024 tokens per rank, the measured step-1 peak (the engines' bytes + ``LiveTensorBytes``)
 within 15% of the plan on every rank, no warning. The fits run GROUP at a time in one 2-rank launch, one Trainer after
-the other (a launch per case took 3.5 min of the suite for 48 cases, 70 s this way; the ratios the same to 0.01). Run
-as a script, this file is one rank of that launch.
+the other (a launch per case took 3-6 s each, most of it interpreters, imports and the process group; 48 cases now
+take about 70 s, the ratios the same to 0.01). Run as a script, this file is one rank of that launch.
 """
 
 from __future__ import annotations
