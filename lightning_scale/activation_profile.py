@@ -142,8 +142,10 @@ def _stream_inputs(unit: nn.Module, tokens: int, hidden: int):
     carry = getattr(unit, "carry", None)  # a pipeline stage's layer (hf_pipeline.HFDecoderLayer): what its stages
     if carry is not None and not getattr(carry, "plain", True):  # carry, from which it builds the rest itself
         return torch.empty(1, tokens, carry.channels, requires_grad=True), {}
+    from lightning_scale.models.hf_pipeline import _STREAMS  # the families whose layers take several streams
+
     config = next((c for m in unit.modules() if getattr(c := getattr(m, "config", None), "model_type", None)
-                   in ("deepseek_v4", "hy_v4")), None)
+                   in _STREAMS), None)
     if config is None or not isinstance(getattr(config, "hc_mult", None), int):
         return None
     x = torch.empty(1, tokens, config.hc_mult, hidden, requires_grad=True)

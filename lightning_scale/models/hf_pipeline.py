@@ -119,8 +119,8 @@ class _Carry:
         return self.width * self.streams + (_ID_DIGITS if self.ids else 0) + _ID_DIGITS * self.picks
 
     def split(self, x: torch.Tensor, has_mask: Optional[bool]):
-        """(B, T, channels [+1]) -> hidden (B, T, C) or streams (B, T, hc, C), ids (B, T) or None, mask or None, and
-        with ``picks`` the top-k positions (B, T, picks) int32 as a fourth item."""
+        """(B, T, channels [+1]) -> hidden (B, T, C) or streams (B, T, hc, C), ids (B, T) or None, mask or None, the
+        top-k picks (B, T, picks) int32 or None."""
         x, mask = _split_mask(x, has_mask, self.channels)
         picks = None
         if self.picks:
@@ -132,7 +132,7 @@ class _Carry:
             x = x[..., :-_ID_DIGITS]
         if self.streams > 1:
             x = x.unflatten(-1, (self.streams, self.width))
-        return (x, ids, mask, picks) if self.picks else (x, ids, mask)
+        return x, ids, mask, picks
 
     def join(self, h: torch.Tensor, ids: Optional[torch.Tensor], mask: Optional[torch.Tensor],
              picks: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -246,7 +246,7 @@ class HFDecoderLayer(nn.Module):
                   **extra)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C [+1]) -> same
-        h, ids, padding, *picks = self.carry.split(x, self.has_mask)
+        h, ids, padding, picks = self.carry.split(x, self.has_mask)
         position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)  # (1, T), as the base model
         kwargs = dict(attention_mask=self._mask(h, padding, position_ids), position_ids=position_ids)
         for keyword, layer_type in self.extra_masks.items():
@@ -267,11 +267,11 @@ class HFDecoderLayer(nn.Module):
         if self.carry.ids:
             kwargs["input_ids"] = ids
         if self.carry.picks:  # Hunyuan 4: a "shared" layer reuses the previous layer's top-k picks
-            kwargs["prev_topk_indices"] = picks[0]
+            kwargs["prev_topk_indices"] = picks
         out = self.layer(h, **kwargs)
         if self.carry.picks:
             out, new = out[0], out[1]
-            return self.carry.join(out, ids, padding, picks[0] if new is None else new)
+            return self.carry.join(out, ids, padding, picks if new is None else new)
         out = out[0] if isinstance(out, (tuple, list)) else out
         return self.carry.join(out, ids, padding)
 

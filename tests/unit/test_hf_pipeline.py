@@ -173,7 +173,7 @@ def test_token_ids_ride_exactly_in_any_float_dtype_and_the_streams_come_back(dty
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
     x = carry.join(streams, ids, mask)
     assert x.shape == (2, 5, 2 * 8 + 3 + 1) and x.dtype == dtype
-    back, back_ids, back_mask = carry.split(x, None)
+    back, back_ids, back_mask, _ = carry.split(x, None)
     assert torch.equal(back_ids, ids) and torch.equal(back_mask, mask) and torch.equal(back, streams)
     assert torch.tensor(129279.0).to(torch.bfloat16).item() != 129279  # why one channel would not do
     # Hunyuan 4: each token's top-k picks ride too (its "shared" layers reuse the previous layer's), padded with the
