@@ -176,7 +176,9 @@ def test_autotune_searches_compile_in_process_and_reports_compile_seconds_apart(
     eager, compiled = rows["eager"], rows["compile"]
     assert eager["graphs"] == 0 and eager["compiled_units"] == 0, eager
     assert compiled["graphs"] >= 1 and compiled["compiled_units"] >= 1, compiled
-    assert compiled["compile_s"] > 1.0 and compiled["compile_s"] > compiled["step_s"], compiled
+    # compile seconds are apart from the steady step: the compiling warm-up's excess over the median step (not a
+    # wall-time bound: a loaded CI machine compiled these graphs in 0.98 s once)
+    assert compiled["compile_s"] > compiled["step_s"] > 0, compiled
     assert compiled["tokens_per_s"] > 0 and eager["tokens_per_s"] > 0
     assert compiled["warmup"] == 2 and eager["warmup"] == 1  # a compiled probe warms up past its recompile
     s = result["settings"]
