@@ -420,6 +420,21 @@ class UnitProfile:
     # they are (``per_token`` is then the tiled units')
     untiled: Optional[Tuple[Dict[str, float], int]] = None
     vocab_parallel: bool = True  # the loss runs on vocab / tp columns per rank (vocab_parallel_loss)
+    # units of several kinds: each unit's per-token bytes (its kind's profile), in the order of ``_units(module)``
+    # (None for a unit with no parameters); a pipeline stage's plan takes its own units' (:func:`units_profile`)
+    per_unit: Optional[Tuple[Optional[Dict[str, float]], ...]] = None
+
+
+def units_profile(prof: "UnitProfile", indices: Sequence[int]) -> Dict[str, float]:
+    """The per-token bytes of the units at ``indices`` (of ``prof.per_unit``): their mean, with the largest backward
+    working set (as :func:`profile_model` takes the model's); the model's when ``prof`` has one kind of unit."""
+    parts = [prof.per_unit[i] for i in indices if prof.per_unit is not None and prof.per_unit[i] is not None]
+    if not parts:
+        return prof.per_token
+    keys = set().union(*parts)
+    mean = {k: sum(p.get(k, 0.0) for p in parts) / len(parts) for k in keys}
+    mean["backward"] = max(p.get("backward", 0.0) for p in parts)
+    return mean
 
 
 def mix_units(tiled: ActivationEstimate, untiled: Optional[ActivationEstimate]) -> ActivationEstimate:
@@ -502,7 +517,8 @@ def profile_model(module, *, seq_len: int, sp: int = 1, tp: int = 1, chunked_los
     set: the largest)."""
     from lightning_scale.activation_profile import _mask_inputs, hidden_size
 
-    units = [u for u in _units(module) if any(True for _ in u.parameters())]
+    every = list(_units(module))
+    units = [u for u in every if any(True for _ in u.parameters())]
     if not units:
         raise ConfigError("the model has no repeated unit to estimate activations for")
     unit = max(units, key=lambda u: sum(p.numel() for p in u.parameters()))
@@ -520,11 +536,12 @@ def profile_model(module, *, seq_len: int, sp: int = 1, tp: int = 1, chunked_los
         per_token, source, notes = _profile_one(unit, hidden, tokens, sp, tp, tiled_mlp, tiled_attention)
         return UnitProfile(per_token=per_token, layers=len(units), hidden=hidden, vocab=vocab, chunk=chunk,
                            unit_type=type(unit), source=source, notes=tuple(notes), vocab_parallel=split_loss)
-    parts, notes, sources = [], [], set()
+    parts, notes, sources, of_unit = [], [], set(), {}
     for group in kinds.values():
         largest = max(group, key=lambda u: sum(p.numel() for p in u.parameters()))
         per_token, source, more = _profile_one(largest, hidden, tokens, sp, tp, tiled_mlp, tiled_attention)
         parts.append((per_token, len(group)))
+        of_unit.update((id(u), per_token) for u in group)
         notes += [n for n in more if n not in notes]
         sources.add(source)
     keys = set().union(*(p for p, _ in parts))
@@ -534,7 +551,8 @@ def profile_model(module, *, seq_len: int, sp: int = 1, tp: int = 1, chunked_los
                  "profiled, the per-token bytes their mean")
     return UnitProfile(per_token=mean, layers=len(units), hidden=hidden, vocab=vocab, chunk=chunk,
                        unit_type=type(unit), source="counted" if sources == {"counted"} else "profiled",
-                       notes=tuple(notes), vocab_parallel=split_loss)
+                       notes=tuple(notes), vocab_parallel=split_loss,
+                       per_unit=tuple(of_unit.get(id(u)) for u in every))
 
 
 def activations_for_model(module, *, seq_len: int, micro_batch: int = 1, precision: str = "bf16-mixed",

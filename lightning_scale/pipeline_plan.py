@@ -40,7 +40,7 @@ from typing import Dict, Optional, Sequence, Tuple
 
 from lightning_scale.config import ConfigError
 
-__all__ = ["PipelinePeak", "StageBytes", "schedule_peak", "pipeline_activations", "split_backward_width", "stage_units"]
+__all__ = ["PipelinePeak", "StageBytes", "schedule_peak", "pipeline_activations", "split_backward_width"]
 
 
 @dataclass(frozen=True)
@@ -211,19 +211,15 @@ def _is_embedding(module) -> bool:
     return isinstance(module, nn.Embedding) or "Embedding" in type(module).__name__
 
 
-def stage_units(layers: Sequence, bounds: Sequence[int], unit_type: type) -> Dict[int, int]:
-    """Stage id -> how many ``unit_type`` modules (repeated blocks) its layers hold."""
-    return {s: sum(1 for layer in layers[bounds[s]:bounds[s + 1]] for m in layer.modules() if type(m) is unit_type)
-            for s in range(len(bounds) - 1)}
-
-
 def pipeline_activations(*, schedule, pp_rank: int, units: Dict[int, int], seq_len: int, micro_batch: int,
                          per_token: Dict[str, float], hidden: int, vocab: int, precision: str = "bf16-mixed",
                          activation_checkpointing=None, offload_activations: bool = False, sp: int = 1,
                          tp: int = 1, prefetch: int = 2, tied_numel: int = 0, source: str = "given",
                          notes: Sequence[str] = (), split_widths: Optional[Dict[int, Tuple[float, float]]] = None,
-                         vocab_parallel: bool = True):
+                         vocab_parallel: bool = True, stage_per_token: Optional[Dict[int, Dict[str, float]]] = None):
     """The activation plan of pipeline rank ``pp_rank``: ``units`` maps its stage ids to their unit counts,
+    ``stage_per_token`` (optional) a stage id to its own units' per-token bytes (units of several kinds: a hybrid's
+    attention and Mamba layers are not spread evenly over the stages), else every stage takes ``per_token``;
     ``micro_batch`` is the sequences of one pipeline micro-batch; ``split_widths`` its stage ids to
     :func:`split_backward_width` (read when the schedule splits the backward; missing: 0). Returns an ``ActivationEstimate`` whose
     ``pipeline`` holds the schedule walk (its ``peak`` is the walk's)."""
@@ -239,7 +235,8 @@ def pipeline_activations(*, schedule, pp_rank: int, units: Dict[int, int], seq_l
         if s not in units:
             raise ConfigError(f"pipeline stage {s} of pipeline rank {pp_rank}: its unit count is unknown")
         n = units[s]
-        est = estimate_activations(seq_len=seq_len, micro_batch=micro_batch, layers=max(n, 1), per_token=per_token,
+        mine = (stage_per_token or {}).get(s, per_token)
+        est = estimate_activations(seq_len=seq_len, micro_batch=micro_batch, layers=max(n, 1), per_token=mine,
                                    hidden=hidden, vocab=vocab, precision=precision,
                                    activation_checkpointing=activation_checkpointing,
                                    offload_activations=offload_activations, sp=sp, tp=tp, loss_chunk=0,
@@ -257,7 +254,7 @@ def pipeline_activations(*, schedule, pp_rank: int, units: Dict[int, int], seq_l
         if split:  # zero-bubble: the records and the gradients W consumes (module docstring)
             grads, unsaved = (split_widths or {}).get(s, (0.0, 0.0))
             work = est.tokens * grads * b
-            keep += est.tokens * (unsaved * b + n * per_token.get("recorded", 0.0) * b / 4.0) if grads else 0.0
+            keep += est.tokens * (unsaved * b + n * mine.get("recorded", 0.0) * b / 4.0) if grads else 0.0
         stages[s] = StageBytes(keep=keep, backward=backward, out=hidden_bytes if s < last_id else 0.0,
                                grad=hidden_bytes if s > 0 else 0.0, recv_f=hidden_bytes if s > 0 else 0.0,
                                recv_b=hidden_bytes if s < last_id else 0.0, work=work, split=split)

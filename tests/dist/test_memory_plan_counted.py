@@ -111,6 +111,9 @@ CASES = {  # name: (family, Zero3DStrategy kwargs)
     # ... and at pp=2, where each of its 4 layers is a kind of its own: a kind found only on the other stage (no
     # storage on this rank) was counted, 1.45x under; the model is rebuilt on meta for its profile (memory_plan.py)
     "deepseek_v4_pp2": ("deepseek_v4", {"pp": 2}),
+    # OLMo hybrid at pp=2: two layer classes (gated DeltaNet, attention); each stage counted the largest class's units
+    # only and took the model's mean of the kinds (1.73 / 1.81 under); now its own units with their own profiles
+    "olmo_hybrid_pp2": ("olmo_hybrid", {"pp": 2}),
 }
 SEQ, BATCH = 1024, 2
 # Jamba's Mamba-1 scan loops over the positions in Python (no mamba kernels on CPU): its measured step at 1024 ran ~67k
@@ -118,7 +121,7 @@ SEQ, BATCH = 1024, 2
 # plan (launch_and_check's activation_share; ratios 0.954 / 1.03 on 2026-12-07)
 SEQ_OF = {"jamba": 256}
 # families of CASES without experts (the hybrids' Mamba / convolution / DeltaNet layers beside attention)
-DENSE = ("bamba", "lfm2", "falcon_h1", "nemotron_h", "qwen3_5")
+DENSE = ("bamba", "lfm2", "falcon_h1", "nemotron_h", "qwen3_5", "olmo_hybrid")
 
 
 def _litgpt_moe():

@@ -93,6 +93,28 @@ def test_stage_activations_from_one_unit_profile():
     assert lsm > 0
 
 
+def test_each_stage_takes_its_own_units_profile():
+    """Units of several kinds (a hybrid's attention and Mamba layers): a stage's plan is its own units' bytes, not the
+    model's mean (OLMo hybrid at pp=2 was 1.73x under), and a stage with no entry takes the model's profile."""
+    from lightning_scale.activation_plan import UnitProfile, units_profile
+
+    light = {"saved": 100.0, "input": 10.0, "selective": 30.0, "backward": 20.0}
+    heavy = {"saved": 900.0, "input": 10.0, "selective": 300.0, "backward": 500.0}
+    prof = UnitProfile(per_token={"saved": 500.0, "input": 10.0, "selective": 165.0, "backward": 500.0}, layers=4,
+                       hidden=32, vocab=128, chunk=0, unit_type=object, source="profiled", notes=(),
+                       per_unit=(light, heavy, light, None))
+    assert units_profile(prof, [0, 2]) == light
+    assert units_profile(prof, [0, 1]) == {"saved": 500.0, "input": 10.0, "selective": 165.0, "backward": 500.0}
+    assert units_profile(prof, [3]) is prof.per_token  # no profile of its own (a unit without parameters)
+    sch = build_schedule("1f1b", 2, 1)
+    common = dict(schedule=sch, seq_len=64, micro_batch=1, per_token=prof.per_token, hidden=32, vocab=128,
+                  precision="32-true", pp_rank=0, units={0: 2})
+    mean = pipeline_activations(**common)
+    own = pipeline_activations(stage_per_token={0: units_profile(prof, [0, 2])}, **common)
+    assert own.kept == 2 * 100 * 64 < mean.kept == 2 * 500 * 64
+    assert pipeline_activations(stage_per_token={1: heavy}, **common).kept == mean.kept
+
+
 def test_zero_bubble_holds_the_weight_work_until_w():
     # ZB-H1, pp=2, m=4: rank 0 runs each W right after its I; rank 1 defers one W, so at I(s1,m1) micro-batch 0
     # still holds its graph and its module-output gradients (work) next to micro-batch 1's I
