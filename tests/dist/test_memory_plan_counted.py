@@ -114,8 +114,13 @@ CASES = {  # name: (family, Zero3DStrategy kwargs)
     # OLMo hybrid at pp=2: two layer classes (gated DeltaNet, attention); each stage counted the largest class's units
     # only and took the model's mean of the kinds (1.73 / 1.81 under); now its own units with their own profiles
     "olmo_hybrid_pp2": ("olmo_hybrid", {"pp": 2}),
+    # ... with its two DeltaNet layers on stage 0 and its two attention layers on stage 1 (OVERRIDES): the model's mean
+    # of the kinds would be over on one stage and under on the other
+    "olmo_hybrid_pp2_split": ("olmo_hybrid", {"pp": 2}),
 }
 SEQ, BATCH = 1024, 2
+# config overrides of a case (hf_families.build)
+OVERRIDES = {"olmo_hybrid_pp2_split": {"layer_types": ["linear_attention"] * 2 + ["full_attention"] * 2}}
 # Jamba's Mamba-1 scan loops over the positions in Python (no mamba kernels on CPU): its measured step at 1024 ran ~67k
 # ops through the live-bytes dispatch mode (~25 s a case); at 256 its activations are still over a quarter of the
 # plan (launch_and_check's activation_share; ratios 0.954 / 1.03 on 2026-12-07)
@@ -155,7 +160,8 @@ def _fit(name: str) -> dict:
         def __init__(self) -> None:
             super().__init__()
             attn = "eager" if family in F.NO_SDPA else "sdpa"  # GPT-OSS: transformers has no sdpa for it
-            self.model = _litgpt_moe() if family == "litgpt_moe" else F.build(family, attn, dtype=torch.float32)
+            self.model = (_litgpt_moe() if family == "litgpt_moe" else
+                          F.build(family, attn, dtype=torch.float32, overrides=OVERRIDES.get(name)))
 
         def training_step(self, batch, batch_idx):
             x, y = batch
