@@ -154,11 +154,13 @@ def _pipeline(strategy: Any) -> Any:
     return glue if glue is not None and getattr(glue, "runtime", None) is not None else None
 
 
-def _stage_units(prof: Any, module: Any, held: Dict[int, List[Any]]) -> Tuple[Dict[int, int], Dict[int, Any]]:
+def _stage_units(prof: Any, module: Any, held: Dict[int, List[Any]], ac: Any = None
+                 ) -> Tuple[Dict[int, int], Dict[int, Any]]:
     """Per pipeline stage (``held``: its layers): how many repeated units it holds and, for units of several kinds
     (``prof.per_unit``), their own per-token bytes. Counting the largest unit's class alone and giving every stage
     the model's mean left a hybrid's stages 1.3-1.8x under their measured peaks (Jamba's two layer classes, OLMo
-    hybrid's)."""
+    hybrid's). ``ac``: the activation checkpointing policy (the order of the units' working sets,
+    :func:`lightning_scale.activation_plan.ordered_backward`)."""
     from lightning_scale.activation_plan import _units, units_profile
 
     counts = {s: sum(1 for layer in layers for m in layer.modules() if type(m) is prof.unit_type)
@@ -171,7 +173,7 @@ def _stage_units(prof: Any, module: Any, held: Dict[int, List[Any]]) -> Tuple[Di
              for s, layers in held.items()}
     if sum(map(len, found.values())) < sum(counts.values()):  # the stage's layers are not the model's modules
         return counts, {}
-    return {s: len(ids) for s, ids in found.items()}, {s: units_profile(prof, ids) for s, ids in found.items()}
+    return {s: len(ids) for s, ids in found.items()}, {s: units_profile(prof, ids, ac) for s, ids in found.items()}
 
 
 def stage_plan(strategy: Any, prof: Any, tp: int, micro_batch: int, seq_len: int, *, pp_rank: int,
@@ -201,7 +203,7 @@ def plan_for_batch(strategy: Any, micro_batch: int, seq_len: int) -> Optional[An
     """This run's estimate row with the activations of ``micro_batch`` sequences of ``seq_len`` (this rank's
     positions, after the sp split) attached; None without a model. At pp > 1 ``micro_batch`` is the whole batch
     of the step (the schedule splits it) and the activations are this pipeline rank's schedule walk."""
-    from lightning_scale.activation_plan import mix_units
+    from lightning_scale.activation_plan import mix_units, units_profile
     from lightning_scale.estimate import estimate_activations, with_activations
     from lightning_scale.pipeline_plan import split_backward_width
 
@@ -218,7 +220,7 @@ def plan_for_batch(strategy: Any, micro_batch: int, seq_len: int) -> Optional[An
     glue = _pipeline(strategy) if getattr(cfg, "pp", 1) > 1 else None
     if glue is not None:
         stage = glue.stage
-        units, kinds = _stage_units(prof, module, {s: [stage.chunk(s)] for s in stage.stage_ids})
+        units, kinds = _stage_units(prof, module, {s: [stage.chunk(s)] for s in stage.stage_ids}, ac)
         acts = stage_plan(strategy, prof, tp, micro_batch, seq_len, pp_rank=stage.pp_rank, units=units,
                           stage_per_token=kinds,
                           schedule=glue.runtime.schedule, prefetch=glue.runtime.prefetch,
@@ -229,7 +231,11 @@ def plan_for_batch(strategy: Any, micro_batch: int, seq_len: int) -> Optional[An
         common = dict(seq_len=seq_len, micro_batch=micro_batch, hidden=prof.hidden, vocab=prof.vocab,
                       precision=precision, activation_checkpointing=ac, offload_activations=offload, sp=1, tp=tp,
                       loss_chunk=prof.chunk, source=prof.source, notes=prof.notes, vocab_parallel=prof.vocab_parallel)
-        acts = estimate_activations(layers=prof.layers, per_token=prof.per_token, **common)
+        # units of several kinds: the mean of what they keep, and the working set their backward adds in the order
+        # they run (activation_plan.ordered_backward)
+        per_token = (units_profile(prof, range(len(prof.per_unit)), ac) if prof.per_unit is not None
+                     else prof.per_token)
+        acts = estimate_activations(layers=prof.layers, per_token=per_token, **common)
         if prof.untiled is not None:  # tiled_mlp_modules tiled only some units
             acts = mix_units(acts, estimate_activations(layers=prof.untiled[1], per_token=prof.untiled[0], **common))
     return with_activations(row, acts, step_tensor_numel=_step_numel(strategy))
@@ -265,7 +271,8 @@ def _stage_rows(strategy: Any, module: Any, seq: int, unit: str) -> List[Tuple[s
     for r in range(stage.pp):
         ids = sch.rank_stages(r)
         held = [layer for s in ids for layer in layers[bounds[s]:bounds[s + 1]]]
-        units, kinds = _stage_units(prof, module, {s: layers[bounds[s]:bounds[s + 1]] for s in ids})
+        units, kinds = _stage_units(prof, module, {s: layers[bounds[s]:bounds[s + 1]] for s in ids},
+                                    getattr(strategy.config, "activation_checkpointing", None))
         mine = r == stage.pp_rank
         params = None if mine else max(sum(p.numel() for p in _unique_trainable(
             p for layer in held for p in layer.parameters())), 1)

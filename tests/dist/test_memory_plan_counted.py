@@ -117,6 +117,16 @@ CASES = {  # name: (family, Zero3DStrategy kwargs)
     # ... with its two DeltaNet layers on stage 0 and its two attention layers on stage 1 (OVERRIDES): the model's mean
     # of the kinds would be over on one stage and under on the other
     "olmo_hybrid_pp2_split": ("olmo_hybrid", {"pp": 2}),
+    # units of several kinds, their backward working sets in the order they run (activation_plan.ordered_backward):
+    # kept (all units) + the largest working set was 1.2x over Jamba's pp=2 stage [Mamba, attention] (0.83 / 0.91);
+    # under full checkpointing the mean unit's recompute stood for the heaviest kind's: Bamba 1.43x under, Nemotron-H
+    # 1.48x, OLMo hybrid at pp=2 1.53x, Llama 4 1.17x (selective: OLMo hybrid 1.11x)
+    "jamba_pp2": ("jamba", {"pp": 2}),
+    "bamba_zero2_ac": ("bamba", {"stage": 2, "activation_checkpointing": "full"}),
+    "nemotron_h_zero2_ac": ("nemotron_h", {"stage": 2, "activation_checkpointing": "full"}),
+    "llama4_zero2_ac": ("llama4", {"stage": 2, "activation_checkpointing": "full"}),
+    "olmo_hybrid_pp2_ac": ("olmo_hybrid", {"pp": 2, "activation_checkpointing": "full"}),
+    "olmo_hybrid_zero2_selective": ("olmo_hybrid", {"stage": 2, "activation_checkpointing": "selective"}),
 }
 SEQ, BATCH = 1024, 2
 # config overrides of a case (hf_families.build)
@@ -187,7 +197,7 @@ def _fit(name: str) -> dict:
 
 
 # Jamba: ~6 s a case at 256 positions (SEQ_OF)
-SLOW = ("jamba_zero2", "jamba_tp2")
+SLOW = ("jamba_zero2", "jamba_tp2", "jamba_pp2")
 
 
 GROUP = 9  # cases per launch: each one Trainer after the other in the same 2 processes

@@ -106,6 +106,14 @@ def test_each_stage_takes_its_own_units_profile():
     assert units_profile(prof, [0, 2]) == light
     assert units_profile(prof, [0, 1]) == {"saved": 500.0, "input": 10.0, "selective": 165.0, "backward": 500.0}
     assert units_profile(prof, [3]) is prof.per_token  # no profile of its own (a unit without parameters)
+    # the working sets in the order the units run: the heavy unit first, its backward runs after the light one freed
+    # what it kept (not kept-all + the largest)
+    assert units_profile(prof, [1, 0])["backward"] == 500.0 - 100.0
+    # full checkpointing: the heavy unit's recompute (saved - input + backward) with the light unit's input still kept
+    # before it, over the mean unit's (estimate_activations adds saved - input of the mean)
+    full = units_profile(prof, [0, 1], "full")
+    assert full["saved"] - full["input"] + full["backward"] == (900.0 - 10.0 + 500.0)
+    assert units_profile(prof, [1, 0], "full")["backward"] == 900.0 - 10.0 + 500.0 - 10.0 - (500.0 - 10.0)
     sch = build_schedule("1f1b", 2, 1)
     common = dict(schedule=sch, seq_len=64, micro_batch=1, per_token=prof.per_token, hidden=32, vocab=128,
                   precision="32-true", pp_rank=0, units={0: 2})
