@@ -595,8 +595,11 @@ def activations_for_model(module, *, seq_len: int, micro_batch: int = 1, precisi
     (:func:`lightning_scale.tiled_attention.tiled_attention_unit`)."""
     prof = profile_model(module, seq_len=seq_len, sp=sp, tp=tp, chunked_loss=chunked_loss, tiled_mlp=tiled_mlp,
                          tiled_attention=tiled_attention)
+    # units of several kinds: their working sets in the order they run, under this checkpointing policy
+    per_token = (units_profile(prof, range(len(prof.per_unit)), activation_checkpointing)
+                 if prof.per_unit is not None else prof.per_token)
     return estimate_activations(seq_len=seq_len, micro_batch=micro_batch, layers=prof.layers,
-                                per_token=prof.per_token, hidden=prof.hidden, vocab=prof.vocab, precision=precision,
+                                per_token=per_token, hidden=prof.hidden, vocab=prof.vocab, precision=precision,
                                 activation_checkpointing=activation_checkpointing,
                                 offload_activations=offload_activations, sp=sp, tp=tp, loss_chunk=prof.chunk,
                                 source=prof.source, notes=prof.notes, vocab_parallel=prof.vocab_parallel)
