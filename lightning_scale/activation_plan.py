@@ -140,6 +140,9 @@ def estimate_activations(*, seq_len: int, micro_batch: int = 1, layers: int, per
     scale = _act_bytes(precision) / 4.0  # the profile runs in float32
     s, s_in = per_token["saved"] * scale, per_token["input"] * scale
     s_sel, g = per_token["selective"] * scale, per_token["backward"] * scale
+    # selective: the kept outputs autograd saves too; a recompute regenerates the rest of the saved set (a counted
+    # profile has no such entry: all of them taken as saved)
+    s_ss = _overlap(per_token) * scale
     local = seq_len // sp
     T = micro_batch * local
     kept_per_token = {"none": layers * s, "full": layers * s_in, "selective": layers * s_sel}[policy]
@@ -150,7 +153,7 @@ def estimate_activations(*, seq_len: int, micro_batch: int = 1, layers: int, per
     if offload_activations:  # the unit inputs wait on the host; the device holds the one in use + the prefetched one
         host = layers * s_in * T
         kept_per_token -= (layers - min(layers, 2)) * s_in
-    extra = {"none": g, "full": s - s_in + g, "selective": max(s - s_sel, 0.0) + g}[policy]
+    extra = {"none": g, "full": s - s_in + g, "selective": max(s - s_ss, 0.0) + g}[policy]
     b = _act_bytes(precision)
     chunk_tokens = micro_batch * (min(loss_chunk, local) if loss_chunk and local > loss_chunk else local)
     # loss in fp32 (lm_loss): the log-softmax kept + its gradient + the logits' gradient; + the b-byte logits
@@ -429,13 +432,24 @@ def units_profile(prof: "UnitProfile", indices: Sequence[int], activation_checkp
     """The per-token bytes of the units at ``indices`` (of ``prof.per_unit``, in the order they run): their mean, with
     the working set their backward adds on top of what they keep (:func:`ordered_backward`); the model's when ``prof``
     has one kind of unit."""
-    parts = [prof.per_unit[i] for i in indices if prof.per_unit is not None and prof.per_unit[i] is not None]
+    parts = [_with_overlap(prof.per_unit[i]) for i in indices
+             if prof.per_unit is not None and prof.per_unit[i] is not None]
     if not parts:
         return prof.per_token
     keys = set().union(*parts)
     mean = {k: sum(p.get(k, 0.0) for p in parts) / len(parts) for k in keys}
     mean["backward"] = ordered_backward(parts, mean, _policy(activation_checkpointing))
     return mean
+
+
+def _overlap(per_token: Dict[str, float]) -> float:
+    """Per-token bytes of what selective checkpointing keeps that autograd saves too (``selective_saved`` of a profile;
+    a counted profile has none: all it keeps)."""
+    return per_token.get("selective_saved", per_token.get("selective", 0.0))
+
+
+def _with_overlap(per_token: Dict[str, float]) -> Dict[str, float]:
+    return per_token if "selective_saved" in per_token else {**per_token, "selective_saved": _overlap(per_token)}
 
 
 def ordered_backward(parts: Sequence[Dict[str, float]], mean: Dict[str, float], policy: str) -> float:
@@ -452,8 +466,8 @@ def ordered_backward(parts: Sequence[Dict[str, float]], mean: Dict[str, float], 
         base = mean["saved"] - mean["input"]
     elif policy == "selective":
         kept = lambda p: p["selective"]  # noqa: E731
-        work = lambda p: max(p["saved"] - p["selective"], 0.0) + p["backward"]  # noqa: E731
-        base = max(mean["saved"] - mean["selective"], 0.0)
+        work = lambda p: max(p["saved"] - _overlap(p), 0.0) + p["backward"]  # noqa: E731
+        base = max(mean["saved"] - _overlap(mean), 0.0)
     else:
         kept, work, base = (lambda p: p["saved"]), (lambda p: p["backward"]), 0.0
     behind, best = 0.0, 0.0
@@ -508,6 +522,8 @@ def _profile_one(unit, hidden: int, tokens: int, sp: int, tp: int, tiled_mlp: in
                 if not stubbed:
                     raise RuntimeError("experts outside transformers experts modules")
                 per_token = profile_unit(unit, tokens, tp=tp, hidden=hidden or None, sp=sp)
+            # the experts' kept matmul outputs are saved by what follows them (the activation, the routing product)
+            extra = {**extra, "selective_saved": extra.get("selective", 0.0)}
             per_token = {key: (max(v, extra.get(key, 0.0)) if key == "backward" else v + extra.get(key, 0.0))
                          for key, v in per_token.items()}
             notes.append(f"{type(unit).__name__}: a mixture of experts with masked or eager attention or a Mamba mixer: "
@@ -566,6 +582,7 @@ def profile_model(module, *, seq_len: int, sp: int = 1, tp: int = 1, chunked_los
     for group in kinds.values():
         largest = max(group, key=lambda u: sum(p.numel() for p in u.parameters()))
         per_token, source, more = _profile_one(largest, hidden, tokens, sp, tp, tiled_mlp, tiled_attention)
+        per_token = _with_overlap(per_token)
         parts.append((per_token, len(group)))
         of_unit.update((id(u), per_token) for u in group)
         notes += [n for n in more if n not in notes]

@@ -93,7 +93,8 @@ class _Tracker(TorchDispatchMode):
                 ref = self._selected_live.get(key)
                 if ref is None or ref.expired():  # a new storage (not another view of a listed one)
                     self._selected_live[key] = StorageWeakRef(t.untyped_storage())
-                    self.selected.append((t.untyped_storage().nbytes(), self.region > 0))
+                    self.selected.append((t.untyped_storage().nbytes(), self.region > 0, key,
+                                          self._selected_live[key]))
         if self.counting:
             self._sweep()
             self.track([t for t in outs if t.untyped_storage()._cdata not in inputs])
@@ -200,7 +201,8 @@ def profile_unit(unit: nn.Module, tokens: int, tp: int = 1, hidden: Optional[int
                  mask: bool = True) -> Dict[str, float]:
     """Per-token bytes of one unit at ``tokens`` positions (batch 1), float32: ``saved`` (all autograd keeps),
     ``input`` (the unit's input, what full checkpointing keeps), ``selective`` (input + every output of the
-    ops selective checkpointing keeps, whether autograd saves it or not), ``backward`` (the backward's working
+    ops selective checkpointing keeps, whether autograd saves it or not; ``selective_saved`` the part of it autograd
+    saves too), ``backward`` (the backward's working
     set above the saved set), ``recorded`` (outputs of the parameter-owning modules that autograd does not save:
     what a split backward's records keep in addition). ``tp`` > 1 divides what tensor-parallel regions make. Raises if the unit's forward cannot run on one tensor."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -294,6 +296,13 @@ def profile_unit(unit: nn.Module, tokens: int, tp: int = 1, hidden: Optional[int
                     y = inner(x, **kwargs)
                 y = y[0] if isinstance(y, (tuple, list)) else y
                 tracker.selecting = False  # the forward's saved-op outputs are listed; the backward's are not kept
+                # the listed outputs autograd saves too (alive after the forward, among the saved storages): a recompute
+                # under selective checkpointing regenerates the rest of the saved set (an eager attention's softmax is
+                # saved, its score matmul's output is listed: both are held then)
+                also_saved = [(n, region) for n, region, key, ref in tracker.selected
+                              if not ref.expired() and key in saved]
+                if x.untyped_storage()._cdata in saved:
+                    also_saved.append((x.untyped_storage().nbytes(), False))
                 grad_out = torch.empty(y.shape, dtype=y.dtype)
                 del params
                 # the backward: saved set + new storages (activation grads, temporaries), live bytes over time
@@ -316,13 +325,15 @@ def profile_unit(unit: nn.Module, tokens: int, tp: int = 1, hidden: Optional[int
     input_b = x.untyped_storage().nbytes()
     # selective checkpointing caches every output of a saved op for the recompute, also those autograd itself does
     # not save (an output projection feeding the residual add): all of them count, not only the saved ones
-    selective_b = input_b + sum(n / tp if in_region else n for n, in_region in tracker.selected)
+    selective_b = input_b + sum(n / tp if in_region else n for n, in_region, _, _ in tracker.selected)
+    overlap_b = sum(n / tp if in_region else n for n, in_region in also_saved)
     ratio = saved_b / base if base else 1.0
     backward_b = max(tracker.peak - base, 0) * ratio  # above the full saved set, which shrinks meanwhile
     # what a split backward's records keep beyond the saved set: module outputs no op saves (an output projection
     # feeding the residual add)
     recorded_b = sum(n / tp if in_region else n for key, (n, in_region) in outputs.items() if key not in saved)
     out = {"saved": saved_b / tokens, "input": input_b / tokens, "selective": selective_b / tokens,
+           "selective_saved": overlap_b / tokens,
            "backward": backward_b / tokens, "hidden": float(hidden), "recorded": recorded_b / tokens,
            "mask": mask_b / tokens}
     if sp > 1 and (mask_b or squares):  # a mask, or an attention that makes its score matrices (eager)
@@ -334,7 +345,7 @@ def profile_unit(unit: nn.Module, tokens: int, tp: int = 1, hidden: Optional[int
         out["saved"] += extra / tokens
         if mask_b:
             flat = profile_unit(unit, tokens, tp, hidden, mask=False)
-            for key in ("selective", "backward", "recorded"):
+            for key in ("selective", "selective_saved", "backward", "recorded"):
                 out[key] = flat[key] + (out[key] - flat[key]) * sp
         out["mask"] *= sp * sp
     if sp > 1:  # a Mamba mixer / DeltaNet under sp keeps its input gathered over the sequence (sequence_parallel/mamba.py)

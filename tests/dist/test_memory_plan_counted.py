@@ -127,6 +127,12 @@ CASES = {  # name: (family, Zero3DStrategy kwargs)
     "llama4_zero2_ac": ("llama4", {"stage": 2, "activation_checkpointing": "full"}),
     "olmo_hybrid_pp2_ac": ("olmo_hybrid", {"pp": 2, "activation_checkpointing": "full"}),
     "olmo_hybrid_zero2_selective": ("olmo_hybrid", {"stage": 2, "activation_checkpointing": "selective"}),
+    # selective checkpointing keeps matmul outputs autograd does not save (an eager attention's scores: its softmax is
+    # what autograd saves), so a unit's recompute regenerates all of its saved set beside them, not the saved set less
+    # the kept outputs (activation_profile's ``selective_saved``): DeepSeek-V4 and GPT-OSS (eager attention with
+    # sinks) were 1.20x under at ZeRO-2, 1.30-1.34x at pp=2
+    "deepseek_v4_zero2_selective": ("deepseek_v4", {"stage": 2, "activation_checkpointing": "selective"}),
+    "gpt_oss_zero2_selective": ("gpt_oss", {"stage": 2, "activation_checkpointing": "selective"}),
 }
 SEQ, BATCH = 1024, 2
 # config overrides of a case (hf_families.build)

@@ -103,8 +103,9 @@ def test_each_stage_takes_its_own_units_profile():
     prof = UnitProfile(per_token={"saved": 500.0, "input": 10.0, "selective": 165.0, "backward": 500.0}, layers=4,
                        hidden=32, vocab=128, chunk=0, unit_type=object, source="profiled", notes=(),
                        per_unit=(light, heavy, light, None))
-    assert units_profile(prof, [0, 2]) == light
-    assert units_profile(prof, [0, 1]) == {"saved": 500.0, "input": 10.0, "selective": 165.0, "backward": 500.0}
+    assert units_profile(prof, [0, 2]) == {**light, "selective_saved": 30.0}  # (a counted unit: all it keeps)
+    assert units_profile(prof, [0, 1]) == {"saved": 500.0, "input": 10.0, "selective": 165.0, "backward": 500.0,
+                                           "selective_saved": 165.0}
     assert units_profile(prof, [3]) is prof.per_token  # no profile of its own (a unit without parameters)
     # the working sets in the order the units run: the heavy unit first, its backward runs after the light one freed
     # what it kept (not kept-all + the largest)
