@@ -234,18 +234,6 @@ def experts_per_token(unit) -> int:
     return 1
 
 
-def _mixer(unit) -> bool:
-    """A unit holding a Mamba mixer or a gated DeltaNet (their scans' intermediates: no Linear layer says them)."""
-    from lightning_scale.sequence_parallel.mamba import mixer_kind
-
-    return any("Mamba" in type(m).__name__ or mixer_kind(m) for m in unit.modules())
-
-
-def _eager_attention(unit) -> bool:
-    """A Hugging Face unit whose attention runs transformers' eager implementation (its score matrices live)."""
-    return any(getattr(getattr(m, "config", None), "_attn_implementation", None) == "eager" for m in unit.modules())
-
-
 def _fused_experts(unit) -> list:
     """DBRX's experts modules in ``unit``: every expert's weights as 2-D (E * I, H) rows."""
     from lightning_scale.tensor_parallel.experts import is_fused_experts
@@ -438,6 +426,8 @@ def units_profile(prof: "UnitProfile", indices: Sequence[int], activation_checkp
         return prof.per_token
     keys = set().union(*parts)
     mean = {k: sum(p.get(k, 0.0) for p in parts) / len(parts) for k in keys}
+    if "mask" in keys:  # the model's one mask: held once if any unit reads it
+        mean["mask"] = max(p.get("mask", 0.0) for p in parts)
     mean["backward"] = ordered_backward(parts, mean, _policy(activation_checkpointing))
     return mean
 
@@ -498,7 +488,7 @@ _NO_ATTENTION_TOKENS = 64
 def _profile_one(unit, hidden: int, tokens: int, sp: int, tp: int, tiled_mlp: int, tiled_attention: int
                  ) -> Tuple[Dict[str, float], str, list]:
     """(per-token bytes, "profiled" | "counted", notes) of one unit."""
-    from lightning_scale.activation_profile import _mask_inputs, profile_unit
+    from lightning_scale.activation_profile import profile_unit
     from lightning_scale.tiled_attention import tiled_attention_unit
     from lightning_scale.tiled_mlp import tiled_unit
 
@@ -511,12 +501,12 @@ def _profile_one(unit, hidden: int, tokens: int, sp: int, tp: int, tiled_mlp: in
         chunk = max((c for m in unit.modules() if isinstance(c := getattr(m, "chunk_size", None), int)), default=0)
         tokens = min(tokens, chunk or _NO_ATTENTION_TOKENS)
     try:
-        if _expert_weights(unit) and (_mask_inputs(unit, tokens) or _eager_attention(unit) or _mixer(unit)):
-            # a mixture of experts whose attention runs with an explicit mask (Llama 4's chunks, a sliding window) or
-            # eager (a score matrix per head: GPT-OSS, which transformers runs eager only), or with a Mamba mixer
-            # beside its experts (Granite 4 hybrid): the unit runs on fake tensors with its experts stubbed and the
-            # experts are counted on top. Counted from its Linear sizes (as the others are: Mixtral / Qwen2-MoE within
-            # 7%), what the mask / the scores / the scan make was missed (Llama 4 1.5-1.9x under, GPT-OSS 7.2x)
+        if _expert_weights(unit):
+            # a mixture of experts: the unit runs on fake tensors with its experts stubbed (routing has data-dependent
+            # shapes) and the experts are counted on top. Counted from its Linear sizes alone, what a mask, an eager
+            # attention's scores or a Mamba scan make was missed (Llama 4 1.5-1.9x under, GPT-OSS 7.2x), and so was
+            # what float32 casts and a dense MLP beside the experts keep (Gemma 4's MoE layers 1.27x under; until
+            # 2026-12-07 only units with a mask, eager attention or a mixer took this path)
             extra = _expert_bytes(unit, tp)
             with _experts_stubbed(unit) as stubbed:
                 if not stubbed:
@@ -526,13 +516,10 @@ def _profile_one(unit, hidden: int, tokens: int, sp: int, tp: int, tiled_mlp: in
             extra = {**extra, "selective_saved": extra.get("selective", 0.0)}
             per_token = {key: (max(v, extra.get(key, 0.0)) if key == "backward" else v + extra.get(key, 0.0))
                          for key, v in per_token.items()}
-            notes.append(f"{type(unit).__name__}: a mixture of experts with masked or eager attention or a Mamba mixer: "
-                         f"profiled with its "
+            notes.append(f"{type(unit).__name__}: a mixture of experts: profiled with its "
                          f"experts stubbed, and its {len(_expert_weights(unit))} stacked expert weights counted "
                          f"(each token through {experts_per_token(unit)} experts)")
             return per_token, "profiled", notes
-        if _expert_weights(unit):  # routing with data-dependent shapes: fake tensors cannot run it (and torch logs
-            raise RuntimeError("a mixture of experts")  # the failure at ERROR level): counted, not tried
         with tiled_unit(unit, tiled_mlp or 0), tiled_attention_unit(unit, tiled_attention or 0):
             per_token = profile_unit(unit, tokens, tp=tp, hidden=hidden or None, sp=sp)
         if tiled_mlp:
@@ -590,6 +577,9 @@ def profile_model(module, *, seq_len: int, sp: int = 1, tp: int = 1, chunked_los
     keys = set().union(*(p for p, _ in parts))
     mean = {k: sum(p.get(k, 0.0) * n for p, n in parts) / len(units) for k in keys}
     mean["backward"] = max(p.get("backward", 0.0) for p, _ in parts)
+    # the sliding-window mask is the model's one (estimate_activations adds it once): held if any kind reads it, not a
+    # mean (Gemma 4's sliding / full layers halved it)
+    mean["mask"] = max(p.get("mask", 0.0) for p, _ in parts)
     notes.append(f"{len(kinds)} kinds of units ({', '.join(str(n) for _, n in parts)} of them): each kind's largest "
                  "profiled, the per-token bytes their mean")
     return UnitProfile(per_token=mean, layers=len(units), hidden=hidden, vocab=vocab, chunk=chunk,

@@ -184,6 +184,8 @@ def _mask_inputs(unit: nn.Module, tokens: int) -> Dict[str, Any]:
         cfg = getattr(m, "config", None)
         if own is not None or cfg is None or getattr(cfg, "use_sliding_window", True) is False:
             return own
+        if "Attention" not in type(m).__name__:  # another module holding the config (Gemma 4's MLP): no window of its
+            return None  # own; taking the config's made every layer of a sliding / full mix masked (Gemma 4 1.46x over)
         types, idx = getattr(cfg, "layer_types", None), getattr(m, "layer_idx", None)
         if types is not None and isinstance(idx, int) and idx < len(types):  # mixed layers: this one's type
             if types[idx] == "chunked_attention":  # Llama 4: attention within chunks, an explicit mask too

@@ -133,6 +133,13 @@ CASES = {  # name: (family, Zero3DStrategy kwargs)
     # sinks) were 1.20x under at ZeRO-2, 1.30-1.34x at pp=2
     "deepseek_v4_zero2_selective": ("deepseek_v4", {"stage": 2, "activation_checkpointing": "selective"}),
     "gpt_oss_zero2_selective": ("gpt_oss", {"stage": 2, "activation_checkpointing": "selective"}),
+    # Gemma 4 interleaves sliding-window and full layers: its MLP holds the config too, whose window made every layer
+    # "masked" (one kind, the sliding layer's bytes for all: 1.46x over); the model's one mask was averaged over the
+    # kinds (full AC 1.17x under); its MoE layers beside full attention were counted from their Linear sizes (1.27x
+    # under): every transformers experts module is now profiled with its experts stubbed and counted on top
+    "gemma4_zero2": ("gemma4", {"stage": 2}),
+    "gemma4_zero2_ac": ("gemma4", {"stage": 2, "activation_checkpointing": "full"}),
+    "gemma4_moe_zero2": ("gemma4_moe", {"stage": 2}),
 }
 SEQ, BATCH = 1024, 2
 # config overrides of a case (hf_families.build)
@@ -142,7 +149,7 @@ OVERRIDES = {"olmo_hybrid_pp2_split": {"layer_types": ["linear_attention"] * 2 +
 # plan (launch_and_check's activation_share; ratios 0.954 / 1.03 on 2026-12-07)
 SEQ_OF = {"jamba": 256}
 # families of CASES without experts (the hybrids' Mamba / convolution / DeltaNet layers beside attention)
-DENSE = ("bamba", "lfm2", "falcon_h1", "nemotron_h", "qwen3_5", "olmo_hybrid")
+DENSE = ("bamba", "lfm2", "falcon_h1", "nemotron_h", "qwen3_5", "olmo_hybrid", "gemma4")
 
 
 def _litgpt_moe():

@@ -47,10 +47,11 @@ def test_plan_within_15_percent_of_a_measured_step(family):
 
 
 @pytest.mark.parametrize("family,k", [("mixtral", 2), ("qwen2_moe", 2)])
-def test_a_mixture_of_experts_is_counted_with_its_experts(family, k):
-    """An MoE layer cannot run alone on fake tensors (its routing has data-dependent shapes): the plan counts it, and
-    the count includes the stacked expert weights each token passes ``top_k`` times (without them a Mixtral layer
-    was 2.6x under its measured step; tests/dist/test_memory_plan_counted.py measures the plan on 2 ranks)."""
+def test_a_mixture_of_experts_is_profiled_with_its_experts_counted(family, k):
+    """An MoE layer's routing has data-dependent shapes (fake tensors cannot run it): the plan profiles the layer with
+    its experts stubbed and counts the stacked expert weights each token passes ``top_k`` times on top (without them
+    a Mixtral layer was 2.6x under its measured step; tests/dist/test_memory_plan_counted.py measures the plan on 2
+    ranks)."""
     from lightning_scale.activation_plan import _counted_profile, _expert_weights, experts_per_token, profile_model
     from lightning_scale.models import hf_families as F
 
@@ -58,7 +59,8 @@ def test_a_mixture_of_experts_is_counted_with_its_experts(family, k):
     layer = model.model.layers[0]
     assert experts_per_token(layer) == k and len(_expert_weights(layer)) == 2
     prof = profile_model(model, seq_len=64)
-    assert prof.source == "counted" and "2 stacked expert weights (each token through 2 experts)" in prof.notes[0]
+    assert prof.source == "profiled"
+    assert "2 stacked expert weights counted (each token through 2 experts)" in prof.notes[0]
     hidden = model.config.hidden_size
     linear_only = _counted_profile(layer.self_attn, hidden, 1)["saved"]  # the attention's Linear layers alone
     per_visit = sum(p.shape[1] * 1.5 + p.shape[2] for p in _expert_weights(layer))  # in + out + half of out
