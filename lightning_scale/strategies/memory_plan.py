@@ -233,8 +233,7 @@ def plan_for_batch(strategy: Any, micro_batch: int, seq_len: int) -> Optional[An
                       loss_chunk=prof.chunk, source=prof.source, notes=prof.notes, vocab_parallel=prof.vocab_parallel)
         # units of several kinds: the mean of what they keep, and the working set their backward adds in the order
         # they run (activation_plan.ordered_backward)
-        per_token = (units_profile(prof, range(len(prof.per_unit)), ac) if prof.per_unit is not None
-                     else prof.per_token)
+        per_token = units_profile(prof, range(len(prof.per_unit or ())), ac)
         acts = estimate_activations(layers=prof.layers, per_token=per_token, **common)
         if prof.untiled is not None:  # tiled_mlp_modules tiled only some units
             acts = mix_units(acts, estimate_activations(layers=prof.untiled[1], per_token=prof.untiled[0], **common))

@@ -5,7 +5,7 @@ An MoE layer's routing has data-dependent shapes, so it cannot be profiled on fa
 activations from its Linear layers alone, missing the stacked expert weights ``(experts, out, in)`` that every
 token passes ``top_k`` times: the step-1 plan of this Mixtral was 2.59x under the measured peak (Qwen2-MoE 1.61x),
 so the autotuner and the estimator would pick layouts that do not fit. The count now includes the experts
-(``activation_plan._counted_profile``). At tp > 1 the live units are split and run collectives: they were counted
+(``activation_count._counted_profile``). At tp > 1 the live units are split and run collectives: they were counted
 from their ``nn.Linear`` layers, which the tensor-parallel layers are not (an HF Llama's plan at tp=2 was 2.98x
 under, Gemma3's 10.5x); now each unit is profiled with its parallel layers swapped for local-sized ``nn.Linear`` on
 meta (``tensor_parallel.local_view.local_linears``), so sliding-window attention's per-head scores are seen too (Mistral, Gemma3), and a

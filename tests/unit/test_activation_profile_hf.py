@@ -52,7 +52,8 @@ def test_a_mixture_of_experts_is_profiled_with_its_experts_counted(family, k):
     its experts stubbed and counts the stacked expert weights each token passes ``top_k`` times on top (without them
     a Mixtral layer was 2.6x under its measured step; tests/dist/test_memory_plan_counted.py measures the plan on 2
     ranks)."""
-    from lightning_scale.activation_plan import _counted_profile, _expert_weights, experts_per_token, profile_model
+    from lightning_scale.activation_count import _counted_profile, _expert_weights, experts_per_token
+    from lightning_scale.activation_plan import profile_model
     from lightning_scale.models import hf_families as F
 
     model = F.build(family, "sdpa", dtype=torch.float32)

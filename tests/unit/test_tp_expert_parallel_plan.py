@@ -229,7 +229,8 @@ def test_the_memory_plan_counts_placed_experts_per_rank():
     counted at 1 / tp of the whole unit's (split experts read the whole hidden state on each of the k routes), and
     the hidden rows gathered for the local routes."""
     pytest.importorskip("transformers")
-    from lightning_scale.activation_plan import _expert_matmuls, _units
+    from lightning_scale.activation_count import _expert_matmuls
+    from lightning_scale.activation_plan import _units
     from lightning_scale.models import hf_families as F
     from lightning_scale.tensor_parallel.expert_parallel import place_experts
 

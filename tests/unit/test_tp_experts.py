@@ -179,7 +179,8 @@ def test_the_estimator_counts_experts_split_at_tp_without_trying_fake_tensors():
     import logging
 
     pytest.importorskip("transformers")
-    from lightning_scale.activation_plan import _expert_matmuls, _units, profile_model
+    from lightning_scale.activation_count import _expert_matmuls
+    from lightning_scale.activation_plan import _units, profile_model
     from lightning_scale.models import hf_families as F
 
     model = F.build("mixtral", "eager", dtype=torch.float32, overrides={"experts_implementation": "grouped_mm"})
